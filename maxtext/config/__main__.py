@@ -1,0 +1,22 @@
+"""`python -m maxtext.config <yml> key=value ... [--json]`: print every resolved key and its source."""
+
+from __future__ import annotations
+
+import sys
+
+from maxtext.config import render
+from maxtext.config.loader import load_with_sources
+from maxtext.errors import cli_main
+
+
+@cli_main
+def main(argv: list[str]) -> None:
+  as_json = "--json" in argv
+  args = [a for a in argv if a != "--json"]
+  config, sources = load_with_sources(args)
+  table = render.resolved(config, sources)
+  print(render.format_json(table) if as_json else render.format_text(table))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

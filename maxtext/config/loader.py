@@ -1,0 +1,240 @@
+"""Turn `<config.yml> key=value ...` into a validated, frozen MaxTextConfig.
+
+Order (later wins): YAML file with its `base_config:` chain, then
+configs/models/<model_name>.yml, then command-line `key=value`, then `M_<KEY>`
+environment variables. Every value remembers where it came from.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import yaml
+
+from maxtext.config import derived
+from maxtext.config.maxtext_config import DERIVED_KEYS, MaxTextConfig
+from maxtext.config.unsupported import UNSUPPORTED_MAXTEXT_KEYS
+from maxtext.errors import ConfigError
+
+ENV_PREFIX = "M_"
+PACKAGE_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+NESTED_SECTIONS = {"lora": MaxTextConfig.model_fields["lora"].annotation}
+
+# key -> where its value came from; filled for every key of the final config.
+Sources = dict[str, str]
+
+
+def all_keys() -> list[str]:
+  """Every settable key, nested ones as 'section.key'."""
+  keys = [k for k in MaxTextConfig.model_fields if k not in DERIVED_KEYS and k not in NESTED_SECTIONS]
+  for name, cls in NESTED_SECTIONS.items():
+    keys += [f"{name}.{k}" for k in cls.model_fields]
+  return keys
+
+
+def _unknown_key_error(key: str, where: str) -> ConfigError:
+  if key in DERIVED_KEYS:
+    return ConfigError(f"config key '{key}' ({where}) is derived and cannot be set; see `python -m maxtext.config` for what it is computed from")
+  if key in UNSUPPORTED_MAXTEXT_KEYS:
+    return ConfigError(f"config key '{key}' ({where}) is a MaxText option this project does not implement; remove it")
+  close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+  hint = f" (did you mean '{close[0]}'?)" if close else ""
+  return ConfigError(f"unknown config key '{key}' ({where}){hint}")
+
+
+def _flatten(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+  """Nested sections (`lora: {enable_lora: true}`) become dotted keys; every key is checked."""
+  known = set(all_keys())
+  flat: dict[str, Any] = {}
+  for key, value in raw.items():
+    key = str(key)
+    if key in NESTED_SECTIONS and isinstance(value, Mapping):
+      for sub, v in value.items():
+        flat.update(_flatten({f"{key}.{sub}": v}, where))
+      continue
+    if key not in known:
+      raise _unknown_key_error(key, where)
+    flat[key] = value
+  return flat
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+  if not path.is_file():
+    raise ConfigError(f"config file '{path}' not found; pass the path of a YAML file such as configs/base.yml")
+  try:
+    data = yaml.safe_load(path.read_text())
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    at = f" at line {mark.line + 1}" if mark else ""
+    raise ConfigError(f"config file '{path}' is not valid YAML{at}: {getattr(e, 'problem', e)}; fix the file") from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError(f"config file '{path}' cannot be read ({e.__class__.__name__}); check the path and permissions") from None
+  if data is None:
+    return {}
+  if not isinstance(data, dict):
+    raise ConfigError(f"config file '{path}' must hold a mapping of key: value, not {type(data).__name__}")
+  return data
+
+
+def _load_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict[str, Any], Sources]:
+  path = path.resolve() if path.exists() else path
+  if path in seen:
+    raise ConfigError(f"config file '{path}' includes itself through base_config; break the cycle")
+  data = _read_yaml(path)
+  values: dict[str, Any] = {}
+  sources: Sources = {}
+  parent = data.pop("base_config", None)
+  if parent is not None:
+    if not isinstance(parent, str) or not parent:
+      raise ConfigError(f"base_config in '{path}' must be a file name, got {parent!r}")
+    parent_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
+    values, sources = _load_yaml_chain(parent_path, seen + (path,))
+  own = _flatten(data, f"in {path.name}")
+  values.update(own)
+  sources.update({k: str(path.name) for k in own})
+  return values, sources
+
+
+def parse_cli_value(text: str) -> Any:
+  """YAML typing for command-line values; 'none' (any case) is None."""
+  if text.strip().lower() in ("none", "null", "~"):
+    return None
+  try:
+    return yaml.safe_load(text) if text.strip() else text
+  except yaml.YAMLError:
+    return text
+
+
+def _parse_cli(args: Sequence[str]) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for arg in args:
+    if "=" not in arg:
+      raise ConfigError(f"command-line argument '{arg}' is not key=value; write e.g. steps=100")
+    key, text = arg.split("=", 1)
+    key = key.strip()
+    if key in out:
+      raise ConfigError(f"config key '{key}' is given twice on the command line; keep one")
+    out[key] = parse_cli_value(text)
+  return _flatten(out, "on the command line")
+
+
+def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
+  by_env_name = {ENV_PREFIX + k.upper().replace(".", "__"): k for k in all_keys()}
+  out: dict[str, Any] = {}
+  for name, text in env.items():
+    if not name.startswith(ENV_PREFIX):
+      continue
+    key = by_env_name.get(name)
+    if key is None:
+      guess = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+      raise _unknown_key_error(guess, f"from environment variable {name}")
+    out[key] = parse_cli_value(text)
+  return out
+
+
+def _model_file(model_name: str, config_path: Path) -> Path:
+  candidates = [config_path.parent / "models" / f"{model_name}.yml", PACKAGE_CONFIG_DIR / "models" / f"{model_name}.yml"]
+  for c in candidates:
+    if c.is_file():
+      return c
+  names = sorted({p.stem for d in candidates for p in d.parent.glob("*.yml")})
+  raise ConfigError(f"unknown model_name '{model_name}'; available: {', '.join(names) or 'none'} (files in configs/models/)")
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for key, value in flat.items():
+    if "." in key:
+      head, tail = key.split(".", 1)
+      out.setdefault(head, {})[tail] = value
+    else:
+      out[key] = value
+  return out
+
+
+def _format_validation_error(err: pydantic.ValidationError, sources: Sources) -> ConfigError:
+  first = err.errors()[0]
+  loc = [str(p) for p in first["loc"]]
+  key = loc[0] if loc else "?"
+  if key in NESTED_SECTIONS and len(loc) > 1:
+    key = f"{key}.{loc[1]}"
+  where = sources.get(key, "default")
+  value = first.get("input")
+  msg = first["msg"]
+  if first["type"] == "extra_forbidden":
+    return _unknown_key_error(key, where)
+  return ConfigError(f"invalid value for '{key}' ({where}): {value!r}; {msg[0].lower() + msg[1:]}")
+
+
+def load_with_sources(
+  argv: Sequence[str], env: Mapping[str, str] | None = None, num_devices: int | None = None, num_slices: int | None = None
+) -> tuple[MaxTextConfig, Sources]:
+  """Load a config and report where each value came from.
+
+  argv: [config.yml, key=value, ...]. env defaults to os.environ. num_devices and
+  num_slices default to the AOT topology when compile_topology is set, else to
+  the devices JAX sees.
+  """
+  if not argv:
+    raise ConfigError("no config file given; usage: python -m maxtext.<entry> configs/base.yml key=value ...")
+  env = os.environ if env is None else env
+  config_path = Path(argv[0])
+  values, sources = _load_yaml_chain(config_path)
+  cli = _parse_cli(argv[1:])
+  env_values = _parse_env(env)
+
+  for key in sorted(set(cli) & set(env_values)):
+    raise ConfigError(f"config key '{key}' is set both on the command line and by environment variable {ENV_PREFIX}{key.upper()}; set it once")
+
+  model_name = env_values.get("model_name", cli.get("model_name", values.get("model_name", "default")))
+  if model_name is not None and str(model_name) != "default":
+    model_path = _model_file(str(model_name), config_path)
+    model_values = _flatten(_read_yaml(model_path), f"in models/{model_path.name}")
+    override = env_values.get("override_model_config", cli.get("override_model_config", values.get("override_model_config", False)))
+    if override not in (True, "true", "True"):
+      for key, value in {**cli, **env_values}.items():
+        if key in model_values and value != model_values[key]:
+          raise ConfigError(
+            f"'{key}={value}' conflicts with '{key}: {model_values[key]}' in models/{model_path.name}; pass override_model_config=true to override model values"
+          )
+    values.update(model_values)
+    sources.update({k: f"models/{model_path.name}" for k in model_values})
+
+  values.update(cli)
+  sources.update({k: "command line" for k in cli})
+  values.update(env_values)
+  sources.update({k: f"env {ENV_PREFIX}{k.upper().replace('.', '__')}" for k in env_values})
+
+  try:
+    user = MaxTextConfig.model_validate(_unflatten(values))
+  except pydantic.ValidationError as e:
+    raise _format_validation_error(e, sources) from None
+
+  updates = derived.compute(user, num_devices=num_devices, num_slices=num_slices)
+  config = user.model_copy(update=updates)
+  for key in all_keys():
+    sources.setdefault(key, "default")
+  for key in updates:
+    sources[key] = "derived" if key in DERIVED_KEYS or sources.get(key) == "default" else sources[key] + " -> derived"
+  return config, sources
+
+
+def load(argv: Sequence[str], env: Mapping[str, str] | None = None, num_devices: int | None = None, num_slices: int | None = None) -> MaxTextConfig:
+  """Load, validate and derive a MaxTextConfig; raises ConfigError with a one-line message."""
+  return load_with_sources(argv, env, num_devices, num_slices)[0]
+
+
+def from_overrides(base: str | Path = PACKAGE_CONFIG_DIR / "base.yml", env: Mapping[str, str] | None = None, **overrides: Any) -> MaxTextConfig:
+  """Python API: load base.yml with keyword overrides (nested keys as lora={'enable_lora': True})."""
+  args = [str(base)]
+  for key, value in overrides.items():
+    if isinstance(value, Mapping):
+      args += [f"{key}.{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}" for k, v in value.items()]
+    else:
+      args.append(f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
+  return load(args, env={} if env is None else env)

@@ -1,0 +1,51 @@
+"""MaxTextConfig: every section merged into one frozen, validated object."""
+
+from __future__ import annotations
+
+from pydantic import ConfigDict
+
+from maxtext.config import sections as s
+
+SECTION_CLASSES: tuple[type[s.Section], ...] = (
+  s.RunInfo,
+  s.Distributed,
+  s.Checkpointing,
+  s.DataTypes,
+  s.ModelArchitecture,
+  s.Attention,
+  s.Rope,
+  s.MoEGeneral,
+  s.ManifoldConstrainedHyperConnections,
+  s.Logits,
+  s.HardwareAndMesh,
+  s.IciParallelism,
+  s.DcnParallelism,
+  s.LayoutAndSharding,
+  s.RematAndOffload,
+  s.Optimizer,
+  s.AdamW,
+  s.TrainingLoop,
+  s.DatasetGeneral,
+  s.Tokenizer,
+  s.AOT,
+  s.LoRASection,
+  s.DerivedValues,
+)
+
+
+class MaxTextConfig(*SECTION_CLASSES):  # type: ignore[misc]
+  """The whole run configuration. Build it with maxtext.config.load(argv); read-only."""
+
+  model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+DERIVED_KEYS: frozenset[str] = frozenset(s.DerivedValues.model_fields)
+USER_KEYS: tuple[str, ...] = tuple(k for k in MaxTextConfig.model_fields if k not in DERIVED_KEYS)
+
+
+def section_of(key: str) -> str:
+  """Name of the section class that declares a top-level key."""
+  for cls in SECTION_CLASSES:
+    if key in cls.model_fields:
+      return cls.__name__
+  raise KeyError(key)

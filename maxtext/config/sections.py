@@ -1,0 +1,289 @@
+"""Pydantic config sections, named after MaxText's; merged into MaxTextConfig.
+
+Every field has a type, a default and a one-line description. configs/base.yml
+repeats each default with a comment; tests/test_config_schema.py keeps the two equal.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+  """Base of every section: unknown keys are errors, values are read-only."""
+
+  model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class RunInfo(Section):
+  run_name: str = Field("", description="Name of the run; empty -> '<model_name>_<YYYY-mm-dd-HH-MM>'.")
+  model_name: str = Field("default", description="Loads configs/models/<model_name>.yml over the base values; 'default' loads none.")
+  override_model_config: bool = Field(False, description="Allow command-line keys to override values the model file sets.")
+  base_output_directory: str = Field("maxtext_output", description="Root of run outputs: <base>/<run_name>/{checkpoints,metrics,tensorboard}.")
+  hardware: Literal["auto", "cpu", "gpu", "gpu_multiprocess", "tpu"] = Field(
+    "auto", description="Expected JAX backend; 'auto' uses whatever JAX finds. A mismatch is an error."
+  )
+  log_period: int = Field(100, gt=0, description="Flush TensorBoard and the metrics file every this many steps.")
+  enable_tensorboard: bool = Field(True, description="Write TensorBoard event files under the run's tensorboard dir.")
+  metrics_file: str = Field("", description="If set, append one JSON line of metrics per step to this file.")
+  init_weights_seed: int = Field(0, description="PRNG seed for parameter initialisation.")
+  device_peak_tflops: float = Field(0.0, ge=0, description="Peak bf16 TFLOP/s per device for MFU; 0 -> chip table, or measured once on CPU.")
+
+
+class Distributed(Section):
+  skip_jax_distributed_system: bool = Field(False, description="Do not call jax.distributed.initialize.")
+  jax_coordinator_address: str = Field("", description="host:port of process 0 for multi-process runs; empty -> auto-detect (TPU VM, GKE).")
+  jax_num_processes: int = Field(0, ge=0, description="Number of processes with jax_coordinator_address; 0 -> auto.")
+  jax_process_id: int = Field(-1, ge=-1, description="This process's id with jax_coordinator_address; -1 -> auto.")
+  jax_distributed_initialization_timeout: int = Field(300, gt=0, description="Seconds to wait for all processes to join.")
+
+
+class Checkpointing(Section):
+  enable_checkpointing: bool = Field(True, description="Save Orbax checkpoints of the train state.")
+  async_checkpointing: bool = Field(True, description="Write checkpoints in the background while training goes on.")
+  checkpoint_period: int = Field(10_000, gt=0, description="Save a checkpoint every this many steps.")
+  max_num_checkpoints_to_keep: int | None = Field(None, description="Keep at most this many checkpoints; None keeps all.")
+  save_checkpoint_on_completion: bool = Field(True, description="Save a checkpoint after the last step.")
+  load_parameters_path: str = Field("", description="Orbax params checkpoint to start from (fresh optimizer, step 0).")
+  load_full_state_path: str = Field("", description="Orbax full-state checkpoint to start from (params, optimizer, step).")
+
+
+class DataTypes(Section):
+  dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Activation and compute dtype.")
+  weight_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter storage dtype.")
+  matmul_precision: Literal["default", "high", "highest"] = Field("default", description="jax.lax precision for matmuls.")
+
+
+class ModelArchitecture(Section):
+  decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "gemma2"] = Field("llama2", description="Decoder family (block type).")
+  global_parameter_scale: int = Field(1, gt=0, description="Power of two scaling layers, heads, mlp and embedding dims (see docs/config.md).")
+  base_emb_dim: int = Field(2048, gt=0, description="Model (embedding) width before global_parameter_scale.")
+  base_num_query_heads: int = Field(16, gt=0, description="Query heads before global_parameter_scale.")
+  base_num_kv_heads: int = Field(16, gt=0, description="Key/value heads before global_parameter_scale.")
+  base_mlp_dim: int = Field(7168, gt=0, description="MLP hidden width before global_parameter_scale.")
+  base_num_decoder_layers: int = Field(16, gt=0, description="Decoder layers before global_parameter_scale.")
+  head_dim: int = Field(128, gt=0, description="Width of each attention head.")
+  mlp_activations: list[Literal["silu", "gelu", "gelu_exact", "relu", "linear"]] = Field(
+    ["silu", "linear"], min_length=1, max_length=2, description="MLP activations; two entries make a gated MLP (act0(x W0) * act1(x W1))."
+  )
+  vocab_size: int = Field(32_000, gt=0, description="Vocabulary size of the embedding and output logits.")
+  normalization_layer_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+  use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head before rotary embedding (qwen3).")
+
+
+class Attention(Section):
+  attention: Literal["autoselected", "dot_product", "cudnn"] = Field(
+    "autoselected", description="autoselected: cuDNN on GPU when shapes allow, XLA dot-product elsewhere."
+  )
+  sliding_window_size: int = Field(0, ge=0, description="Local attention window for sliding-window layers; 0 -> full attention.")
+  attn_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on attention logits; None -> off.")
+  query_pre_attn_scalar: float = Field(0.0, ge=0, description="Queries are scaled by 1/sqrt(this); 0 -> head_dim.")
+
+
+class Rope(Section):
+  rope_type: Literal["default", "llama3.1"] = Field("default", description="Rotary embedding variant; llama3.1 adds frequency scaling.")
+  rope_max_timescale: float = Field(10_000.0, gt=0, description="Rotary base wavelength (theta).")
+  rope_scaling_factor: float = Field(8.0, gt=0, description="llama3.1 rope: frequency scaling factor.")
+  rope_low_freq_factor: float = Field(1.0, gt=0, description="llama3.1 rope: low-frequency factor.")
+  rope_high_freq_factor: float = Field(4.0, gt=0, description="llama3.1 rope: high-frequency factor.")
+  rope_original_max_position_embeddings: int = Field(8192, gt=0, description="llama3.1 rope: original context length.")
+
+
+class MoEGeneral(Section):
+  num_experts: int = Field(1, gt=0, description="Experts per MoE layer; 1 -> dense MLP.")
+  num_experts_per_tok: int = Field(1, gt=0, description="Experts each token is routed to (top-k).")
+  load_balance_loss_weight: float = Field(0.01, ge=0, description="Weight of the router load-balance loss added to the training loss.")
+
+
+class ManifoldConstrainedHyperConnections(Section):
+  mhc_expansion_rate: int = Field(1, gt=0, description="Residual streams n; 1 -> ordinary residual network.")
+  sinkhorn_iterations: int = Field(20, gt=0, description="Sinkhorn-Knopp iterations projecting H_res onto doubly-stochastic matrices.")
+
+
+class Logits(Section):
+  logits_via_embedding: bool = Field(False, description="Tie the output projection to the token embedding.")
+  normalize_embedding_logits: bool = Field(False, description="With tied embeddings, divide logits by sqrt(emb_dim).")
+  final_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on output logits; None -> off.")
+
+
+class HardwareAndMesh(Section):
+  mesh_axes: list[str] = Field(["data", "fsdp", "sequence", "tensor", "expert"], min_length=1, description="Mesh axis names, outermost first.")
+
+
+class IciParallelism(Section):
+  ici_data_parallelism: int = Field(1, description="Data parallelism within a slice; -1 fills.")
+  ici_fsdp_parallelism: int = Field(-1, description="Fully sharded data parallelism within a slice; -1 fills.")
+  ici_sequence_parallelism: int = Field(1, description="Sequence parallelism within a slice; -1 fills.")
+  ici_tensor_parallelism: int = Field(1, description="Tensor parallelism within a slice; -1 fills.")
+  ici_expert_parallelism: int = Field(1, description="Expert parallelism within a slice; -1 fills.")
+
+
+class DcnParallelism(Section):
+  dcn_data_parallelism: int = Field(-1, description="Data parallelism across slices; -1 fills.")
+  dcn_fsdp_parallelism: int = Field(1, description="FSDP across slices; -1 fills.")
+  dcn_sequence_parallelism: int = Field(1, description="Sequence parallelism across slices; -1 fills.")
+  dcn_tensor_parallelism: int = Field(1, description="Tensor parallelism across slices; -1 fills.")
+  dcn_expert_parallelism: int = Field(1, description="Expert parallelism across slices; -1 fills.")
+
+
+DEFAULT_LOGICAL_AXIS_RULES: list[list] = [
+  ["activation_batch", ["data", "fsdp", "expert"]],
+  ["activation_length", ["sequence"]],
+  ["activation_embed", []],
+  ["activation_heads", ["tensor"]],
+  ["activation_kv_heads", ["tensor"]],
+  ["activation_mlp", ["tensor"]],
+  ["activation_vocab", ["tensor"]],
+  ["activation_exp", ["expert"]],
+  ["embed", ["fsdp", "sequence"]],
+  ["vocab", ["tensor"]],
+  ["heads", ["tensor"]],
+  ["kv_heads", ["tensor"]],
+  ["mlp", ["tensor"]],
+  ["exp", ["expert"]],
+  ["head_dim", []],
+  ["layers", []],
+  ["norm", []],
+  ["mhc", []],
+]
+
+
+class LayoutAndSharding(Section):
+  logical_axis_rules: list[tuple[str, list[str]]] = Field(
+    DEFAULT_LOGICAL_AXIS_RULES, description="Logical axis name -> mesh axes; layers name only logical axes."
+  )
+  data_sharding: list[str] = Field(["data", "fsdp", "expert"], description="Mesh axes the batch dimension of input data is split over.")
+
+
+class RematAndOffload(Section):
+  remat_policy: Literal[
+    "full",
+    "minimal",
+    "save_dot_except_mlpwi",
+    "save_dot_except_mlp",
+    "save_qkv_proj",
+    "save_out_proj",
+    "minimal_offloaded",
+    "qkv_proj_offloaded",
+    "none",
+  ] = Field("full", description="What each decoder layer saves for the backward pass (docs/config.md has the table).")
+  scan_layers: bool = Field(True, description="Stack layers and run them with jax.lax.scan (flat compile time in depth).")
+
+
+class Optimizer(Section):
+  opt_type: Literal["adamw", "sgd", "muon"] = Field("adamw", description="Optimizer.")
+  learning_rate: float = Field(3e-5, ge=0, description="Peak learning rate.")
+  lr_schedule_type: Literal["cosine", "wsd"] = Field("cosine", description="Schedule after warmup: cosine decay or warmup-stable-decay.")
+  warmup_steps_fraction: float = Field(0.1, ge=0, le=1, description="Fraction of schedule steps spent in linear warmup from 0.")
+  learning_rate_final_fraction: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
+  wsd_decay_steps_fraction: float = Field(0.1, ge=0, le=1, description="wsd: fraction of schedule steps spent decaying.")
+  wsd_decay_style: Literal["linear", "cosine"] = Field("linear", description="wsd: shape of the decay.")
+  learning_rate_schedule_steps: int = Field(-1, description="Length of the schedule; -1 -> steps.")
+  gradient_clipping_threshold: float = Field(1.0, ge=0, description="Clip gradients to this global norm; 0 -> off.")
+  gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step (token-weighted).")
+  skip_step_on_spikes: bool = Field(False, description="Skip the update when the loss spikes above its recent mean.")
+  skip_step_interval: int = Field(128, gt=0, description="Window of recent steps for spike detection.")
+  skip_step_scaling_factor: float = Field(6.0, gt=0, description="A loss above mean + factor * std of the window is a spike.")
+  sgd_momentum: float = Field(0.0, ge=0, lt=1, description="sgd: momentum (0 -> plain SGD).")
+  muon_beta: float = Field(0.95, ge=0, lt=1, description="muon: momentum decay.")
+
+
+class AdamW(Section):
+  adam_b1: float = Field(0.9, ge=0, lt=1, description="Exponential decay of the first moment.")
+  adam_b2: float = Field(0.95, ge=0, lt=1, description="Exponential decay of the second moment.")
+  adam_eps: float = Field(1e-8, ge=0, description="Added to the denominator outside the square root.")
+  adam_eps_root: float = Field(0.0, ge=0, description="Added to the second moment inside the square root.")
+  adam_weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (norm scales and biases excluded).")
+
+
+class TrainingLoop(Section):
+  steps: int = Field(150_001, gt=0, description="Optimizer steps to train.")
+  per_device_batch_size: float = Field(12.0, gt=0, description="Sequences per device per micro-batch.")
+  max_target_length: int = Field(2048, gt=0, description="Sequence length of training rows.")
+  eval_interval: int = Field(-1, description="Evaluate every this many steps; -1 -> never.")
+  eval_steps: int = Field(-1, description="Batches per evaluation; -1 -> the whole eval split.")
+  target_eval_loss: float = Field(0.0, ge=0, description="Stop training once eval loss reaches this; 0 -> off.")
+  abort_on_nan_loss: bool = Field(True, description="Stop with an error when the loss is NaN (the bad state is not saved).")
+  abort_on_inf_loss: bool = Field(True, description="Stop with an error when the loss is infinite (the bad state is not saved).")
+  z_loss_multiplier: float = Field(0.0, ge=0, description="Weight of the z-loss (log Z)^2 added to the loss.")
+  num_vocab_tiling: int = Field(1, gt=0, description="Compute output logits and loss in this many vocabulary chunks to cut peak memory.")
+  profiler: Literal["", "xplane"] = Field("", description="'xplane' writes a JAX trace under the run's tensorboard dir.")
+  profiler_steps: int = Field(5, gt=0, description="Steps to trace.")
+  skip_first_n_steps_for_profiler: int = Field(1, ge=0, description="Steps to run before tracing starts.")
+
+
+class DatasetGeneral(Section):
+  dataset_type: Literal["synthetic", "grain", "tfds", "hf", "embedded"] = Field(
+    "synthetic", description="Input pipeline: synthetic tokens, grain files, TFDS, HF datasets, or the embedded stdlib corpus."
+  )
+  dataset_path: str = Field("", description="tfds: TFDS data dir holding prepared data.")
+  dataset_name: str = Field("c4/en:3.0.1", description="tfds: dataset name[:version].")
+  eval_dataset_name: str = Field("", description="tfds: eval dataset name; empty -> dataset_name.")
+  train_split: str = Field("train", description="tfds: training split.")
+  eval_split: str = Field("validation", description="tfds: eval split.")
+  train_data_columns: list[str] = Field(["text"], min_length=1, description="Text column(s) to train on.")
+  packing: bool = Field(True, description="Pack several documents into each row (segment ids restart positions).")
+  max_segments_per_seq: int = Field(-1, description="Most documents packed in one row; -1 -> no limit.")
+  enable_data_shuffling: bool = Field(True, description="Shuffle training records.")
+  data_shuffle_seed: int = Field(0, description="Seed of the data shuffle.")
+  num_epoch: int = Field(1, gt=0, description="Passes over the training data.")
+  grain_train_files: str = Field("", description="grain: glob of training files.")
+  grain_eval_files: str = Field("", description="grain: glob of eval files.")
+  grain_file_type: Literal["arrayrecord", "parquet", "jsonl"] = Field("arrayrecord", description="grain: file format.")
+  grain_worker_count: int = Field(1, ge=0, description="grain: data worker processes (0 -> in the main process).")
+  grain_prefetch_buffer_size: int = Field(2, ge=0, description="grain: batches prefetched per worker.")
+  grain_shuffle_buffer_size: int = Field(1024, gt=0, description="grain: records in the shuffle window for streamed formats.")
+  hf_path: str = Field("", description="hf: dataset builder or path (e.g. json, parquet).")
+  hf_train_files: str = Field("", description="hf: glob of local training files.")
+  hf_eval_files: str = Field("", description="hf: glob of local eval files.")
+  use_sft: bool = Field(False, description="Supervised finetuning on conversations (messages or prompt/completion columns).")
+  sft_train_on_completion_only: bool = Field(True, description="SFT: train only on assistant tokens.")
+  chat_template: str = Field("", description="SFT: Jinja chat template; empty -> the tokenizer's own.")
+  chat_template_path: str = Field("", description="SFT: file holding a Jinja chat template.")
+
+
+class Tokenizer(Section):
+  tokenizer_type: Literal["sentencepiece", "huggingface", "tiktoken"] = Field("sentencepiece", description="Tokenizer library.")
+  tokenizer_path: str = Field("", description="sentencepiece .model, HF tokenizer.json or directory, or tiktoken BPE file.")
+  add_bos: bool = Field(True, description="Prepend the BOS token to each document.")
+  add_eos: bool = Field(True, description="Append the EOS token to each document.")
+  use_truncation: bool = Field(True, description="Truncate each document to max_target_length; false -> split it into chunks.")
+
+
+class AOT(Section):
+  compile_topology: str = Field("", description="TPU topology to compile for without hardware (e.g. v5p-8); see train_compile.")
+  compile_topology_num_slices: int = Field(1, gt=0, description="Slices of compile_topology.")
+  compiled_trainstep_file: str = Field("", description="Save (train_compile) or load (train) the compiled train step here.")
+
+
+class LoRA(Section):
+  enable_lora: bool = Field(False, description="Train low-rank adapters; base weights frozen.")
+  lora_rank: int = Field(16, gt=0, description="Adapter rank r.")
+  lora_alpha: float = Field(32.0, gt=0, description="Adapter scale alpha; the update is (alpha / r) B A x.")
+  lora_module_path: str = Field(r".*(attention/(query|key|value|out)|mlp/(wi_0|wi_1|wo))$", description="Regex over parameter module paths that get adapters.")
+  lora_restore_path: str = Field("", description="Checkpoint of adapters to start from.")
+
+
+class LoRASection(Section):
+  lora: LoRA = Field(default_factory=LoRA, description="LoRA settings (set as lora.<key>=value).")
+
+
+class DerivedValues(Section):
+  """Filled by the loader from other keys; setting them directly is an error."""
+
+  emb_dim: int = Field(0, description="base_emb_dim scaled by global_parameter_scale.")
+  num_query_heads: int = Field(0, description="base_num_query_heads scaled.")
+  num_kv_heads: int = Field(0, description="base_num_kv_heads scaled.")
+  mlp_dim: int = Field(0, description="base_mlp_dim scaled.")
+  num_decoder_layers: int = Field(0, description="base_num_decoder_layers scaled.")
+  num_devices: int = Field(0, description="Devices the run uses (or the AOT topology's).")
+  num_slices: int = Field(0, description="Slices the devices form.")
+  ici_parallelism: list[int] = Field([], description="ici_* parallelism in mesh_axes order, -1 filled.")
+  dcn_parallelism: list[int] = Field([], description="dcn_* parallelism in mesh_axes order, -1 filled.")
+  micro_batch_size_to_train_on: int = Field(0, description="Sequences per micro-batch over all devices.")
+  global_batch_size_to_train_on: int = Field(0, description="Sequences per optimizer step (micro x gradient_accumulation_steps).")
+  checkpoint_dir: str = Field("", description="<base_output_directory>/<run_name>/checkpoints/")
+  metrics_dir: str = Field("", description="<base_output_directory>/<run_name>/metrics/")
+  tensorboard_dir: str = Field("", description="<base_output_directory>/<run_name>/tensorboard/")

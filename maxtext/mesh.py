@@ -1,0 +1,58 @@
+"""Device mesh from ici_*/dcn_* parallelism, and logical-axis -> mesh-axis sharding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxtext.config import MaxTextConfig
+
+LogicalAxes = Sequence[str | None]
+
+
+def create(config: MaxTextConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Mesh with config.mesh_axes; multi-slice devices form a hybrid (ICI x DCN) mesh."""
+  devices = list(jax.devices() if devices is None else devices)
+  if len(devices) != config.num_devices:
+    from maxtext.errors import ConfigError
+
+    raise ConfigError(f"the config was resolved for {config.num_devices} devices but {len(devices)} are present; reload the config on this machine")
+  ici, dcn = list(config.ici_parallelism), list(config.dcn_parallelism)
+  if config.num_slices > 1:
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+  elif len(devices) == 1 or devices[0].platform == "cpu":
+    grid = np.array(devices).reshape(ici)
+  else:
+    grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+  return Mesh(grid, tuple(config.mesh_axes))
+
+
+def logical_to_spec(axes: LogicalAxes | None, rules: Sequence[tuple[str, Sequence[str]]], mesh: Mesh) -> PartitionSpec:
+  """PartitionSpec for logical axis names under the rules; a mesh axis is used once at most."""
+  if axes is None:
+    return PartitionSpec()
+  table = {name: tuple(mesh_axes) for name, mesh_axes in rules}
+  used: set[str] = set()
+  spec: list[str | tuple[str, ...] | None] = []
+  for name in axes:
+    if name is None or name not in table:
+      spec.append(None)
+      continue
+    chosen = tuple(a for a in table[name] if a not in used and mesh.shape.get(a, 1) > 1)
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+  return PartitionSpec(*spec)
+
+
+def logical_sharding(axes: LogicalAxes | None, config: MaxTextConfig, mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(axes, config.logical_axis_rules, mesh))
+
+
+def data_sharding(config: MaxTextConfig, mesh: Mesh) -> NamedSharding:
+  """Sharding of a [batch, seq] input array: batch over config.data_sharding."""
+  axes = tuple(a for a in config.data_sharding if mesh.shape.get(a, 1) > 1)
+  return NamedSharding(mesh, PartitionSpec(axes if axes else None, None))
