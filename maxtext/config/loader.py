@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,13 +172,18 @@ def _format_validation_error(err: pydantic.ValidationError, sources: Sources) ->
 
 
 def load_with_sources(
-  argv: Sequence[str], env: Mapping[str, str] | None = None, num_devices: int | None = None, num_slices: int | None = None
+  argv: Sequence[str],
+  env: Mapping[str, str] | None = None,
+  num_devices: int | None = None,
+  num_slices: int | None = None,
+  before_devices: Callable[[MaxTextConfig], None] | None = None,
 ) -> tuple[MaxTextConfig, Sources]:
   """Load a config and report where each value came from.
 
   argv: [config.yml, key=value, ...]. env defaults to os.environ. num_devices and
   num_slices default to the AOT topology when compile_topology is set, else to
-  the devices JAX sees.
+  the devices JAX sees. before_devices(user_config) runs before JAX is asked for
+  devices (entry points pass jax.distributed initialisation here).
   """
   if not argv:
     raise ConfigError("no config file given; usage: python -m maxtext.<entry> configs/base.yml key=value ...")
@@ -215,6 +220,8 @@ def load_with_sources(
   except pydantic.ValidationError as e:
     raise _format_validation_error(e, sources) from None
 
+  if before_devices is not None:
+    before_devices(user)
   updates = derived.compute(user, num_devices=num_devices, num_slices=num_slices)
   config = user.model_copy(update=updates)
   for key in all_keys():
@@ -224,12 +231,20 @@ def load_with_sources(
   return config, sources
 
 
-def load(argv: Sequence[str], env: Mapping[str, str] | None = None, num_devices: int | None = None, num_slices: int | None = None) -> MaxTextConfig:
+def load(
+  argv: Sequence[str],
+  env: Mapping[str, str] | None = None,
+  num_devices: int | None = None,
+  num_slices: int | None = None,
+  before_devices: Callable[[MaxTextConfig], None] | None = None,
+) -> MaxTextConfig:
   """Load, validate and derive a MaxTextConfig; raises ConfigError with a one-line message."""
-  return load_with_sources(argv, env, num_devices, num_slices)[0]
+  return load_with_sources(argv, env, num_devices, num_slices, before_devices)[0]
 
 
-def from_overrides(base: str | Path = PACKAGE_CONFIG_DIR / "base.yml", env: Mapping[str, str] | None = None, **overrides: Any) -> MaxTextConfig:
+def from_overrides(
+  base: str | Path = PACKAGE_CONFIG_DIR / "base.yml", env: Mapping[str, str] | None = None, num_devices: int | None = None, **overrides: Any
+) -> MaxTextConfig:
   """Python API: load base.yml with keyword overrides (nested keys as lora={'enable_lora': True})."""
   args = [str(base)]
   for key, value in overrides.items():
@@ -237,4 +252,4 @@ def from_overrides(base: str | Path = PACKAGE_CONFIG_DIR / "base.yml", env: Mapp
       args += [f"{key}.{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}" for k, v in value.items()]
     else:
       args.append(f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
-  return load(args, env={} if env is None else env)
+  return load(args, env={} if env is None else env, num_devices=num_devices)
