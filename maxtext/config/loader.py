@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,28 @@ NESTED_SECTIONS = {"lora": MaxTextConfig.model_fields["lora"].annotation}
 Sources = dict[str, str]
 
 
+class _YamlLoader(yaml.SafeLoader):
+  """Safe YAML loader that also reads `1e-5` (no dot) as a float, as users expect."""
+
+
+_YamlLoader.add_implicit_resolver(
+  "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+0123456789.")
+)
+
+
+def _yaml_load(text: str) -> Any:
+  return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _field(key: str) -> Any:
+  """The pydantic FieldInfo of a settable key ('section.key' for nested ones), or None."""
+  if "." in key:
+    head, tail = key.split(".", 1)
+    cls = NESTED_SECTIONS.get(head)
+    return cls.model_fields.get(tail) if cls is not None else None
+  return MaxTextConfig.model_fields.get(key)
+
+
 def all_keys() -> list[str]:
   """Every settable key, nested ones as 'section.key'."""
   keys = [k for k in MaxTextConfig.model_fields if k not in DERIVED_KEYS and k not in NESTED_SECTIONS]
@@ -44,7 +67,7 @@ def _unknown_key_error(key: str, where: str) -> ConfigError:
     return ConfigError(f"config key '{key}' ({where}) is a MaxText option this project does not implement; remove it")
   close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
   hint = f" (did you mean '{close[0]}'?)" if close else ""
-  return ConfigError(f"unknown config key '{key}' ({where}){hint}")
+  return ConfigError(f"unknown config key '{key}'{hint} {where}")
 
 
 def _flatten(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -53,10 +76,14 @@ def _flatten(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
   flat: dict[str, Any] = {}
   for key, value in raw.items():
     key = str(key)
-    if key in NESTED_SECTIONS and isinstance(value, Mapping):
+    if key in NESTED_SECTIONS:
+      if not isinstance(value, Mapping):
+        raise ConfigError(f"config key '{key}' ({where}) must be a mapping such as {{enable_lora: true}}, not {value!r}; or set {key}.<key>=value")
       for sub, v in value.items():
         flat.update(_flatten({f"{key}.{sub}": v}, where))
       continue
+    if key == "base_config":
+      raise ConfigError(f"base_config ({where}) can only be set inside a YAML file, as 'base_config: parent.yml'")
     if key not in known:
       raise _unknown_key_error(key, where)
     flat[key] = value
@@ -67,7 +94,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
   if not path.is_file():
     raise ConfigError(f"config file '{path}' not found; pass the path of a YAML file such as configs/base.yml")
   try:
-    data = yaml.safe_load(path.read_text())
+    data = _yaml_load(path.read_text())
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     at = f" at line {mark.line + 1}" if mark else ""
@@ -100,14 +127,22 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict[str,
   return values, sources
 
 
-def parse_cli_value(text: str) -> Any:
-  """YAML typing for command-line values; 'none' (any case) is None."""
+def parse_cli_value(text: str, key: str | None = None) -> Any:
+  """YAML typing for command-line values; 'none' (any case) is None.
+
+  For a string-typed key a value that YAML reads as a number or bool stays the
+  text the user typed (`run_name=2024` is the name '2024', not an int).
+  """
   if text.strip().lower() in ("none", "null", "~"):
     return None
   try:
-    return yaml.safe_load(text) if text.strip() else text
+    value = _yaml_load(text) if text.strip() else text
   except yaml.YAMLError:
     return text
+  field = _field(key) if key else None
+  if field is not None and field.annotation is str and isinstance(value, bool | int | float):
+    return text
+  return value
 
 
 def _parse_cli(args: Sequence[str]) -> dict[str, Any]:
@@ -117,14 +152,21 @@ def _parse_cli(args: Sequence[str]) -> dict[str, Any]:
       raise ConfigError(f"command-line argument '{arg}' is not key=value; write e.g. steps=100")
     key, text = arg.split("=", 1)
     key = key.strip()
+    if not key or any(c.isspace() for c in key):
+      raise ConfigError(f"command-line argument '{arg}' is not key=value; write e.g. steps=100")
     if key in out:
       raise ConfigError(f"config key '{key}' is given twice on the command line; keep one")
-    out[key] = parse_cli_value(text)
+    out[key] = parse_cli_value(text, key)
   return _flatten(out, "on the command line")
 
 
+def env_name(key: str) -> str:
+  """The environment variable that sets a key: M_STEPS, M_LORA__ENABLE_LORA."""
+  return ENV_PREFIX + key.upper().replace(".", "__")
+
+
 def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
-  by_env_name = {ENV_PREFIX + k.upper().replace(".", "__"): k for k in all_keys()}
+  by_env_name = {env_name(k): k for k in all_keys()}
   out: dict[str, Any] = {}
   for name, text in env.items():
     if not name.startswith(ENV_PREFIX):
@@ -133,11 +175,13 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
     if key is None:
       guess = name[len(ENV_PREFIX) :].lower().replace("__", ".")
       raise _unknown_key_error(guess, f"from environment variable {name}")
-    out[key] = parse_cli_value(text)
+    out[key] = parse_cli_value(text, key)
   return out
 
 
 def _model_file(model_name: str, config_path: Path) -> Path:
+  if not model_name or "/" in model_name or "\\" in model_name or model_name.startswith("."):
+    raise ConfigError(f"invalid value for 'model_name': {model_name!r}; use a file name from configs/models/ without '.yml' (e.g. llama3.1-8b)")
   candidates = [config_path.parent / "models" / f"{model_name}.yml", PACKAGE_CONFIG_DIR / "models" / f"{model_name}.yml"]
   for c in candidates:
     if c.is_file():
@@ -194,7 +238,7 @@ def load_with_sources(
   env_values = _parse_env(env)
 
   for key in sorted(set(cli) & set(env_values)):
-    raise ConfigError(f"config key '{key}' is set both on the command line and by environment variable {ENV_PREFIX}{key.upper()}; set it once")
+    raise ConfigError(f"config key '{key}' is set both on the command line and by environment variable {env_name(key)}; set it once")
 
   model_name = env_values.get("model_name", cli.get("model_name", values.get("model_name", "default")))
   if model_name is not None and str(model_name) != "default":
@@ -213,7 +257,7 @@ def load_with_sources(
   values.update(cli)
   sources.update({k: "command line" for k in cli})
   values.update(env_values)
-  sources.update({k: f"env {ENV_PREFIX}{k.upper().replace('.', '__')}" for k in env_values})
+  sources.update({k: f"env {env_name(k)}" for k in env_values})
 
   try:
     user = MaxTextConfig.model_validate(_unflatten(values))
@@ -226,8 +270,9 @@ def load_with_sources(
   config = user.model_copy(update=updates)
   for key in all_keys():
     sources.setdefault(key, "default")
-  for key in updates:
-    sources[key] = "derived" if key in DERIVED_KEYS or sources.get(key) == "default" else sources[key] + " -> derived"
+  for key, value in updates.items():
+    if key in DERIVED_KEYS or value != getattr(user, key):
+      sources[key] = "derived"
   return config, sources
 
 

@@ -36,7 +36,10 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
 class MaxTextConfig(*SECTION_CLASSES):  # type: ignore[misc]
   """The whole run configuration. Build it with maxtext.config.load(argv); read-only."""
 
-  model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+  model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
+
+  def __hash__(self) -> int:  # lists inside make pydantic's field hash fail; hash the canonical JSON instead
+    return hash(self.model_dump_json())
 
 
 DERIVED_KEYS: frozenset[str] = frozenset(s.DerivedValues.model_fields)

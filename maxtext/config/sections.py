@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class Section(BaseModel):
   """Base of every section: unknown keys are errors, values are read-only."""
 
-  model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+  model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
 
 
 class RunInfo(Section):

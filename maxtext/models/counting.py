@@ -1,0 +1,123 @@
+"""Parameter counts and training FLOPs computed analytically from a resolved config.
+
+Used by metrics (TFLOP/s/device, MFU), AOT reports and the model-file tests. No
+model is built: every number follows from the config's dimensions.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  from maxtext.config import MaxTextConfig
+
+
+def _attention_shapes(c: MaxTextConfig) -> dict[str, tuple[int, int]]:
+  """Attention projections as (fan_in, fan_out), keyed by module path inside a layer."""
+  e, h, kv, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
+  return {"attention/query": (e, h * d), "attention/key": (e, kv * d), "attention/value": (e, kv * d), "attention/out": (h * d, e)}
+
+
+def _dense_mlp_shapes(c: MaxTextConfig) -> dict[str, tuple[int, int]]:
+  """Dense MLP projections: gated (wi_0, wi_1, wo) with two activations, else (wi, wo)."""
+  e, m = c.emb_dim, c.mlp_dim
+  if len(c.mlp_activations) == 2:
+    return {"mlp/wi_0": (e, m), "mlp/wi_1": (e, m), "mlp/wo": (m, e)}
+  return {"mlp/wi": (e, m), "mlp/wo": (m, e)}
+
+
+def _norms_per_layer(c: MaxTextConfig) -> int:
+  """RMSNorm scales of size emb_dim per layer: gemma2 normalises before and after both sub-blocks."""
+  return 4 if c.decoder_block == "gemma2" else 2
+
+
+def mhc_params_per_layer(c: MaxTextConfig) -> int:
+  """mHC parameters of one decoder layer (two sub-blocks: attention and MLP); 0 when mhc_expansion_rate is 1.
+
+  Per sub-block, with n = mhc_expansion_rate and C = emb_dim:
+  W_pre (nC x n) + W_post (nC x n) + W_res (nC x n^2) + b_pre (n) + b_post (n) + b_res (n^2)
+  + 3 scalar gates (alpha_pre, alpha_post, alpha_res) + RMSNorm scale (nC)
+  = nC (2n + n^2 + 1) + 2n + n^2 + 3.
+  """
+  n, dim = c.mhc_expansion_rate, c.emb_dim
+  if n <= 1:
+    return 0
+  wide = n * dim
+  per_sub_block = wide * (2 * n + n * n) + (2 * n + n * n) + 3 + wide
+  return 2 * per_sub_block
+
+
+def lora_params_per_layer(c: MaxTextConfig) -> int:
+  """LoRA adapter parameters of one layer: r (fan_in + fan_out) for every dense projection lora.lora_module_path matches.
+
+  Candidate modules are the attention projections (attention/query, key, value, out), the dense MLP
+  projections (mlp/wi_0, mlp/wi_1 or mlp/wi, mlp/wo) and, for MoE layers, the router (mlp/gate); stacked
+  expert weights take no adapters. The default path matches attention q/k/v/out and the MLP wi_0/wi_1/wo.
+  """
+  if not c.lora.enable_lora:
+    return 0
+  pattern = re.compile(c.lora.lora_module_path)
+  shapes = _attention_shapes(c)
+  shapes.update({"mlp/gate": (c.emb_dim, c.num_experts)} if c.num_experts > 1 else _dense_mlp_shapes(c))
+  return sum(c.lora.lora_rank * (fan_in + fan_out) for path, (fan_in, fan_out) in shapes.items() if pattern.search(path))
+
+
+def params_per_layer(c: MaxTextConfig, active_only: bool = False) -> int:
+  """Parameters of one decoder layer (attention, MLP or MoE, norms, optional qk-norm, mHC, LoRA)."""
+  total = sum(i * o for i, o in _attention_shapes(c).values())
+  if c.use_qk_norm:
+    total += 2 * c.head_dim
+  if c.num_experts > 1:
+    experts = c.num_experts_per_tok if active_only else c.num_experts
+    total += c.emb_dim * c.num_experts + experts * 3 * c.emb_dim * c.mlp_dim  # router + (wi_0, wi_1, wo) per expert
+  else:
+    total += sum(i * o for i, o in _dense_mlp_shapes(c).values())
+  total += _norms_per_layer(c) * c.emb_dim
+  return total + mhc_params_per_layer(c) + lora_params_per_layer(c)
+
+
+def param_count(config: MaxTextConfig, include_embedding: bool = True, active_only: bool = False) -> int:
+  """Number of model parameters.
+
+  layers x params_per_layer + final norm (emb_dim), plus, with include_embedding, the token
+  embedding (vocab x emb) and a separate output projection (emb x vocab) unless
+  logits_via_embedding ties the two (tied weights are counted once). active_only counts
+  num_experts_per_tok experts per MoE layer instead of all of them.
+  """
+  c = config
+  total = c.num_decoder_layers * params_per_layer(c, active_only) + c.emb_dim
+  if include_embedding:
+    total += c.vocab_size * c.emb_dim * (1 if c.logits_via_embedding else 2)
+  return total
+
+
+def sliding_window_layers(config: MaxTextConfig) -> int:
+  """Layers that attend within sliding_window_size: gemma2 alternates (layers 0, 2, 4, ...), other blocks use it on every layer."""
+  c = config
+  if c.sliding_window_size <= 0:
+    return 0
+  return (c.num_decoder_layers + 1) // 2 if c.decoder_block == "gemma2" else c.num_decoder_layers
+
+
+def training_flops_per_step(config: MaxTextConfig) -> float:
+  """Model FLOPs of one optimizer step over the whole global batch (forward + backward).
+
+  With T = global_batch_size_to_train_on x max_target_length tokens:
+  6 T (non-embedding params, active experts only, + vocab x emb for the output matmul)
+  + causal attention 6 T x seq x heads x head_dim summed over layers, where sliding-window
+  layers see min(seq, sliding_window_size) keys instead of seq.
+  """
+  c = config
+  tokens = c.global_batch_size_to_train_on * c.max_target_length
+  weights = param_count(c, include_embedding=False, active_only=True) + c.vocab_size * c.emb_dim
+  seq = c.max_target_length
+  local = sliding_window_layers(c)
+  keys = (c.num_decoder_layers - local) * seq + local * min(seq, c.sliding_window_size or seq)
+  attention = 6 * tokens * keys * c.num_query_heads * c.head_dim
+  return float(6 * tokens * weights + attention)
+
+
+def flops_per_device_per_step(config: MaxTextConfig) -> float:
+  """training_flops_per_step divided evenly over config.num_devices."""
+  return training_flops_per_step(config) / config.num_devices

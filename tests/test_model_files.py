@@ -1,0 +1,154 @@
+"""Model files load, and their parameter counts match the published model sizes; FLOPs match a hand count."""
+
+from pathlib import Path
+
+import pytest
+
+from maxtext.config import from_overrides, load
+from maxtext.models import counting
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = str(ROOT / "configs" / "base.yml")
+
+# Published sizes in billions: the Hugging Face safetensors totals, with tied embeddings counted once
+# (Qwen3-0.6B/1.7B/4B and Gemma 2 tie the output projection to the embedding).
+PUBLISHED_BILLIONS = {
+  "llama2-7b": 6.74,
+  "llama2-13b": 13.02,
+  "llama2-70b": 68.98,
+  "llama3-8b": 8.03,
+  "llama3.1-8b": 8.03,
+  "llama3.1-70b": 70.55,
+  "llama3.1-405b": 405.85,
+  "mistral-7b": 7.24,
+  "mixtral-8x7b": 46.70,
+  "qwen3-0.6b": 0.596,
+  "qwen3-1.7b": 1.72,  # the model card's 1.7B; HF lists 2.03B because its safetensors store the tied embedding twice
+  "qwen3-4b": 4.02,
+  "qwen3-8b": 8.19,
+  "qwen3-14b": 14.77,
+  "qwen3-32b": 32.76,
+  "gemma2-2b": 2.61,
+  "gemma2-9b": 9.24,
+  "gemma2-27b": 27.23,
+}
+
+# Exact safetensors totals (number of parameters) known for a few models.
+EXACT = {
+  "llama2-7b": 6_738_415_616,
+  "llama3.1-8b": 8_030_261_248,
+  "llama3.1-405b": 405_853_388_800,
+  "mixtral-8x7b": 46_702_792_704,
+  "gemma2-2b": 2_614_341_888,
+  "qwen3-0.6b": 596_049_920,
+}
+
+
+def _model(name: str):
+  return load([BASE, f"model_name={name}"], env={}, num_devices=1)
+
+
+def test_every_model_file_is_listed():
+  assert sorted(p.stem for p in (ROOT / "configs" / "models").glob("*.yml")) == sorted(PUBLISHED_BILLIONS)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
+def test_param_count_matches_published_size(name):
+  config = _model(name)
+  assert config.model_name == name
+  count = counting.param_count(config)
+  assert count == pytest.approx(PUBLISHED_BILLIONS[name] * 1e9, rel=0.01)
+  if name in EXACT:
+    assert count == EXACT[name]
+
+
+def test_model_values_reach_the_config():
+  qwen = _model("qwen3-0.6b")
+  assert (qwen.emb_dim, qwen.num_query_heads, qwen.num_kv_heads, qwen.head_dim, qwen.num_decoder_layers) == (1024, 16, 8, 128, 28)
+  assert qwen.use_qk_norm and qwen.logits_via_embedding and qwen.rope_max_timescale == 1e6
+  llama = _model("llama3.1-8b")
+  assert llama.rope_type == "llama3.1" and llama.rope_scaling_factor == 8.0 and llama.rope_original_max_position_embeddings == 8192
+  assert not llama.logits_via_embedding and llama.rope_max_timescale == 500_000.0
+  gemma = _model("gemma2-27b")
+  assert (gemma.attn_logits_soft_cap, gemma.final_logits_soft_cap, gemma.sliding_window_size, gemma.query_pre_attn_scalar) == (50.0, 30.0, 4096, 144.0)
+  assert gemma.mlp_activations == ["gelu", "linear"] and gemma.normalization_layer_epsilon == 1e-6
+  mixtral = _model("mixtral-8x7b")
+  assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.decoder_block) == (8, 2, "mixtral")
+
+
+def test_tied_embeddings_are_counted_once():
+  config = _model("qwen3-1.7b")
+  twice = counting.param_count(config) + config.vocab_size * config.emb_dim
+  assert twice == pytest.approx(2.03e9, rel=0.005)
+
+
+def test_mixtral_active_params():
+  config = _model("mixtral-8x7b")
+  assert counting.param_count(config, active_only=True) == pytest.approx(12.9e9, rel=0.01)
+
+
+# A tiny config whose counts are worked out by hand below.
+TINY = dict(
+  base_emb_dim=8,
+  base_num_query_heads=2,
+  base_num_kv_heads=1,
+  head_dim=4,
+  base_mlp_dim=16,
+  base_num_decoder_layers=2,
+  vocab_size=32,
+  max_target_length=16,
+  per_device_batch_size=2,
+)
+# Per layer: q 8*8 + k 8*4 + v 8*4 + o 8*8 = 192; gated mlp 3*8*16 = 384; 2 norms of 8 = 16 -> 592.
+TINY_LAYER = 592
+
+
+def test_tiny_param_count_by_hand():
+  config = from_overrides(num_devices=1, **TINY)
+  assert counting.params_per_layer(config) == TINY_LAYER
+  assert counting.param_count(config, include_embedding=False) == 2 * TINY_LAYER + 8
+  assert counting.param_count(config) == 2 * TINY_LAYER + 8 + 2 * 32 * 8
+  tied = from_overrides(num_devices=1, logits_via_embedding=True, **TINY)
+  assert counting.param_count(tied) == 2 * TINY_LAYER + 8 + 32 * 8
+
+
+def test_tiny_flops_by_hand():
+  config = from_overrides(num_devices=4, **TINY)  # 4 devices x 2 sequences x 16 tokens
+  tokens = 4 * 2 * 16
+  weights = (2 * TINY_LAYER + 8) + 32 * 8
+  attention = 6 * tokens * (2 * 16) * 2 * 4  # layers x seq keys, heads x head_dim
+  assert counting.training_flops_per_step(config) == 6 * tokens * weights + attention
+  assert counting.flops_per_device_per_step(config) == (6 * tokens * weights + attention) / 4
+  accumulated = from_overrides(num_devices=4, gradient_accumulation_steps=3, **TINY)
+  assert counting.training_flops_per_step(accumulated) == 3 * counting.training_flops_per_step(config)
+
+
+def test_tiny_gemma2_sliding_window_flops_by_hand():
+  config = from_overrides(num_devices=1, decoder_block="gemma2", sliding_window_size=4, **TINY)
+  tokens = 2 * 16
+  weights = 2 * (TINY_LAYER + 2 * 8) + 8 + 32 * 8  # gemma2: 4 norms per layer
+  attention = 6 * tokens * (16 + 4) * 2 * 4  # layer 0 local (4 keys), layer 1 global (16 keys)
+  assert counting.training_flops_per_step(config) == 6 * tokens * weights + attention
+
+
+def test_moe_counts_by_hand():
+  config = from_overrides(num_devices=1, decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, **TINY)
+  attention_and_norms = 192 + 16
+  router = 8 * 4
+  expert = 3 * 8 * 16
+  assert counting.params_per_layer(config) == attention_and_norms + router + 4 * expert
+  assert counting.params_per_layer(config, active_only=True) == attention_and_norms + router + 2 * expert
+
+
+def test_mhc_and_qk_norm_and_lora_counts_by_hand():
+  mhc = from_overrides(num_devices=1, mhc_expansion_rate=2, **TINY)
+  # n=2, nC=16: W 16*(2+2+4) = 128, biases 2+2+4 = 8, gates 3, norm 16 -> 155 per sub-block, 2 sub-blocks.
+  assert counting.mhc_params_per_layer(mhc) == 310
+  assert counting.params_per_layer(mhc) == TINY_LAYER + 310
+  qk = from_overrides(num_devices=1, use_qk_norm=True, **TINY)
+  assert counting.params_per_layer(qk) == TINY_LAYER + 2 * 4
+  lora = from_overrides(num_devices=1, lora={"enable_lora": True, "lora_rank": 2}, **TINY)
+  # r (in + out): q 2*16, k 2*12, v 2*12, o 2*16, wi_0 2*24, wi_1 2*24, wo 2*24.
+  assert counting.lora_params_per_layer(lora) == 32 + 24 + 24 + 32 + 48 + 48 + 48
+  attention_only = from_overrides(num_devices=1, lora={"enable_lora": True, "lora_rank": 2, "lora_module_path": "attention/(query|value)$"}, **TINY)
+  assert counting.lora_params_per_layer(attention_only) == 32 + 24
