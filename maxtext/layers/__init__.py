@@ -1,0 +1,1 @@
+"""Neural-network layers (flax NNX). Parameters carry logical axis names in `logical_axes` metadata."""

@@ -1,0 +1,68 @@
+"""Grouped-query self-attention with rotary embeddings, optional QK norm, soft cap and sliding window."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from maxtext.config import MaxTextConfig
+from maxtext.errors import ConfigError
+from maxtext.layers import attention_ops, rope
+from maxtext.layers.dtypes import dtype, precision
+from maxtext.layers.linear import DenseGeneral
+from maxtext.layers.norms import RMSNorm
+from maxtext.layers.sharding import constrain
+
+
+class Attention(nnx.Module):
+  def __init__(self, config: MaxTextConfig, *, rngs: nnx.Rngs, zero_centered_norm: bool = False):
+    c = config
+    self.config = c
+    e, h, kv, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
+    kw = dict(dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), precision=precision(c.matmul_precision), rngs=rngs)
+    self.query = DenseGeneral((e,), (h, d), ("embed", "heads", "head_dim"), **kw)
+    self.key = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
+    self.value = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
+    self.out = DenseGeneral((h, d), (e,), ("heads", "head_dim", "embed"), **kw)
+    if c.use_qk_norm:
+      nkw = dict(dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=zero_centered_norm, logical_axis="head_dim")
+      self.query_norm = RMSNorm(d, c.normalization_layer_epsilon, **nkw)
+      self.key_norm = RMSNorm(d, c.normalization_layer_epsilon, **nkw)
+    else:
+      self.query_norm = self.key_norm = None
+    self.scale = (c.query_pre_attn_scalar or d) ** -0.5
+    if c.attention == "cudnn" and jax.default_backend() != "gpu":
+      raise ConfigError(f"attention=cudnn needs a GPU, but JAX runs on {jax.default_backend()}; use attention=autoselected")
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array) -> jax.Array:
+    rules = self.config.logical_axis_rules
+    q = checkpoint_name(self.query(x), "query_proj")
+    k = checkpoint_name(self.key(x), "key_proj")
+    v = checkpoint_name(self.value(x), "value_proj")
+    if self.query_norm is not None:
+      q, k = self.query_norm(q), self.key_norm(k)
+    c = self.config
+    inv_freq = rope.inverse_frequencies(
+      c.head_dim,
+      c.rope_max_timescale,
+      c.rope_type,
+      c.rope_scaling_factor,
+      c.rope_low_freq_factor,
+      c.rope_high_freq_factor,
+      c.rope_original_max_position_embeddings,
+    )
+    q = rope.apply_rope(q, positions, inv_freq)
+    k = rope.apply_rope(k, positions, inv_freq)
+    q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
+    k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
+    v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
+    cap = self.config.attn_logits_soft_cap
+    use_cudnn = self.config.attention == "cudnn" or (self.config.attention == "autoselected" and attention_ops.cudnn_supported(q, cap, segment_ids, window))
+    if use_cudnn:
+      ctx = attention_ops.cudnn_attention(q, k, v, self.scale, window)  # type: ignore[arg-type]
+    else:
+      mask = attention_ops.attention_mask(positions, positions, segment_ids, window)
+      ctx = attention_ops.xla_attention(q, k, v, mask, self.scale, cap, precision(self.config.matmul_precision))
+    ctx = checkpoint_name(ctx, "context")
+    return checkpoint_name(self.out(ctx), "out_proj")

@@ -1,0 +1,52 @@
+"""DenseGeneral: a linear map over trailing input axes to an output shape, with an optional LoRA adapter."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def variance_scaling_init(key: jax.Array, shape: Sequence[int], fan_in: int, dtype: jnp.dtype) -> jax.Array:
+  """Truncated-normal init with variance 1/fan_in (MaxText's default kernel init)."""
+  std = 1.0 / math.sqrt(fan_in) / 0.87962566103423978  # stddev of a unit normal truncated to [-2, 2]
+  return (jax.random.truncated_normal(key, -2.0, 2.0, tuple(shape), jnp.float32) * std).astype(dtype)
+
+
+class DenseGeneral(nnx.Module):
+  """y = x . kernel, contracting the last len(in_shape) axes of x.
+
+  kernel has shape in_shape + out_shape and logical axes `logical_axes`.
+  `lora` is an optional adapter module (see maxtext.layers.lora) added to the output.
+  """
+
+  def __init__(
+    self,
+    in_shape: Sequence[int],
+    out_shape: Sequence[int],
+    logical_axes: Sequence[str | None],
+    *,
+    dtype: jnp.dtype,
+    weight_dtype: jnp.dtype,
+    precision: jax.lax.Precision,
+    rngs: nnx.Rngs,
+  ):
+    self.in_shape = tuple(in_shape)
+    self.out_shape = tuple(out_shape)
+    self.dtype = dtype
+    self.precision = precision
+    shape = self.in_shape + self.out_shape
+    self.kernel = nnx.Param(variance_scaling_init(rngs.params(), shape, math.prod(self.in_shape), weight_dtype), logical_axes=tuple(logical_axes))
+    self.lora: nnx.Module | None = None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n_in = len(self.in_shape)
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    kernel = self.kernel[...].astype(self.dtype)
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel, (contract, ((), ())), precision=self.precision)
+    if self.lora is not None:
+      y = y + self.lora(x).astype(y.dtype)
+    return y

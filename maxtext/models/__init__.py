@@ -1,0 +1,57 @@
+"""Decoder models: build them, create them already sharded, and map their parameters to shardings."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from maxtext.config import MaxTextConfig
+from maxtext.mesh import logical_sharding
+from maxtext.models.decoder import Transformer
+
+__all__ = ["Transformer", "abstract_model", "build", "create_sharded", "logical_axes", "state_shardings"]
+
+
+def build(config: MaxTextConfig, rngs: nnx.Rngs | None = None) -> Transformer:
+  """The model with freshly initialised parameters on the default device (small models, tests)."""
+  return Transformer(config, rngs=rngs or nnx.Rngs(config.init_weights_seed))
+
+
+def abstract_model(config: MaxTextConfig) -> Transformer:
+  """The model with ShapeDtypeStruct parameters: no memory allocated."""
+  return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(config.init_weights_seed)))
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def logical_axes(state: nnx.State) -> nnx.State:
+  """Pytree of each variable's logical axis names (None where a variable has none)."""
+  return jax.tree.map(lambda v: v.get_metadata().get("logical_axes"), state, is_leaf=_is_variable)
+
+
+def state_shardings(state: nnx.State, config: MaxTextConfig, mesh: Mesh) -> nnx.State:
+  """Pytree of NamedSharding matching state, from logical axes and config.logical_axis_rules."""
+  return jax.tree.map(lambda v: logical_sharding(v.get_metadata().get("logical_axes"), config, mesh), state, is_leaf=_is_variable)
+
+
+def create_sharded(config: MaxTextConfig, mesh: Mesh, seed: int | None = None) -> Transformer:
+  """Initialise the model with every parameter born sharded (no full host copy)."""
+  seed = config.init_weights_seed if seed is None else seed
+  graphdef, abstract_state = nnx.split(abstract_model(config))
+  shardings = state_shardings(abstract_state, config, mesh)
+
+  @jax.jit
+  def init() -> nnx.State:
+    return nnx.state(Transformer(config, rngs=nnx.Rngs(seed)))
+
+  with jax.set_mesh(mesh):
+    state = jax.jit(init, out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
+
+
+def sharding_tree(model: Transformer) -> dict[str, NamedSharding]:
+  """Current sharding of every parameter, by path (for inspection and tests)."""
+  return {"/".join(map(str, path)): v[...].sharding for path, v in nnx.to_flat_state(nnx.state(model))}

@@ -1,0 +1,59 @@
+"""One decoder layer, shared by every family: attention and MLP/MoE branches around residual connections."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtext.config import MaxTextConfig
+from maxtext.layers.attention import Attention
+from maxtext.layers.dtypes import dtype
+from maxtext.layers.mlp import MLP
+from maxtext.layers.moe import MoE
+from maxtext.layers.norms import RMSNorm
+from maxtext.layers.residual import make_connection
+from maxtext.layers.sharding import constrain
+from maxtext.models.family import Family
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, config: MaxTextConfig, family: Family, *, rngs: nnx.Rngs):
+    c = config
+    self.config = c
+    zc = family.zero_centered_norms
+
+    def norm() -> RMSNorm:
+      return RMSNorm(c.emb_dim, c.normalization_layer_epsilon, dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=zc)
+
+    self.pre_attention_norm = norm()
+    self.attention = Attention(c, rngs=rngs, zero_centered_norm=zc)
+    self.post_attention_norm = norm() if family.post_norms else None
+    self.pre_mlp_norm = norm()
+    self.mlp = MoE(c, rngs=rngs) if c.num_experts > 1 else MLP(c, rngs=rngs)
+    self.post_mlp_norm = norm() if family.post_norms else None
+    self.attention_connection = make_connection(c, rngs=rngs)
+    self.mlp_connection = make_connection(c, rngs=rngs)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x: residual stream state -> (new state, MoE load-balance loss of this layer)."""
+    aux = jnp.zeros((), jnp.float32)
+
+    def attention_branch(h: jax.Array) -> jax.Array:
+      y = self.attention(self.pre_attention_norm(h), positions, segment_ids, window)
+      return self.post_attention_norm(y) if self.post_attention_norm is not None else y
+
+    def mlp_branch(h: jax.Array) -> jax.Array:
+      nonlocal aux
+      h = self.pre_mlp_norm(h)
+      if isinstance(self.mlp, MoE):
+        valid = segment_ids != 0 if segment_ids is not None else jnp.ones(h.shape[:2], bool)
+        y, aux = self.mlp(h, valid)
+      else:
+        y = self.mlp(h)
+      return self.post_mlp_norm(y) if self.post_mlp_norm is not None else y
+
+    x = self.attention_connection(x, attention_branch)
+    x = self.mlp_connection(x, mlp_branch)
+    x = constrain(x, ("activation_batch", "activation_length") + (None,) * (x.ndim - 3) + ("activation_embed",), self.config.logical_axis_rules)
+    return x, aux

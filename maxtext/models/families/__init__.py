@@ -1,0 +1,1 @@
+"""One file per decoder family; each defines FAMILY."""

@@ -1,0 +1,16 @@
+"""decoder_block -> Family: the one place that knows every family."""
+
+from __future__ import annotations
+
+from maxtext.models.families import gemma2, llama2, mistral, mixtral, qwen3
+from maxtext.models.family import Family
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama2.FAMILY, mistral.FAMILY, mixtral.FAMILY, qwen3.FAMILY, gemma2.FAMILY)}
+
+
+def get(decoder_block: str) -> Family:
+  return FAMILIES[decoder_block]
+
+
+def by_hf_model_type(model_type: str) -> Family | None:
+  return next((f for f in FAMILIES.values() if model_type in f.hf_model_types), None)
