@@ -8,9 +8,18 @@ from maxtext.config import render
 from maxtext.config.loader import load_with_sources
 from maxtext.errors import cli_main
 
+USAGE = """usage: python -m maxtext.config <config.yml> [key=value ...] [--json]
+
+Print every resolved config key, its value and where the value came from
+(a YAML file, models/<model_name>.yml, command line, env M_<KEY>, default or derived).
+--json prints the same as a JSON object {key: {"value": ..., "source": ...}}."""
+
 
 @cli_main
 def main(argv: list[str]) -> None:
+  if any(a in ("-h", "--help") for a in argv):
+    print(USAGE)
+    return
   as_json = "--json" in argv
   args = [a for a in argv if a != "--json"]
   config, sources = load_with_sources(args)

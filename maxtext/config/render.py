@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from maxtext.config.maxtext_config import SECTION_CLASSES, MaxTextConfig
 from maxtext.config.sections import DerivedValues
@@ -30,7 +31,7 @@ def render_base_yml() -> str:
     lines.append(f"\n# --- {cls.__name__} ---")
     for name, field in cls.model_fields.items():
       default = field.get_default(call_default_factory=True)
-      if hasattr(default, "model_fields"):
+      if isinstance(default, BaseModel):
         lines.append(f"{name}:  # {field.description}")
         for sub, subfield in type(default).model_fields.items():
           lines.append(f"  {sub}: {yaml_value(getattr(default, sub))}  # {subfield.description}")
@@ -40,7 +41,7 @@ def render_base_yml() -> str:
 
 
 def _plain(value: Any) -> Any:
-  if hasattr(value, "model_dump"):
+  if isinstance(value, BaseModel):
     return value.model_dump()
   if isinstance(value, tuple):
     return [_plain(v) for v in value]
@@ -54,7 +55,7 @@ def resolved(config: MaxTextConfig, sources: dict[str, str]) -> dict[str, dict[s
   out: dict[str, dict[str, Any]] = {}
   for key in (k for cls in SECTION_CLASSES for k in cls.model_fields):
     value = getattr(config, key)
-    if hasattr(value, "model_fields"):
+    if isinstance(value, BaseModel):
       for sub in type(value).model_fields:
         dotted = f"{key}.{sub}"
         out[dotted] = {"value": _plain(getattr(value, sub)), "source": sources.get(dotted, "default")}
@@ -64,8 +65,11 @@ def resolved(config: MaxTextConfig, sources: dict[str, str]) -> dict[str, dict[s
 
 
 def format_text(table: dict[str, dict[str, Any]]) -> str:
-  width = max(len(k) for k in table)
-  return "\n".join(f"{k:<{width}} = {yaml_value(v['value'])}    # {v['source']}" for k, v in table.items())
+  """One `key = value  # source` line per key, keys and (short) values aligned in columns."""
+  values = {k: yaml_value(v["value"]) for k, v in table.items()}
+  key_width = max(len(k) for k in table)
+  value_width = min(40, max(len(v) for v in values.values()))
+  return "\n".join(f"{k:<{key_width}} = {values[k]:<{value_width}}  # {v['source']}" for k, v in table.items())
 
 
 def format_json(table: dict[str, dict[str, Any]]) -> str:
