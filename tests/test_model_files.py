@@ -129,6 +129,8 @@ def test_tiny_gemma2_sliding_window_flops_by_hand():
   weights = 2 * (TINY_LAYER + 2 * 8) + 8 + 32 * 8  # gemma2: 4 norms per layer
   attention = 6 * tokens * (16 + 4) * 2 * 4  # layer 0 local (4 keys), layer 1 global (16 keys)
   assert counting.training_flops_per_step(config) == 6 * tokens * weights + attention
+  mistral = from_overrides(num_devices=1, decoder_block="mistral", sliding_window_size=4, **TINY)  # every layer local
+  assert counting.attended_keys(mistral) == 4 + 4
 
 
 def test_moe_counts_by_hand():

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from maxtext.models import registry
+
 if TYPE_CHECKING:
   from maxtext.config import MaxTextConfig
 
@@ -28,8 +30,8 @@ def _dense_mlp_shapes(c: MaxTextConfig) -> dict[str, tuple[int, int]]:
 
 
 def _norms_per_layer(c: MaxTextConfig) -> int:
-  """RMSNorm scales of size emb_dim per layer: gemma2 normalises before and after both sub-blocks."""
-  return 4 if c.decoder_block == "gemma2" else 2
+  """RMSNorm scales of size emb_dim per layer: 4 for families with post-branch norms (gemma2), else 2."""
+  return 4 if registry.get(c.decoder_block).post_norms else 2
 
 
 def mhc_params_per_layer(c: MaxTextConfig) -> int:
@@ -92,12 +94,14 @@ def param_count(config: MaxTextConfig, include_embedding: bool = True, active_on
   return total
 
 
-def sliding_window_layers(config: MaxTextConfig) -> int:
-  """Layers that attend within sliding_window_size: gemma2 alternates (layers 0, 2, 4, ...), other blocks use it on every layer."""
-  c = config
-  if c.sliding_window_size <= 0:
-    return 0
-  return (c.num_decoder_layers + 1) // 2 if c.decoder_block == "gemma2" else c.num_decoder_layers
+def attended_keys(config: MaxTextConfig) -> int:
+  """Keys each query attends to, summed over layers: min(seq, window) on sliding-window layers, seq elsewhere.
+
+  The per-layer windows come from the decoder family (gemma2: even layers local, odd layers global;
+  other families: sliding_window_size on every layer, 0 = full attention).
+  """
+  seq = config.max_target_length
+  return sum(min(seq, w) if w > 0 else seq for w in registry.get(config.decoder_block).layer_windows(config))
 
 
 def training_flops_per_step(config: MaxTextConfig) -> float:
@@ -111,10 +115,7 @@ def training_flops_per_step(config: MaxTextConfig) -> float:
   c = config
   tokens = c.global_batch_size_to_train_on * c.max_target_length
   weights = param_count(c, include_embedding=False, active_only=True) + c.vocab_size * c.emb_dim
-  seq = c.max_target_length
-  local = sliding_window_layers(c)
-  keys = (c.num_decoder_layers - local) * seq + local * min(seq, c.sliding_window_size or seq)
-  attention = 6 * tokens * keys * c.num_query_heads * c.head_dim
+  attention = 6 * tokens * attended_keys(c) * c.num_query_heads * c.head_dim
   return float(6 * tokens * weights + attention)
 
 
