@@ -13,6 +13,9 @@ def uniform_windows(config: MaxTextConfig) -> list[int]:
   return [config.sliding_window_size] * config.num_decoder_layers
 
 
+LLAMA_HF_NORMS = {"pre_attention_norm": "input_layernorm", "pre_mlp_norm": "post_attention_layernorm"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
   name: str
@@ -21,3 +24,4 @@ class Family:
   zero_centered_norms: bool = False  # norm scale applied as (1 + s) (Gemma)
   scale_embedding: bool = False  # multiply embeddings by sqrt(emb_dim) (Gemma)
   layer_windows: Callable[[MaxTextConfig], list[int]] = uniform_windows  # sliding window per layer
+  hf_norm_names: dict[str, str] = dataclasses.field(default_factory=lambda: dict(LLAMA_HF_NORMS))  # our norm -> HF module name

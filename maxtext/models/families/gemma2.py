@@ -17,4 +17,10 @@ FAMILY = Family(
   zero_centered_norms=True,
   scale_embedding=True,
   layer_windows=alternating_windows,
+  hf_norm_names={
+    "pre_attention_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "pre_mlp_norm": "pre_feedforward_layernorm",
+    "post_mlp_norm": "post_feedforward_layernorm",
+  },
 )

@@ -1,0 +1,1 @@
+"""Conversion between Hugging Face checkpoints (config.json + safetensors) and maxtext parameters."""

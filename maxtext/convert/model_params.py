@@ -1,0 +1,52 @@
+"""Flat '/'-joined parameter dicts <-> nnx models."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from maxtext import models
+from maxtext.config import MaxTextConfig
+from maxtext.errors import ConfigError
+
+
+def path_str(path: tuple) -> str:
+  return "/".join(str(p) for p in path)
+
+
+def flat_params(model_or_state: nnx.Module | nnx.State) -> dict[str, jax.Array]:
+  """Every variable of a model (or state) by path."""
+  state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
+  return {path_str(path): v[...] for path, v in nnx.to_flat_state(state)}
+
+
+def model_from_flat(config: MaxTextConfig, flat: dict[str, np.ndarray], mesh: Mesh | None = None) -> models.Transformer:
+  """Build the config's model and assign every parameter from flat (cast to weight_dtype, sharded over mesh if given)."""
+  graphdef, abstract = nnx.split(models.abstract_model(config))
+  shardings = models.state_shardings(abstract, config, mesh) if mesh is not None else None
+  sharding_by_path = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+  expected = dict(nnx.to_flat_state(abstract))
+  names = {path_str(p): p for p in expected}
+  missing = sorted(set(names) - set(flat))
+  unexpected = sorted(set(flat) - set(names))
+  if missing or unexpected:
+    parts = []
+    if missing:
+      parts.append(f"missing {', '.join(missing[:5])}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    if unexpected:
+      parts.append(f"unexpected {', '.join(unexpected[:5])}" + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
+    raise ConfigError(f"parameters do not match the model of this config: {'; '.join(parts)}")
+  leaves = []
+  for name, path in names.items():
+    var = expected[path]
+    value = flat[name]
+    if tuple(value.shape) != tuple(var.shape):
+      raise ConfigError(f"parameter '{name}' has shape {tuple(value.shape)} but the config's model needs {tuple(var.shape)}; check the config")
+    array = jnp.asarray(value, dtype=var.dtype)
+    if path in sharding_by_path:
+      array = jax.device_put(array, sharding_by_path[path])
+    leaves.append((path, var.replace(array)))
+  return nnx.merge(graphdef, nnx.from_flat_state(leaves))

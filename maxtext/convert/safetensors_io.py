@@ -1,0 +1,57 @@
+"""Read and write Hugging Face model directories (config.json + one or more safetensors files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from maxtext.errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+
+
+def read_config(hf_dir: str | Path) -> dict[str, Any]:
+  path = Path(hf_dir) / "config.json"
+  if not path.is_file():
+    raise ConfigError(f"'{path}' not found; pass a Hugging Face model directory holding config.json and *.safetensors")
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"'{path}' is not valid JSON (line {e.lineno}); fix or re-download the file") from None
+
+
+def read_tensors(hf_dir: str | Path) -> dict[str, np.ndarray]:
+  """All tensors of the directory's safetensors files (bfloat16 is read as float32 exactly)."""
+  d = Path(hf_dir)
+  index = d / INDEX
+  if index.is_file():
+    files = sorted({d / f for f in json.loads(index.read_text())["weight_map"].values()})
+  else:
+    files = sorted(d.glob("*.safetensors"))
+  if not files:
+    raise ConfigError(f"no *.safetensors files in '{d}'; convert .bin checkpoints to safetensors first")
+  tensors: dict[str, np.ndarray] = {}
+  for f in files:
+    tensors.update(_load(f))
+  return tensors
+
+
+def _load(path: Path) -> dict[str, np.ndarray]:
+  try:
+    return load_file(str(path))
+  except (TypeError, ValueError):  # dtypes numpy lacks (bfloat16): read through JAX, which keeps them exactly
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="flax") as f:
+      return {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
+
+
+def write(hf_dir: str | Path, config: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
+  d = Path(hf_dir)
+  d.mkdir(parents=True, exist_ok=True)
+  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+  (d / "config.json").write_text(json.dumps(config, indent=2) + "\n")
