@@ -81,6 +81,7 @@ def test_cli_yaml_typing():
   )
   assert config.steps == 10 and config.mlp_activations == ["gelu"] and config.max_num_checkpoints_to_keep is None
   assert config.run_name == "2024" and config.learning_rate == 3e-4 and config.enable_checkpointing is False
+  assert load([BASE, "remat_policy=none"], env={"M_PROFILER": ""}, num_devices=1).remat_policy == "none"  # a Literal choice, not None
 
 
 def test_nested_lora_keys_from_cli_yaml_and_python(tmp_path):

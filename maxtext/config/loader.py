@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -131,15 +132,18 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
   """YAML typing for command-line values; 'none' (any case) is None.
 
   For a string-typed key a value that YAML reads as a number or bool stays the
-  text the user typed (`run_name=2024` is the name '2024', not an int).
+  text the user typed (`run_name=2024` is the name '2024', not an int), and a
+  value spelled like one of a Literal key's choices is that choice.
   """
+  field = _field(key) if key else None
+  if field is not None and text in typing.get_args(field.annotation) and typing.get_origin(field.annotation) is typing.Literal:
+    return text  # a Literal choice is taken as typed: remat_policy=none is the policy 'none'
   if text.strip().lower() in ("none", "null", "~"):
     return None
   try:
     value = _yaml_load(text) if text.strip() else text
   except yaml.YAMLError:
     return text
-  field = _field(key) if key else None
   if field is not None and field.annotation is str and isinstance(value, bool | int | float):
     return text
   return value
