@@ -118,6 +118,7 @@ CASES = [
     "warmup_steps_fraction + wsd_decay_steps_fraction > 1",
   ),
   ("no_config_file", [], {}, "no config file given"),
+  ("key_value_first", ["steps=5"], {}, "the first argument must be a YAML config file, got 'steps=5'"),
 ]
 
 CLI_CASES = ["unknown_key", "typo_in_yaml", "wrong_type_int", "bad_yaml", "missing_file", "base_config_cycle", "product_mismatch", "model_conflict"]

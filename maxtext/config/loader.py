@@ -237,6 +237,8 @@ def load_with_sources(
     raise ConfigError("no config file given; usage: python -m maxtext.<entry> configs/base.yml key=value ...")
   env = os.environ if env is None else env
   config_path = Path(argv[0])
+  if "=" in argv[0] and not config_path.is_file():
+    raise ConfigError(f"the first argument must be a YAML config file, got '{argv[0]}'; usage: python -m maxtext.<entry> configs/base.yml key=value ...")
   values, sources = _load_yaml_chain(config_path)
   cli = _parse_cli(argv[1:])
   env_values = _parse_env(env)
