@@ -10,8 +10,8 @@ from maxtext.models import counting
 ROOT = Path(__file__).resolve().parents[1]
 BASE = str(ROOT / "configs" / "base.yml")
 
-# Published sizes in billions: the Hugging Face safetensors totals, with tied embeddings counted once
-# (Qwen3-0.6B/1.7B/4B and Gemma 2 tie the output projection to the embedding).
+# Published sizes in billions, with a tied output projection counted once (it is one tensor): the Hugging Face
+# safetensors totals; for Qwen3-0.6B/1.7B/4B, whose safetensors also store the tied lm_head, the model-card size.
 PUBLISHED_BILLIONS = {
   "llama2-7b": 6.74,
   "llama2-13b": 13.02,
@@ -33,7 +33,7 @@ PUBLISHED_BILLIONS = {
   "gemma2-27b": 27.23,
 }
 
-# Exact safetensors totals (number of parameters) known for a few models.
+# Exact parameter counts known for a few models (qwen3-0.6b: 751,632,384 on HF minus the duplicated 151936 x 1024 lm_head).
 EXACT = {
   "llama2-7b": 6_738_415_616,
   "llama3.1-8b": 8_030_261_248,
