@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = str(ROOT / "configs" / "base.yml")
 
 # Published sizes in billions, with a tied output projection counted once (it is one tensor): the Hugging Face
-# safetensors totals; for Qwen3-0.6B/1.7B/4B, whose safetensors also store the tied lm_head, the model-card size.
+# safetensors totals; for Qwen3-0.6B and 1.7B, whose safetensors also store the tied lm_head, the model-card size.
 PUBLISHED_BILLIONS = {
   "llama2-7b": 6.74,
   "llama2-13b": 13.02,
