@@ -1,0 +1,90 @@
+"""Convert checkpoints between Hugging Face and maxtext.
+
+python -m maxtext.convert hf-to-maxtext --hf-dir D --out O [key=value ...]
+python -m maxtext.convert maxtext-to-hf --checkpoint O --out D [--config configs/base.yml key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from maxtext.errors import ConfigError, cli_main
+
+MODEL_YML = "maxtext_model.yml"
+BASE_YML = Path(__file__).resolve().parents[2] / "configs" / "base.yml"
+
+
+def _refuse_existing(out: Path) -> None:
+  if out.exists() and any(out.iterdir()):
+    raise ConfigError(f"output '{out}' already exists and is not empty; choose a new --out (nothing was overwritten)")
+
+
+def hf_to_maxtext(hf_dir: str, out: str, overrides: list[str]) -> None:
+  from maxtext.config.loader import parse_cli_value
+  from maxtext.convert import checkpoint_io
+  from maxtext.convert.hf_config import overrides_from_hf
+  from maxtext.convert.safetensors_io import read_config
+  from maxtext.hf import from_hf
+
+  out_path = Path(out)
+  _refuse_existing(out_path)
+  extra = {k: parse_cli_value(v) for k, v in (_split(a) for a in overrides)}
+  model, config = from_hf(hf_dir, **extra)
+  checkpoint_io.save(out_path, model)
+  keys = {**overrides_from_hf(read_config(hf_dir)), **extra}
+  keys.pop("dtype", None)
+  model_yml = {"base_config": str(BASE_YML), **keys, "load_parameters_path": str(out_path.absolute())}
+  (out_path / MODEL_YML).write_text(yaml.safe_dump(model_yml, sort_keys=False))
+  print(f"wrote {out_path} ({config.decoder_block}, {config.num_decoder_layers} layers)")
+  print(f"train from it: python -m maxtext.train {out_path / MODEL_YML} run_name=<name> ...")
+
+
+def maxtext_to_hf(checkpoint: str, out: str, config_args: list[str]) -> None:
+  from maxtext.config import load
+  from maxtext.convert import checkpoint_io, hf_params, safetensors_io
+  from maxtext.convert.hf_config import hf_config_from
+
+  ckpt = Path(checkpoint)
+  if not config_args:
+    if not (ckpt / MODEL_YML).is_file():
+      raise ConfigError(f"no {MODEL_YML} in '{ckpt}'; pass --config configs/base.yml model_name=... (the config the checkpoint was trained with)")
+    config_args = [str(ckpt / MODEL_YML)]
+  out_path = Path(out)
+  _refuse_existing(out_path)
+  config = load(config_args + ["load_parameters_path=", "ici_fsdp_parallelism=-1"], env={})
+  flat = checkpoint_io.load_flat(ckpt, config)
+  safetensors_io.write(out_path, hf_config_from(config), hf_params.maxtext_to_hf(flat, config))
+  print(f"wrote {out_path} (config.json + model.safetensors)")
+
+
+def _split(arg: str) -> tuple[str, str]:
+  if "=" not in arg:
+    raise ConfigError(f"argument '{arg}' is not key=value; write e.g. scan_layers=false")
+  return tuple(arg.split("=", 1))  # type: ignore[return-value]
+
+
+@cli_main
+def main(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(prog="python -m maxtext.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  a = sub.add_parser("hf-to-maxtext", help="Hugging Face directory -> Orbax params checkpoint")
+  a.add_argument("--hf-dir", required=True)
+  a.add_argument("--out", required=True)
+  a.add_argument("overrides", nargs="*", help="config key=value overrides (e.g. scan_layers=false)")
+  b = sub.add_parser("maxtext-to-hf", help="Orbax params (or full-state) checkpoint -> Hugging Face directory")
+  b.add_argument("--checkpoint", required=True)
+  b.add_argument("--out", required=True)
+  b.add_argument("--config", nargs="+", default=[], help="config file and key=value the checkpoint was trained with")
+  args = parser.parse_args(argv)
+  if args.command == "hf-to-maxtext":
+    hf_to_maxtext(args.hf_dir, args.out, args.overrides)
+  else:
+    maxtext_to_hf(args.checkpoint, args.out, args.config)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
