@@ -1,0 +1,1 @@
+"""Ahead-of-time compilation for TPU topologies without hardware: devices, memory report, executable files."""

@@ -1,0 +1,124 @@
+"""Per-device memory of a compiled step, against the chip's HBM; parses XLA's out-of-memory errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+
+from maxtext.errors import UserError
+
+EXIT_DOES_NOT_FIT = 3
+GIB = 1024**3
+_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}
+_SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
+
+
+class DoesNotFit(UserError):
+  """The step compiles for the topology but needs more memory per device than the chip has."""
+
+  exit_code = EXIT_DOES_NOT_FIT
+
+
+def gib(n: int | float) -> str:
+  return f"{n / GIB:.2f}"
+
+
+def _bytes(number: str, unit: str) -> int:
+  return int(float(number) * _UNITS[unit.upper()])
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """Bytes per device. total = arguments + outputs - aliased (donated) + temporaries."""
+
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  alias_bytes: int
+  hbm_bytes: int
+  largest: str = ""  # the largest contributor, when known
+  out_of_memory: bool = False  # XLA refused to compile for lack of memory
+
+  @property
+  def total_bytes(self) -> int:
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+  @property
+  def fits(self) -> bool:
+    return not self.out_of_memory and self.total_bytes <= self.hbm_bytes
+
+  def lines(self) -> list[str]:
+    if self.out_of_memory:
+      return [
+        f"XLA ran out of memory compiling the step: arguments {gib(self.argument_bytes)} GiB (outputs alias the donated state)"
+        f" + temporaries {gib(self.temp_bytes)} GiB = {gib(self.total_bytes)} GiB; {gib(self.hbm_bytes)} GiB HBM: does NOT fit"
+      ]
+    return [
+      f"per-device memory: arguments {gib(self.argument_bytes)} GiB, outputs {gib(self.output_bytes)} GiB"
+      f" (aliased {gib(self.alias_bytes)} GiB), temporaries {gib(self.temp_bytes)} GiB",
+      f"total {gib(self.total_bytes)} GiB of {gib(self.hbm_bytes)} GiB HBM: {'fits' if self.fits else 'does NOT fit'}",
+    ]
+
+  def does_not_fit_message(self, chip: str) -> str:
+    largest = f" (largest: {self.largest})" if self.largest else ""
+    needs = gib(self.total_bytes) if self.total_bytes > self.hbm_bytes else f"more than {gib(self.hbm_bytes)}"
+    return f"does not fit: needs {needs} GiB per device, {chip} has {gib(self.hbm_bytes)} GiB{largest}"
+
+
+def _largest_of(report: dict[str, int]) -> str:
+  name = max(report, key=report.get)
+  return f"{name} {gib(report[name])} GiB"
+
+
+def from_compiled(compiled: jax.stages.Compiled, hbm_bytes: int) -> MemoryReport:
+  stats = compiled.memory_analysis()
+  if stats is None:
+    raise RuntimeError("this backend reports no memory analysis for compiled code")
+  parts = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
+  return MemoryReport(
+    argument_bytes=stats.argument_size_in_bytes,
+    output_bytes=stats.output_size_in_bytes,
+    temp_bytes=stats.temp_size_in_bytes,
+    alias_bytes=stats.alias_size_in_bytes,
+    hbm_bytes=hbm_bytes,
+    largest=_largest_of(parts),
+  )
+
+
+def shard_bytes(tree: Any) -> int:
+  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (or arrays): the largest shard, counted per leaf."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+    total += math.prod(shape) * jax.numpy.dtype(leaf.dtype).itemsize
+  return total
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  text = str(error)
+  return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
+
+
+def from_oom_error(error: BaseException, argument_bytes: int, hbm_bytes: int) -> MemoryReport:
+  """Best estimate of what a step that failed to compile with an out-of-memory error needs per device.
+
+  XLA says either 'the total memory required for HLO temporaries (35.00G) exceeds available HBM (15.75G)'
+  or 'Used 120.5G of 95.74G hbm'; the donated state's outputs alias its arguments, so arguments + temporaries is the need.
+  """
+  text = str(error)
+  temp, largest = 0, ""
+  m = re.search(r"required for ([\w ]+?) \(" + _SIZE + r"\) exceeds", text)
+  if m:
+    temp, largest = _bytes(m.group(2), m.group(3)), f"{m.group(1)} {gib(_bytes(m.group(2), m.group(3)))} GiB"
+  else:
+    m = re.search(r"Used " + _SIZE + r" of " + _SIZE, text)
+    if m:
+      temp = max(0, _bytes(m.group(1), m.group(2)) - argument_bytes)
+  m = re.search(r"Largest program allocations in \w+:\s*1\.\s*Size:\s*" + _SIZE + r"[\s\S]*?(?:Operator|Shape):\s*(.+)", text)
+  if m:
+    largest = f"{m.group(3).strip()[:120]} {gib(_bytes(m.group(1), m.group(2)))} GiB"
+  return MemoryReport(argument_bytes, 0, temp, 0, hbm_bytes, largest=largest, out_of_memory=True)

@@ -1,0 +1,45 @@
+"""`python -m maxtext.train_compile configs/base.yml compile_topology=v5p-8 [compile_topology_num_slices=2] key=value ...`
+
+Compiles the train step of maxtext.train for a TPU topology on a CPU-only host (needs libtpu), prints the
+per-device memory against the chip's HBM, and ends with one JSON line. Exit 0: fits; 3: does not fit; 2: user error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from maxtext.errors import cli_main
+
+
+@cli_main
+def main(argv: list[str]) -> None:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices need no local accelerator
+  from maxtext import topology
+  from maxtext.aot import compile as aot_compile
+  from maxtext.aot import executable, memory
+  from maxtext.config import ConfigError, load
+
+  config = load(argv)
+  if not config.compile_topology:
+    raise ConfigError("compile_topology is not set; pass e.g. compile_topology=v5p-8 (names: docs/tpu.md)")
+  chip = topology.parse(config.compile_topology).chip.generation
+  where = f"{config.compile_topology} x {config.compile_topology_num_slices} slice(s) ({config.num_devices} devices)"
+  print(f"compiling the train step of {config.model_name} for {where}: ici {config.ici_parallelism}, dcn {config.dcn_parallelism}", flush=True)
+  result = aot_compile.compile_for_topology(config)
+  print(
+    f"compiled in {result.compile_seconds:.1f}s; model TFLOPs per step {result.tflops_per_step:.2f} ({result.tflops_per_step / config.num_devices:.3f} per device)"
+  )
+  for line in result.memory.lines():
+    print(line)
+  print(json.dumps(result.summary()), flush=True)
+  if not result.memory.fits:
+    raise memory.DoesNotFit(result.memory.does_not_fit_message(chip))
+  if config.compiled_trainstep_file:
+    executable.save(config.compiled_trainstep_file, result.compiled, config, result.devices)
+    print(f"saved the compiled train step to {config.compiled_trainstep_file}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
