@@ -11,7 +11,6 @@ from maxtext.config import MaxTextConfig
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
 from maxtext.layers.mlp import activation
-from maxtext.layers.sharding import constrain
 
 
 def route(router_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -34,7 +33,7 @@ def load_balance_loss(probs: jax.Array, experts: jax.Array, valid: jax.Array) ->
 
 
 class MoE(nnx.Module):
-  """Experts' weights stacked [E, ...]. Every token is computed exactly (no capacity, no dropping)."""
+  """Experts' weights stacked [num_experts, ...]. Every routed token is computed exactly (no capacity, no dropping)."""
 
   def __init__(self, config: MaxTextConfig, *, rngs: nnx.Rngs):
     c = config
@@ -49,19 +48,29 @@ class MoE(nnx.Module):
     self.wo = nnx.Param(variance_scaling_init(rngs.params(), (n, m, e), m, wdt), logical_axes=("exp", "mlp", "embed"))
 
   def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [B,S,E], valid [B,S] bool (tokens counted in the load-balance loss) -> (y [B,S,E], aux loss)."""
+    """x [B,S,E], valid [B,S] bool (tokens counted in the load-balance loss) -> (y [B,S,E], aux loss).
+
+    Dropless: each (token, chosen expert) pair is sorted by expert and the experts run as
+    grouped matmuls (jax.lax.ragged_dot), so compute is proportional to num_experts_per_tok.
+    """
     c = self.config
     b, s, e = x.shape
-    tokens = x.reshape(b * s, e)
-    weights, experts, probs = route(self.gate(tokens), c.num_experts_per_tok)
+    k = c.num_experts_per_tok
+    tokens = x.reshape(b * s, e).astype(self.dtype)
+    weights, experts, probs = route(self.gate(tokens), k)
     aux = load_balance_loss(probs, experts, valid.reshape(-1))
-    # Combine weights [T, E]: zero for experts a token is not routed to.
-    combine = jnp.sum(jax.nn.one_hot(experts, c.num_experts, dtype=jnp.float32) * weights[..., None], axis=1)
-    h0 = jnp.einsum("te,nem->tnm", tokens.astype(self.dtype), self.wi_0[...].astype(self.dtype), precision=self.precision)
-    h1 = jnp.einsum("te,nem->tnm", tokens.astype(self.dtype), self.wi_1[...].astype(self.dtype), precision=self.precision)
-    h0, h1 = checkpoint_name(h0, "mlpwi_0"), checkpoint_name(h1, "mlpwi_1")
+    flat_experts = experts.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)
+    group_sizes = jnp.bincount(flat_experts, length=c.num_experts).astype(jnp.int32)
+    routed = tokens[order // k]  # [T*k, E], grouped by expert
+
+    def grouped(lhs: jax.Array, w: nnx.Param) -> jax.Array:
+      return jax.lax.ragged_dot(lhs, w[...].astype(self.dtype), group_sizes, precision=self.precision)
+
+    h0 = checkpoint_name(grouped(routed, self.wi_0), "mlpwi_0")
+    h1 = checkpoint_name(grouped(routed, self.wi_1), "mlpwi_1")
     h = activation(c.mlp_activations[0])(h0) * activation(c.mlp_activations[-1])(h1)
-    h = constrain(h, ("activation_batch", "activation_exp", "activation_mlp"), c.logical_axis_rules)
-    out = jnp.einsum("tnm,nme->tne", h, self.wo[...].astype(self.dtype), precision=self.precision)
-    y = jnp.einsum("tne,tn->te", out.astype(jnp.float32), combine).astype(self.dtype)
+    out = grouped(h, self.wo)  # [T*k, E]
+    slots = jnp.zeros_like(out).at[order].set(out).reshape(b * s, k, e)
+    y = jnp.einsum("tke,tk->te", slots.astype(jnp.float32), weights).astype(self.dtype)
     return checkpoint_name(y.reshape(b, s, e), "mlpwo"), aux
