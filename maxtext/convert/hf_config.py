@@ -85,11 +85,17 @@ def overrides_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def _int_if_whole(x: float) -> int | float:
+  return int(x) if float(x).is_integer() else x
+
+
 def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
   """A Hugging Face config.json for a maxtext config (transformers loads it)."""
   c = config
   if c.decoder_block not in HF_ARCHITECTURES:
     raise ConfigError(f"decoder_block '{c.decoder_block}' has no Hugging Face export")
+  if (c.num_experts > 1) != (c.decoder_block == "mixtral"):
+    raise ConfigError(f"decoder_block '{c.decoder_block}' with num_experts={c.num_experts} has no Hugging Face equivalent; use mixtral for experts")
   if c.mlp_activations[-1] != "linear" or len(c.mlp_activations) != 2:
     raise ConfigError(f"mlp_activations {c.mlp_activations} have no Hugging Face equivalent; use [<act>, linear]")
   rope: dict[str, Any] = {"rope_theta": c.rope_max_timescale, "rope_type": "default"}
@@ -132,7 +138,7 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
       sliding_window=c.sliding_window_size,
       attn_logit_softcapping=c.attn_logits_soft_cap,
       final_logit_softcapping=c.final_logits_soft_cap,
-      query_pre_attn_scalar=c.query_pre_attn_scalar or c.head_dim,
+      query_pre_attn_scalar=_int_if_whole(c.query_pre_attn_scalar or c.head_dim),
       layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(c.num_decoder_layers)],
     )
   if c.decoder_block == "mixtral":

@@ -1,0 +1,53 @@
+"""`python -m maxtext.convert`: HF -> Orbax params -> HF through the real command line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.hf_fixtures import save_tiny_model
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  return subprocess.run([sys.executable, "-m", "maxtext.convert", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  root = tmp_path_factory.mktemp("convert")
+  save_tiny_model("gemma2", root / "hf")
+  result = run("hf-to-maxtext", "--hf-dir", str(root / "hf"), "--out", str(root / "mt"))
+  assert result.returncode == 0, result.stderr
+  return root
+
+
+def test_round_trip_through_the_cli_is_bit_identical(converted):
+  result = run("maxtext-to-hf", "--checkpoint", str(converted / "mt"), "--out", str(converted / "hf2"))
+  assert result.returncode == 0, result.stderr
+  a, b = load_file(str(converted / "hf" / "model.safetensors")), load_file(str(converted / "hf2" / "model.safetensors"))
+  assert sorted(a) == sorted(b)
+  assert all(np.array_equal(a[k], b[k]) for k in a)
+  import transformers
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(converted / "hf2")
+  assert type(model).__name__ == "Gemma2ForCausalLM"
+
+
+def test_existing_output_is_refused_with_one_line(converted):
+  before = sorted(p.name for p in (converted / "mt").iterdir())
+  result = run("hf-to-maxtext", "--hf-dir", str(converted / "hf"), "--out", str(converted / "mt"))
+  assert result.returncode == 2
+  assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: output") and "Traceback" not in result.stderr
+  assert sorted(p.name for p in (converted / "mt").iterdir()) == before
+
+
+def test_missing_hf_dir_is_one_line_error(tmp_path):
+  result = run("hf-to-maxtext", "--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
+  assert result.returncode == 2 and result.stderr.startswith("error: ") and "config.json" in result.stderr
+  assert not (tmp_path / "o").exists()
