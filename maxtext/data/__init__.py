@@ -1,0 +1,51 @@
+"""Input pipeline: `create_iterator(config, mesh, split) -> DataIterator` of global, sharded batches (see docs/data.md)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from maxtext.errors import ConfigError
+
+if TYPE_CHECKING:
+  from jax.sharding import Mesh
+
+  from maxtext.config import MaxTextConfig
+  from maxtext.data.iterator import DataIterator
+
+SPLITS = ("train", "eval")
+
+
+def create_iterator(config: MaxTextConfig, mesh: Mesh, split: str = "train") -> DataIterator:
+  """Global batches of `split` ('train' or 'eval') for config.dataset_type; this process reads only its share."""
+  import jax
+
+  if split not in SPLITS:
+    raise ConfigError(f"unknown data split '{split}'; use 'train' or 'eval'")
+  if config.dataset_type == "synthetic":
+    from maxtext.data.synthetic import SyntheticIterator
+
+    return SyntheticIterator(config, mesh, split)
+
+  from maxtext.data.iterator import DataIterator
+  from maxtext.data.pipeline import local_batches
+
+  process_index, process_count = jax.process_index(), jax.process_count()
+  local_batch = local_batch_size(config, mesh, process_count)
+  dataset, description = local_batches(config, split, process_index, process_count, local_batch)
+  return DataIterator(dataset, config, mesh, split, description, process_index, process_count)
+
+
+def local_batch_size(config: MaxTextConfig, mesh: Mesh, process_count: int) -> int:
+  """Rows each process loads; the global batch must split evenly over processes and the data-sharding axes."""
+  rows = config.global_batch_size_to_train_on
+  shards = 1
+  for axis in config.data_sharding:
+    shards *= mesh.shape.get(axis, 1)
+  if rows % shards:
+    raise ConfigError(f"global batch of {rows} rows does not split over {shards} data shards ({config.data_sharding}); change per_device_batch_size")
+  if rows % process_count:
+    raise ConfigError(f"global batch of {rows} rows does not split over {process_count} processes; change per_device_batch_size")
+  return rows // process_count
+
+
+__all__ = ["create_iterator", "local_batch_size"]

@@ -1,0 +1,42 @@
+"""The embedded corpus: Python's reference documentation topics (pydoc_data.topics), shipped with the interpreter.
+
+Every 10th topic (sorted by name) is held out as the eval split. With no tokenizer_path, a sentencepiece tokenizer
+of vocab_size tokens is trained on the train topics on first use and cached under base_output_directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grain
+
+from maxtext.data.sources import Source
+from maxtext.tokenizer.train import train_sentencepiece
+
+EVAL_EVERY = 10
+
+
+def documents(split: str) -> list[tuple[str, dict[str, str]]]:
+  """(where, {'text': ...}) of each topic in the split."""
+  from pydoc_data.topics import topics
+
+  names = sorted(topics)
+  held_out = split != "train"
+  return [(f"pydoc_data topic '{name}'", {"text": topics[name]}) for i, name in enumerate(names) if (i % EVAL_EVERY == 0) == held_out]
+
+
+def source(split: str) -> Source:
+  return Source(grain.MapDataset.source(documents(split)), f"embedded pydoc_data topics ({split})")
+
+
+def tokenizer_cache_path(base_output_directory: str, vocab_size: int) -> str:
+  return os.path.join(base_output_directory, "tokenizers", f"pydoc_topics_sp{vocab_size}.model")
+
+
+def cached_tokenizer(base_output_directory: str, vocab_size: int) -> str:
+  """Path of the sentencepiece model for the embedded corpus, trained (once) if missing."""
+  path = tokenizer_cache_path(base_output_directory, vocab_size)
+  if not os.path.exists(path):
+    texts = [doc["text"] for _, doc in documents("train")]
+    train_sentencepiece(texts, vocab_size, path)
+  return path

@@ -1,0 +1,153 @@
+"""Documents -> token rows: tokenize (text or SFT), truncate or chunk, shift targets, pad or finalize packed rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grain.experimental as gx
+import numpy as np
+
+from maxtext.data import sft
+from maxtext.data.records import decode_record, text_field
+from maxtext.errors import ConfigError, DataError
+from maxtext.tokenizer import Tokenizer
+
+BATCH_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_position", "targets_segmentation")
+# Features packed by grain; each gets `<name>_segment_ids` and `<name>_positions` beside it.
+PACKED_FEATURES = ("inputs", "targets", "weights")
+
+
+class DocumentEncoder:
+  """(where, raw record) -> {'tokens', 'mask'} (int32 vectors) or None for a document with nothing to learn.
+
+  mask[i] = 1 when token i is trained on as a target (i.e. predicting it carries loss weight).
+  """
+
+  def __init__(
+    self,
+    tokenizer: Tokenizer,
+    columns: Sequence[str],
+    add_bos: bool,
+    add_eos: bool,
+    use_sft: bool = False,
+    completion_only: bool = True,
+    chat_template: str | None = None,
+  ):
+    self.tokenizer = tokenizer
+    self.columns = list(columns)
+    self.bos = tokenizer.bos_id if add_bos else None
+    self.eos = tokenizer.eos_id if add_eos else None
+    if add_bos and tokenizer.bos_id is None:
+      raise ConfigError(f"add_bos is true but the tokenizer '{tokenizer.path}' has no BOS token; set add_bos=false")
+    if add_eos and tokenizer.eos_id is None:
+      raise ConfigError(f"add_eos is true but the tokenizer '{tokenizer.path}' has no EOS token; set add_eos=false")
+    self.use_sft = use_sft
+    self.completion_only = completion_only
+    self.chat_template = chat_template
+    if chat_template is not None:
+      sft.compile_template(chat_template)  # a syntax error surfaces now
+
+  def pieces(self, record: dict[str, Any], where: str) -> list[sft.Piece]:
+    """The document as (text, trainable) pieces."""
+    if not self.use_sft:
+      return [("\n".join(text_field(record, c, where) for c in self.columns), True)]
+    if len(self.columns) == 2:
+      return sft.prompt_completion(text_field(record, self.columns[0], where), text_field(record, self.columns[1], where))
+    column = self.columns[0]
+    if len(self.columns) != 1 or not isinstance(record.get(column), list):
+      if column not in record:
+        text_field(record, column, where)  # raises the missing-column error
+      raise DataError(f"{where}: use_sft needs a messages column (list of role/content turns) or two prompt/completion columns; set train_data_columns")
+    if self.chat_template is None:
+      raise ConfigError(
+        f"use_sft with a messages column needs a chat template and tokenizer '{self.tokenizer.path}' has none; set chat_template or chat_template_path"
+      )
+    messages = sft.check_messages(record[column], where)
+    return sft.render_messages(messages, self.chat_template, self.tokenizer.special_tokens, where)
+
+  def encode(self, record: dict[str, Any], where: str) -> dict[str, np.ndarray] | None:
+    pieces = [(text, trainable) for text, trainable in self.pieces(record, where) if text.strip()]
+    if not pieces:
+      return None
+    ids: list[int] = []
+    mask: list[int] = []
+    if self.bos is not None:
+      ids.append(self.bos)
+      mask.append(0)
+    for text, trainable in pieces:
+      tokens = self.tokenizer.encode(text)
+      ids += tokens
+      mask += [int(trainable or not self.completion_only)] * len(tokens)
+    if self.eos is not None:
+      ids.append(self.eos)
+      mask.append(int(pieces[-1][1] or not self.completion_only))
+    if len(ids) < 2:
+      return None
+    return {"tokens": np.asarray(ids, np.int32), "mask": np.asarray(mask, np.int32)}
+
+  def __call__(self, item: tuple[str, Any]) -> dict[str, np.ndarray] | None:
+    where, raw = item
+    return self.encode(decode_record(raw, where), where)
+
+
+def shift(tokens: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+  """Inputs are the tokens; targets are the next token within the row; the last token has target 0 and weight 0."""
+  zero = np.zeros(1, np.int32)
+  return {"inputs": tokens, "targets": np.concatenate([tokens[1:], zero]), "weights": np.concatenate([mask[1:], zero])}
+
+
+def truncate(doc: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+  return shift(doc["tokens"][:length], doc["mask"][:length])
+
+
+def chunk(doc: dict[str, np.ndarray], length: int) -> list[dict[str, np.ndarray]]:
+  """Consecutive rows of at most `length` tokens; a trailing piece of a single token is dropped (no target)."""
+  tokens, mask = doc["tokens"], doc["mask"]
+  return [shift(tokens[i : i + length], mask[i : i + length]) for i in range(0, len(tokens), length) if len(tokens) - i > 1]
+
+
+class ChunkTransform(gx.FlatMapTransform):
+  """grain flat-map: one document -> its rows of at most max_target_length tokens."""
+
+  max_fan_out = 1 << 30
+
+  def __init__(self, length: int):
+    self.length = length
+
+  def flat_map(self, element: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    return chunk(element, self.length)
+
+
+def pad_row(row: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+  """An unpacked row: one segment (id 1) padded with segment 0 to `length`."""
+  n = len(row["inputs"])
+  pad = length - n
+
+  def padded(x: np.ndarray) -> np.ndarray:
+    return np.pad(x.astype(np.int32), (0, pad))
+
+  segment = padded(np.ones(n, np.int32))
+  positions = padded(np.arange(n, dtype=np.int32))
+  return {
+    "inputs": padded(row["inputs"]),
+    "inputs_position": positions,
+    "inputs_segmentation": segment,
+    "targets": padded(row["targets"]),
+    "targets_position": positions,
+    "targets_segmentation": segment * padded(row["weights"]),
+  }
+
+
+def finalize_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """grain packer output -> batch keys; a target's segment id is zeroed where its weight is 0."""
+  segment = row["inputs_segment_ids"].astype(np.int32)
+  positions = row["inputs_positions"].astype(np.int32)
+  return {
+    "inputs": row["inputs"].astype(np.int32),
+    "inputs_position": positions,
+    "inputs_segmentation": segment,
+    "targets": row["targets"].astype(np.int32),
+    "targets_position": positions,
+    "targets_segmentation": segment * (row["weights"] != 0),
+  }

@@ -1,0 +1,131 @@
+"""DataIterator: this process's grain batches assembled into global, sharded jax.Arrays; resumable by state dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from maxtext import mesh as mesh_lib
+from maxtext.config import MaxTextConfig
+from maxtext.data.features import BATCH_KEYS
+from maxtext.errors import DataError, UserError
+
+STATE_VERSION = 1
+
+
+class DataIterator:
+  """Iterator of global batches: dict of int32 jax.Arrays [global_batch, max_target_length] sharded over the data axes.
+
+  Train data raises DataError once num_epoch passes are used up; eval data raises StopIteration at its end (its last
+  partial batch is padded with empty rows, segmentation 0). The first batch is read when the iterator is built,
+  so bad data fails before any training step.
+  """
+
+  def __init__(self, dataset, config: MaxTextConfig, mesh: Mesh, split: str, description: str, process_index: int, process_count: int):
+    self.split = split
+    self.description = description
+    self.process_index, self.process_count = process_index, process_count
+    self.local_batch = config.global_batch_size_to_train_on // process_count
+    self.num_epoch = config.num_epoch
+    self.global_shape = (config.global_batch_size_to_train_on, config.max_target_length)
+    self.sharding = mesh_lib.data_sharding(config, mesh)
+    self._dataset = dataset
+    self._it = iter(dataset)
+    self._batches_read = 0
+    self._peeked: dict[str, np.ndarray] | None = None
+    self._state_before_peek: dict[str, Any] | None = None
+    self._peek()
+    if self._peeked is None:
+      raise DataError(
+        f"the {split} data ({description}) yields no batch: no documents with text (after dropping empty ones) or too few for "
+        f"{self.local_batch} rows of {config.max_target_length} tokens; check the files and train_data_columns, or lower per_device_batch_size"
+      )
+
+  def __iter__(self) -> DataIterator:
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    local = self.next_local()
+    return {k: jax.make_array_from_process_local_data(self.sharding, local[k], self.global_shape) for k in BATCH_KEYS}
+
+  def next_local(self) -> dict[str, np.ndarray]:
+    """This process's rows of the next batch as numpy arrays."""
+    if self._peeked is not None:
+      batch, self._peeked, self._state_before_peek = self._peeked, None, None
+    else:
+      batch = self._read()
+    if batch is None:
+      if self.split == "train":
+        raise DataError(
+          f"the training data ({self.description}) is used up after num_epoch={self.num_epoch} epoch(s), {self._batches_read} batches; "
+          "raise num_epoch or lower steps"
+        )
+      raise StopIteration
+    self._batches_read += 1
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    """JSON-serialisable position of this process's data (restore it with set_state)."""
+    inner = self._state_before_peek if self._peeked is not None else self._it.get_state()
+    return {
+      "version": STATE_VERSION,
+      "split": self.split,
+      "process_index": self.process_index,
+      "process_count": self.process_count,
+      "batches_read": self._batches_read,
+      "grain": inner,
+    }
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Continue from a get_state() dict: the following batches equal those the saved iterator would have given."""
+    if state.get("version") != STATE_VERSION or state.get("split") != self.split:
+      raise DataError(f"data iterator state is from another version or split ({state.get('split')}); resume with the same data config")
+    if (state.get("process_index"), state.get("process_count")) != (self.process_index, self.process_count):
+      raise DataError(
+        f"data iterator state was saved by process {state.get('process_index')} of {state.get('process_count')}, "
+        f"this is process {self.process_index} of {self.process_count}; resume with the same number of processes"
+      )
+    self._peeked = self._state_before_peek = None
+    self._it.set_state(state["grain"])
+    self._batches_read = int(state.get("batches_read", 0))
+
+  def close(self) -> None:
+    close = getattr(self._it, "close", None)
+    if close is not None:
+      close()
+
+  def _peek(self) -> None:
+    self._state_before_peek = self._it.get_state()
+    self._peeked = self._read()
+
+  def _read(self) -> dict[str, np.ndarray] | None:
+    try:
+      batch = next(self._it)
+    except StopIteration:
+      return None
+    except UserError:
+      raise
+    except Exception as e:
+      cause = _user_error_in(e)
+      if cause is not None:
+        raise cause from None
+      raise
+    batch = {k: np.asarray(batch[k], np.int32) for k in BATCH_KEYS}
+    rows = batch["inputs"].shape[0]
+    if rows < self.local_batch:  # the last eval batch: pad with empty rows
+      batch = {k: np.pad(v, ((0, self.local_batch - rows), (0, 0))) for k, v in batch.items()}
+    return batch
+
+
+def _user_error_in(e: BaseException) -> UserError | None:
+  """A UserError raised inside a grain worker reaches us wrapped; find it in the cause chain."""
+  seen = 0
+  while e is not None and seen < 10:
+    if isinstance(e, UserError):
+      return e
+    e = e.__cause__ or e.__context__
+    seen += 1
+  return None

@@ -1,0 +1,171 @@
+"""The grain pipeline of one process: records -> documents -> rows (truncated or chunked) -> packed/padded -> batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grain
+import grain.experimental as gx
+import numpy as np
+
+from maxtext.config import MaxTextConfig
+from maxtext.data import embedded, features, sources
+from maxtext.data.sft import resolve_chat_template
+from maxtext.errors import ConfigError
+from maxtext.tokenizer import Tokenizer, load_tokenizer
+
+MIN_PACKING_BINS = 16
+
+
+def resolve_tokenizer(config: MaxTextConfig) -> Tokenizer:
+  """The configured tokenizer; for dataset_type=embedded with no tokenizer_path, the cached corpus tokenizer."""
+  path = config.tokenizer_path
+  if not path and config.dataset_type == "embedded":
+    if config.tokenizer_type != "sentencepiece":
+      raise ConfigError("dataset_type=embedded without tokenizer_path trains a sentencepiece tokenizer; set tokenizer_type=sentencepiece or tokenizer_path")
+    path = embedded.cached_tokenizer(config.base_output_directory, config.vocab_size)
+  tokenizer = load_tokenizer(config.tokenizer_type, path)
+  if tokenizer.vocab_size > config.vocab_size:
+    raise ConfigError(f"tokenizer '{path}' has {tokenizer.vocab_size} tokens but vocab_size is {config.vocab_size}; set vocab_size >= {tokenizer.vocab_size}")
+  return tokenizer
+
+
+def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer) -> features.DocumentEncoder:
+  template = resolve_chat_template(config.chat_template, config.chat_template_path, tokenizer.chat_template) if config.use_sft else None
+  return features.DocumentEncoder(
+    tokenizer,
+    config.train_data_columns,
+    add_bos=config.add_bos,
+    add_eos=config.add_eos,
+    use_sft=config.use_sft,
+    completion_only=config.sft_train_on_completion_only,
+    chat_template=template,
+  )
+
+
+def open_source(config: MaxTextConfig, split: str, process_index: int, process_count: int, num_epoch: int) -> sources.Source:
+  kind = config.dataset_type
+  if kind == "grain":
+    source = sources.grain_source(config, split)
+    if not source.random_access:
+      source.dataset = streamed_share(source.dataset, process_index, process_count)
+    return source
+  if kind == "tfds":
+    return sources.tfds_source(config, split)
+  if kind == "hf":
+    return sources.hf_source(config, split, process_index, process_count, num_epoch)
+  if kind == "embedded":
+    return embedded.source(split)
+  raise ConfigError(f"dataset_type '{kind}' has no file pipeline; use grain, tfds, hf, embedded or synthetic")
+
+
+def local_batches(config: MaxTextConfig, split: str, process_index: int, process_count: int, local_batch: int) -> tuple[grain.IterDataset, str]:
+  """This process's batches (dicts of int32 [local_batch, max_target_length]) and a description of the data."""
+  if config.max_segments_per_seq == 0 or config.max_segments_per_seq < -1:
+    raise ConfigError(f"invalid value for 'max_segments_per_seq': {config.max_segments_per_seq}; use -1 (no limit) or a positive integer")
+  training = split == "train"
+  shuffle = training and config.enable_data_shuffling
+  num_epoch = config.num_epoch if training else 1
+  if shuffle and not 0 <= config.data_shuffle_seed < 2**32:
+    raise ConfigError(f"invalid value for 'data_shuffle_seed': {config.data_shuffle_seed}; use an integer in [0, 2**32)")
+  encoder = make_encoder(config, resolve_tokenizer(config))
+  source = open_source(config, split, process_index, process_count, num_epoch)
+  length = config.max_target_length
+
+  if source.random_access:
+    ds: Any = source.dataset
+    if shuffle:
+      ds = ds.shuffle(seed=config.data_shuffle_seed)
+    if num_epoch > 1:
+      ds = ds.repeat(num_epoch)
+    share = sources.process_share(len(ds), process_index, process_count)
+    ds = ds[share.start : share.stop : share.step]
+    ds = ds.map(encoder).filter(is_document).to_iter_dataset()
+  else:
+    ds = source.dataset
+    if num_epoch > 1 and config.dataset_type != "hf":  # HFStream repeats itself
+      ds = gx.RepeatIterDataset(ds, num_epochs=num_epoch)
+    if shuffle:
+      ds = gx.WindowShuffleIterDataset(ds, window_size=config.grain_shuffle_buffer_size, seed=config.data_shuffle_seed)
+    ds = ds.map(encoder).filter(is_document)
+
+  if config.use_truncation:
+    ds = ds.map(Truncate(length))
+  else:
+    ds = gx.FlatMapIterDataset(ds, features.ChunkTransform(length))
+  if config.packing:
+    ds = gx.FirstFitPackIterDataset(
+      ds,
+      length_struct={name: length for name in features.PACKED_FEATURES},
+      num_packing_bins=max(local_batch, MIN_PACKING_BINS),
+      shuffle_bins=False,
+      max_sequences_per_bin=None if config.max_segments_per_seq == -1 else config.max_segments_per_seq,
+    ).map(features.finalize_packed)
+  else:
+    ds = ds.map(Pad(length))
+  ds = ds.batch(local_batch, drop_remainder=training)
+  if source.random_access and config.grain_worker_count > 0:
+    _ensure_absl_flags_parsed()  # grain's worker processes read absl flags
+    options = grain.MultiprocessingOptions(num_workers=config.grain_worker_count, per_worker_buffer_size=max(1, config.grain_prefetch_buffer_size))
+    ds = ds.mp_prefetch(options)
+  elif config.grain_prefetch_buffer_size > 0:
+    ds = gx.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=config.grain_prefetch_buffer_size)
+  return ds, source.description
+
+
+def _ensure_absl_flags_parsed() -> None:
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
+def is_document(doc: dict[str, np.ndarray] | None) -> bool:
+  return doc is not None
+
+
+class Truncate:
+  def __init__(self, length: int):
+    self.length = length
+
+  def __call__(self, doc: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return features.truncate(doc, self.length)
+
+
+class Pad:
+  def __init__(self, length: int):
+    self.length = length
+
+  def __call__(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return features.pad_row(row, self.length)
+
+
+def streamed_share(ds: grain.IterDataset, process_index: int, process_count: int) -> grain.IterDataset:
+  return ds if process_count == 1 else StrideIterDataset(ds, process_index, process_count)
+
+
+class StrideIterDataset(grain.IterDataset):
+  """Keeps elements start, start + step, ... of a stream (this process's share of a streamed source)."""
+
+  def __init__(self, parent: grain.IterDataset, start: int, step: int):
+    super().__init__(parent)
+    self.start, self.step = start, step
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return StrideIterator(self._parent.__iter__(), self.start, self.step)
+
+
+class StrideIterator(grain.DatasetIterator):
+  def __init__(self, parent: grain.DatasetIterator, start: int, step: int):
+    super().__init__(parent)
+    self.start, self.step = start, step
+
+  def __next__(self):
+    group = [next(self._parent) for _ in range(self.step)]  # a partial last group raises StopIteration
+    return group[self.start]
+
+  def get_state(self) -> dict[str, Any]:
+    return self._parent.get_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._parent.set_state(state)
