@@ -11,6 +11,9 @@ from maxtext.errors import DataError
 
 # Split pattern of Llama 3's tiktoken tokenizer: words, numbers of up to 3 digits, punctuation, spaces.
 TIKTOKEN_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# BOS/EOS of a bare tokenizer.json (no tokenizer_config.json naming them): the first of these in the vocabulary.
+HF_BOS_NAMES = ("<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>")
+HF_EOS_NAMES = ("</s>", "<eos>", "<|end_of_text|>", "<|endoftext|>")
 TIKTOKEN_BOS = "<|begin_of_text|>"
 TIKTOKEN_EOS = "<|end_of_text|>"
 
@@ -80,12 +83,15 @@ class HuggingFaceTokenizer:
       raise DataError(
         f"tokenizer_path '{path}' is not a readable Hugging Face tokenizer ({one_word(e)}); pass a tokenizer.json or a directory holding one"
       ) from None
+    vocab = tok.get_vocab()
+    bos = tok.bos_token or next((t for t in HF_BOS_NAMES if t in vocab), None)
+    eos = tok.eos_token or next((t for t in HF_EOS_NAMES if t in vocab), None)
     self._tok = tok
     self.vocab_size = len(tok)
-    self.bos_id = tok.bos_token_id
-    self.eos_id = tok.eos_token_id
+    self.bos_id = vocab[bos] if bos in vocab else None
+    self.eos_id = vocab[eos] if eos in vocab else None
     self.chat_template = tok.chat_template if isinstance(tok.chat_template, str) else None
-    self.special_tokens = {"bos_token": tok.bos_token or "", "eos_token": tok.eos_token or ""}
+    self.special_tokens = {"bos_token": bos or "", "eos_token": eos or ""}
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False)
