@@ -302,3 +302,21 @@ def test_embedded_corpus_trains_and_caches_tokenizer(tmp_path):
   assert cached.stat().st_mtime_ns == mtime, "the cached tokenizer is reused"
   train_rows, eval_rows = set(rows_of([it.next_local()])), set(rows_of([ev.next_local()]))
   assert not train_rows & eval_rows
+
+
+def test_bos_eos_flags_and_joined_columns(tmp_path):
+  tok = load_tokenizer("sentencepiece", sp_model())
+  path = write_jsonl(tmp_path / "two.jsonl", [{"title": "doc 1", "text": "the model"}])
+  for add_bos, add_eos in [(True, True), (False, True), (True, False), (False, False)]:
+    cfg = config(grain_train_files=path, train_data_columns=["title", "text"], add_bos=add_bos, add_eos=add_eos, per_device_batch_size=0.125)
+    (row,) = rows_of(local(cfg))
+    want = [tok.bos_id] * add_bos + tok.encode("doc 1\nthe model") + [tok.eos_id] * add_eos
+    assert list(row) == want
+
+
+def test_tfds_eval_dataset_name(tmp_path):
+  _prepare_tfds(tmp_path)
+  cfg = config(
+    dataset_type="tfds", dataset_name="nope_ds", eval_dataset_name="maxtext_tiny_text", dataset_path=str(tmp_path), eval_split="train", packing=False
+  )
+  assert len(rows_of(local(cfg, "eval"))) == 24
