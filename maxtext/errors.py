@@ -26,6 +26,12 @@ class DataError(UserError):
   """Missing, unreadable or malformed input data."""
 
 
+def shorten(names: list[str], limit: int = 5) -> str:
+  """'a, b, c and 4 more': a list short enough for a one-line message."""
+  more = len(names) - limit
+  return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
+
+
 def one_line(message: str) -> str:
   return " ".join(str(message).split())
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from maxtext.config import MaxTextConfig
-from maxtext.errors import ConfigError
+from maxtext.errors import ConfigError, shorten
 from maxtext.models import registry
 
 Array = np.ndarray
@@ -89,10 +89,6 @@ def _global_rules(c: MaxTextConfig) -> list[Rule]:
   return rules
 
 
-def _layer_prefix(c: MaxTextConfig, i: int) -> str:
-  return "layers" if c.scan_layers else f"layers/{i}"
-
-
 def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str, Array]:
   """Flat HF tensors -> flat maxtext params. Every tensor must be consumed (else a one-line ConfigError)."""
   c = config
@@ -122,8 +118,7 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str,
     used.add("lm_head.weight")
   unused = sorted(set(tensors) - used)
   if unused:
-    shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-    raise ConfigError(f"checkpoint has {len(unused)} tensor(s) the {c.decoder_block} model does not use: {shown}; check the model type and config")
+    raise ConfigError(f"checkpoint has {len(unused)} tensor(s) the {c.decoder_block} model does not use: {shorten(unused)}; check the model type and config")
   return out
 
 
@@ -150,6 +145,5 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
         out[f"model.layers.{i}.{r.hf}"] = r.to_hf(value)
   unexpected = sorted(set(params) - used)
   if unexpected:
-    shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
-    raise ConfigError(f"parameters with no Hugging Face name: {shown}; merge or drop adapters/connectors before exporting")
+    raise ConfigError(f"parameters with no Hugging Face name: {shorten(unexpected)}; merge or drop adapters/connectors before exporting")
   return out
