@@ -264,8 +264,15 @@ def _prepare_tfds(data_dir):
   MaxtextTinyText(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
 
 
-def test_tfds_local_prepared_data_without_tensorflow(tmp_path):
-  _prepare_tfds(tmp_path)
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory):
+  path = tmp_path_factory.mktemp("tfds")
+  _prepare_tfds(path)
+  return path
+
+
+def test_tfds_local_prepared_data_without_tensorflow(tfds_dir):
+  tmp_path = tfds_dir
   cfg = config(dataset_type="tfds", dataset_name="maxtext_tiny_text", dataset_path=str(tmp_path), packing=False, max_target_length=128)
   rows = rows_of(local(cfg))
   assert len(rows) == 24
