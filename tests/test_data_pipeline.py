@@ -321,9 +321,8 @@ def test_bos_eos_flags_and_joined_columns(tmp_path):
     assert list(row) == want
 
 
-def test_tfds_eval_dataset_name(tmp_path):
-  _prepare_tfds(tmp_path)
+def test_tfds_eval_dataset_name(tfds_dir):
   cfg = config(
-    dataset_type="tfds", dataset_name="nope_ds", eval_dataset_name="maxtext_tiny_text", dataset_path=str(tmp_path), eval_split="train", packing=False
+    dataset_type="tfds", dataset_name="nope_ds", eval_dataset_name="maxtext_tiny_text", dataset_path=str(tfds_dir), eval_split="train", packing=False
   )
   assert len(rows_of(local(cfg, "eval"))) == 24
