@@ -88,3 +88,13 @@ def test_every_run_only_key_is_a_config_key():
   from maxtext.config import MaxTextConfig
 
   assert executable._RUN_ONLY_KEYS <= set(MaxTextConfig.model_fields)
+
+
+def test_train_runs_the_loaded_step(saved, tmp_path, capsys):
+  from maxtext.train.loop import train
+
+  config, mesh, _, _, path = saved
+  plain = train(from_overrides(**TINY, base_output_directory=str(tmp_path / "a")), mesh=mesh)
+  loaded = train(from_overrides(**TINY, base_output_directory=str(tmp_path / "b"), compiled_trainstep_file=path), mesh=mesh)
+  assert f"loaded the compiled train step from {path}" in capsys.readouterr().out
+  assert loaded.losses == plain.losses and len(plain.losses) == TINY["steps"]

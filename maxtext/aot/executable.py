@@ -122,4 +122,4 @@ def load(path: str, config: MaxTextConfig, devices: Sequence[jax.Device]) -> jax
   with open(path, "rb") as f:
     f.readline(), f.readline()
     payload, in_tree, out_tree = pickle.load(f)
-  return serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=list(devices))
+  return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
