@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
+import weakref
 from typing import Any
 
 import jax
@@ -37,6 +40,7 @@ class DataIterator:
     self._batches_read = 0
     self._peeked: dict[str, np.ndarray] | None = None
     self._state_before_peek: dict[str, Any] | None = None
+    atexit.register(_close_at_exit, weakref.ref(self))  # stop prefetch threads/workers before interpreter teardown
     self._peek()
     if self._peeked is None:
       raise DataError(
@@ -93,9 +97,11 @@ class DataIterator:
     self._batches_read = int(state.get("batches_read", 0))
 
   def close(self) -> None:
+    """Stop prefetch threads and worker processes; the iterator cannot be used afterwards."""
     close = getattr(self._it, "close", None)
     if close is not None:
       close()
+    self._it = self._dataset = None
 
   def _peek(self) -> None:
     self._state_before_peek = self._it.get_state()
@@ -118,6 +124,13 @@ class DataIterator:
     if rows < self.local_batch:  # the last eval batch: pad with empty rows
       batch = {k: np.pad(v, ((0, self.local_batch - rows), (0, 0))) for k, v in batch.items()}
     return batch
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+  it = ref()
+  if it is not None and it._it is not None:
+    it.close()
+    gc.collect()  # free grain's iterators while their modules still exist
 
 
 def _user_error_in(e: BaseException) -> UserError | None:
