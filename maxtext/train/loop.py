@@ -1,0 +1,240 @@
+"""The training loop: restore or init, step, log one step late, evaluate, checkpoint, stop cleanly."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from maxtext import mesh as mesh_lib
+from maxtext.config import MaxTextConfig
+from maxtext.errors import ConfigError, UserError
+from maxtext.train import checkpointing, perf
+from maxtext.train import setup as setup_lib
+from maxtext.train import state as state_lib
+from maxtext.train.metrics import MetricsWriter, format_line
+from maxtext.train.step import combine_eval
+
+
+class NonFiniteLossError(UserError):
+  """The loss became NaN or infinite; training stopped before saving the bad state."""
+
+  exit_code = 3
+
+
+@dataclasses.dataclass
+class TrainResult:
+  steps_done: int  # optimizer steps in the final state
+  losses: dict[int, float]  # step index -> train loss, for the steps this process ran
+  eval_losses: dict[int, float]
+  stop_reason: str  # 'completed', 'target_eval_loss', 'sigterm'
+  state: Any = None
+
+
+def create_data_iterator(config: MaxTextConfig, mesh: jax.sharding.Mesh, split: str) -> Any:
+  """The data pipeline's iterator for `split` (synthetic data included)."""
+  from maxtext.data import create_iterator
+
+  return create_iterator(config, mesh, split=split)
+
+
+def restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpointer | None, data_iter: Any, log: Callable[[str], None]) -> Any:
+  """The run's own latest checkpoint, else load_parameters_path / load_full_state_path, else a fresh init."""
+  config = setup.config
+  if ckpt is not None:
+    restored = ckpt.restore_latest(state_lib.checkpointed(setup.abstract_state, config))
+    if restored is not None:
+      state, data_state = restored
+      if data_state is not None:
+        data_iter.set_state(data_state)
+      log(f"restored checkpoint at step {int(state['step'])} from {config.checkpoint_dir}")
+      return _with_frozen_base(setup, state, log)
+  if config.load_full_state_path:
+    state = checkpointing.restore_full_state(config.load_full_state_path, state_lib.checkpointed(setup.abstract_state, config))
+    log(f"loaded full state at step {int(state['step'])} from {config.load_full_state_path}")
+    return _with_frozen_base(setup, state, log)
+  state = setup.init_state()
+  state["params"] = checkpointing.load_initial_params(config, state["params"], setup.abstract_state["params"], log)
+  return state
+
+
+def _with_frozen_base(setup: setup_lib.TrainSetup, state: Any, log: Callable[[str], None]) -> Any:
+  """A LoRA checkpoint holds only the trainable parameters: add the frozen base (load_parameters_path or the seeded init)."""
+  if not setup.config.lora.enable_lora:
+    return state
+  base = checkpointing.load_initial_params(setup.config, setup.init_state()["params"], setup.abstract_state["params"], log, adapters=False)
+  return dict(state, params=checkpointing.overlay_params(base, state["params"]))
+
+
+class _Preemption:
+  """Remembers a SIGTERM so the loop can finish the step, save and exit cleanly."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous: Any = None
+
+  def __enter__(self) -> _Preemption:
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread: no handler
+      self._previous = None
+    return self
+
+  def _handle(self, signum: int, frame: Any) -> None:
+    self.requested = True
+
+  def __exit__(self, *exc: Any) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+class _Profiler:
+  def __init__(self, config: MaxTextConfig, start_step: int):
+    self.enabled = config.profiler == "xplane" and jax.process_index() == 0
+    self.first = start_step + config.skip_first_n_steps_for_profiler
+    self.last = self.first + config.profiler_steps
+    self.dir = config.tensorboard_dir
+    self.active = False
+
+  def before_step(self, step: int, state: Any) -> None:
+    if not self.enabled:
+      return
+    if step == self.first:
+      jax.block_until_ready(state)
+      jax.profiler.start_trace(self.dir)
+      self.active = True
+    elif step == self.last and self.active:
+      self.stop(state)
+
+  def stop(self, state: Any) -> None:
+    if self.active:
+      jax.block_until_ready(state)
+      jax.profiler.stop_trace()
+      self.active = False
+
+
+def _evaluate(config: MaxTextConfig, setup: setup_lib.TrainSetup, state: Any) -> dict[str, float]:
+  it = create_data_iterator(config, setup.mesh, "eval")
+  other = state.get("other", nnx.State({}))
+  sums = []
+  for i, batch in enumerate(it):
+    if 0 < config.eval_steps <= i:
+      break
+    sums.append(setup.jit_eval(state["params"], other, batch))
+  return combine_eval(jax.device_get(sums))
+
+
+def train(
+  config: MaxTextConfig,
+  mesh: jax.sharding.Mesh | None = None,
+  setup: setup_lib.TrainSetup | None = None,
+  on_step: Callable[[int], None] | None = None,
+) -> TrainResult:
+  """Train to config.steps (or an early stop).
+
+  mesh defaults to all devices. setup: a TrainSetup built for an equivalent config (same model,
+  optimizer, schedule and batch) whose compiled step is reused. on_step(step) runs after each step is logged.
+  """
+  perf.check_hardware(config)
+  if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
+    raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
+  mesh = setup.mesh if setup is not None else mesh or mesh_lib.create(config)
+  writer = MetricsWriter(config)
+  setup = setup or setup_lib.build(config, mesh)
+  ckpt = checkpointing.Checkpointer(config) if config.enable_checkpointing else None
+  data_iter = create_data_iterator(config, mesh, "train")
+  with jax.set_mesh(mesh):
+    state = restore_or_init(setup, ckpt, data_iter, writer.log)
+  start = int(state["step"])
+
+  from maxtext.models import counting
+
+  flops = counting.flops_per_device_per_step(config) / 1e12
+  tokens = config.global_batch_size_to_train_on * config.max_target_length / config.num_devices
+  peak, peak_source = perf.peak_tflops(config)
+  writer.log(f"training {config.run_name} from step {start} to {config.steps}; MFU against {peak:.3f} TFLOP/s/device ({peak_source})")
+
+  step_fn = setup.jit_step
+  if config.compiled_trainstep_file:  # made by maxtext.train_compile; refused unless config and devices match
+    from maxtext.aot import executable
+
+    step_fn = executable.load(config.compiled_trainstep_file, config, list(mesh.devices.flat))
+    writer.log(f"loaded the compiled train step from {config.compiled_trainstep_file}")
+
+  result = TrainResult(start, {}, {}, "completed")
+  pending: list[tuple[int, Any]] = []  # (step index, device metrics) not yet fetched
+  last_time = [time.perf_counter()]
+  profiler = _Profiler(config, start)
+
+  def report() -> None:
+    """Fetch and write the pending metrics (blocks until that step has finished)."""
+    while pending:
+      step, device_metrics = pending.pop(0)
+      m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+      now = time.perf_counter()
+      seconds, last_time[0] = now - last_time[0], now
+      _check_finite(config, step, m)
+      m.update(seconds=seconds, tflops_per_device=flops / seconds, tokens_per_device=tokens / seconds, mfu=flops / seconds / peak)
+      result.losses[step] = m["loss"]
+      writer.write(step, m, format_line(step, m))
+      if on_step is not None:
+        on_step(step)
+
+  def save(steps_done: int) -> None:
+    report()  # a NaN in the step being saved aborts here, before anything is written
+    if ckpt is not None:
+      ckpt.save(steps_done, state_lib.checkpointed(state, config), data_iter.get_state())
+
+  try:
+    with _Preemption() as preemption, jax.set_mesh(mesh):
+      for step in range(start, config.steps):
+        profiler.before_step(step, state)
+        batch = next(data_iter)
+        state, metrics = step_fn(state, batch)
+        report()
+        pending.append((step, metrics))
+        done = step + 1
+        result.steps_done = done
+        if preemption.requested:
+          save(done)
+          if ckpt is not None:
+            ckpt.wait()
+          result.stop_reason = "sigterm"
+          writer.log(f"received SIGTERM: saved a checkpoint after step {step} in {config.checkpoint_dir}; rerun the same command to continue")
+          break
+        is_last = done == config.steps
+        if done % config.checkpoint_period == 0 or (is_last and config.save_checkpoint_on_completion):
+          save(done)
+        if config.eval_interval > 0 and done % config.eval_interval == 0:
+          report()
+          ev = _evaluate(config, setup, state)
+          result.eval_losses[step] = ev["eval_loss"]
+          writer.write(step, ev, f"eval after step {step}: eval_loss: {ev['eval_loss']:.4f}, total_weights: {int(ev['eval_total_weights'])}")
+          last_time[0] = time.perf_counter()  # eval time is not step time
+          if config.target_eval_loss > 0 and ev["eval_loss"] <= config.target_eval_loss:
+            writer.log(f"eval_loss {ev['eval_loss']:.4f} reached target_eval_loss {config.target_eval_loss}; stopping after step {step}")
+            result.stop_reason = "target_eval_loss"
+            if ckpt is not None and config.save_checkpoint_on_completion and not is_last:
+              save(done)
+            break
+      report()
+      profiler.stop(state)
+  finally:
+    if ckpt is not None:
+      ckpt.close()
+    writer.close()
+  result.state = state
+  return result
+
+
+def _check_finite(config: MaxTextConfig, step: int, m: dict[str, float]) -> None:
+  for key in ("loss", "grad_norm"):
+    value = m[key]
+    if (config.abort_on_nan_loss and math.isnan(value)) or (config.abort_on_inf_loss and math.isinf(value)):
+      raise NonFiniteLossError(f"{key} is {value} at step {step}; training stopped and this state was not saved (lower learning_rate or check the data)")

@@ -1,0 +1,76 @@
+"""Per-step metrics: the MaxText log line, TensorBoard scalars and a JSON-lines file (process 0 only)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import jax
+from etils import epath
+
+from maxtext.config import MaxTextConfig
+
+
+def format_line(step: int, m: dict[str, float]) -> str:
+  line = (
+    f"completed step: {step}, seconds: {m['seconds']:.3f}, TFLOP/s/device: {m['tflops_per_device']:.3f}, "
+    f"Tokens/s/device: {m['tokens_per_device']:.3f}, total_weights: {int(m['total_weights'])}, loss: {m['loss']:.4f}, "
+    f"lr: {m['lr']:.4e}, grad_norm: {m['grad_norm']:.4f}, MFU: {100 * m['mfu']:.2f}%"
+  )
+  if m.get("skipped"):
+    line += ", skipped (loss spike)"
+  return line
+
+
+class MetricsWriter:
+  """Writes step and eval metrics; only process 0 prints or writes files."""
+
+  def __init__(self, config: MaxTextConfig):
+    self.config = config
+    self.is_main = jax.process_index() == 0
+    self.tensorboard = None
+    self.file = None
+    if not self.is_main:
+      return
+    if config.enable_tensorboard:
+      from tensorboardX import SummaryWriter
+
+      self.tensorboard = SummaryWriter(config.tensorboard_dir)
+    if config.metrics_file:
+      path = epath.Path(config.metrics_file)
+      path.parent.mkdir(parents=True, exist_ok=True)
+      self.file = path.open("a")
+
+  def log(self, message: str) -> None:
+    if self.is_main:
+      print(message, flush=True)
+
+  def write(self, step: int, metrics: dict[str, Any], line: str | None = None) -> None:
+    """metrics: plain floats. `line` is printed if given. Flushes every log_period steps."""
+    if not self.is_main:
+      return
+    if line:
+      print(line, flush=True)
+    clean = {k: float(v) for k, v in metrics.items()}
+    if self.tensorboard is not None:
+      for key, value in clean.items():
+        if math.isfinite(value):
+          self.tensorboard.add_scalar(f"learning/{key}", value, step)
+    if self.file is not None:
+      self.file.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}) + "\n")
+    if (step + 1) % self.config.log_period == 0:
+      self.flush()
+
+  def flush(self) -> None:
+    if self.tensorboard is not None:
+      self.tensorboard.flush()
+    if self.file is not None:
+      self.file.flush()
+
+  def close(self) -> None:
+    self.flush()
+    if self.tensorboard is not None:
+      self.tensorboard.close()
+    if self.file is not None:
+      self.file.close()

@@ -1,0 +1,81 @@
+"""Everything a run compiles, built without allocating parameters: `build(config, mesh) -> TrainSetup`.
+
+`setup.jit_step.lower(setup.abstract_state, setup.abstract_batch).compile()` is exactly what
+train runs and what AOT compilation (maxtext.train_compile) checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxtext import mesh as mesh_lib
+from maxtext.config import MaxTextConfig
+from maxtext.data.synthetic import BATCH_KEYS
+from maxtext.train import optimizers
+from maxtext.train import state as state_lib
+from maxtext.train import step as step_lib
+
+ModelBuilder = Callable[[MaxTextConfig, nnx.Rngs], nnx.Module]
+
+
+def default_model_builder() -> ModelBuilder:
+  from maxtext import models
+
+  return models.build
+
+
+@dataclasses.dataclass
+class TrainSetup:
+  config: MaxTextConfig
+  mesh: Mesh
+  graphdef: nnx.GraphDef
+  abstract_state: Any  # ShapeDtypeStructs with .sharding
+  abstract_batch: dict[str, jax.ShapeDtypeStruct]
+  state_shardings: Any
+  batch_shardings: dict[str, NamedSharding]
+  jit_step: Any  # jax.jit(train_step), donates the state
+  jit_eval: Any  # jax.jit(eval_step)
+  init_fn: Callable[[], state_lib.TrainState]
+
+  @functools.cached_property
+  def jit_init(self) -> Any:
+    return jax.jit(self.init_fn, out_shardings=self.state_shardings)
+
+  def init_state(self) -> state_lib.TrainState:
+    """The fresh initial state, born sharded (parameters never exist unsharded)."""
+    return self.jit_init()
+
+  def param_shardings(self) -> Any:
+    return self.state_shardings["params"]
+
+
+def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = None) -> TrainSetup:
+  build_model = build_model or default_model_builder()
+  optimizer = optimizers.build(config)
+  init_fn = state_lib.make_init_fn(config, build_model, optimizer, config.init_weights_seed)
+  abstract_model = nnx.eval_shape(lambda: build_model(config, nnx.Rngs(config.init_weights_seed)))
+  graphdef = nnx.split(abstract_model, nnx.Param, ...)[0]
+
+  abstract = jax.eval_shape(init_fn)
+  state_shardings = state_lib.shardings(abstract, config, mesh)
+  abstract_state = state_lib.with_shardings(abstract, state_shardings)
+  data = mesh_lib.data_sharding(config, mesh)
+  batch_shardings = {k: data for k in BATCH_KEYS}
+  shape = (config.global_batch_size_to_train_on, config.max_target_length)
+  abstract_batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data) for k in BATCH_KEYS}
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  train_step = step_lib.make_train_step(config, graphdef, optimizer, mesh)
+  jit_step = jax.jit(train_step, in_shardings=(state_shardings, batch_shardings), out_shardings=(state_shardings, replicated), donate_argnums=0)
+  eval_step = step_lib.make_eval_step(config, graphdef, mesh)
+  eval_in = (state_shardings["params"], state_shardings.get("other", nnx.State({})), batch_shardings)
+  jit_eval = jax.jit(eval_step, in_shardings=eval_in, out_shardings=replicated)
+  return TrainSetup(config, mesh, graphdef, abstract_state, abstract_batch, state_shardings, batch_shardings, jit_step, jit_eval, init_fn)

@@ -1,0 +1,97 @@
+"""The train state: a plain dict pytree, sharded by the logical axes each parameter carries.
+
+    {"step": int32[],                 optimizer steps taken
+     "params": nnx.State,             every nnx.Param of the model (trainable and frozen)
+     "opt_state": optax state,        over the trainable subset only
+     "spike": {"losses", "count"},    only with skip_step_on_spikes
+     "other": nnx.State}              only if the model holds non-Param variables
+
+Trainable parameters are the subset of "params" that `trainable_filter(config)` selects;
+the rest stay frozen (LoRA marks its adapters here). Checkpoints store this dict as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from maxtext import mesh as mesh_lib
+from maxtext.config import MaxTextConfig
+
+TrainState = dict[str, Any]
+
+
+def trainable_filter(config: MaxTextConfig) -> nnx.filterlib.Filter:
+  """nnx filter of the parameters the optimizer updates; the others are frozen.
+
+  Every parameter, except with lora.enable_lora: only the adapters, plus the mHC connectors when
+  mhc_expansion_rate > 1.
+  """
+  if not config.lora.enable_lora:
+    return nnx.Param
+  from maxtext.layers.lora import LoRAParam
+  from maxtext.layers.mhc import MHCParam
+
+  return nnx.Any(LoRAParam, MHCParam) if config.mhc_expansion_rate > 1 else LoRAParam
+
+
+def checkpointed(state: TrainState, config: MaxTextConfig) -> TrainState:
+  """The part of a train state (or abstract state) that checkpoints hold.
+
+  All of it, except that a LoRA run leaves out its frozen base parameters: they come back from
+  load_parameters_path (or the seeded init) when the run resumes.
+  """
+  if not config.lora.enable_lora:
+    return state
+  return dict(state, params=split_params(state["params"], config)[0])
+
+
+def split_params(params: nnx.State, config: MaxTextConfig) -> tuple[nnx.State, nnx.State]:
+  """(trainable, frozen) parts of the full parameter state."""
+  return nnx.split_state(params, trainable_filter(config), ...)
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def shardings(tree: Any, config: MaxTextConfig, mesh: Mesh) -> Any:
+  """NamedSharding for every leaf: from a Variable's logical_axes, else replicated."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def one(x: Any) -> Any:
+    if _is_variable(x) and not hasattr(x.get_value(), "shape"):  # e.g. optax's MaskedNode: no arrays inside
+      return x
+    if _is_variable(x):
+      axes = getattr(x, "logical_axes", None)
+      return x.replace(value=mesh_lib.logical_sharding(axes, config, mesh) if axes else replicated)
+    return replicated
+
+  return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def with_shardings(abstract: Any, shardings_tree: Any) -> Any:
+  """ShapeDtypeStructs that carry their sharding (what AOT lowering and Orbax restore want)."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings_tree)
+
+
+def make_init_fn(config: MaxTextConfig, build_model: Callable[..., nnx.Module], optimizer: Any, seed: int) -> Callable[[], TrainState]:
+  """A pure function creating the initial train state (jit it with out_shardings to create it sharded)."""
+
+  def init() -> TrainState:
+    model = build_model(config, nnx.Rngs(seed))
+    _, params, other = nnx.split(model, nnx.Param, ...)
+    trainable, _ = split_params(params, config)
+    state: TrainState = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(trainable)}
+    if config.skip_step_on_spikes:
+      state["spike"] = {"losses": jnp.zeros((config.skip_step_interval,), jnp.float32), "count": jnp.zeros((), jnp.int32)}
+    if jax.tree.leaves(other):
+      state["other"] = other
+    return state
+
+  return init
