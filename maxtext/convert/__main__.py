@@ -2,6 +2,8 @@
 
 python -m maxtext.convert hf-to-maxtext --hf-dir D --out O [key=value ...]
 python -m maxtext.convert maxtext-to-hf --checkpoint O --out D [--config configs/base.yml key=value ...]
+python -m maxtext.convert lora-to-peft --checkpoint C --out D [--merge] --config <run config> key=value ...
+python -m maxtext.convert peft-to-lora --peft-dir P --out O --config <base model config> key=value ...
 """
 
 from __future__ import annotations
@@ -79,11 +81,28 @@ def main(argv: list[str]) -> None:
   b.add_argument("--checkpoint", required=True)
   b.add_argument("--out", required=True)
   b.add_argument("--config", nargs="+", default=[], help="config file and key=value the checkpoint was trained with")
+  c = sub.add_parser("lora-to-peft", help="LoRA run checkpoint -> Hugging Face PEFT adapter (or, with --merge, merged HF weights)")
+  c.add_argument("--checkpoint", required=True, help="checkpoint step directory of the LoRA run")
+  c.add_argument("--out", required=True)
+  c.add_argument("--merge", action="store_true", help="write full HF weights W + (alpha/r) B A (base from load_parameters_path)")
+  c.add_argument("--config", nargs="+", required=True, help="config file and key=value of the LoRA run")
+  d = sub.add_parser("peft-to-lora", help="Hugging Face PEFT adapter -> adapters checkpoint for lora.lora_restore_path")
+  d.add_argument("--peft-dir", required=True)
+  d.add_argument("--out", required=True)
+  d.add_argument("--config", nargs="+", required=True, help="config file and key=value of the base model (e.g. maxtext_model.yml)")
   args = parser.parse_args(argv)
   if args.command == "hf-to-maxtext":
     hf_to_maxtext(args.hf_dir, args.out, args.overrides)
-  else:
+  elif args.command == "maxtext-to-hf":
     maxtext_to_hf(args.checkpoint, args.out, args.config)
+  elif args.command == "lora-to-peft":
+    from maxtext.convert import peft
+
+    print(peft.export(args.checkpoint, args.out, args.config, merged=args.merge))
+  else:
+    from maxtext.convert import peft
+
+    print(f"train with: {peft.import_adapter(args.peft_dir, args.out, args.config)}")
 
 
 if __name__ == "__main__":

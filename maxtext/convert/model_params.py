@@ -11,6 +11,10 @@ from jax.sharding import Mesh
 from maxtext import models
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
+from maxtext.layers.lora import LoRAParam
+from maxtext.layers.mhc import MHCParam
+
+ADDED_PARAMS = (LoRAParam, MHCParam)  # parameters model_from_flat initialises when flat lacks them
 
 
 def path_str(path: tuple) -> str:
@@ -23,14 +27,34 @@ def flat_params(model_or_state: nnx.Module | nnx.State) -> dict[str, jax.Array]:
   return {path_str(path): v[...] for path, v in nnx.to_flat_state(state)}
 
 
+def _init_added(config: MaxTextConfig, paths: list[tuple]) -> dict[tuple, jax.Array]:
+  """Seeded initial values of LoRA adapters and mHC connectors (parameters a base checkpoint cannot have)."""
+  if not paths:
+    return {}
+  wanted = set(paths)
+
+  @jax.jit
+  def init() -> dict[tuple, jax.Array]:  # only the requested arrays are computed (the rest is dead code)
+    state = nnx.state(models.Transformer(config, rngs=nnx.Rngs(config.init_weights_seed)), ADDED_PARAMS)
+    return {p: v[...] for p, v in nnx.to_flat_state(state) if p in wanted}
+
+  return init()
+
+
 def model_from_flat(config: MaxTextConfig, flat: dict[str, np.ndarray], mesh: Mesh | None = None) -> models.Transformer:
-  """Build the config's model and assign every parameter from flat (cast to weight_dtype, sharded over mesh if given)."""
+  """Build the config's model and assign every parameter from flat (cast to weight_dtype, sharded over mesh if given).
+
+  LoRA adapters and mHC connectors that flat lacks (e.g. it came from a Hugging Face checkpoint) get their
+  seeded init, which leaves the model's outputs unchanged; every other parameter must be in flat.
+  """
   graphdef, abstract = nnx.split(models.abstract_model(config))
   shardings = models.state_shardings(abstract, config, mesh) if mesh is not None else None
   sharding_by_path = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
   expected = dict(nnx.to_flat_state(abstract))
   names = {path_str(p): p for p in expected}
   missing = sorted(set(names) - set(flat))
+  initialised = _init_added(config, [names[n] for n in missing if isinstance(expected[names[n]], ADDED_PARAMS)])
+  missing = [n for n in missing if names[n] not in initialised]
   unexpected = sorted(set(flat) - set(names))
   if missing or unexpected:
     parts = []
@@ -42,6 +66,10 @@ def model_from_flat(config: MaxTextConfig, flat: dict[str, np.ndarray], mesh: Me
   leaves = []
   for name, path in names.items():
     var = expected[path]
+    if path in initialised:
+      array = initialised[path]
+      leaves.append((path, var.replace(jax.device_put(array, sharding_by_path[path]) if path in sharding_by_path else array)))
+      continue
     value = flat[name]
     if tuple(value.shape) != tuple(var.shape):
       raise ConfigError(f"parameter '{name}' has shape {tuple(value.shape)} but the config's model needs {tuple(var.shape)}; check the config")

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtext.config import MaxTextConfig
+from maxtext.layers import lora
 from maxtext.layers.attention import Attention
 from maxtext.layers.dtypes import dtype
 from maxtext.layers.mlp import MLP
@@ -34,6 +35,7 @@ class DecoderLayer(nnx.Module):
     self.post_mlp_norm = norm() if family.post_norms else None
     self.attention_connection = make_connection(c, rngs=rngs)
     self.mlp_connection = make_connection(c, rngs=rngs)
+    lora.attach(self, c, rngs)  # adapters last, so base parameters draw the same random keys with or without LoRA
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array) -> tuple[jax.Array, jax.Array]:
     """x: residual stream state -> (new state, MoE load-balance loss of this layer)."""

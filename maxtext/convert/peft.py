@@ -1,0 +1,283 @@
+"""LoRA adapters <-> Hugging Face PEFT adapters, and merging adapters into base weights.
+
+A PEFT adapter directory holds adapter_config.json (r, lora_alpha, target_modules) and
+adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and
+`.lora_B.weight` [out, r] per adapted linear layer. Our adapters are A [in..., r] and B [r, out...]
+beside a kernel [in..., out...] whose Hugging Face weight is kernel.reshape(in, out).T (every
+projection rule in maxtext.convert.hf_params has that layout), so lora_A = A.reshape(in, r).T and
+lora_B = B.reshape(r, out).T, and the merged weight W + (alpha / r) B A maps through the same rule.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from maxtext.config import MaxTextConfig
+from maxtext.convert.hf_params import _layer_rules
+from maxtext.errors import ConfigError
+from maxtext.layers.lora import merge as merge_kernel
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model.model.layers"
+LORA_A, LORA_B = "lora/lora_a", "lora/lora_b"
+MHC_MARK = "_connection/"  # mHC connector parameters live under attention_connection/ and mlp_connection/
+
+
+def adapted_modules(flat: dict[str, Any], config: MaxTextConfig) -> list[str]:
+  """Module paths inside a layer (e.g. 'attention/query') that carry adapters in flat."""
+  prefix = re.compile(r"^layers/" if config.scan_layers else r"^layers/\d+/")
+  return sorted({prefix.sub("", k)[: -len(LORA_A) - 1] for k in flat if k.endswith(LORA_A) and prefix.match(k)})
+
+
+def _hf_module_names(config: MaxTextConfig) -> dict[str, str]:
+  """Our module path inside a layer -> the Hugging Face module under model.layers.<i> (dense projections only)."""
+  return {r.ours[: -len("/kernel")]: r.hf[: -len(".weight")] for r in _layer_rules(config) if not r.experts and r.ours.endswith("/kernel")}
+
+
+def _layer_value(flat: dict[str, Any], config: MaxTextConfig, name: str, i: int) -> np.ndarray:
+  if config.scan_layers:
+    return np.asarray(flat[f"layers/{name}"])[i]
+  return np.asarray(flat[f"layers/{i}/{name}"])
+
+
+def _layer_shape(shapes: dict[str, tuple[int, ...]], config: MaxTextConfig, name: str, i: int) -> tuple[int, ...]:
+  return tuple(shapes[f"layers/{name}"][1:]) if config.scan_layers else tuple(shapes[f"layers/{i}/{name}"])
+
+
+def _check_exportable(flat: dict[str, Any], config: MaxTextConfig) -> None:
+  if config.mhc_expansion_rate > 1 or any(MHC_MARK in k for k in flat):
+    raise ConfigError("mHC connectors have no Hugging Face or PEFT equivalent; export a model trained with mhc_expansion_rate=1")
+
+
+def _peft_modules(flat: dict[str, Any], config: MaxTextConfig) -> dict[str, str]:
+  """Adapted module -> Hugging Face module name; a one-line error for adapters PEFT cannot hold."""
+  names = _hf_module_names(config)
+  modules = adapted_modules(flat, config)
+  if not modules:
+    raise ConfigError("the checkpoint holds no LoRA adapters; pass the checkpoint of a run with lora.enable_lora=true")
+  if "mlp/gate" in modules:
+    raise ConfigError("adapters on the MoE router (mlp/gate) have no PEFT equivalent; use --merge, or a lora.lora_module_path without mlp/gate")
+  unknown = [m for m in modules if m not in names]
+  if unknown:
+    raise ConfigError(f"adapted module(s) {', '.join(unknown)} have no Hugging Face name; use mlp_activations with two entries (gated MLP)")
+  return {m: names[m] for m in modules}
+
+
+def to_peft(flat: dict[str, Any], config: MaxTextConfig) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+  """Our adapters (flat '/'-paths) -> (PEFT tensors, adapter_config.json dict)."""
+  _check_exportable(flat, config)
+  modules = _peft_modules(flat, config)
+  r = config.lora.lora_rank
+  tensors: dict[str, np.ndarray] = {}
+  for i in range(config.num_decoder_layers):
+    for ours, hf in modules.items():
+      a = _layer_value(flat, config, f"{ours}/{LORA_A}", i)
+      b = _layer_value(flat, config, f"{ours}/{LORA_B}", i)
+      tensors[f"{PEFT_PREFIX}.{i}.{hf}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
+      tensors[f"{PEFT_PREFIX}.{i}.{hf}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
+  alpha = config.lora.lora_alpha
+  adapter_config = {
+    "peft_type": "LORA",
+    "task_type": "CAUSAL_LM",
+    "r": r,
+    "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+    "target_modules": sorted({hf.rsplit(".", 1)[-1] for hf in modules.values()}),
+    "lora_dropout": 0.0,
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "use_rslora": False,
+    "inference_mode": True,
+  }
+  return tensors, adapter_config
+
+
+def lora_overrides(adapter_config: dict[str, Any], config: MaxTextConfig) -> dict[str, Any]:
+  """The lora.* config keys that reproduce a PEFT adapter: rank, alpha and a module regex from target_modules."""
+  if adapter_config.get("peft_type", "LORA") != "LORA" or adapter_config.get("use_rslora") or adapter_config.get("use_dora"):
+    raise ConfigError("only plain LoRA PEFT adapters load (peft_type LORA, no rsLoRA or DoRA); re-export the adapter without them")
+  if adapter_config.get("rank_pattern") or adapter_config.get("alpha_pattern") or adapter_config.get("layers_to_transform"):
+    raise ConfigError("PEFT adapters with rank_pattern, alpha_pattern or layers_to_transform do not load; every layer needs the same rank")
+  targets = adapter_config.get("target_modules") or []
+  targets = [targets] if isinstance(targets, str) else list(targets)
+  ours = sorted(m for m, hf in _hf_module_names(config).items() if hf.rsplit(".", 1)[-1] in targets)
+  if not ours:
+    raise ConfigError(f"target_modules {targets} name no projection of the {config.decoder_block} model; check the adapter belongs to this model")
+  return {
+    "enable_lora": True,
+    "lora_rank": int(adapter_config["r"]),
+    "lora_alpha": float(adapter_config["lora_alpha"]),
+    "lora_module_path": "(^|/)(" + "|".join(ours) + ")$",
+  }
+
+
+def from_peft(tensors: dict[str, np.ndarray], config: MaxTextConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+  """PEFT tensors -> our adapters, for `shapes` (adapter path -> shape, of config's model).
+
+  Every adapter of the model must be in tensors and every tensor must be used (else a one-line ConfigError).
+  """
+  modules = _peft_modules(shapes, config)
+  r = config.lora.lora_rank
+  used: set[str] = set()
+
+  def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name not in tensors:
+      raise ConfigError(f"PEFT adapter lacks '{name}' that this model's lora settings need; check target_modules and the model")
+    used.add(name)
+    value = np.asarray(tensors[name], np.float32)
+    if value.shape != shape:
+      raise ConfigError(f"PEFT tensor '{name}' has shape {value.shape}, this model needs {shape}; check r and the model dimensions")
+    return value
+
+  per_layer: dict[str, list[np.ndarray]] = {}
+  out: dict[str, np.ndarray] = {}
+  for i in range(config.num_decoder_layers):
+    for ours, hf in modules.items():
+      a_shape, b_shape = (_layer_shape(shapes, config, f"{ours}/{name}", i) for name in (LORA_A, LORA_B))
+      a = take(f"{PEFT_PREFIX}.{i}.{hf}.lora_A.weight", (r, math.prod(a_shape) // r)).T.reshape(a_shape)
+      b = take(f"{PEFT_PREFIX}.{i}.{hf}.lora_B.weight", (math.prod(b_shape) // r, r)).T.reshape(b_shape)
+      for name, value in ((f"{ours}/{LORA_A}", a), (f"{ours}/{LORA_B}", b)):
+        if config.scan_layers:
+          per_layer.setdefault(name, []).append(value)
+        else:
+          out[f"layers/{i}/{name}"] = value
+  out.update({f"layers/{k}": np.stack(v) for k, v in per_layer.items()})
+  unused = sorted(set(tensors) - used)
+  if unused:
+    raise ConfigError(f"PEFT adapter has {len(unused)} tensor(s) this model's adapters do not use, e.g. {unused[0]}; check target_modules")
+  return out
+
+
+def merge(flat: dict[str, Any], config: MaxTextConfig) -> dict[str, np.ndarray]:
+  """Base parameters with every adapter merged into its kernel (W + (alpha / r) B A); the adapters are dropped."""
+  _check_exportable(flat, config)
+  scale = config.lora.lora_alpha / config.lora.lora_rank
+  out = {k: np.asarray(v) for k, v in flat.items() if not k.endswith((LORA_A, LORA_B))}
+  lead = 1 if config.scan_layers else 0
+  for key in flat:
+    if key.endswith(LORA_A):
+      module = key[: -len(LORA_A) - 1]
+      kernel = f"{module}/kernel"
+      if kernel not in out:
+        raise ConfigError(f"adapter '{key}' has no base kernel '{kernel}' to merge into; pass the base parameters too")
+      out[kernel] = np.asarray(merge_kernel(out[kernel], flat[key], flat[f"{module}/{LORA_B}"], scale, lead=lead))
+  return out
+
+
+def write(out_dir: str | Path, tensors: dict[str, np.ndarray], adapter_config: dict[str, Any]) -> None:
+  from safetensors.numpy import save_file
+
+  d = Path(out_dir)
+  d.mkdir(parents=True, exist_ok=True)
+  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+  (d / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
+
+
+def read(peft_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+  """(tensors, adapter_config) of a PEFT adapter directory."""
+  from maxtext.convert.safetensors_io import _load
+
+  d = Path(peft_dir)
+  cfg, weights = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
+  if not cfg.is_file() or not weights.is_file():
+    raise ConfigError(f"'{d}' is not a PEFT adapter directory (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+  try:
+    adapter_config = json.loads(cfg.read_text())
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"'{cfg}' is not valid JSON (line {e.lineno}); fix or re-export the adapter") from None
+  for key in ("r", "lora_alpha"):
+    if key not in adapter_config:
+      raise ConfigError(f"'{cfg}' has no '{key}'; is this a LoRA adapter?")
+  return _load(weights), adapter_config
+
+
+def _refuse_existing(out: Path) -> None:
+  if out.exists() and any(out.iterdir()):
+    raise ConfigError(f"output '{out}' already exists and is not empty; choose a new --out (nothing was overwritten)")
+
+
+def _abstract_params(config: MaxTextConfig) -> Any:
+  """The config's parameters as sharded ShapeDtypeStructs (an nnx.State), for restoring."""
+  import jax
+  from flax import nnx
+
+  from maxtext import mesh as mesh_lib
+  from maxtext import models
+
+  abstract = nnx.state(models.abstract_model(config), nnx.Param)
+  shardings = models.state_shardings(abstract, config, mesh_lib.create(config))
+  return jax.tree.map(
+    lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )
+
+
+def _flat_numpy(state: Any) -> dict[str, np.ndarray]:
+  import jax
+
+  from maxtext.convert.model_params import flat_params
+
+  return {k: np.asarray(jax.device_get(v)) for k, v in flat_params(state).items()}
+
+
+def export(checkpoint: str, out: str, config_args: list[str], merged: bool = False) -> str:
+  """A LoRA run's checkpoint -> a PEFT adapter directory, or with merged=True a full Hugging Face model directory
+  (base from the config's load_parameters_path, W + (alpha / r) B A). Returns a one-line summary."""
+  from flax import nnx
+
+  from maxtext.config import load
+  from maxtext.convert import hf_params, safetensors_io
+  from maxtext.convert.hf_config import hf_config_from
+  from maxtext.layers.lora import LoRAParam
+  from maxtext.train.checkpointing import restore_some_params
+
+  config = load(config_args + ["ici_fsdp_parallelism=-1"], env={})
+  if not config.lora.enable_lora:
+    raise ConfigError("pass the LoRA run's config (with lora.enable_lora=true and its lora.* settings) after --config")
+  _check_exportable({}, config)
+  out_path = Path(out)
+  _refuse_existing(out_path)
+  abstract = _abstract_params(config)
+  adapters, _ = restore_some_params(checkpoint, nnx.filter_state(abstract, LoRAParam), "--checkpoint")
+  flat = _flat_numpy(adapters)
+  if not merged:
+    tensors, adapter_config = to_peft(flat, config)
+    write(out_path, tensors, adapter_config)
+    return f"wrote {out_path} (PEFT adapter: r={adapter_config['r']}, target_modules={adapter_config['target_modules']})"
+  if not config.load_parameters_path:
+    raise ConfigError("--merge needs the base weights: add load_parameters_path=<the hf-to-maxtext output> to --config")
+  base, _ = restore_some_params(config.load_parameters_path, nnx.filter_state(abstract, nnx.Not(LoRAParam)), "load_parameters_path")
+  safetensors_io.write(out_path, hf_config_from(config), hf_params.maxtext_to_hf(merge({**_flat_numpy(base), **flat}, config), config))
+  return f"wrote {out_path} (config.json + model.safetensors with the adapters merged)"
+
+
+def import_adapter(peft_dir: str, out: str, config_args: list[str]) -> str:
+  """A PEFT adapter directory -> an adapters-only checkpoint for lora.lora_restore_path. Returns the keys to train with."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from maxtext.config import load
+  from maxtext.layers.lora import LoRAParam
+  from maxtext.train.checkpointing import save_params
+
+  given = [a for a in config_args if a.startswith("lora.")]
+  if given:
+    raise ConfigError(f"peft-to-lora takes the lora settings from {ADAPTER_CONFIG}; drop {given[0].split('=')[0]} from --config")
+  out_path = Path(out)
+  _refuse_existing(out_path)
+  tensors, adapter_config = read(peft_dir)
+  base_config = load(config_args + ["ici_fsdp_parallelism=-1"], env={})
+  keys = lora_overrides(adapter_config, base_config)
+  lora_args = [f"lora.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in keys.items()]
+  config = load(config_args + ["ici_fsdp_parallelism=-1"] + lora_args, env={})
+  abstract = nnx.filter_state(_abstract_params(config), LoRAParam)
+  shapes = {"/".join(map(str, p)): tuple(v.get_value().shape) for p, v in nnx.to_flat_state(abstract)}
+  flat = from_peft(tensors, config, shapes)
+  leaves = [(p, v.replace(jnp.asarray(flat["/".join(map(str, p))], v.get_value().dtype))) for p, v in nnx.to_flat_state(abstract)]
+  save_params(str(out_path.absolute()), nnx.from_flat_state(leaves))
+  return " ".join(lora_args[:-1] + [f"'{lora_args[-1]}'", f"lora.lora_restore_path={out_path.absolute()}"])

@@ -1,0 +1,128 @@
+"""LoRA adapters on the dense projections of each decoder layer: W x + (alpha / r) B A x.
+
+`attach(layer, config, rngs)` gives every DenseGeneral inside a decoder layer whose module path
+(relative to the layer, e.g. 'attention/query', 'mlp/wi_0', 'mlp/gate') matches lora.lora_module_path
+(re.search) an adapter in its `lora` slot. Because it runs inside each layer's constructor, stacked
+(scanned) layers get stacked adapters with a leading 'layers' axis like every other layer parameter.
+
+Candidates are the attention projections (query, key, value, out), the dense MLP projections
+(wi_0, wi_1 or wi, wo) and the MoE router (mlp/gate). Stacked MoE expert weights, the embedding and the
+output head take no adapters. A [in..., r] starts Kaiming-uniform (bound 1/sqrt(fan_in), as PEFT) and
+B [r, out...] at zero, so an adapted model equals its base at init.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtext.config import MaxTextConfig
+from maxtext.errors import ConfigError
+from maxtext.layers.dtypes import dtype
+from maxtext.layers.linear import DenseGeneral
+
+
+class LoRAParam(nnx.Param):
+  """An adapter matrix (A or B): the only parameters a LoRA run trains (with mHC connectors, if on)."""
+
+
+class LoRA(nnx.Module):
+  """(alpha / r) B A x for a DenseGeneral with kernel in_shape + out_shape; A is [in..., r], B is [r, out...]."""
+
+  def __init__(
+    self,
+    in_shape: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    in_axes: tuple[str | None, ...],
+    out_axes: tuple[str | None, ...],
+    rank: int,
+    alpha: float,
+    *,
+    dtype: jnp.dtype,
+    weight_dtype: jnp.dtype,
+    precision: jax.lax.Precision,
+    key: jax.Array,
+  ):
+    self.in_ndim = len(in_shape)
+    self.scale = alpha / rank
+    self.dtype = dtype
+    self.precision = precision
+    bound = 1.0 / math.sqrt(math.prod(in_shape))
+    a = jax.random.uniform(key, (*in_shape, rank), jnp.float32, -bound, bound)
+    self.lora_a = LoRAParam(a.astype(weight_dtype), logical_axes=(*in_axes, None))
+    self.lora_b = LoRAParam(jnp.zeros((rank, *out_shape), weight_dtype), logical_axes=(None, *out_axes))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n = self.in_ndim
+    a = self.lora_a[...].astype(self.dtype)
+    b = self.lora_b[...].astype(self.dtype)
+    h = jax.lax.dot_general(x.astype(self.dtype), a, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())), precision=self.precision)
+    y = jax.lax.dot_general(h, b, (((h.ndim - 1,), (0,)), ((), ())), precision=self.precision)
+    return y * jnp.asarray(self.scale, y.dtype)
+
+
+def module_path(path: tuple) -> str:
+  return "/".join(str(p) for p in path)
+
+
+def candidates(layer: nnx.Module) -> dict[str, DenseGeneral]:
+  """Every DenseGeneral of a decoder layer, by module path relative to the layer."""
+  return {module_path(path): m for path, m in nnx.iter_modules(layer) if isinstance(m, DenseGeneral)}
+
+
+def _side_key(rngs: nnx.Rngs) -> jax.Array:
+  """A key derived from the params stream's current state without advancing it.
+
+  Adapters draw from it, so the base parameters of every layer get the same random keys with or without
+  LoRA (also unscanned, where the layers share one stream).
+  """
+  stream = rngs.params
+  return jax.random.fold_in(jax.random.fold_in(stream.key[...], stream.count[...]), 0x10A)
+
+
+def attach(layer: nnx.Module, config: MaxTextConfig, rngs: nnx.Rngs) -> None:
+  """Give the layer's matching DenseGenerals adapters (no-op unless lora.enable_lora)."""
+  cfg = config.lora
+  if not cfg.enable_lora:
+    return
+  modules = candidates(layer)
+  pattern = re.compile(cfg.lora_module_path)
+  chosen = sorted(p for p in modules if pattern.search(p))
+  if not chosen:
+    raise ConfigError(f"lora.lora_module_path '{cfg.lora_module_path}' matches no module; available module paths: {', '.join(sorted(modules))}")
+  base_key = _side_key(rngs)
+  for i, path in enumerate(chosen):
+    dense = modules[path]
+    axes = tuple(dense.kernel.get_metadata().get("logical_axes") or (None,) * dense.kernel[...].ndim)
+    n_in = len(dense.in_shape)
+    dense.lora = nnx.data(
+      LoRA(
+        dense.in_shape,
+        dense.out_shape,
+        axes[:n_in],
+        axes[n_in:],
+        cfg.lora_rank,
+        cfg.lora_alpha,
+        dtype=dense.dtype,
+        weight_dtype=dtype(config.weight_dtype),
+        precision=dense.precision,
+        key=jax.random.fold_in(base_key, i),
+      )
+    )
+
+
+def merge(kernel: jax.Array, lora_a: jax.Array, lora_b: jax.Array, scale: float, lead: int = 0) -> jax.Array:
+  """kernel + scale * A B (contracting the rank axis) in float32, cast back to the kernel's dtype.
+
+  `lead` leading axes (a stacked layer axis) are shared by kernel [lead, in..., out...], A [lead, in..., r]
+  and B [lead, r, out...].
+  """
+  a = jnp.asarray(lora_a, jnp.float32)
+  b = jnp.asarray(lora_b, jnp.float32)
+  batch = tuple(range(lead))
+  delta = jax.lax.dot_general(a, b, (((a.ndim - 1,), (lead,)), (batch, batch)), precision=jax.lax.Precision.HIGHEST)
+  return (jnp.asarray(kernel, jnp.float32) + scale * delta).astype(jnp.asarray(kernel).dtype)
