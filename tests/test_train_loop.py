@@ -13,7 +13,7 @@ from maxtext.errors import ConfigError
 from maxtext.train import checkpointing
 from maxtext.train import setup as setup_lib
 from maxtext.train.__main__ import main
-from maxtext.train.loop import NonFiniteLossError, restore_or_init, train
+from maxtext.train.loop import NonFiniteLossError, _check_finite, restore_or_init, train
 from tests.test_train_helpers import TINY, mesh_for, tiny_config
 
 
@@ -63,7 +63,7 @@ def test_sigterm_finishes_the_step_saves_and_the_restart_continues(uninterrupted
     if step == 2:
       os.kill(os.getpid(), signal.SIGTERM)
 
-  stopped = _train(_cfg(tmp_path), shared_setup, on_step=preempt)
+  stopped = _train(_cfg(tmp_path, async_checkpointing=True), shared_setup, on_step=preempt)
   assert stopped.stop_reason == "sigterm" and stopped.steps_done == 4
   assert "received SIGTERM: saved a checkpoint after step 3" in capsys.readouterr().out
   assert os.path.isdir(tmp_path / "r" / "checkpoints" / "4" / "items")
@@ -102,7 +102,7 @@ def test_params_only_and_full_state_restore(uninterrupted, shared_setup, tmp_pat
 
 def test_nan_loss_aborts_naming_the_step_without_saving(tmp_path, capsys):
   overrides = {**TINY, "base_output_directory": tmp_path, "run_name": "nan", "steps": 6, "checkpoint_period": 1, "opt_type": "sgd"}
-  overrides.update(learning_rate=1e30, gradient_clipping_threshold=0)
+  overrides.update(learning_rate=1e30, gradient_clipping_threshold=0, max_num_checkpoints_to_keep=2)
   args = [f"{k}={v}" for k, v in overrides.items()]
   with pytest.raises(SystemExit) as exit_info:
     main(["configs/base.yml", *args])
@@ -112,15 +112,25 @@ def test_nan_loss_aborts_naming_the_step_without_saving(tmp_path, capsys):
   bad_step = int(err[0].split(" at step ")[1].split(";")[0])
   saved = sorted(int(d) for d in os.listdir(tmp_path / "nan" / "checkpoints") if d.isdigit())
   assert saved and max(saved) <= bad_step  # the state after the bad step (bad_step + 1) is never written
+  assert len(saved) <= 2  # max_num_checkpoints_to_keep
 
 
 def test_eval_target_loss_stops_early_and_profiler_writes_a_trace(shared_setup, tmp_path):
-  config = _cfg(tmp_path, eval_interval=2, eval_steps=2, target_eval_loss=100.0, profiler="xplane", skip_first_n_steps_for_profiler=0, profiler_steps=1)
+  config = _cfg(
+    tmp_path,
+    eval_interval=2,
+    eval_steps=2,
+    target_eval_loss=100.0,
+    profiler="xplane",
+    skip_first_n_steps_for_profiler=0,
+    profiler_steps=1,
+    enable_checkpointing=False,
+  )
   result = _train(config, shared_setup)
   assert result.stop_reason == "target_eval_loss" and result.steps_done == 2 and list(result.eval_losses) == [1]
   traces = [f for _, _, files in os.walk(config.tensorboard_dir) for f in files if f.endswith(".xplane.pb")]
   assert traces
-  assert os.path.isdir(os.path.join(config.checkpoint_dir, "2"))
+  assert not os.path.exists(config.checkpoint_dir)  # enable_checkpointing=false
 
 
 def test_config_errors_are_one_line(tmp_path):
@@ -128,3 +138,17 @@ def test_config_errors_are_one_line(tmp_path):
     train(_cfg(tmp_path, hardware="tpu"))
   with pytest.raises(ConfigError, match="eval_steps"):
     train(_cfg(tmp_path, eval_interval=2))
+
+
+@pytest.mark.parametrize(
+  "value, nan_flag, inf_flag, aborts",
+  [(float("nan"), True, False, True), (float("inf"), False, True, True), (float("inf"), True, False, False), (float("nan"), False, True, False)],
+)
+def test_abort_flags(value, nan_flag, inf_flag, aborts):
+  config = tiny_config(num_devices=1, abort_on_nan_loss=nan_flag, abort_on_inf_loss=inf_flag)
+  metrics = {"loss": value, "grad_norm": 1.0}
+  if aborts:
+    with pytest.raises(NonFiniteLossError, match="at step 7"):
+      _check_finite(config, 7, metrics)
+  else:
+    _check_finite(config, 7, metrics)

@@ -42,10 +42,16 @@ def table_peak_tflops(device: jax.Device) -> float | None:
   return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in kind), None)
 
 
+def measure_matmul_tflops(n: int = 0) -> float:
+  """bf16 [n, n] @ [n, n] throughput of one device in TFLOP/s, measured once per process and size.
+
+  n = 0 picks 1024 on CPU and 8192 on accelerators.
+  """
+  return _measure(n or (1024 if jax.default_backend() == "cpu" else 8192))
+
+
 @functools.cache
-def measure_matmul_tflops(n: int | None = None, repeats: int = 5) -> float:
-  """bf16 [n, n] @ [n, n] throughput of one device, best of `repeats` (measured once per process)."""
-  n = n or (1024 if jax.default_backend() == "cpu" else 8192)
+def _measure(n: int, repeats: int = 5) -> float:
   device = jax.local_devices()[0]
   a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)
   b = jax.device_put(jnp.full((n, n), 0.5, jnp.bfloat16), device)

@@ -1,0 +1,85 @@
+"""Train-step throughput: `python benchmarks/train_throughput.py <config.yml> key=value ...` prints one JSON line.
+
+Compiles exactly the step `python -m maxtext.train` runs, times `bench_steps` steps after
+`warmup_steps` (each step synchronised, so the figures are per-step device time), and measures
+this machine's bf16 matmul throughput in the same process as the yardstick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+
+
+def main(argv: list[str]) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--warmup_steps", type=int, default=2)
+  parser.add_argument("--bench_steps", type=int, default=10)
+  parser.add_argument("--matmul_size", type=int, default=0, help="side of the square bf16 matmul yardstick; 0 -> 1024 on CPU, 8192 elsewhere")
+  parser.add_argument("config", nargs="+", help="<config.yml> key=value ...")
+  args = parser.parse_args(argv)
+
+  from maxtext import mesh as mesh_lib
+  from maxtext.config import load
+  from maxtext.models import counting
+  from maxtext.train import perf
+  from maxtext.train import setup as setup_lib
+  from maxtext.train.loop import create_data_iterator
+
+  config = load(args.config)
+  matmul_tflops = perf.measure_matmul_tflops(args.matmul_size)
+  mesh = mesh_lib.create(config)
+  with jax.set_mesh(mesh):
+    setup = setup_lib.build(config, mesh)
+    start = time.perf_counter()
+    compiled = setup.jit_step.lower(setup.abstract_state, setup.abstract_batch).compile()
+    compile_s = time.perf_counter() - start
+    state = setup.init_state()
+    data = create_data_iterator(config, mesh, "train")
+    step_s, data_s = [], []
+    for i in range(args.warmup_steps + args.bench_steps):
+      start = time.perf_counter()
+      batch = jax.block_until_ready(next(data))
+      waited = time.perf_counter() - start
+      start = time.perf_counter()
+      state, metrics = compiled(state, batch)
+      jax.block_until_ready(metrics)
+      if i >= args.warmup_steps:
+        step_s.append(time.perf_counter() - start)
+        data_s.append(waited)
+
+  seconds = statistics.median(step_s)
+  tflops = counting.flops_per_device_per_step(config) / seconds / 1e12
+  peak, peak_source = perf.peak_tflops(config)
+  memory = compiled.memory_analysis()
+  stats = jax.local_devices()[0].memory_stats() or {}
+  result = {
+    "backend": jax.default_backend(),
+    "device_kind": jax.devices()[0].device_kind,
+    "num_devices": config.num_devices,
+    "compile_seconds": round(compile_s, 3),
+    "median_step_seconds": round(seconds, 5),
+    "tokens_per_second_per_device": round(config.global_batch_size_to_train_on * config.max_target_length / config.num_devices / seconds, 1),
+    "tflops_per_second_per_device": round(tflops, 4),
+    "mfu": round(tflops / peak, 4),
+    "mfu_peak_tflops": peak,
+    "mfu_peak_source": peak_source,
+    "measured_bf16_matmul_tflops": round(matmul_tflops, 4),
+    "fraction_of_measured_matmul": round(tflops / matmul_tflops, 4),
+    "compiled_temp_bytes": memory.temp_size_in_bytes if memory else None,
+    "compiled_argument_bytes": memory.argument_size_in_bytes if memory else None,
+    "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+    "median_data_wait_seconds": round(statistics.median(data_s), 5),
+    "final_loss": float(metrics["loss"]),
+  }
+  print(json.dumps(result), flush=True)
+  return result
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
