@@ -120,3 +120,15 @@ def test_tokenizer_own_chat_template(tmp_path):
   tok = load_tokenizer("huggingface", str(tmp_path / "tok"))
   trained = trained_targets(row).tolist()
   assert trained == tok.encode("the next token of every document\n") + tok.encode("learns to predict\n") + [tok.eos_id]
+
+
+def test_parquet_messages_column(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  jsonl = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+  pq.write_table(pa.table({"messages": [CONVERSATION]}), tmp_path / "chat.parquet")
+  from_parquet = first_row(sft_config(tmp_path / "chat.parquet", grain_file_type="parquet", chat_template=TEMPLATE))
+  from_jsonl = first_row(sft_config(jsonl, chat_template=TEMPLATE))
+  for k in ("inputs", "targets_segmentation"):
+    np.testing.assert_array_equal(from_parquet[k], from_jsonl[k])

@@ -55,6 +55,8 @@ class DocumentEncoder:
     if len(self.columns) == 2:
       return sft.prompt_completion(text_field(record, self.columns[0], where), text_field(record, self.columns[1], where))
     column = self.columns[0]
+    if isinstance(record.get(column), np.ndarray):  # a list column read from parquet
+      record = {**record, column: record[column].tolist()}
     if len(self.columns) != 1 or not isinstance(record.get(column), list):
       if column not in record:
         text_field(record, column, where)  # raises the missing-column error

@@ -52,7 +52,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_path: str, mo
       )
     except RuntimeError as e:
       msg = " ".join(str(e).split())[:200]
-      raise DataError(f"sentencepiece training failed: {msg}; use a smaller vocab size or more text") from None
+      raise DataError(f"sentencepiece training failed: {msg}; adjust the vocab size or give more text") from None
     os.replace(prefix + ".model", out_path)
   return out_path
 
