@@ -26,7 +26,9 @@ def token_losses(logits: jax.Array, targets: jax.Array, z_loss_multiplier: float
   """Per-token cross entropy and z-loss from float32 logits [..., V] and int targets [...]."""
   logits = logits.astype(jnp.float32)
   lse = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  # A fused compare-and-select instead of a gather: its gradient is elementwise too (no scatter into [..., V]).
+  vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  target_logit = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
   return lse - target_logit, z_loss_multiplier * jnp.square(lse)
 
 
