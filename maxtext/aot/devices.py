@@ -11,10 +11,12 @@ from maxtext.distributed import _has_tpu_chips
 from maxtext.errors import ConfigError
 
 
-def _quiet_libtpu() -> None:
-  """On a host without TPU chips, give libtpu the single-host facts it otherwise warns about."""
+def _compile_only_libtpu() -> None:
+  """On a host without TPU chips: give libtpu the single-host facts it otherwise warns about, and let several
+  compile-only processes load it at once (its lock file guards chips, and there are none)."""
   if not _has_tpu_chips():
-    for key, value in (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
+    defaults = (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"))
+    for key, value in defaults:
       os.environ.setdefault(key, value)
 
 
@@ -22,7 +24,7 @@ def topology_devices(topo: topology.Topology, num_slices: int = 1) -> list[jax.D
   """All devices of num_slices slices of topo, in id order; multi-slice devices carry slice_index."""
   from jax.experimental import topologies
 
-  _quiet_libtpu()
+  _compile_only_libtpu()
   try:
     desc = topologies.get_topology_desc(
       platform="tpu",
