@@ -45,7 +45,9 @@ class Transformer(nnx.Module):
     self.config = c
     self.family = registry.get(c.decoder_block)
     kw = dict(dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), precision=precision(c.matmul_precision), rngs=rngs)
-    self.embed = Embed(c.vocab_size, c.emb_dim, **kw)
+    # Tied tables also produce the logits: unit-variance rows would give logits of std sqrt(emb_dim) at init.
+    tied_scale = 1.0 if (c.normalize_embedding_logits or not c.logits_via_embedding) else c.emb_dim**-0.5
+    self.embed = Embed(c.vocab_size, c.emb_dim, init_std=tied_scale, **kw)
     if c.scan_layers:
       self.layers = stacked_layers(c, rngs)
     else:
