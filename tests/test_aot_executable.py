@@ -1,13 +1,11 @@
 """compiled_trainstep_file: a compiled step saved with its stamp, loaded back, and refused when it does not match."""
 
 import jax
-import numpy as np
 import pytest
 
 from maxtext import mesh as mesh_lib
 from maxtext.aot import executable
 from maxtext.config import ConfigError, from_overrides
-from maxtext.data.synthetic import SyntheticIterator
 
 TINY = dict(
   base_emb_dim=32,
@@ -38,18 +36,6 @@ def saved(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("aot") / "train_step.bin")
   executable.save(path, compiled, config, jax.devices())
   return config, mesh, setup, compiled, path
-
-
-def test_loaded_step_computes_the_same_step(saved):
-  config, mesh, setup, compiled, path = saved
-  loaded = executable.load(path, config, jax.devices())
-  batch = next(SyntheticIterator(config, mesh))
-  with jax.set_mesh(mesh):
-    state_a, metrics_a = compiled(setup.init_state(), batch)
-    state_b, metrics_b = loaded(setup.init_state(), batch)
-  assert float(metrics_a["loss"]) > 0
-  for a, b in zip(jax.tree.leaves((state_a, metrics_a)), jax.tree.leaves((state_b, metrics_b))):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_settings_outside_the_step_do_not_matter(saved):
@@ -91,6 +77,7 @@ def test_every_run_only_key_is_a_config_key():
 
 
 def test_train_runs_the_loaded_step(saved, tmp_path, capsys):
+  """Saved, loaded and run by maxtext.train: every step's loss equals the normally compiled step's."""
   from maxtext.train.loop import train
 
   config, mesh, _, _, path = saved
