@@ -28,19 +28,16 @@ def _bytes(tree) -> int:
 
 
 def measure(config_args: list[str], warmup: int, steps: int) -> dict:
-  from maxtext import mesh as mesh_lib
+  from compiled_step import compile_train_step
+
   from maxtext.config import load
-  from maxtext.train import setup as setup_lib
   from maxtext.train import state as state_lib
   from maxtext.train.loop import create_data_iterator
 
   config = load(config_args)
-  mesh = mesh_lib.create(config)
+  step = compile_train_step(config)
+  mesh, setup, compiled, compile_s = step.mesh, step.setup, step.compiled, step.compile_seconds
   with jax.set_mesh(mesh):
-    setup = setup_lib.build(config, mesh)
-    start = time.perf_counter()
-    compiled = setup.jit_step.lower(setup.abstract_state, setup.abstract_batch).compile()
-    compile_s = time.perf_counter() - start
     state = setup.init_state()
     batch = jax.block_until_ready(next(create_data_iterator(config, mesh, "train")))
     times, losses = [], []

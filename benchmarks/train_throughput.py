@@ -24,21 +24,18 @@ def main(argv: list[str]) -> dict:
   parser.add_argument("config", nargs="+", help="<config.yml> key=value ...")
   args = parser.parse_args(argv)
 
-  from maxtext import mesh as mesh_lib
+  from compiled_step import compile_train_step
+
   from maxtext.config import load
   from maxtext.models import counting
   from maxtext.train import perf
-  from maxtext.train import setup as setup_lib
   from maxtext.train.loop import create_data_iterator
 
   config = load(args.config)
   matmul_tflops = perf.measure_matmul_tflops(args.matmul_size)
-  mesh = mesh_lib.create(config)
+  step = compile_train_step(config)
+  mesh, setup, compiled, compile_s = step.mesh, step.setup, step.compiled, step.compile_seconds
   with jax.set_mesh(mesh):
-    setup = setup_lib.build(config, mesh)
-    start = time.perf_counter()
-    compiled = setup.jit_step.lower(setup.abstract_state, setup.abstract_batch).compile()
-    compile_s = time.perf_counter() - start
     state = setup.init_state()
     data = create_data_iterator(config, mesh, "train")
     step_s, data_s = [], []
