@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -10,6 +11,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtext.config import MaxTextConfig
+from maxtext.errors import ConfigError
 
 LogicalAxes = Sequence[str | None]
 
@@ -18,8 +20,6 @@ def create(config: MaxTextConfig, devices: Sequence[jax.Device] | None = None) -
   """Mesh with config.mesh_axes; multi-slice devices form a hybrid (ICI x DCN) mesh."""
   devices = list(jax.devices() if devices is None else devices)
   if len(devices) != config.num_devices:
-    from maxtext.errors import ConfigError
-
     raise ConfigError(f"the config was resolved for {config.num_devices} devices but {len(devices)} are present; reload the config on this machine")
   ici, dcn = list(config.ici_parallelism), list(config.dcn_parallelism)
   if config.num_slices > 1:
@@ -50,6 +50,20 @@ def logical_to_spec(axes: LogicalAxes | None, rules: Sequence[tuple[str, Sequenc
 
 def logical_sharding(axes: LogicalAxes | None, config: MaxTextConfig, mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(axes, config.logical_axis_rules, mesh))
+
+
+def checked_logical_sharding(axes: LogicalAxes | None, shape: Sequence[int], config: MaxTextConfig, mesh: Mesh, name: str) -> NamedSharding:
+  """logical_sharding for an array of this shape; a dimension the mesh axes do not divide is a one-line ConfigError."""
+  sharding = logical_sharding(axes, config, mesh)
+  for dim, (size, part) in enumerate(zip(shape, sharding.spec, strict=False)):
+    names = (part,) if isinstance(part, str) else tuple(part or ())
+    ways = math.prod(mesh.shape[n] for n in names)
+    if size % ways:
+      raise ConfigError(
+        f"{name} dimension {dim} (logical '{axes[dim]}', size {size}) cannot be split {ways} ways over mesh axes {names}; "
+        "change the ici/dcn parallelism or logical_axis_rules"
+      )
+  return sharding
 
 
 def data_sharding(config: MaxTextConfig, mesh: Mesh) -> NamedSharding:

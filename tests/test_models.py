@@ -110,7 +110,13 @@ def test_packed_row_equals_documents_run_alone(family):
   np.testing.assert_allclose(out[:, 5:], np.asarray(model(b)), rtol=1e-5, atol=1e-5)
 
 
-MESHES = [dict(ici_fsdp_parallelism=8), dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2), dict(ici_data_parallelism=2, ici_fsdp_parallelism=4)]
+MESHES = [
+  dict(ici_fsdp_parallelism=8),
+  dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2),
+  dict(ici_data_parallelism=2, ici_fsdp_parallelism=4),
+  dict(ici_fsdp_parallelism=4, ici_sequence_parallelism=2),
+  dict(ici_fsdp_parallelism=4, ici_expert_parallelism=2),
+]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +129,7 @@ def single_device_reference():
   return out
 
 
-@pytest.mark.parametrize("mesh_kw", MESHES, ids=["fsdp8", "fsdp4-tp2", "dp2-fsdp4"])
+@pytest.mark.parametrize("mesh_kw", MESHES, ids=["fsdp8", "fsdp4-tp2", "dp2-fsdp4", "fsdp4-sp2", "fsdp4-ep2"])
 @pytest.mark.parametrize("family", ["llama2", "mixtral"])
 def test_sharded_logits_equal_single_device(single_device_reference, family, mesh_kw):
   flat, ref = single_device_reference[family]
@@ -174,3 +180,10 @@ def test_model_from_flat_reports_shape_mismatch():
   flat["final_norm/scale"] = np.ones(7, np.float32)
   with pytest.raises(ConfigError, match=r"'final_norm/scale' has shape \(7,\)"):
     model_from_flat(config, flat)
+
+
+def test_indivisible_parameter_sharding_is_a_config_error():
+  config = tiny("llama2", num_devices=8, base_num_query_heads=8, base_num_kv_heads=4, ici_tensor_parallelism=8, ici_fsdp_parallelism=1)
+  mesh = mesh_lib.create(config)
+  with pytest.raises(ConfigError, match=r"layers/attention/key/kernel dimension 2 \(logical 'kv_heads', size 4\) cannot be split 8 ways"):
+    models.create_sharded(config, mesh)

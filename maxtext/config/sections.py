@@ -223,7 +223,9 @@ class DatasetGeneral(Section):
   eval_dataset_name: str = Field("", description="tfds: eval dataset name; empty -> dataset_name.")
   train_split: str = Field("train", description="tfds: training split.")
   eval_split: str = Field("validation", description="tfds: eval split.")
-  train_data_columns: list[str] = Field(["text"], min_length=1, description="Text column(s) to train on (joined by newlines); SFT: [messages] or [prompt, completion].")
+  train_data_columns: list[str] = Field(
+    ["text"], min_length=1, description="Text column(s) to train on (joined by newlines); SFT: [messages] or [prompt, completion]."
+  )
   packing: bool = Field(True, description="Pack several documents into each row (segment ids restart positions).")
   max_segments_per_seq: int = Field(-1, description="Most documents packed in one row; -1 -> no limit.")
   enable_data_shuffling: bool = Field(True, description="Shuffle training records (globally for random-access sources, in a window for streamed ones).")
@@ -232,7 +234,9 @@ class DatasetGeneral(Section):
   grain_train_files: str = Field("", description="grain: glob (or comma-separated globs) of training files.")
   grain_eval_files: str = Field("", description="grain: glob (or comma-separated globs) of eval files.")
   grain_file_type: Literal["arrayrecord", "parquet", "jsonl"] = Field("arrayrecord", description="grain: file format.")
-  grain_worker_count: int = Field(1, ge=0, description="Data worker processes for random-access sources (ArrayRecord, JSONL, tfds, embedded); 0 -> main process.")
+  grain_worker_count: int = Field(
+    1, ge=0, description="Data worker processes for random-access sources (ArrayRecord, JSONL, tfds, embedded); 0 -> main process."
+  )
   grain_prefetch_buffer_size: int = Field(2, ge=0, description="Batches prefetched per worker (or by a thread when there are no workers); 0 -> none.")
   grain_shuffle_buffer_size: int = Field(1024, gt=0, description="Records in the shuffle window of streamed sources (grain parquet, hf).")
   hf_path: str = Field("", description="hf: dataset builder or path (e.g. json, parquet).")
@@ -246,7 +250,9 @@ class DatasetGeneral(Section):
 
 class Tokenizer(Section):
   tokenizer_type: Literal["sentencepiece", "huggingface", "tiktoken"] = Field("sentencepiece", description="Tokenizer library.")
-  tokenizer_path: str = Field("", description="sentencepiece .model, HF tokenizer.json or directory, or tiktoken BPE file; empty with dataset_type=embedded -> trained and cached.")
+  tokenizer_path: str = Field(
+    "", description="sentencepiece .model, HF tokenizer.json or directory, or tiktoken BPE file; empty with dataset_type=embedded -> trained and cached."
+  )
   add_bos: bool = Field(True, description="Prepend the BOS token to each document.")
   add_eos: bool = Field(True, description="Append the EOS token to each document.")
   use_truncation: bool = Field(True, description="Truncate each document to max_target_length; false -> split it into chunks.")

@@ -7,7 +7,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from maxtext.config import MaxTextConfig
-from maxtext.mesh import logical_sharding
+from maxtext.mesh import checked_logical_sharding
 from maxtext.models.decoder import Transformer
 
 __all__ = ["Transformer", "abstract_model", "build", "create_sharded", "logical_axes", "state_shardings"]
@@ -33,8 +33,16 @@ def logical_axes(state: nnx.State) -> nnx.State:
 
 
 def state_shardings(state: nnx.State, config: MaxTextConfig, mesh: Mesh) -> nnx.State:
-  """Pytree of NamedSharding matching state, from logical axes and config.logical_axis_rules."""
-  return jax.tree.map(lambda v: logical_sharding(v.get_metadata().get("logical_axes"), config, mesh), state, is_leaf=_is_variable)
+  """Pytree of NamedSharding matching state, from logical axes and config.logical_axis_rules.
+
+  A dimension the mapped mesh axes do not divide is a one-line ConfigError.
+  """
+
+  def one(path: tuple, v: nnx.Variable) -> NamedSharding:
+    name = "parameter " + "/".join(str(getattr(k, "key", k)) for k in path)
+    return checked_logical_sharding(v.get_metadata().get("logical_axes"), v.shape, config, mesh, name)
+
+  return jax.tree.map_with_path(one, state, is_leaf=_is_variable)
 
 
 def create_sharded(config: MaxTextConfig, mesh: Mesh, seed: int | None = None) -> Transformer:

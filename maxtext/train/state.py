@@ -64,15 +64,16 @@ def shardings(tree: Any, config: MaxTextConfig, mesh: Mesh) -> Any:
   """NamedSharding for every leaf: from a Variable's logical_axes, else replicated."""
   replicated = NamedSharding(mesh, PartitionSpec())
 
-  def one(x: Any) -> Any:
+  def one(path: tuple, x: Any) -> Any:
     if _is_variable(x) and not hasattr(x.get_value(), "shape"):  # e.g. optax's MaskedNode: no arrays inside
       return x
     if _is_variable(x):
       axes = getattr(x, "logical_axes", None)
-      return x.replace(value=mesh_lib.logical_sharding(axes, config, mesh) if axes else replicated)
+      name = "train state " + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+      return x.replace(value=mesh_lib.checked_logical_sharding(axes, x.get_value().shape, config, mesh, name) if axes else replicated)
     return replicated
 
-  return jax.tree.map(one, tree, is_leaf=_is_variable)
+  return jax.tree.map_with_path(one, tree, is_leaf=_is_variable)
 
 
 def with_shardings(abstract: Any, shardings_tree: Any) -> Any:
