@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from maxtext import mesh as mesh_lib
@@ -119,14 +120,31 @@ class _Profiler:
       self.active = False
 
 
+def all_processes_agree(flag: bool) -> bool:
+  """True when flag holds on every process (a host sync; only for rare decisions such as the end of eval)."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def eval_batches(it: Any, limit: int) -> Any:
+  """Batches while every process still has one (at most limit when > 0): hosts whose eval shares
+  pack into different numbers of batches all stop together instead of waiting on each other."""
+  i = 0
+  while limit <= 0 or i < limit:
+    batch = next(it, None)
+    if not all_processes_agree(batch is not None):
+      return
+    yield batch
+    i += 1
+
+
 def _evaluate(config: MaxTextConfig, setup: setup_lib.TrainSetup, state: Any) -> dict[str, float]:
   it = create_data_iterator(config, setup.mesh, "eval")
   other = state.get("other", nnx.State({}))
-  sums = []
-  for i, batch in enumerate(it):
-    if 0 < config.eval_steps <= i:
-      break
-    sums.append(setup.jit_eval(state["params"], other, batch))
+  sums = [setup.jit_eval(state["params"], other, batch) for batch in eval_batches(it, config.eval_steps)]
   return combine_eval(jax.device_get(sums))
 
 
