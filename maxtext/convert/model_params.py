@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 
 from maxtext import models
 from maxtext.config import MaxTextConfig
-from maxtext.errors import ConfigError
+from maxtext.errors import ConfigError, shorten
 from maxtext.layers.lora import LoRAParam
 from maxtext.layers.mhc import MHCParam
 
@@ -59,9 +59,9 @@ def model_from_flat(config: MaxTextConfig, flat: dict[str, np.ndarray], mesh: Me
   if missing or unexpected:
     parts = []
     if missing:
-      parts.append(f"missing {', '.join(missing[:5])}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+      parts.append(f"missing {shorten(missing)}")
     if unexpected:
-      parts.append(f"unexpected {', '.join(unexpected[:5])}" + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
+      parts.append(f"unexpected {shorten(unexpected)}")
     raise ConfigError(f"parameters do not match the model of this config: {'; '.join(parts)}")
   leaves = []
   for name, path in names.items():
