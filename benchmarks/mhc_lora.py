@@ -31,10 +31,11 @@ def measure(config_args: list[str], warmup: int, steps: int) -> dict:
   from compiled_step import compile_train_step
 
   from maxtext.config import load
+  from maxtext.process import prepare
   from maxtext.train import state as state_lib
   from maxtext.train.loop import create_data_iterator
 
-  config = load(config_args)
+  config = load(config_args, before_devices=prepare)
   step = compile_train_step(config)
   mesh, setup, compiled, compile_s = step.mesh, step.setup, step.compiled, step.compile_seconds
   with jax.set_mesh(mesh):

@@ -28,10 +28,11 @@ def main(argv: list[str]) -> dict:
 
   from maxtext.config import load
   from maxtext.models import counting
+  from maxtext.process import prepare
   from maxtext.train import perf
   from maxtext.train.loop import create_data_iterator
 
-  config = load(args.config)
+  config = load(args.config, before_devices=prepare)
   matmul_tflops = perf.measure_matmul_tflops(args.matmul_size)
   step = compile_train_step(config)
   mesh, setup, compiled, compile_s = step.mesh, step.setup, step.compiled, step.compile_seconds

@@ -1,17 +1,20 @@
 """Loss: masking, z-loss and MoE aux against a hand computation; vocabulary tiling equals the plain loss and cuts peak memory."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from maxtext.errors import ConfigError
+from maxtext.layers.output_head import OutputHead
 from maxtext.train import loss as loss_lib
 from tests.test_train_helpers import tiny_config
 
 
 class LinearHead:
-  """hidden_states returns fixed hidden states; logits = hidden @ w."""
+  """hidden_states returns fixed hidden states; logits = hidden @ w in float32."""
 
   def __init__(self, hidden, w, aux=0.0):
     self.hidden, self.w, self.aux = hidden, w, aux
@@ -19,8 +22,8 @@ class LinearHead:
   def hidden_states(self, tokens, positions=None, segment_ids=None):
     return self.hidden, jnp.asarray(self.aux, jnp.float32)
 
-  def logits(self, h):
-    return (h @ self.w).astype(jnp.float32)
+  def output_head(self):
+    return OutputHead(self.w, jnp.float32)
 
 
 def _batch(targets, segmentation):
@@ -90,3 +93,30 @@ def test_vocab_tiling_needs_a_divisor_of_the_sequence(head):
   hidden, w, batch = head
   with pytest.raises(ConfigError, match="num_vocab_tiling"):
     loss_lib.loss_sums(LinearHead(hidden, w), batch, tiny_config(num_devices=1, num_vocab_tiling=3))
+
+
+@pytest.mark.parametrize("compute_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("scale,soft_cap", [(1.0, 0.0), (0.5, 3.0)])
+def test_fused_loss_gradient_equals_autodiff_of_the_logits(head, compute_dtype, scale, soft_cap):
+  """OutputHead.loss_sums' hand-written backward pass against jax.grad of the same maths on OutputHead.logits."""
+  hidden, w, batch = head
+  hidden = hidden.astype(compute_dtype)
+  targets, mask = batch["targets"], (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  out = OutputHead(w, compute_dtype, scale=scale, soft_cap=soft_cap)
+
+  def fused(h, k):
+    xent, z = dataclasses.replace(out, kernel=k).loss_sums(h, targets, mask, 1e-2)
+    return 0.7 * xent + 1.3 * z
+
+  def reference(h, k):
+    logits = dataclasses.replace(out, kernel=k).logits(h)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return 0.7 * jnp.sum((lse - target) * mask) + 1.3 * jnp.sum(1e-2 * lse**2 * mask)
+
+  (l_f, g_f), (l_r, g_r) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, w) for f in (fused, reference))
+  np.testing.assert_allclose(float(l_f), float(l_r), rtol=1e-6)
+  tol = 1e-5 if compute_dtype == jnp.float32 else 2e-2  # bf16: the reference rounds its logit gradient at other points
+  for a, b in zip(g_f, g_r):
+    assert a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol * float(jnp.max(jnp.abs(b.astype(jnp.float32)))))

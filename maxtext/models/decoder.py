@@ -14,6 +14,7 @@ from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.embed import Embed
 from maxtext.layers.linear import DenseGeneral
 from maxtext.layers.norms import RMSNorm
+from maxtext.layers.output_head import OutputHead
 from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.layers.sharding import constrain
 from maxtext.models import registry, remat
@@ -47,7 +48,7 @@ class Transformer(nnx.Module):
     kw = dict(dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), precision=precision(c.matmul_precision), rngs=rngs)
     # Tied tables also produce the logits: unit-variance rows would give logits of std sqrt(emb_dim) at init.
     tied_scale = 1.0 if (c.normalize_embedding_logits or not c.logits_via_embedding) else c.emb_dim**-0.5
-    self.embed = Embed(c.vocab_size, c.emb_dim, init_std=tied_scale, **kw)
+    self.embed = Embed(c.vocab_size, c.emb_dim, init_std=tied_scale, dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
     if c.scan_layers:
       self.layers = stacked_layers(c, rngs)
     else:
@@ -95,20 +96,19 @@ class Transformer(nnx.Module):
     hidden = self.final_norm(x)
     return hidden, aux * (c.load_balance_loss_weight / c.num_decoder_layers)
 
-  def logits(self, hidden: jax.Array) -> jax.Array:
-    """Final hidden states [..., E] -> float32 logits [..., vocab]."""
+  def output_head(self) -> OutputHead:
+    """The map from final hidden states to logits: the output kernel, or the embedding table when tied."""
     c = self.config
     if self.output is None:
-      logits = self.embed.attend(hidden)
-      if c.normalize_embedding_logits:
-        logits = logits / jnp.sqrt(jnp.asarray(c.emb_dim, logits.dtype))
+      kernel = self.embed.embedding[...].T
+      scale = c.emb_dim**-0.5 if c.normalize_embedding_logits else 1.0
     else:
-      logits = self.output(hidden)
-    logits = logits.astype(jnp.float32)
-    if c.final_logits_soft_cap:
-      cap = c.final_logits_soft_cap
-      logits = cap * jnp.tanh(logits / cap)
-    return constrain(logits, ("activation_batch", "activation_length", "activation_vocab")[-logits.ndim :], c.logical_axis_rules)
+      kernel, scale = self.output.kernel[...], 1.0
+    return OutputHead(kernel, dtype(c.dtype), precision(c.matmul_precision), scale, c.final_logits_soft_cap or 0.0, c.logical_axis_rules)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """Final hidden states [..., E] -> float32 logits [..., vocab]."""
+    return self.output_head().logits(hidden)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
     hidden, _ = self.hidden_states(tokens, positions, segment_ids)

@@ -9,11 +9,11 @@ from maxtext.errors import cli_main
 
 @cli_main
 def main(argv: list[str]) -> None:
-  from maxtext import distributed
   from maxtext.config import load
+  from maxtext.process import prepare
   from maxtext.train.loop import train
 
-  train(load(argv, before_devices=distributed.initialize))
+  train(load(argv, before_devices=prepare))
 
 
 if __name__ == "__main__":

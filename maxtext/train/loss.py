@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
+from maxtext.layers.output_head import OutputHead
 
 
 class LossSums(NamedTuple):
@@ -22,22 +23,7 @@ class LossSums(NamedTuple):
   aux: jax.Array  # MoE load-balance loss (already weighted by the model)
 
 
-def token_losses(logits: jax.Array, targets: jax.Array, z_loss_multiplier: float) -> tuple[jax.Array, jax.Array]:
-  """Per-token cross entropy and z-loss from float32 logits [..., V] and int targets [...]."""
-  logits = logits.astype(jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  # A fused compare-and-select instead of a gather: its gradient is elementwise too (no scatter into [..., V]).
-  vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-  target_logit = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-  return lse - target_logit, z_loss_multiplier * jnp.square(lse)
-
-
-def _masked_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array, z_mult: float) -> tuple[jax.Array, jax.Array]:
-  xent, z = token_losses(logits, targets, z_mult)
-  return jnp.sum(xent * mask), jnp.sum(z * mask)
-
-
-def _tiled_sums(model: Any, hidden: jax.Array, targets: jax.Array, mask: jax.Array, tiles: int, z_mult: float) -> tuple[jax.Array, jax.Array]:
+def _tiled_sums(head: OutputHead, hidden: jax.Array, targets: jax.Array, mask: jax.Array, tiles: int, z_mult: float) -> tuple[jax.Array, jax.Array]:
   """Logits and loss per chunk of tokens inside a rematerialised scan: [B, S, V] logits never exist."""
   b, s, e = hidden.shape
   if s % tiles:
@@ -49,7 +35,7 @@ def _tiled_sums(model: Any, hidden: jax.Array, targets: jax.Array, mask: jax.Arr
   @jax.checkpoint
   def body(carry, chunk):
     h, t, m = chunk
-    xent, z = _masked_sums(model.logits(h), t, m, z_mult)
+    xent, z = head.loss_sums(h, t, m, z_mult)
     return (carry[0] + xent, carry[1] + z), None
 
   zero = jnp.zeros((), jnp.float32)
@@ -63,7 +49,7 @@ def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig) ->
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   targets = batch["targets"]
   if config.num_vocab_tiling > 1:
-    xent, z = _tiled_sums(model, hidden, targets, mask, config.num_vocab_tiling, config.z_loss_multiplier)
+    xent, z = _tiled_sums(model.output_head(), hidden, targets, mask, config.num_vocab_tiling, config.z_loss_multiplier)
   else:
-    xent, z = _masked_sums(model.logits(hidden), targets, mask, config.z_loss_multiplier)
+    xent, z = model.output_head().loss_sums(hidden, targets, mask, config.z_loss_multiplier)
   return LossSums(xent, z, jnp.sum(mask), jnp.asarray(aux, jnp.float32))

@@ -51,17 +51,19 @@ def measure_matmul_tflops(n: int = 0) -> float:
 
 
 @functools.cache
-def _measure(n: int, repeats: int = 5) -> float:
+def _measure(n: int, min_repeats: int = 10, min_seconds: float = 0.5) -> float:
+  """Best of at least min_repeats timed matmuls spanning at least min_seconds (the most favourable figure)."""
   device = jax.local_devices()[0]
   a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)
   b = jax.device_put(jnp.full((n, n), 0.5, jnp.bfloat16), device)
   matmul = jax.jit(lambda x, y: x @ y)
   matmul(a, b).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
+  best, spent, repeats = float("inf"), 0.0, 0
+  while repeats < min_repeats or spent < min_seconds:
     start = time.perf_counter()
     matmul(a, b).block_until_ready()
-    best = min(best, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    best, spent, repeats = min(best, elapsed), spent + elapsed, repeats + 1
   return 2 * n**3 / best / 1e12
 
 

@@ -1,0 +1,52 @@
+"""Keep large host buffers mapped between steps when training on CPU (glibc malloc tuning).
+
+XLA:CPU allocates each execution's temporary buffer (hundreds of MB for a train step) with
+`posix_memalign` from a worker thread. glibc serves that from a per-thread arena, which cannot
+hold it, so every step maps fresh pages and unmaps them afterwards: about 100k page faults and
+zero-filling per step. Three `mallopt` settings stop that: one arena (the main heap, which can
+grow), no mmap for large blocks, and no trimming of freed memory, so the pages are reused.
+
+They must be set before JAX creates its thread pool (`maxtext.config.load`'s `before_devices`),
+and only for CPU runs: accelerator hosts keep glibc's defaults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+
+import jax
+
+from maxtext.config import MaxTextConfig
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+_ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
+
+
+def runs_on_cpu(config: MaxTextConfig, platforms: str | None = None, accelerator_nodes: bool | None = None) -> bool:
+  """Whether JAX will pick the CPU backend, decided without initialising it.
+
+  platforms defaults to JAX's `jax_platforms` setting; accelerator_nodes to whether /dev shows GPUs or TPU chips.
+  """
+  if config.hardware != "auto":
+    return config.hardware == "cpu"
+  first = (jax.config.jax_platforms or "" if platforms is None else platforms).split(",")[0].strip()
+  if first:
+    return first == "cpu"
+  if accelerator_nodes is None:
+    accelerator_nodes = any(glob.glob(pattern) for pattern in _ACCELERATOR_NODES)
+  return not accelerator_nodes
+
+
+def keep_buffers_mapped() -> bool:
+  """Apply the mallopt settings; False where the C library has no mallopt (not glibc)."""
+  mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+  if mallopt is None:
+    return False
+  settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+  return all(mallopt(option, value) == 1 for option, value in settings)
+
+
+def tune(config: MaxTextConfig) -> bool:
+  """keep_buffers_mapped() for CPU runs; returns whether the settings were applied."""
+  return runs_on_cpu(config) and keep_buffers_mapped()
