@@ -5,6 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from maxtext.layers import matmul
+from maxtext.layers.sharding import target_platform
+
 NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -31,20 +34,22 @@ def xla_attention(
   """q [B,S,H,D], k/v [B,T,K,D] (H = K*G) -> [B,S,H,D]; logits and softmax in float32."""
   b, s, h, d = q.shape
   kv_heads = k.shape[2]
-  q = q.reshape(b, s, kv_heads, h // kv_heads, d)
-  logits = jnp.einsum("bskgd,btkd->bkgst", q, k, precision=precision, preferred_element_type=jnp.float32) * scale
+  # Head-major operands ([B, K, G, S, D], [B, K, T, D]) make both einsums plain batched matmuls.
+  q = jnp.transpose(q.reshape(b, s, kv_heads, h // kv_heads, d), (0, 2, 3, 1, 4))
+  k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  logits = matmul.einsum("bkgsd,bktd->bkgst", q, k, dtype=q.dtype, precision=precision, out_dtype=jnp.float32) * scale
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
   logits = jnp.where(mask, logits, NEG_INF)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgst,btkd->bskgd", probs, v, precision=precision)
-  return out.reshape(b, s, h, d)
+  out = matmul.einsum("bkgst,bktd->bkgsd", probs, v, dtype=v.dtype, precision=precision)
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
 
 
 def cudnn_supported(q: jax.Array, soft_cap: float | None, segment_ids: jax.Array | None, window: int | jax.Array) -> bool:
   """cuDNN fused attention handles this call: GPU, half precision, no soft cap, static window, no packing."""
   return (
-    jax.default_backend() == "gpu"
+    target_platform() == "gpu"
     and q.dtype in (jnp.bfloat16, jnp.float16)
     and soft_cap is None
     and segment_ids is None

@@ -9,6 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.layers import matmul
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
 
 def variance_scaling_init(key: jax.Array, shape: Sequence[int], fan_in: int, dtype: jnp.dtype) -> jax.Array:
   """Truncated-normal init with variance 1/fan_in (MaxText's default kernel init)."""
@@ -43,10 +47,8 @@ class DenseGeneral(nnx.Module):
     self.lora: nnx.Module | None = None
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    n_in = len(self.in_shape)
-    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    kernel = self.kernel[...].astype(self.dtype)
-    y = jax.lax.dot_general(x.astype(self.dtype), kernel, (contract, ((), ())), precision=self.precision)
+    contracted, produced = _LETTERS[: len(self.in_shape)], _LETTERS[len(self.in_shape) : len(self.in_shape) + len(self.out_shape)]
+    y = matmul.einsum(f"...{contracted},{contracted}{produced}->...{produced}", x, self.kernel[...], dtype=self.dtype, precision=self.precision)
     if self.lora is not None:
       y = y + self.lora(x).astype(y.dtype)
     return y

@@ -56,7 +56,7 @@ class OutputHead:
     def forward(hidden, kernel, targets, mask):
       logits = head._cap(head._raw_logits(hidden, kernel))
       lse = jax.nn.logsumexp(logits, axis=-1)
-      target_logit = jnp.sum(jnp.where(_is_target(logits, targets), logits, 0.0), axis=-1)
+      target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # a gather: the backward is hand-written
       sums = (jnp.sum((lse - target_logit) * mask), jnp.sum(z_loss_multiplier * jnp.square(lse) * mask))
       return sums, (hidden, kernel, logits, lse, targets, mask)
 
@@ -71,9 +71,9 @@ class OutputHead:
       if head.scale != 1.0:
         grad = grad * head.scale
       grad = head._constrain(grad.astype(head.dtype))
-      k = kernel.astype(head.dtype)
-      d_hidden = jnp.einsum("...v,ev->...e", grad, k, precision=head.precision).astype(hidden.dtype)
-      d_kernel = jnp.einsum("...e,...v->ev", hidden.astype(head.dtype), grad, precision=head.precision, preferred_element_type=kernel.dtype)
+      k, h = kernel.astype(head.dtype), hidden.astype(head.dtype)
+      d_hidden = jnp.einsum("...v,ev->...e", grad, k, precision=head.precision, preferred_element_type=jnp.float32).astype(hidden.dtype)
+      d_kernel = jnp.einsum("...e,...v->ev", h, grad, precision=head.precision, preferred_element_type=jnp.float32).astype(kernel.dtype)
       return d_hidden, d_kernel, None, None
 
     fused = jax.custom_vjp(lambda h, k, t, m: forward(h, k, t, m)[0])

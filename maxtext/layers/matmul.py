@@ -1,0 +1,48 @@
+"""Einsums in a compute dtype that accumulate in float32, forward and backward.
+
+`einsum(spec, a, b, dtype=bf16)` casts both operands to bf16, multiplies them with float32
+accumulation and returns `out_dtype`. Its gradients are the two transposed einsums, again bf16
+operands with float32 accumulation, each returned in its operand's dtype, so a float32 weight gets
+a float32 gradient that was never rounded to bf16.
+
+Plain autodiff of `jnp.einsum(..., preferred_element_type=float32).astype(bf16)` would instead
+feed a float32 cotangent against a bf16 operand, which promotes the gradient matmuls to float32;
+and a bf16-output einsum is what XLA:CPU runs by upcasting to float32 (four to six times slower
+than its bf16 matmul units). Accelerators accumulate in float32 either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Any, precision: jax.lax.Precision | None = None, out_dtype: Any = None) -> jax.Array:
+  """jnp.einsum(spec, a, b) on dtype-cast operands with float32 accumulation, returned in out_dtype (default: dtype).
+
+  spec is "A,B->C" where every index of A and of B also appears in the other operand or in C.
+  """
+  inputs, out = spec.split("->")
+  lhs, rhs = inputs.split(",")
+  out_dtype = dtype if out_dtype is None else out_dtype
+  a_dtype, b_dtype = a.dtype, b.dtype
+
+  def product(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, y, precision=precision, preferred_element_type=jnp.float32)
+
+  def forward(a, b):
+    a_c, b_c = a.astype(dtype), b.astype(dtype)
+    return product(spec, a_c, b_c).astype(out_dtype), (a_c, b_c)
+
+  def backward(residuals, g):
+    a_c, b_c = residuals
+    g = g.astype(dtype)
+    d_a = product(f"{out},{rhs}->{lhs}", g, b_c).astype(a_dtype)
+    d_b = product(f"{lhs},{out}->{rhs}", a_c, g).astype(b_dtype)
+    return d_a, d_b
+
+  fn = jax.custom_vjp(lambda a, b: forward(a, b)[0])
+  fn.defvjp(forward, backward)
+  return fn(a, b)
