@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from maxtext.layers.dtypes import cast
+
 
 def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Any, precision: jax.lax.Precision | None = None, out_dtype: Any = None) -> jax.Array:
   """jnp.einsum(spec, a, b) on dtype-cast operands with float32 accumulation, returned in out_dtype (default: dtype).
@@ -34,13 +36,13 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Any, precision: jax.
 
   def forward(a, b):
     a_c, b_c = a.astype(dtype), b.astype(dtype)
-    return product(spec, a_c, b_c).astype(out_dtype), (a_c, b_c)
+    return cast(product(spec, a_c, b_c), out_dtype), (a_c, b_c)
 
   def backward(residuals, g):
     a_c, b_c = residuals
     g = g.astype(dtype)
-    d_a = product(f"{out},{rhs}->{lhs}", g, b_c).astype(a_dtype)
-    d_b = product(f"{lhs},{out}->{rhs}", a_c, g).astype(b_dtype)
+    d_a = cast(product(f"{out},{rhs}->{lhs}", g, b_c), a_dtype)
+    d_b = cast(product(f"{lhs},{out}->{rhs}", a_c, g), b_dtype)
     return d_a, d_b
 
   fn = jax.custom_vjp(lambda a, b: forward(a, b)[0])

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from maxtext.layers.dtypes import cast
 from maxtext.layers.sharding import constrain
 
 _LOGITS_AXES = ("activation_batch", "activation_length", "activation_vocab")
@@ -70,7 +71,7 @@ class OutputHead:
         grad = grad * (1.0 - jnp.square(logits / head.soft_cap))
       if head.scale != 1.0:
         grad = grad * head.scale
-      grad = head._constrain(grad.astype(head.dtype))
+      grad = head._constrain(cast(grad, head.dtype))
       k, h = kernel.astype(head.dtype), hidden.astype(head.dtype)
       d_hidden = jnp.einsum("...v,ev->...e", grad, k, precision=head.precision, preferred_element_type=jnp.float32).astype(hidden.dtype)
       d_kernel = jnp.einsum("...e,...v->ev", h, grad, precision=head.precision, preferred_element_type=jnp.float32).astype(kernel.dtype)
