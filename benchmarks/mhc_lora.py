@@ -78,8 +78,8 @@ def main(argv: list[str]) -> list[dict]:
   }
   results = []
   for name, extra in variants.items():
-    result = {"variant": name, "overrides": extra, "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind}
-    result.update(measure(base + extra, args.warmup_steps, args.bench_steps))
+    measured = measure(base + extra, args.warmup_steps, args.bench_steps)  # first: it prepares the process before JAX starts
+    result = {"variant": name, "overrides": extra, "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind, **measured}
     print(json.dumps(result), flush=True)
     results.append(result)
   plain, mhc, lora = results

@@ -11,8 +11,6 @@ from flax import nnx
 
 from maxtext.layers import matmul
 
-_LETTERS = "abcdefghijklmnopqrstuvwxyz"
-
 
 def variance_scaling_init(key: jax.Array, shape: Sequence[int], fan_in: int, dtype: jnp.dtype) -> jax.Array:
   """Truncated-normal init with variance 1/fan_in (MaxText's default kernel init)."""
@@ -47,8 +45,7 @@ class DenseGeneral(nnx.Module):
     self.lora: nnx.Module | None = None
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    contracted, produced = _LETTERS[: len(self.in_shape)], _LETTERS[len(self.in_shape) : len(self.in_shape) + len(self.out_shape)]
-    y = matmul.einsum(f"...{contracted},{contracted}{produced}->...{produced}", x, self.kernel[...], dtype=self.dtype, precision=self.precision)
+    y = matmul.contract_trailing(x, self.kernel[...], len(self.in_shape), dtype=self.dtype, precision=self.precision)
     if self.lora is not None:
       y = y + self.lora(x).astype(y.dtype)
     return y

@@ -22,6 +22,7 @@ from flax import nnx
 
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
+from maxtext.layers import matmul
 from maxtext.layers.dtypes import dtype
 from maxtext.layers.linear import DenseGeneral
 
@@ -57,11 +58,8 @@ class LoRA(nnx.Module):
     self.lora_b = LoRAParam(jnp.zeros((rank, *out_shape), weight_dtype), logical_axes=(None, *out_axes))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    n = self.in_ndim
-    a = self.lora_a[...].astype(self.dtype)
-    b = self.lora_b[...].astype(self.dtype)
-    h = jax.lax.dot_general(x.astype(self.dtype), a, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())), precision=self.precision)
-    y = jax.lax.dot_general(h, b, (((h.ndim - 1,), (0,)), ((), ())), precision=self.precision)
+    h = matmul.contract_trailing(x, self.lora_a[...], self.in_ndim, dtype=self.dtype, precision=self.precision)
+    y = matmul.contract_trailing(h, self.lora_b[...], 1, dtype=self.dtype, precision=self.precision)
     return y * jnp.asarray(self.scale, y.dtype)
 
 

@@ -48,3 +48,12 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Any, precision: jax.
   fn = jax.custom_vjp(lambda a, b: forward(a, b)[0])
   fn.defvjp(forward, backward)
   return fn(a, b)
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def contract_trailing(x: jax.Array, w: jax.Array, n: int, *, dtype: Any, precision: jax.lax.Precision | None = None) -> jax.Array:
+  """einsum of x's last n axes with w's first n axes: [..., *in] x [*in, *out] -> [..., *out]."""
+  contracted, produced = _LETTERS[:n], _LETTERS[n : w.ndim]
+  return einsum(f"...{contracted},{contracted}{produced}->...{produced}", x, w, dtype=dtype, precision=precision)
