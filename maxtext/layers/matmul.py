@@ -31,23 +31,25 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Any, precision: jax.
   out_dtype = dtype if out_dtype is None else out_dtype
   a_dtype, b_dtype = a.dtype, b.dtype
 
-  def product(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, x, y, precision=precision, preferred_element_type=jnp.float32)
-
   def forward(a, b):
     a_c, b_c = a.astype(dtype), b.astype(dtype)
-    return cast(product(spec, a_c, b_c), out_dtype), (a_c, b_c)
+    return cast(product(spec, a_c, b_c, precision), out_dtype), (a_c, b_c)
 
   def backward(residuals, g):
     a_c, b_c = residuals
     g = g.astype(dtype)
-    d_a = cast(product(f"{out},{rhs}->{lhs}", g, b_c), a_dtype)
-    d_b = cast(product(f"{lhs},{out}->{rhs}", a_c, g), b_dtype)
+    d_a = cast(product(f"{out},{rhs}->{lhs}", g, b_c, precision), a_dtype)
+    d_b = cast(product(f"{lhs},{out}->{rhs}", a_c, g, precision), b_dtype)
     return d_a, d_b
 
   fn = jax.custom_vjp(lambda a, b: forward(a, b)[0])
   fn.defvjp(forward, backward)
   return fn(a, b)
+
+
+def product(spec: str, x: jax.Array, y: jax.Array, precision: jax.lax.Precision | None = None) -> jax.Array:
+  """jnp.einsum with float32 accumulation and a float32 result (no casts, no custom gradient)."""
+  return jnp.einsum(spec, x, y, precision=precision, preferred_element_type=jnp.float32)
 
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"

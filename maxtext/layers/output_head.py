@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from maxtext.layers import matmul
 from maxtext.layers.dtypes import cast
 from maxtext.layers.sharding import constrain
 
@@ -38,7 +39,7 @@ class OutputHead:
     return constrain(x, _LOGITS_AXES[-x.ndim :], self.rules)
 
   def _raw_logits(self, hidden: jax.Array, kernel: jax.Array) -> jax.Array:
-    logits = jnp.einsum("...e,ev->...v", hidden.astype(self.dtype), kernel.astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32)
+    logits = matmul.einsum("...e,ev->...v", hidden, kernel, dtype=self.dtype, precision=self.precision, out_dtype=jnp.float32)
     if self.scale != 1.0:
       logits = logits * self.scale
     return self._constrain(logits)
@@ -73,8 +74,8 @@ class OutputHead:
         grad = grad * head.scale
       grad = head._constrain(cast(grad, head.dtype))
       k, h = kernel.astype(head.dtype), hidden.astype(head.dtype)
-      d_hidden = jnp.einsum("...v,ev->...e", grad, k, precision=head.precision, preferred_element_type=jnp.float32).astype(hidden.dtype)
-      d_kernel = jnp.einsum("...e,...v->ev", h, grad, precision=head.precision, preferred_element_type=jnp.float32).astype(kernel.dtype)
+      d_hidden = cast(matmul.product("...v,ev->...e", grad, k, head.precision), hidden.dtype)
+      d_kernel = cast(matmul.product("...e,...v->ev", h, grad, head.precision), kernel.dtype)
       return d_hidden, d_kernel, None, None
 
     fused = jax.custom_vjp(lambda h, k, t, m: forward(h, k, t, m)[0])
