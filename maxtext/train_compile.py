@@ -10,10 +10,18 @@ import json
 import os
 import sys
 
-from maxtext.errors import cli_main
+from maxtext.cli import config_usage, entry
+
+USAGE = config_usage(
+  "maxtext.train_compile",
+  "Compile the train step for a TPU topology on this host (no TPU needed; needs libtpu, from the `tpu` or `test`\n"
+  "extra), print the per-device memory against the chip's HBM and one JSON line. Exit 0: fits; 3: does not fit.",
+  "python -m maxtext.train_compile configs/base.yml model_name=llama3.1-8b compile_topology=v5p-8 per_device_batch_size=2",
+  "compile keys: compile_topology=v5p-8 (names: docs/tpu.md)  compile_topology_num_slices=N  compiled_trainstep_file=PATH",
+)
 
 
-@cli_main
+@entry(USAGE)
 def main(argv: list[str]) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices need no local accelerator
   from maxtext import topology

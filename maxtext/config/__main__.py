@@ -6,20 +6,19 @@ import sys
 
 from maxtext.config import render
 from maxtext.config.loader import load_with_sources
-from maxtext.errors import cli_main
+from maxtext.cli import config_usage, entry
 
-USAGE = """usage: python -m maxtext.config <config.yml> [key=value ...] [--json]
+USAGE = config_usage(
+  "maxtext.config",
+  "Print every resolved config key, its value and where the value came from\n"
+  "(a YAML file, models/<model_name>.yml, command line, env M_<KEY>, default or derived).",
+  "python -m maxtext.config configs/base.yml model_name=qwen3-0.6b steps=10",
+  "options: --json  print the same as a JSON object {key: {\"value\": ..., \"source\": ...}}",
+)
 
-Print every resolved config key, its value and where the value came from
-(a YAML file, models/<model_name>.yml, command line, env M_<KEY>, default or derived).
---json prints the same as a JSON object {key: {"value": ..., "source": ...}}."""
 
-
-@cli_main
+@entry(USAGE)
 def main(argv: list[str]) -> None:
-  if any(a in ("-h", "--help") for a in argv):
-    print(USAGE)
-    return
   as_json = "--json" in argv
   args = [a for a in argv if a != "--json"]
   config, sources = load_with_sources(args)

@@ -14,6 +14,49 @@ if TYPE_CHECKING:
 
 PARALLEL_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
 
+# Keys naming one local file or directory, and keys holding comma-separated globs: made absolute once, here,
+# so a relative path means the same thing to every library (Orbax refuses relative checkpoint paths).
+PATH_KEYS = (
+  "base_output_directory",
+  "metrics_file",
+  "load_parameters_path",
+  "load_full_state_path",
+  "dataset_path",
+  "tokenizer_path",
+  "chat_template_path",
+  "compiled_trainstep_file",
+)
+GLOB_KEYS = ("grain_train_files", "grain_eval_files", "hf_train_files", "hf_eval_files")
+NESTED_PATH_KEYS = (("lora", "lora_restore_path"),)
+
+
+def absolute_path(path: str) -> str:
+  """A local path made absolute against the working directory ('~' expanded); URIs (gs://, s3://, ...) and '' unchanged."""
+  if not path or "://" in path:
+    return path
+  absolute = os.path.abspath(os.path.expanduser(path))
+  return absolute + os.sep if path.endswith(("/", os.sep)) and not absolute.endswith(os.sep) else absolute
+
+
+def resolve_paths(c: MaxTextConfig) -> dict[str, Any]:
+  """Updates that make every local path key absolute (only the keys whose value changes)."""
+  updates: dict[str, Any] = {}
+  for key in PATH_KEYS:
+    value = getattr(c, key)
+    if absolute_path(value) != value:
+      updates[key] = absolute_path(value)
+  for key in GLOB_KEYS:
+    value = getattr(c, key)
+    resolved = ",".join(absolute_path(part.strip()) for part in value.split(",")) if value else value
+    if resolved != value:
+      updates[key] = resolved
+  for section, key in NESTED_PATH_KEYS:
+    sub = getattr(c, section)
+    value = getattr(sub, key)
+    if absolute_path(value) != value:
+      updates[section] = sub.model_copy(update={key: absolute_path(value)})
+  return updates
+
 
 def scale_dims(global_parameter_scale: int) -> dict[str, int]:
   """Multipliers for layers, heads/mlp and emb from global_parameter_scale = 2^k."""
@@ -106,9 +149,11 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
   run_name = c.run_name or f"{c.model_name}_{datetime.datetime.now():%Y-%m-%d-%H-%M}"
   if os.sep in run_name or run_name in (".", ".."):
     raise ConfigError(f"invalid value for 'run_name': {run_name!r}; use a plain name without '/'")
-  run_dir = os.path.join(c.base_output_directory, run_name)
+  paths = resolve_paths(c)
+  run_dir = os.path.join(paths.get("base_output_directory", c.base_output_directory), run_name)
 
   return {
+    **paths,
     "run_name": run_name,
     "emb_dim": c.base_emb_dim * mult["emb"],
     "num_query_heads": heads,

@@ -277,6 +277,8 @@ def load_with_sources(
   for key in all_keys():
     sources.setdefault(key, "default")
   for key, value in updates.items():
+    if key in NESTED_SECTIONS or key in derived.PATH_KEYS or key in derived.GLOB_KEYS:
+      continue  # a path made absolute keeps the source the user set it in
     if key in DERIVED_KEYS or value != getattr(user, key):
       sources[key] = "derived"
   return config, sources

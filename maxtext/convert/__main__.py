@@ -14,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from maxtext.errors import ConfigError, cli_main
+from maxtext.cli import entry
+from maxtext.errors import ConfigError
 
 MODEL_YML = "maxtext_model.yml"
 BASE_YML = Path(__file__).resolve().parents[2] / "configs" / "base.yml"
@@ -69,7 +70,7 @@ def _split(arg: str) -> tuple[str, str]:
   return tuple(arg.split("=", 1))  # type: ignore[return-value]
 
 
-@cli_main
+@entry(None)
 def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(prog="python -m maxtext.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)

@@ -10,15 +10,26 @@ import shutil
 import subprocess
 import sys
 
-from maxtext.errors import ConfigError, cli_main
+from maxtext.cli import entry
+from maxtext.errors import ConfigError
 from maxtext.launch import jobset, preflight, target, xpk
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-  if "--" not in argv:
-    raise ConfigError("missing '--' before the config; usage: python -m maxtext.launch --cluster C --tpu-type v5p-128 ... -- configs/base.yml key=value ...")
-  split = argv.index("--")
-  p = argparse.ArgumentParser(prog="python -m maxtext.launch", description="Check a training config for TPU slices and submit it with xpk.")
+EXAMPLE = """example (print the xpk command without submitting):
+  python -m maxtext.launch --cluster C --tpu-type v5p-128 --num-slices 2 --docker-image IMG --dry-run \\
+    -- configs/base.yml run_name=r model_name=llama3.1-8b per_device_batch_size=2 base_output_directory=gs://bucket/runs
+
+After '--' come the config file and key=value overrides of maxtext.train (see python -m maxtext.train --help)."""
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+    prog="python -m maxtext.launch",
+    usage="python -m maxtext.launch --cluster C --tpu-type T --docker-image IMG [options] -- <config.yml> [key=value ...]",
+    description="Check a training config for TPU slices and submit it with xpk.",
+    epilog=EXAMPLE,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("--cluster", required=True, help="GKE cluster (as created by `xpk cluster create`).")
   p.add_argument("--tpu-type", required=True, help="Slice type, e.g. v5p-128, v5e-16 (or xpk's v5litepod-16), v6e-256.")
   p.add_argument("--num-slices", type=int, default=1, help="Slices; >1 spreads the dcn_* parallelism over the data-center network.")
@@ -30,12 +41,19 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   p.add_argument("--output-manifest", metavar="PATH", help="Write a JobSet YAML for `kubectl apply -f PATH` instead of running xpk.")
   p.add_argument("--skip-compile-check", action="store_true", help="Do not AOT-compile the train step for the target first.")
   p.add_argument("--xpk", default=os.environ.get("XPK", "xpk"), help="xpk executable (default: $XPK or xpk on PATH).")
-  return p.parse_args(argv[:split]), argv[split + 1 :]
+  return p
 
 
-@cli_main
-def main(argv: list[str] | None = None) -> int:
-  args, config_argv = parse(sys.argv[1:] if argv is None else argv)
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  if "--" not in argv:
+    raise ConfigError("missing '--' before the config; usage: python -m maxtext.launch --cluster C --tpu-type v5p-128 ... -- configs/base.yml key=value ...")
+  split = argv.index("--")
+  return parser().parse_args(argv[:split]), argv[split + 1 :]
+
+
+@entry(lambda: parser().format_help())
+def main(argv: list[str]) -> int:
+  args, config_argv = parse(argv)
   goal = target.parse_target(args.tpu_type, args.num_slices)
   config = target.validate(config_argv, goal)
   train_args = target.train_args(config_argv, config)

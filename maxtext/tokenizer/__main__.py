@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from maxtext.errors import DataError, cli_main
+from maxtext.cli import entry
+from maxtext.errors import DataError
 from maxtext.tokenizer.train import expand_inputs, read_texts, train_sentencepiece
 
 
@@ -22,9 +23,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
-@cli_main
+@entry(None)
 def main(argv: list[str] | None = None) -> None:
-  args = parse(sys.argv[1:] if argv is None else argv)
+  args = parse(argv)
   if os.path.exists(args.out):
     raise DataError(f"--out '{args.out}' already exists; choose another path or delete it")
   files = expand_inputs(args.input)

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import sys
 
-from maxtext.errors import cli_main
+from maxtext.cli import config_usage, entry
+
+USAGE = config_usage(
+  "maxtext.train",
+  "Train (or resume) a model: the run's own latest checkpoint is restored when one exists, so rerunning\n"
+  "the same command continues an interrupted run. Logs one line per step, evaluates every eval_interval steps,\n"
+  "saves Orbax checkpoints and writes metrics, TensorBoard events and a plot into the run directory.",
+  "python -m maxtext.train configs/quickstart.yml steps=20",
+)
 
 
-@cli_main
+@entry(USAGE)
 def main(argv: list[str]) -> None:
   from maxtext.config import load
   from maxtext.process import prepare
