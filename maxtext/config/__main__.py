@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import sys
 
+from maxtext.cli import config_usage, entry
 from maxtext.config import render
 from maxtext.config.loader import load_with_sources
-from maxtext.cli import config_usage, entry
 
 USAGE = config_usage(
   "maxtext.config",
   "Print every resolved config key, its value and where the value came from\n"
   "(a YAML file, models/<model_name>.yml, command line, env M_<KEY>, default or derived).",
   "python -m maxtext.config configs/base.yml model_name=qwen3-0.6b steps=10",
-  "options: --json  print the same as a JSON object {key: {\"value\": ..., \"source\": ...}}",
+  'options: --json  print the same as a JSON object {key: {"value": ..., "source": ...}}',
 )
 
 

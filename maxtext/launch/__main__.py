@@ -14,7 +14,6 @@ from maxtext.cli import entry
 from maxtext.errors import ConfigError
 from maxtext.launch import jobset, preflight, target, xpk
 
-
 EXAMPLE = """example (print the xpk command without submitting):
   python -m maxtext.launch --cluster C --tpu-type v5p-128 --num-slices 2 --docker-image IMG --dry-run \\
     -- configs/base.yml run_name=r model_name=llama3.1-8b per_device_batch_size=2 base_output_directory=gs://bucket/runs

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from maxtext.cli import entry
 from maxtext.errors import DataError

@@ -20,6 +20,7 @@ from maxtext.train import checkpointing, perf
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train.metrics import MetricsWriter, format_line
+from maxtext.train.run_report import RunReport
 from maxtext.train.step import combine_eval
 
 
@@ -170,13 +171,8 @@ def train(
   with jax.set_mesh(mesh):
     state = restore_or_init(setup, ckpt, data_iter, writer.log)
   start = int(state["step"])
-
-  from maxtext.models import counting
-
-  flops = counting.flops_per_device_per_step(config) / 1e12
-  tokens = config.global_batch_size_to_train_on * config.max_target_length / config.num_devices
-  peak, peak_source = perf.peak_tflops(config)
-  writer.log(f"training {config.run_name} from step {start} to {config.steps}; MFU against {peak:.3f} TFLOP/s/device ({peak_source})")
+  story = RunReport(config, mesh, start, writer.log)
+  story.banner()
 
   step_fn = setup.jit_step
   if config.compiled_trainstep_file:  # made by maxtext.train_compile; refused unless config and devices match
@@ -190,22 +186,25 @@ def train(
   last_time = [time.perf_counter()]
   profiler = _Profiler(config, start)
 
-  def report() -> None:
-    """Fetch and write the pending metrics (blocks until that step has finished)."""
+  def report(ready: Any = None) -> None:
+    """Fetch and write the pending metrics (blocks until that step has finished; `ready`: the state it produced, when no later step runs)."""
+    if ready is not None and pending:
+      jax.block_until_ready(ready)
     while pending:
       step, device_metrics = pending.pop(0)
       m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
       now = time.perf_counter()
       seconds, last_time[0] = now - last_time[0], now
       _check_finite(config, step, m)
-      m.update(seconds=seconds, tflops_per_device=flops / seconds, tokens_per_device=tokens / seconds, mfu=flops / seconds / peak)
+      m.update(story.step_metrics(seconds))
       result.losses[step] = m["loss"]
       writer.write(step, m, format_line(step, m))
+      story.after_step(step, m)
       if on_step is not None:
         on_step(step)
 
   def save(steps_done: int) -> None:
-    report()  # a NaN in the step being saved aborts here, before anything is written
+    report(state)  # a NaN in the step being saved aborts here, before anything is written
     if ckpt is not None:
       ckpt.save(steps_done, state_lib.checkpointed(state, config), data_iter.get_state())
 
@@ -230,9 +229,10 @@ def train(
         if done % config.checkpoint_period == 0 or (is_last and config.save_checkpoint_on_completion):
           save(done)
         if config.eval_interval > 0 and done % config.eval_interval == 0:
-          report()
+          report(state)
           ev = _evaluate(config, setup, state)
           result.eval_losses[step] = ev["eval_loss"]
+          story.after_eval(step, ev["eval_loss"])
           writer.write(step, ev, f"eval after step {step}: eval_loss: {ev['eval_loss']:.4f}, total_weights: {int(ev['eval_total_weights'])}")
           last_time[0] = time.perf_counter()  # eval time is not step time
           if config.target_eval_loss > 0 and ev["eval_loss"] <= config.target_eval_loss:
@@ -241,13 +241,14 @@ def train(
             if ckpt is not None and config.save_checkpoint_on_completion and not is_last:
               save(done)
             break
-      report()
+      report(state)
       profiler.stop(state)
   finally:
     if ckpt is not None:
       ckpt.close()
     writer.close()
   result.state = state
+  story.summary(result.steps_done, result.stop_reason)
   return result
 
 

@@ -1,7 +1,14 @@
-"""Device peak throughput (for MFU): config value, else the chip table, else measured once."""
+"""Device peak throughput (for MFU): config value, else the chip table, else measured once.
+
+Without a table entry (CPUs), the yardstick is the best rate of a bf16 matmul timed once per process (at least
+30 repeats over at least 1.5 s, so one quiet moment on a shared host suffices), and it is a lower bound on the
+device's peak: when a train step runs faster than it, that step's rate becomes the yardstick (`Yardstick.mfu`).
+A measured MFU is therefore the step's share of the fastest matmul throughput this process has seen, never above 100%.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -24,6 +31,8 @@ PEAK_BF16_TFLOPS = (
   ("h100", 989.0),
   ("a100", 312.0),
 )
+
+MEASURED = "measured bf16 matmul, best of 1.5 s"
 
 BACKEND_OF_HARDWARE = {"cpu": "cpu", "gpu": "gpu", "gpu_multiprocess": "gpu", "tpu": "tpu"}
 
@@ -51,7 +60,7 @@ def measure_matmul_tflops(n: int = 0) -> float:
 
 
 @functools.cache
-def _measure(n: int, min_repeats: int = 10, min_seconds: float = 0.5) -> float:
+def _measure(n: int, min_repeats: int = 30, min_seconds: float = 1.5) -> float:
   """Best of at least min_repeats timed matmuls spanning at least min_seconds (the most favourable figure)."""
   device = jax.local_devices()[0]
   a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), device)
@@ -76,4 +85,24 @@ def peak_tflops(config: MaxTextConfig) -> tuple[float, str]:
   table = table_peak_tflops(jax.devices()[0])
   if table is not None:
     return table, "chip table"
-  return measure_matmul_tflops(), "measured bf16 matmul"
+  return measure_matmul_tflops(), MEASURED
+
+
+@dataclasses.dataclass
+class Yardstick:
+  """The peak TFLOP/s per device that MFU divides by, and where it comes from."""
+
+  tflops: float
+  source: str
+  measured: bool = False  # a measured figure is a lower bound on the peak, raised by any faster step
+
+  @classmethod
+  def of(cls, config: MaxTextConfig) -> Yardstick:
+    tflops, source = peak_tflops(config)
+    return cls(tflops, source, measured=source == MEASURED)
+
+  def mfu(self, achieved_tflops: float) -> float:
+    """achieved / peak; a step faster than a measured peak becomes the peak (the device just showed it can)."""
+    if self.measured and achieved_tflops > self.tflops:
+      self.tflops, self.source = achieved_tflops, "fastest train step so far"
+    return achieved_tflops / self.tflops if self.tflops > 0 else 0.0

@@ -1,0 +1,162 @@
+"""The run's story on stdout: a banner of what runs where, progress with an ETA every log_period steps, a closing
+summary (wall time, tokens, final losses, mean throughput and MFU, checkpoint, plot, how to resume).
+
+The loop calls `RunReport` at four points (start, each logged step, each eval, the end); the per-step line in
+MaxText's format stays the loop's own (maxtext.train.metrics.format_line).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import jax
+from etils import epath
+
+from maxtext.config import MaxTextConfig
+from maxtext.train import perf
+
+
+def duration(seconds: float) -> str:
+  """'42s', '3m07s', '2h05m'."""
+  seconds = max(0, round(seconds))
+  if seconds < 60:
+    return f"{seconds}s"
+  if seconds < 3600:
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+  return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def count(n: float) -> str:
+  """'10.2M', '8.19K', '512'."""
+  for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(n) >= size:
+      return f"{n / size:.3g}{unit}"
+  return f"{n:.0f}"
+
+
+def run_dir(config: MaxTextConfig) -> str:
+  return os.path.join(config.base_output_directory, config.run_name)
+
+
+def latest_checkpoint(config: MaxTextConfig) -> str | None:
+  """The newest finished step directory under checkpoint_dir, or None."""
+  directory = epath.Path(config.checkpoint_dir)
+  if not config.enable_checkpointing or not directory.exists():
+    return None
+  steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()]
+  return str(directory / str(max(steps))) if steps else None
+
+
+class RunReport:
+  """Prints the banner, the progress lines and the summary of one call of maxtext.train.loop.train."""
+
+  def __init__(self, config: MaxTextConfig, mesh: jax.sharding.Mesh, start_step: int, log: Callable[[str], None]):
+    from maxtext.models import counting
+
+    self.config, self.mesh, self.start, self.log = config, mesh, start_step, log
+    self.began = time.perf_counter()
+    self.flops = counting.flops_per_device_per_step(config) / 1e12  # TFLOPs per device per step
+    self.tokens_per_step = config.global_batch_size_to_train_on * config.max_target_length
+    self.yardstick = perf.Yardstick.of(config)
+    self.step_seconds: list[float] = []  # this process's logged steps, in order
+    self.step_mfu: list[float] = []
+    self.first_done: float | None = None  # wall clock when the first step of this process finished (after compiling)
+    self.last_loss: tuple[int, float] | None = None
+    self.last_eval: tuple[int, float] | None = None
+
+  def banner(self) -> None:
+    from maxtext.models import counting
+
+    c = self.config
+    model = c.model_name if c.model_name != "default" else f"{c.decoder_block} (configured in YAML)"
+    params = counting.param_count(c)
+    mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh.shape.items())
+    platform = self.mesh.devices.flat[0].platform
+    tensorboard = f"tensorboard --logdir {c.tensorboard_dir}" if c.enable_tensorboard else "off (enable_tensorboard=false)"
+    self.log(f"model: {model}, {count(params)} parameters ({c.num_decoder_layers} layers, emb {c.emb_dim}, {c.num_query_heads} heads, vocab {c.vocab_size})")
+    self.log(f"mesh: {mesh} over {self.mesh.devices.size} {platform} device(s) in {jax.process_count()} process(es)")
+    self.log(
+      f"batch: {c.global_batch_size_to_train_on} sequences x {c.max_target_length} tokens = {self.tokens_per_step:,} tokens per step"
+      + (f" ({c.gradient_accumulation_steps} accumulated micro-batches)" if c.gradient_accumulation_steps > 1 else "")
+    )
+    self.log(f"output: {run_dir(c)}; TensorBoard: {tensorboard}")
+    self.log(f"training {c.run_name} from step {self.start} to {c.steps}; MFU against {self.yardstick.tflops:.3f} TFLOP/s/device ({self.yardstick.source})")
+
+  def step_metrics(self, seconds: float) -> dict[str, float]:
+    """Throughput and MFU of a step that took `seconds` (measured once its results were ready)."""
+    tflops = self.flops / seconds
+    mfu = self.yardstick.mfu(tflops)
+    self.step_seconds.append(seconds)
+    self.step_mfu.append(mfu)
+    return {
+      "seconds": seconds,
+      "tflops_per_device": tflops,
+      "tokens_per_device": self.tokens_per_step / self.config.num_devices / seconds,
+      "mfu": mfu,
+    }
+
+  def after_step(self, step: int, m: dict[str, float]) -> None:
+    """Remember the loss; every log_period steps print the share of steps done and the ETA."""
+    now = time.perf_counter()
+    self.last_loss = (step, m["loss"])
+    done, total = step + 1, self.config.steps
+    if self.first_done is None:
+      self.first_done = now
+    if done % self.config.log_period or done >= total:
+      return
+    ran = len(self.step_seconds)
+    # Wall time per step since the first step (compilation excluded; evals and checkpoints included).
+    per_step = (now - self.first_done) / (ran - 1) if ran > 1 else self.step_seconds[-1]
+    self.log(
+      f"progress: {done}/{total} steps ({100 * done / total:.0f}%), {duration(now - self.began)} elapsed, "
+      f"ETA {duration(per_step * (total - done))} at {per_step:.3f} s/step"
+    )
+
+  def after_eval(self, step: int, eval_loss: float) -> None:
+    self.last_eval = (step, eval_loss)
+
+  def summary(self, steps_done: int, stop_reason: str) -> None:
+    """The closing lines; also writes the run's training-curve PNG (process 0)."""
+    c = self.config
+    ran = steps_done - self.start
+    how = {"completed": "completed", "target_eval_loss": "stopped at target_eval_loss", "sigterm": "stopped by SIGTERM"}.get(stop_reason, stop_reason)
+    self.log(
+      f"run {c.run_name} {how} in {duration(time.perf_counter() - self.began)}: steps {self.start} -> {steps_done}, "
+      f"{count(ran * self.tokens_per_step)} tokens this run"
+    )
+    losses = []
+    if self.last_loss is not None:
+      losses.append(f"final train loss {self.last_loss[1]:.4f} (step {self.last_loss[0]})")
+    if self.last_eval is not None:
+      losses.append(f"eval loss {self.last_eval[1]:.4f} (after step {self.last_eval[0]})")
+    if losses:
+      self.log("; ".join(losses))
+    timed = self.step_seconds[1:] or self.step_seconds  # the first step of a process includes compilation
+    if timed:
+      mean_seconds = sum(timed) / len(timed)
+      mfu = self.flops / mean_seconds / self.yardstick.tflops
+      self.log(
+        f"mean {self.tokens_per_step / c.num_devices / mean_seconds:,.0f} tokens/s/device, {self.flops / mean_seconds:.3f} TFLOP/s/device, "
+        f"MFU {100 * mfu:.2f}% of {self.yardstick.tflops:.3f} TFLOP/s ({self.yardstick.source}) over {len(timed)} steps"
+      )
+    checkpoint = latest_checkpoint(c)
+    self.log(f"checkpoint: {checkpoint}" if checkpoint else "checkpoint: none saved (enable_checkpointing=false or no checkpoint step reached)")
+    png = self._write_plot()
+    if png:
+      self.log(f"plot: {png}")
+    if checkpoint:
+      self.log("resume: rerun the same command; it continues from the latest checkpoint (raise steps= to train further)")
+
+  def _write_plot(self) -> str | None:
+    if jax.process_index() != 0 or not self.config.enable_tensorboard:
+      return None
+    from maxtext import plot
+
+    directory = run_dir(self.config)
+    try:
+      return plot.write([directory], os.path.join(directory, plot.RUN_PNG))
+    except Exception as e:  # a plot must never fail a finished run
+      self.log(f"plot: not written ({type(e).__name__}: {e})")
+      return None
