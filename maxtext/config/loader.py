@@ -18,9 +18,8 @@ from typing import Any
 import pydantic
 import yaml
 
-from maxtext.config import derived
+from maxtext.config import derived, maxtext_keys
 from maxtext.config.maxtext_config import DERIVED_KEYS, MaxTextConfig
-from maxtext.config.unsupported import UNSUPPORTED_MAXTEXT_KEYS
 from maxtext.errors import ConfigError
 
 ENV_PREFIX = "M_"
@@ -29,6 +28,14 @@ NESTED_SECTIONS = {"lora": MaxTextConfig.model_fields["lora"].annotation}
 
 # key -> where its value came from; filled for every key of the final config.
 Sources = dict[str, str]
+
+
+class SourceMap(dict):
+  """Sources of a loaded config, plus `maxtext_only`: the MaxText keys it set that have no effect here, with their values."""
+
+  def __init__(self, *args: Any):
+    super().__init__(*args)
+    self.maxtext_only: dict[str, Any] = {}
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -64,15 +71,19 @@ def all_keys() -> list[str]:
 def _unknown_key_error(key: str, where: str) -> ConfigError:
   if key in DERIVED_KEYS:
     return ConfigError(f"config key '{key}' ({where}) is derived and cannot be set; see `python -m maxtext.config` for what it is computed from")
-  if key in UNSUPPORTED_MAXTEXT_KEYS:
-    return ConfigError(f"config key '{key}' ({where}) is a MaxText option this project does not implement; remove it")
+  if maxtext_keys.is_maxtext_key(key):
+    default = maxtext_keys.defaults()[key]
+    accepted = f"only its MaxText default {default!r} is accepted (it has no effect)" if maxtext_keys.is_default(key, default) else "no value is accepted"
+    return ConfigError(f"config key '{key}' ({where}) is a MaxText option this project does not implement; {accepted}; remove it")
   close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
   hint = f" (did you mean '{close[0]}'?)" if close else ""
   return ConfigError(f"unknown config key '{key}'{hint} {where}")
 
 
 def _flatten(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
-  """Nested sections (`lora: {enable_lora: true}`) become dotted keys; every key is checked."""
+  """Nested sections (`lora: {enable_lora: true}`) become dotted keys; every key is checked.
+
+  A MaxText key the schema lacks, at MaxText's default, is kept (it has no effect; load_with_sources sets it aside)."""
   known = set(all_keys())
   flat: dict[str, Any] = {}
   for key, value in raw.items():
@@ -85,7 +96,7 @@ def _flatten(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
       continue
     if key == "base_config":
       raise ConfigError(f"base_config ({where}) can only be set inside a YAML file, as 'base_config: parent.yml'")
-    if key not in known:
+    if key not in known and not maxtext_keys.may_accept(key, value):
       raise _unknown_key_error(key, where)
     flat[key] = value
   return flat
@@ -178,6 +189,8 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
     key = by_env_name.get(name)
     if key is None:
       guess = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+      if maxtext_keys.is_default(guess, parse_cli_value(text)):
+        continue  # a MaxText key at its default has no effect
       raise _unknown_key_error(guess, f"from environment variable {name}")
     out[key] = parse_cli_value(text, key)
   return out
@@ -219,6 +232,52 @@ def _format_validation_error(err: pydantic.ValidationError, sources: Sources) ->
   return ConfigError(f"invalid value for '{key}' ({where}): {value!r}; {msg[0].lower() + msg[1:]}")
 
 
+# Keys whose values name MaxText's mesh axes (stage, context, fsdp_transpose, ...): MaxText's default value means
+# this project's default, the same strategies over the axes implemented here.
+MAXTEXT_AXIS_KEYS = ("mesh_axes", "logical_axis_rules", "data_sharding")
+
+
+def _maxtext_default_as_ours(key: str, values: dict[str, Any], sources: Sources) -> bool:
+  """Replace a MaxText default that this schema reads differently by this project's default; False if it is not one."""
+  if key not in values or _field(key) is None or not maxtext_keys.is_default(key, values[key]):
+    return False
+  sources[key] = (
+    f"{sources.get(key, 'default')}; MaxText's default {yaml.safe_dump(values[key], default_flow_style=True, width=60).strip()[:40]}... read as this project's default"
+  )
+  del values[key]
+  return True
+
+
+def _merged_axis_rules(base: Any, update: Any, model_path: Path) -> list[list[Any]]:
+  """The rules `base` (this project's default when unset or MaxText's default) with the model file's rules replacing
+  or adding rules by logical name; MaxText's `[name, 'axis']` is `[name, ['axis']]`."""
+  if base is None or maxtext_keys.is_default("logical_axis_rules", base):
+    base = _field("logical_axis_rules").get_default(call_default_factory=True)
+  if not isinstance(update, list) or not all(isinstance(r, list | tuple) and len(r) == 2 for r in update):
+    raise ConfigError(f"logical_axis_rules in models/{model_path.name} must be a list of [logical_name, [mesh axes]]; fix the file")
+  rules = {str(name): list(axes) for name, axes in base}
+  for name, axes in update:
+    rules[str(name)] = [axes] if isinstance(axes, str) else list(axes)
+  return [[name, axes] for name, axes in rules.items()]
+
+
+def _validate(values: dict[str, Any], sources: Sources) -> MaxTextConfig:
+  """The schema-validated user config; a MaxText default the schema rejects (compile_topology_num_slices: -1,
+  max_num_checkpoints_to_keep: 'None', MaxText's axis names) stands for this project's default."""
+  for key in MAXTEXT_AXIS_KEYS:
+    value = values.get(key)
+    if value is not None and value != _field(key).get_default(call_default_factory=True):
+      _maxtext_default_as_ours(key, values, sources)
+  while True:
+    try:
+      return MaxTextConfig.model_validate(_unflatten(values))
+    except pydantic.ValidationError as e:
+      loc = [str(p) for p in e.errors()[0]["loc"]]
+      key = f"{loc[0]}.{loc[1]}" if loc and loc[0] in NESTED_SECTIONS and len(loc) > 1 else (loc[0] if loc else "")
+      if not _maxtext_default_as_ours(key, values, sources):
+        raise _format_validation_error(e, sources) from None
+
+
 def load_with_sources(
   argv: Sequence[str],
   env: Mapping[str, str] | None = None,
@@ -257,6 +316,8 @@ def load_with_sources(
           raise ConfigError(
             f"'{key}={value}' conflicts with '{key}: {model_values[key]}' in models/{model_path.name}; pass override_model_config=true to override model values"
           )
+    if "logical_axis_rules" in model_values:  # as in MaxText, a model file's rules update the rules by name
+      model_values["logical_axis_rules"] = _merged_axis_rules(values.get("logical_axis_rules"), model_values["logical_axis_rules"], model_path)
     values.update(model_values)
     sources.update({k: f"models/{model_path.name}" for k in model_values})
 
@@ -264,11 +325,18 @@ def load_with_sources(
   sources.update({k: "command line" for k in cli})
   values.update(env_values)
   sources.update({k: f"env {env_name(k)}" for k in env_values})
-
-  try:
-    user = MaxTextConfig.model_validate(_unflatten(values))
-  except pydantic.ValidationError as e:
-    raise _format_validation_error(e, sources) from None
+  sources = SourceMap(sources)
+  known = set(all_keys())
+  for key in [k for k in values if k not in known]:  # MaxText keys without effect: listed, then dropped
+    value = values.pop(key)
+    if maxtext_keys.is_default(key, value):
+      sources[key] = f"{sources[key]}; {maxtext_keys.NOT_IMPLEMENTED}"
+    elif maxtext_keys.matches_built_in(key, value, values):
+      sources[key] = f"{sources[key]}; {maxtext_keys.BUILT_IN}"
+    else:
+      raise _unknown_key_error(key, f"in {sources[key]}" if sources[key].endswith(".yml") else sources[key])
+    sources.maxtext_only[key] = value
+  user = _validate(values, sources)
 
   if before_devices is not None:
     before_devices(user)

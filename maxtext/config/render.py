@@ -61,6 +61,8 @@ def resolved(config: MaxTextConfig, sources: dict[str, str]) -> dict[str, dict[s
         out[dotted] = {"value": _plain(getattr(value, sub)), "source": sources.get(dotted, "default")}
     else:
       out[key] = {"value": _plain(value), "source": sources.get(key, "derived")}
+  for key, value in sorted(getattr(sources, "maxtext_only", {}).items()):  # MaxText keys without effect here
+    out[key] = {"value": _plain(value), "source": sources[key]}
   return out
 
 
