@@ -24,8 +24,8 @@ USAGE = config_usage(
 )
 
 
-def evaluate(config: Any, log: Callable[[str], None] = print) -> dict[str, float]:
-  """{'eval_loss', 'eval_total_weights', 'perplexity', 'seconds'} of the config's parameters on its eval split."""
+def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) -> dict[str, float]:
+  """{'eval_loss', 'eval_total_weights', 'perplexity', 'seconds'} of the config's parameters on its eval split (mesh: default all devices)."""
   import jax
   from etils import epath
 
@@ -40,7 +40,7 @@ def evaluate(config: Any, log: Callable[[str], None] = print) -> dict[str, float
   has_own = config.enable_checkpointing and own.exists() and any(p.name.isdigit() for p in own.iterdir())
   if not (has_own or config.load_parameters_path or config.load_full_state_path):
     raise ConfigError(f"nothing to evaluate: no checkpoint in {config.checkpoint_dir} and no load_parameters_path or load_full_state_path; set one of them")
-  mesh = mesh_lib.create(config)
+  mesh = mesh if mesh is not None else mesh_lib.create(config)
   setup = setup_lib.build(config, mesh)
   ckpt = checkpointing.Checkpointer(config) if has_own else None
   try:

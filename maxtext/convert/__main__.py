@@ -72,7 +72,13 @@ def _split(arg: str) -> tuple[str, str]:
 
 @entry(None)
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(prog="python -m maxtext.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python -m maxtext.convert",
+    description=__doc__,
+    epilog="example:\n  python -m maxtext.convert hf-to-maxtext --hf-dir ./Qwen3-0.6B --out ./qwen3-0.6b-maxtext\n"
+    "  python -m maxtext.train ./qwen3-0.6b-maxtext/maxtext_model.yml run_name=finetune steps=100",
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   sub = parser.add_subparsers(dest="command", required=True)
   a = sub.add_parser("hf-to-maxtext", help="Hugging Face directory -> Orbax params checkpoint")
   a.add_argument("--hf-dir", required=True)

@@ -11,7 +11,13 @@ from maxtext.tokenizer.train import expand_inputs, read_texts, train_sentencepie
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m maxtext.tokenizer", description=__doc__)
+  parser = argparse.ArgumentParser(
+    prog="python -m maxtext.tokenizer",
+    description=__doc__,
+    epilog="example:\n  python -m maxtext.tokenizer train --input 'corpus/*.txt' --vocab-size 8000 --out tok.model\n"
+    "then train with tokenizer_type=sentencepiece tokenizer_path=tok.model",
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   sub = parser.add_subparsers(dest="command", required=True)
   train = sub.add_parser("train", help="train a sentencepiece tokenizer on text files")
   train.add_argument("--input", nargs="+", required=True, help="text or .jsonl files (globs allowed)")

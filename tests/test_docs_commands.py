@@ -1,0 +1,124 @@
+"""Every shell command printed in README.md and docs/*.md runs as printed, from a fresh clone, on CPU.
+
+Convention for doc writers:
+- Fenced ```bash blocks are executed, in document order (README.md first, then docs/*.md alphabetically), one
+  command per line (a trailing `\\` continues a line, `# ...` comments are ignored, leading VAR=value words set
+  environment variables), each in its own subprocess, all in one temporary working directory that holds only a
+  `configs` link to the repository's configs/ (as a user's fresh clone would have). So a later block may use what
+  an earlier one wrote (the quickstart's run directory, a plot).
+- Only `python -m maxtext.<entry> ...` commands run. A block that cannot run on a CPU CI machine, or shows a
+  template with placeholders, is marked by the line `<!-- docs-test: skip (reason) -->` right before its fence;
+  any other command in an unmarked block fails this test. Indented (4-space) examples are not executed.
+- JAX_PLATFORMS and XLA_FLAGS are removed from the environment, as on a new user's machine: the entry points must
+  pick the platform themselves and print no libtpu/TPU-runtime message.
+
+What is checked: exit code 0; training commands run with `steps` set small (replaced, or appended), must report an
+existing checkpoint directory, and are run again with one more step, which must print the resume line
+`restored checkpoint at step N`; `--out FILE` of maxtext.plot must exist afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP_MARKER = re.compile(r"<!--\s*docs-test:\s*skip\b")
+FENCE = re.compile(r"^```(?:bash|sh|shell)\s*\n(.*?)^```", re.S | re.M)
+TRAIN_STEPS = 2
+TPU_NOISE = ("Failed to find host bounds", "unexpected worker hostname", "libtpu", "TPU_ACCELERATOR_TYPE", "InitGoogle")
+
+
+def doc_files() -> list[Path]:
+  return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def commands(path: Path) -> list[tuple[str, int, list[str], dict[str, str]]]:
+  """(file:line, line, argv, env) of every command in the runnable bash blocks of a markdown file."""
+  text = path.read_text()
+  out = []
+  for block in FENCE.finditer(text):
+    before = text[: block.start()].rstrip().splitlines()
+    if before and SKIP_MARKER.search(before[-1]):
+      continue
+    first_line = text[: block.start()].count("\n") + 2
+    joined = block.group(1).replace("\\\n", " ")
+    for offset, line in enumerate(joined.splitlines()):
+      words = shlex.split(line, comments=True)
+      if not words:
+        continue
+      env = {}
+      while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+      out.append((f"{path.relative_to(ROOT)}:{first_line + offset}", first_line + offset, words, env))
+  return out
+
+
+def with_steps(argv: list[str], steps: int) -> list[str]:
+  return [a for a in argv if not a.startswith("steps=")] + [f"steps={steps}"]
+
+
+def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+  full_env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS") and not k.startswith("M_")}
+  full_env.update(env, PYTHONPATH=str(ROOT))
+  argv = [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
+  return subprocess.run(argv, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def check(where: str, result: subprocess.CompletedProcess) -> str:
+  output = result.stdout + result.stderr
+  assert result.returncode == 0, f"{where}: exit {result.returncode}\n{output[-3000:]}"
+  noise = [n for n in TPU_NOISE if n in output]
+  assert not noise, f"{where}: printed TPU runtime messages {noise}\n{output[-2000:]}"
+  return output
+
+
+ALL = [c for f in doc_files() for c in commands(f)]
+
+
+def test_every_command_is_runnable_or_marked():
+  bad = [f"{where}: {shlex.join(argv)}" for where, _, argv, _ in ALL if argv[:2] != ["python", "-m"] or not argv[2].startswith("maxtext.")]
+  assert not bad, "commands that are not `python -m maxtext.<entry>`; mark their block with <!-- docs-test: skip (reason) -->:\n" + "\n".join(bad)
+
+
+def test_docs_commands_run(tmp_path):
+  (tmp_path / "configs").symlink_to(ROOT / "configs")
+  for where, _, argv, env in ALL:
+    entry = argv[2]
+    if entry == "maxtext.train" and not any(a in ("-h", "--help") for a in argv):
+      output = check(where, run(with_steps(argv, TRAIN_STEPS), env, tmp_path))
+      saved = re.search(r"^checkpoint: (/\S+)$", output, re.M)
+      assert saved and Path(saved.group(1)).is_dir(), f"{where}: no checkpoint directory reported\n{output[-2000:]}"
+      rerun = check(f"{where} (rerun)", run(with_steps(argv, TRAIN_STEPS + 1), env, tmp_path))
+      assert f"restored checkpoint at step {TRAIN_STEPS}" in rerun, f"{where}: the rerun did not resume\n{rerun[-2000:]}"
+      continue
+    output = check(where, run(argv, env, tmp_path))
+    if entry == "maxtext.plot" and "--out" in argv:
+      assert (tmp_path / argv[argv.index("--out") + 1]).is_file(), f"{where}: no plot written"
+    assert output.strip(), f"{where}: printed nothing"
+
+
+@pytest.mark.parametrize(
+  "module", ["train.__main__", "train_compile", "launch.__main__", "config.__main__", "convert.__main__", "tokenizer.__main__", "eval", "plot"]
+)
+def test_help(module, capsys):
+  """-h and --help print usage, the common keys (config entry points) and an example, and exit 0."""
+  main = importlib.import_module(f"maxtext.{module}").main
+  for flag in ("--help", "-h"):
+    try:
+      code = main([flag])
+    except SystemExit as e:  # argparse-based entry points
+      code = e.code
+    out = capsys.readouterr().out
+    assert code in (0, None), out
+    assert "usage:" in out and "example" in out
+    if "<config.yml>" in out.splitlines()[0]:
+      assert "per_device_batch_size=" in out and "base_output_directory=" in out
