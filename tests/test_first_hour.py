@@ -34,6 +34,8 @@ def test_local_paths_become_absolute_and_uris_stay(tmp_path, monkeypatch):
   assert c.grain_train_files == f"{tmp_path}/data/*.arrayrecord,gs://bucket/train-*"
   assert c.load_parameters_path == "gs://bucket/params" and c.metrics_file == ""
   assert c.lora.lora_restore_path == str(tmp_path / "adapters")
+  assert from_overrides(base_output_directory="", run_name="r", num_devices=1).checkpoint_dir == str(tmp_path / "r" / "checkpoints") + os.sep  # MaxText's ''
+  assert from_overrides(base_output_directory="gs://b/runs", run_name="r", num_devices=1).checkpoint_dir == "gs://b/runs/r/checkpoints/"
 
 
 def test_platform_choice_keeps_jax_off_tpu_without_chips():

@@ -150,7 +150,7 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
   if os.sep in run_name or run_name in (".", ".."):
     raise ConfigError(f"invalid value for 'run_name': {run_name!r}; use a plain name without '/'")
   paths = resolve_paths(c)
-  run_dir = os.path.join(paths.get("base_output_directory", c.base_output_directory), run_name)
+  run_dir = absolute_path(os.path.join(paths.get("base_output_directory", c.base_output_directory), run_name))  # '' -> the working directory
 
   return {
     **paths,

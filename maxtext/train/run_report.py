@@ -37,7 +37,8 @@ def count(n: float) -> str:
 
 
 def run_dir(config: MaxTextConfig) -> str:
-  return os.path.join(config.base_output_directory, config.run_name)
+  """<base_output_directory>/<run_name>, as the config resolved it (the parent of checkpoint_dir)."""
+  return os.path.dirname(os.path.dirname(config.checkpoint_dir))
 
 
 def latest_checkpoint(config: MaxTextConfig) -> str | None:
