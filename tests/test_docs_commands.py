@@ -8,7 +8,8 @@ Convention for doc writers:
   an earlier one wrote (the quickstart's run directory, a plot).
 - Only `python -m maxtext.<entry> ...` commands run. A block that cannot run on a CPU CI machine, or shows a
   template with placeholders, is marked by the line `<!-- docs-test: skip (reason) -->` right before its fence;
-  any other command in an unmarked block fails this test. Indented (4-space) examples are not executed.
+  any other command in an unmarked block fails this test. Fences indented inside list items count; indented
+  (4-space) code without a fence is not executed.
 - JAX_PLATFORMS and XLA_FLAGS are removed from the environment, as on a new user's machine: the entry points must
   pick the platform themselves and print no libtpu/TPU-runtime message.
 
@@ -22,16 +23,19 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import resource
 import shlex
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_MARKER = re.compile(r"<!--\s*docs-test:\s*skip\b")
-FENCE = re.compile(r"^```(?:bash|sh|shell)\s*\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^[ \t]*```(?:bash|sh|shell)[ \t]*\n(.*?)^[ \t]*```", re.S | re.M)  # list items indent their fences
 TRAIN_STEPS = 2
 TPU_NOISE = ("Failed to find host bounds", "unexpected worker hostname", "libtpu", "TPU_ACCELERATOR_TYPE", "InitGoogle")
 
@@ -49,7 +53,7 @@ def commands(path: Path) -> list[tuple[str, int, list[str], dict[str, str]]]:
     if before and SKIP_MARKER.search(before[-1]):
       continue
     first_line = text[: block.start()].count("\n") + 2
-    joined = block.group(1).replace("\\\n", " ")
+    joined = textwrap.dedent(block.group(1)).replace("\\\n", " ")
     for offset, line in enumerate(joined.splitlines()):
       words = shlex.split(line, comments=True)
       if not words:
@@ -66,11 +70,19 @@ def with_steps(argv: list[str], steps: int) -> list[str]:
   return [a for a in argv if not a.startswith("steps=")] + [f"steps={steps}"]
 
 
+TIMES: list[tuple[float, float, str]] = []  # (wall s, CPU s, command): printed with -s
+
+
 def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
   full_env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS") and not k.startswith("M_")}
   full_env.update(env, PYTHONPATH=str(ROOT))
-  argv = [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
-  return subprocess.run(argv, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600)
+  command = [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
+  before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+  result = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600)
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)
+  cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+  TIMES.append((time.perf_counter() - start, cpu, shlex.join(argv)[:100]))
+  return result
 
 
 def check(where: str, result: subprocess.CompletedProcess) -> str:
@@ -108,6 +120,7 @@ def test_docs_commands_run(tmp_path):
     if entry == "maxtext.plot" and "--out" in argv:
       assert (tmp_path / argv[argv.index("--out") + 1]).is_file(), f"{where}: no plot written"
     assert output.strip(), f"{where}: printed nothing"
+  print("\n".join(f"{wall:6.1f}s wall {cpu:6.1f}s CPU  {cmd}" for wall, cpu, cmd in TIMES))
 
 
 @pytest.mark.parametrize(
