@@ -89,8 +89,6 @@ UNSUPPORTED_MAXTEXT_KEYS: frozenset[str] = frozenset(
     "inhomogeneous_layer_cycle_interval",
     "context_parallel_load_balance",
     "packed_sequence_tpu_attention",
-    "sa_block_q",
-    "sa_block_kv",
     "use_ragged_attention",
     "ragged_block_size",
     "stack_prefill_result_cache",
