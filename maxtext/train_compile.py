@@ -27,7 +27,8 @@ def main(argv: list[str]) -> None:
   chip = topology.parse(config.compile_topology).chip.generation
   where = f"{config.compile_topology} x {config.compile_topology_num_slices} slice(s) ({config.num_devices} devices)"
   print(f"compiling the train step of {config.model_name} for {where}: ici {config.ici_parallelism}, dcn {config.dcn_parallelism}", flush=True)
-  result = aot_compile.compile_for_topology(config)
+  result = aot_compile.compile_for_topology(config, log=lambda line: print(line, flush=True))
+  print(f"remat_policy: {result.remat_policy}")
   print(
     f"compiled in {result.compile_seconds:.1f}s; model TFLOPs per step {result.tflops_per_step:.2f} ({result.tflops_per_step / config.num_devices:.3f} per device)"
   )

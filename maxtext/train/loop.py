@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from maxtext import mesh as mesh_lib
+from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError, UserError
 from maxtext.train import checkpointing, perf
@@ -164,6 +165,8 @@ def train(
     raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
   mesh = setup.mesh if setup is not None else mesh or mesh_lib.create(config)
   writer = MetricsWriter(config)
+  if setup is None:
+    config = remat_auto.resolve(config, mesh, log=writer.log)  # remat_policy=auto: compiled memory picks the policy
   setup = setup or setup_lib.build(config, mesh)
   ckpt = checkpointing.Checkpointer(config) if config.enable_checkpointing else None
   data_iter = create_data_iterator(config, mesh, "train")
