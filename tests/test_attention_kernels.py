@@ -20,7 +20,7 @@ SCALE = 0.3
 SMALL_BLOCKS = SplashBlocks(128, 128, 128, 128, 128, 128, 128, 128)
 
 
-def packed_batch(batch: int = 2, seq: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, seed: int = 0):
+def packed_batch(batch: int = 2, seq: int = 128, heads: int = 2, kv_heads: int = 1, head_dim: int = 8, seed: int = 0):
   """q/k/v and rows of three documents of random lengths followed by padding (segment 0), positions restarting per document."""
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.normal(size=(batch, seq, heads, head_dim)), jnp.float32)
@@ -39,6 +39,17 @@ def packed_batch(batch: int = 2, seq: int = 128, heads: int = 4, kv_heads: int =
 @pytest.fixture(scope="module")
 def batch():
   return packed_batch()
+
+
+_REFERENCES: dict = {}
+
+
+def expected_for(batch, window, cap):
+  """The XLA reference's output and gradients, computed once per (window, cap)."""
+  if (window, cap) not in _REFERENCES:
+    q, k, v, seg, pos = batch
+    _REFERENCES[window, cap] = forward_and_grads(jax.jit(lambda q, k, v: reference(q, k, v, seg, pos, window, cap)), q, k, v)
+  return _REFERENCES[window, cap]
 
 
 def reference(q, k, v, segments, positions, window, cap):
@@ -65,25 +76,25 @@ CASES = [(0, None), (37, None), (0, 5.0), (64, 3.0)]
 @pytest.mark.parametrize("window, cap", CASES)
 def test_chunked_equals_reference(batch, window, cap):
   q, k, v, seg, pos = batch
-  expected = forward_and_grads(lambda q, k, v: reference(q, k, v, seg, pos, window, cap), q, k, v)
+  expected = expected_for(batch, window, cap)
   # a block that does not divide the length exercises the padded last block
-  actual = forward_and_grads(lambda q, k, v: ops.chunked_attention(q, k, v, pos, pos, seg, window, SCALE, cap, 48), q, k, v)
+  actual = forward_and_grads(jax.jit(lambda q, k, v: ops.chunked_attention(q, k, v, pos, pos, seg, window, SCALE, cap, 48)), q, k, v)
   assert_same(actual, expected)
 
 
 @pytest.mark.parametrize("window, cap", [(0, None), (64, 3.0)])
 def test_splash_interpret_equals_reference(batch, window, cap):
   q, k, v, seg, pos = batch
-  expected = forward_and_grads(lambda q, k, v: reference(q, k, v, seg, pos, window, cap), q, k, v)
+  expected = expected_for(batch, window, cap)
   run = lambda q, k, v: ops.splash_attention(q, k, v, seg, window=window, scale=SCALE, soft_cap=cap, blocks=SMALL_BLOCKS, interpret=True)  # noqa: E731
   assert_same(forward_and_grads(run, q, k, v), expected)
 
 
-@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("window", [37])
 def test_cudnn_segment_mask_path_equals_reference(batch, window):
   """The cuDNN call with the segment mask, run by jax.nn.dot_product_attention's XLA implementation on CPU."""
   q, k, v, seg, pos = batch
-  expected = forward_and_grads(lambda q, k, v: reference(q, k, v, seg, pos, window, None), q, k, v)
+  expected = expected_for(batch, window, None)
   run = lambda q, k, v: ops.cudnn_attention(q, k, v, seg, window=window, scale=SCALE, max_segments=0, implementation="xla")  # noqa: E731
   assert_same(forward_and_grads(run, q, k, v), expected)
 
@@ -149,12 +160,12 @@ def test_explicit_cudnn_on_cpu_fails_when_the_model_is_built():
 
 
 MODEL = dict(
-  base_emb_dim=32,
-  base_num_query_heads=4,
-  base_num_kv_heads=2,
-  base_mlp_dim=64,
+  base_emb_dim=16,
+  base_num_query_heads=2,
+  base_num_kv_heads=1,
+  base_mlp_dim=32,
   base_num_decoder_layers=2,
-  head_dim=16,
+  head_dim=8,
   vocab_size=64,
   dtype="float32",
   matmul_precision="highest",
@@ -170,7 +181,7 @@ MODEL = dict(
 )
 
 
-@pytest.mark.parametrize("family, extra", [("llama2", {}), ("gemma2", dict(sliding_window_size=24, attn_logits_soft_cap=20.0))])
+@pytest.mark.parametrize("family, extra", [("llama2", dict(base_num_decoder_layers=1)), ("gemma2", dict(sliding_window_size=24, attn_logits_soft_cap=20.0))])
 def test_model_with_tpu_policy_matches_cpu_policy(batch, family, extra):
   """A model built with the TPU policy runs splash (interpret mode) in every layer; gemma2's scanned layers alternate
   a local and a global window, which the traced window switches between."""
@@ -193,3 +204,32 @@ def test_policies_per_platform():
   assert platform.resolve(config).platform == "cpu"  # the tests' devices
   assert platform.predict(config, platforms="cuda") == "gpu" and platform.predict(config, platforms="", accelerator_nodes=True) == "tpu"
   assert platform.predict(from_overrides(num_devices=1, hardware="gpu_multiprocess"), platforms="cpu") == "gpu"
+
+
+def test_remat_auto_binary_search_picks_least_recomputation_that_fits():
+  from maxtext.aot import remat_auto
+
+  sizes = dict(zip(remat_auto.CANDIDATES, (100, 80, 70, 60, 50, 40)))  # memory falls along the candidates
+  config = from_overrides(num_devices=1, remat_policy="auto")
+  compiled = []
+
+  def fake(c):
+    compiled.append(c.remat_policy)
+    return sizes[c.remat_policy] if c.remat_policy != "none" else None  # 'none': XLA runs out of memory
+
+  choice = remat_auto.choose(config, 70, fake)  # budget 63 with the 10% margin
+  assert choice.policy == "save_dot_except_mlp" and len(compiled) <= 3 and "save_dot_except_mlp" in choice.line()
+  assert remat_auto.choose(config, 10, fake).policy == "full"  # nothing fits: full, and the caller reports it
+  assert remat_auto.choose(config, 1000, fake).policy == "minimal"
+
+
+def test_remat_auto_resolves_from_compiled_memory_and_logs():
+  from maxtext import mesh as mesh_lib
+  from maxtext.aot import remat_auto
+
+  config = from_overrides(num_devices=1, remat_policy="auto", **{**MODEL, "max_target_length": 64})
+  mesh = mesh_lib.create(config, jax.devices()[:1])
+  lines = []
+  resolved = remat_auto.resolve(config, mesh, hbm_bytes=2**40, log=lines.append)
+  assert resolved.remat_policy == "none" and len(lines) == 1 and "remat_policy=auto chose none" in lines[0]
+  assert remat_auto.resolve(resolved, mesh) is resolved  # a named policy stays
