@@ -227,9 +227,10 @@ def test_remat_auto_resolves_from_compiled_memory_and_logs():
   from maxtext import mesh as mesh_lib
   from maxtext.aot import remat_auto
 
-  config = from_overrides(num_devices=1, remat_policy="auto", **{**MODEL, "max_target_length": 64})
+  config = from_overrides(num_devices=1, remat_policy="auto", **{**MODEL, "max_target_length": 16, "base_num_decoder_layers": 1})
   mesh = mesh_lib.create(config, jax.devices()[:1])
   lines = []
-  resolved = remat_auto.resolve(config, mesh, hbm_bytes=2**40, log=lines.append)
-  assert resolved.remat_policy == "none" and len(lines) == 1 and "remat_policy=auto chose none" in lines[0]
+  resolved = remat_auto.resolve(config, mesh, hbm_bytes=1024, log=lines.append)  # nothing fits in 1 KiB: two compiles, then full
+  assert resolved.remat_policy == "full" and len(lines) == 1
+  assert lines[0].startswith("remat_policy=auto chose full") and "save_dot_except_mlpwi" in lines[0] and "save_qkv_proj" in lines[0]
   assert remat_auto.resolve(resolved, mesh) is resolved  # a named policy stays
