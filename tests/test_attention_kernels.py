@@ -234,3 +234,8 @@ def test_remat_auto_resolves_from_compiled_memory_and_logs():
   assert resolved.remat_policy == "full" and len(lines) == 1
   assert lines[0].startswith("remat_policy=auto chose full") and "save_dot_except_mlpwi" in lines[0] and "save_qkv_proj" in lines[0]
   assert remat_auto.resolve(resolved, mesh) is resolved  # a named policy stays
+
+
+def test_queries_against_a_longer_cache_run_xla_under_every_request():
+  for request in ("autoselected", "flash", "cudnn"):
+    assert ops.select(policy("gpu", attention=request), **{**FACTS, "q_len": 1}) == "xla"

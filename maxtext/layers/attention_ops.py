@@ -45,8 +45,6 @@ def unsupported_reason(kernel: str, policy: Policy, *, dtype, head_dim: int, q_l
   """Why kernel cannot compute this attention call exactly (None when it can)."""
   if kernel in ("xla", "chunked"):
     return None
-  if q_len != kv_len:
-    return f"queries ({q_len}) and keys ({kv_len}) differ in length"
   if kernel == "splash":
     if policy.platform != "tpu":
       return f"splash attention runs on TPU, not {policy.platform}"
@@ -71,10 +69,13 @@ def select(policy: Policy, *, dtype, head_dim: int, q_len: int, kv_len: int, sof
 
   autoselected: the platform's fused kernel (splash on TPU, cuDNN on GPU, chunked on CPU for long sequences),
   else XLA with a one-time log line. flash: the fused kernel (the chunked kernel on CPU). cudnn: cuDNN.
-  dot_product: XLA.
+  dot_product: XLA. Queries shorter than the keys (decoding against a cache) run XLA under every request.
   """
   request = policy.attention
   if request == "dot_product":
+    return "xla"
+  if q_len != kv_len:  # queries against a longer key/value cache (decoding): the fused kernels here are self-attention
+    _log_once(f"attention: {q_len} queries against {kv_len} keys run XLA dot-product attention")
     return "xla"
   facts = dict(dtype=dtype, head_dim=head_dim, q_len=q_len, kv_len=kv_len, soft_cap=soft_cap)
   if request == "cudnn":
