@@ -38,7 +38,8 @@ def main(argv: list[str]) -> None:
   if not result.memory.fits:
     raise memory.DoesNotFit(result.memory.does_not_fit_message(chip))
   if config.compiled_trainstep_file:
-    executable.save(config.compiled_trainstep_file, result.compiled, config, result.devices)
+    compiled_config = config.model_copy(update={"remat_policy": result.remat_policy})  # auto: the policy compiled
+    executable.save(config.compiled_trainstep_file, result.compiled, compiled_config, result.devices)
     print(f"saved the compiled train step to {config.compiled_trainstep_file}", file=sys.stderr)
 
 
