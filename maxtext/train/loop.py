@@ -163,10 +163,10 @@ def train(
   perf.check_hardware(config)
   if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
     raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
-  mesh = setup.mesh if setup is not None else mesh or mesh_lib.create(config)
-  writer = MetricsWriter(config)
   if config.remat_policy == "auto" and config.compiled_trainstep_file:
     raise ConfigError("remat_policy=auto cannot load compiled_trainstep_file; pass the remat_policy train_compile printed for it")
+  mesh = setup.mesh if setup is not None else mesh or mesh_lib.create(config)
+  writer = MetricsWriter(config)
   if setup is None:
     config = remat_auto.resolve(config, mesh, log=writer.log)  # remat_policy=auto: compiled memory picks the policy
   setup = setup or setup_lib.build(config, mesh)
