@@ -38,7 +38,7 @@ def wants_help(argv: Sequence[str]) -> bool:
 
 def entry(usage: str | Callable[[], str] | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """Decorate `main(argv)`: -h/--help prints `usage` and exits 0 (usage None: main's own argparse answers it);
-  otherwise pick the JAX platform (`maxtext.process.choose_platform`) and run, a UserError printing `error: ...`
+  otherwise pick the JAX platform (`maxtext.platform.choose_platform`) and run, a UserError printing `error: ...`
   and exiting 2."""
 
   def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -50,7 +50,7 @@ def entry(usage: str | Callable[[], str] | None) -> Callable[[Callable[..., Any]
       if usage is not None and wants_help(argv):
         print(usage() if callable(usage) else usage)
         return 0
-      from maxtext.process import choose_platform
+      from maxtext.platform import choose_platform
 
       choose_platform()
       return checked(argv)

@@ -7,7 +7,6 @@ blocks on a network lookup.
 
 from __future__ import annotations
 
-import glob
 import os
 from collections.abc import Mapping
 
@@ -15,6 +14,7 @@ import jax
 
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
+from maxtext.platform import has_tpu_chips as _has_tpu_chips  # module attribute: tests replace it
 
 # Environment variables set by launchers that start several processes, with what makes them multi-process.
 _TPU_HOST_LISTS = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")  # GKE TPU pods (JobSet), comma-separated hosts
@@ -26,11 +26,6 @@ def _count(value: str | None) -> int:
     return int(value) if value else 1
   except ValueError:
     return 1
-
-
-def _has_tpu_chips() -> bool:
-  """TPU VMs expose their chips as /dev/accel* (v2-v4) or /dev/vfio/<n> (v5e, v5p, v6e)."""
-  return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def detect(config: MaxTextConfig, env: Mapping[str, str] | None = None, tpu_chips: bool | None = None) -> str:

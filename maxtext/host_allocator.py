@@ -13,29 +13,16 @@ and only for CPU runs: accelerator hosts keep glibc's defaults.
 from __future__ import annotations
 
 import ctypes
-import glob
 
-import jax
-
+from maxtext import platform
 from maxtext.config import MaxTextConfig
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-_ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
 
 
 def runs_on_cpu(config: MaxTextConfig, platforms: str | None = None, accelerator_nodes: bool | None = None) -> bool:
-  """Whether JAX will pick the CPU backend, decided without initialising it.
-
-  platforms defaults to JAX's `jax_platforms` setting; accelerator_nodes to whether /dev shows GPUs or TPU chips.
-  """
-  if config.hardware != "auto":
-    return config.hardware == "cpu"
-  first = (jax.config.jax_platforms or "" if platforms is None else platforms).split(",")[0].strip()
-  if first:
-    return first == "cpu"
-  if accelerator_nodes is None:
-    accelerator_nodes = any(glob.glob(pattern) for pattern in _ACCELERATOR_NODES)
-  return not accelerator_nodes
+  """Whether JAX will pick the CPU backend, decided without initialising it (maxtext.platform.predict)."""
+  return platform.predict(config, platforms, accelerator_nodes) == "cpu"
 
 
 def keep_buffers_mapped() -> bool:
@@ -48,5 +35,5 @@ def keep_buffers_mapped() -> bool:
 
 
 def tune(config: MaxTextConfig) -> bool:
-  """keep_buffers_mapped() for CPU runs; returns whether the settings were applied."""
-  return runs_on_cpu(config) and keep_buffers_mapped()
+  """keep_buffers_mapped() where the predicted platform's policy asks for it (CPU); returns whether it was applied."""
+  return platform.for_platform(config, platform.predict(config)).tune_host_allocator and keep_buffers_mapped()

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from maxtext import plot, process
+from maxtext import platform, plot
 from maxtext.config import from_overrides
 from maxtext.eval import evaluate
 from maxtext.train import perf
@@ -40,11 +40,11 @@ def test_local_paths_become_absolute_and_uris_stay(tmp_path, monkeypatch):
 
 def test_platform_choice_keeps_jax_off_tpu_without_chips():
   env: dict[str, str] = {}
-  assert process.choose_platform(env, tpu_chips=False, cuda=False) == "cpu" and env["JAX_PLATFORMS"] == "cpu"
-  assert process.choose_platform({}, tpu_chips=False, cuda=True) == "cuda,cpu"
-  assert process.choose_platform({}, tpu_chips=True, cuda=False) is None  # TPU VM: JAX picks the TPU
+  assert platform.choose_platform(env, tpu_chips=False, cuda=False) == "cpu" and env["JAX_PLATFORMS"] == "cpu"
+  assert platform.choose_platform({}, tpu_chips=False, cuda=True) == "cuda,cpu"
+  assert platform.choose_platform({}, tpu_chips=True, cuda=False) is None  # TPU VM: JAX picks the TPU
   mine = {"JAX_PLATFORMS": "tpu"}
-  assert process.choose_platform(mine, tpu_chips=False, cuda=False) is None and mine == {"JAX_PLATFORMS": "tpu"}
+  assert platform.choose_platform(mine, tpu_chips=False, cuda=False) is None and mine == {"JAX_PLATFORMS": "tpu"}
 
 
 def test_measured_yardstick_is_raised_by_a_faster_step_so_mfu_stays_at_most_one():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -11,7 +12,7 @@ from jax.sharding import Mesh
 
 from maxtext import mesh as mesh_lib
 from maxtext import topology
-from maxtext.aot import memory
+from maxtext.aot import memory, remat_auto
 from maxtext.aot.devices import topology_devices
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
@@ -24,6 +25,7 @@ class CompileResult:
   compile_seconds: float
   tflops_per_step: float  # model TFLOPs of one step over the global batch
   devices: list[jax.Device]
+  remat_policy: str = ""  # the policy compiled (remat_policy=auto resolved)
 
   def summary(self) -> dict[str, Any]:
     """The machine-readable report (the last line train_compile prints)."""
@@ -37,6 +39,7 @@ class CompileResult:
       "hbm_bytes": m.hbm_bytes,
       "fits": m.fits,
       "tflops_per_step": float(f"{self.tflops_per_step:.6g}"),
+      "remat_policy": self.remat_policy,
     }
 
 
@@ -61,13 +64,15 @@ def compile_step(setup: Any, hbm_bytes: int) -> tuple[jax.stages.Compiled | None
   return compiled, memory.from_compiled(compiled, hbm_bytes), time.perf_counter() - start
 
 
-def compile_for_topology(config: MaxTextConfig) -> CompileResult:
+def compile_for_topology(config: MaxTextConfig, log: Callable[[str], None] | None = None) -> CompileResult:
+  """Compile the train step for config's topology; remat_policy=auto is resolved first (its choice goes to log)."""
   from maxtext.models.counting import training_flops_per_step
   from maxtext.train import setup as setup_lib
 
   mesh = topology_mesh(config)
   hbm = topology.parse(config.compile_topology).chip.hbm_bytes
+  config = remat_auto.resolve(config, mesh, hbm, log)
   with jax.set_mesh(mesh):
     setup = setup_lib.build(config, mesh)
     compiled, report, seconds = compile_step(setup, hbm)
-  return CompileResult(compiled, report, seconds, training_flops_per_step(config) / 1e12, list(mesh.devices.flat))
+  return CompileResult(compiled, report, seconds, training_flops_per_step(config) / 1e12, list(mesh.devices.flat), config.remat_policy)

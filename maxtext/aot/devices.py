@@ -7,14 +7,14 @@ import os
 import jax
 
 from maxtext import topology
-from maxtext.distributed import _has_tpu_chips
 from maxtext.errors import ConfigError
+from maxtext.platform import has_tpu_chips
 
 
 def _compile_only_libtpu() -> None:
   """On a host without TPU chips: give libtpu the single-host facts it otherwise warns about, and let several
   compile-only processes load it at once (its lock file guards chips, and there are none)."""
-  if not _has_tpu_chips():
+  if not has_tpu_chips():
     defaults = (("TPU_ACCELERATOR_TYPE", "v5p-8"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"))
     for key, value in defaults:
       os.environ.setdefault(key, value)

@@ -13,6 +13,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   s.DataTypes,
   s.ModelArchitecture,
   s.Attention,
+  s.SplashAttention,
   s.Rope,
   s.MoEGeneral,
   s.ManifoldConstrainedHyperConnections,

@@ -74,12 +74,26 @@ class ModelArchitecture(Section):
 
 
 class Attention(Section):
-  attention: Literal["autoselected", "dot_product", "cudnn"] = Field(
-    "autoselected", description="autoselected: cuDNN on GPU when shapes allow, XLA dot-product elsewhere."
+  attention: Literal["autoselected", "dot_product", "flash", "cudnn"] = Field(
+    "autoselected",
+    description="autoselected: the platform's fused kernel where it honours the inputs, else XLA (logged); flash: the fused kernel or a "
+    "config error; cudnn: GPU cuDNN or a config error; dot_product: XLA (docs/models.md).",
   )
   sliding_window_size: int = Field(0, ge=0, description="Local attention window for sliding-window layers; 0 -> full attention.")
   attn_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on attention logits; None -> off.")
   query_pre_attn_scalar: float = Field(0.0, ge=0, description="Queries are scaled by 1/sqrt(this); 0 -> head_dim.")
+
+
+class SplashAttention(Section):
+  sa_block_q: int = Field(512, gt=0, description="TPU splash attention: query block of the forward pass.")
+  sa_block_kv: int = Field(512, gt=0, description="TPU splash attention: key/value block of the forward pass.")
+  sa_block_kv_compute: int = Field(512, gt=0, description="TPU splash attention: key/value sub-block computed at once (divides sa_block_kv).")
+  sa_block_q_dkv: int = Field(512, gt=0, description="TPU splash attention: query block of the dK/dV backward kernel.")
+  sa_block_kv_dkv: int = Field(512, gt=0, description="TPU splash attention: key/value block of the dK/dV backward kernel.")
+  sa_block_kv_dkv_compute: int = Field(512, gt=0, description="TPU splash attention: key/value sub-block of the dK/dV kernel.")
+  sa_block_q_dq: int = Field(512, gt=0, description="TPU splash attention: query block of the dQ backward kernel (unfused backward).")
+  sa_block_kv_dq: int = Field(512, gt=0, description="TPU splash attention: key/value block of the dQ backward kernel (unfused backward).")
+  sa_use_fused_bwd_kernel: bool = Field(False, description="TPU splash attention: one backward kernel computes dQ, dK and dV.")
 
 
 class Rope(Section):
@@ -168,7 +182,12 @@ class RematAndOffload(Section):
     "minimal_offloaded",
     "qkv_proj_offloaded",
     "none",
-  ] = Field("full", description="What each decoder layer saves for the backward pass (docs/config.md has the table).")
+    "auto",
+  ] = Field(
+    "full",
+    description="What each decoder layer saves for the backward pass (docs/config.md has the table); auto: the least recomputation "
+    "whose compiled step fits the device memory with a margin.",
+  )
   scan_layers: bool = Field(True, description="Stack layers and run them with jax.lax.scan (flat compile time in depth).")
 
 

@@ -35,7 +35,7 @@ def _init_added(config: MaxTextConfig, paths: list[tuple]) -> dict[tuple, jax.Ar
 
   @jax.jit
   def init() -> dict[tuple, jax.Array]:  # only the requested arrays are computed (the rest is dead code)
-    state = nnx.state(models.Transformer(config, rngs=nnx.Rngs(config.init_weights_seed)), ADDED_PARAMS)
+    state = nnx.state(models.build(config, nnx.Rngs(config.init_weights_seed)), ADDED_PARAMS)
     return {p: v[...] for p, v in nnx.to_flat_state(state) if p in wanted}
 
   return init()

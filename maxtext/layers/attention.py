@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
-from maxtext.errors import ConfigError
 from maxtext.layers import attention_ops, rope
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.sharding import constrain
+from maxtext.platform import Policy
 
 
 class Attention(nnx.Module):
-  def __init__(self, config: MaxTextConfig, *, rngs: nnx.Rngs, zero_centered_norm: bool = False):
+  """Self-attention; the kernel comes from policy (maxtext.platform), window_choices lists the windows a traced
+  (scanned, per-layer) window can take."""
+
+  def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs, zero_centered_norm: bool = False, window_choices: Sequence[int] = ()):
     c = config
     self.config = c
+    self.policy = policy
+    self.window_choices = tuple(sorted(set(window_choices)))
     e, h, kv, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
-    kw = dict(dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), precision=precision(c.matmul_precision), rngs=rngs)
+    kw = dict(
+      dtype=dtype(c.dtype),
+      weight_dtype=dtype(c.weight_dtype),
+      precision=precision(c.matmul_precision),
+      rngs=rngs,
+      integer_rounding=policy.integer_bf16_rounding,
+    )
     self.query = DenseGeneral((e,), (h, d), ("embed", "heads", "head_dim"), **kw)
     self.key = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
     self.value = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
@@ -32,8 +45,8 @@ class Attention(nnx.Module):
     else:
       self.query_norm = self.key_norm = None
     self.scale = (c.query_pre_attn_scalar or d) ** -0.5
-    if c.attention == "cudnn" and jax.default_backend() != "gpu":
-      raise ConfigError(f"attention=cudnn needs a GPU, but JAX runs on {jax.default_backend()}; use attention=autoselected")
+    # An explicit kernel that cannot run this model fails here, at build time, as a one-line config error.
+    attention_ops.select(policy, dtype=dtype(c.dtype), head_dim=d, q_len=c.max_target_length, kv_len=c.max_target_length, soft_cap=c.attn_logits_soft_cap)
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array) -> jax.Array:
     rules = self.config.logical_axis_rules
@@ -57,12 +70,20 @@ class Attention(nnx.Module):
     q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
     k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
     v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
-    cap = self.config.attn_logits_soft_cap
-    use_cudnn = self.config.attention == "cudnn" or (self.config.attention == "autoselected" and attention_ops.cudnn_supported(q, cap, segment_ids, window))
-    if use_cudnn:
-      ctx = attention_ops.cudnn_attention(q, k, v, self.scale, window)  # type: ignore[arg-type]
-    else:
-      mask = attention_ops.attention_mask(positions, positions, segment_ids, window)
-      ctx = attention_ops.xla_attention(q, k, v, mask, self.scale, cap, precision(self.config.matmul_precision))
+    ctx = attention_ops.attend(
+      q,
+      k,
+      v,
+      q_positions=positions,
+      kv_positions=positions,
+      segment_ids=segment_ids,
+      window=window,
+      soft_cap=c.attn_logits_soft_cap,
+      scale=self.scale,
+      policy=self.policy,
+      precision=precision(c.matmul_precision),
+      window_choices=self.window_choices,
+      rules=rules,
+    )
     ctx = checkpoint_name(ctx, "context")
     return checkpoint_name(self.out(ctx), "out_proj")

@@ -1,25 +1,192 @@
-"""Dot-product attention kernels: an XLA einsum path and jax.nn.dot_product_attention (cuDNN on GPU)."""
+"""Causal dot-product attention kernels behind one entry point, `attend`, chosen by the platform policy.
+
+Kernels (docs/models.md says which runs where, and why):
+- `xla`: einsums with a materialised [B, K, G, S, T] float32 score tensor; the reference.
+- `chunked`: the same maths over blocks of keys with an online softmax and a hand-written backward,
+  so forward and backward hold O(S x block) scores instead of O(S^2) (CPU, long sequences).
+- `splash`: TPU Pallas splash attention (inside jax) with segment ids, causal or local masks, GQA, soft cap.
+- `cudnn`: GPU cuDNN fused attention; packed documents through cuDNN's segment offsets when the pipeline
+  bounds the documents per row (max_segments_per_seq > 0), else through a boolean segment mask.
+
+The fused kernels mask by token index within the row: they assume positions count up by one inside each
+segment, which is what the data pipeline produces (packed or not). The XLA and chunked kernels mask by positions.
+"""
 
 from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from maxtext.errors import ConfigError
 from maxtext.layers import matmul
-from maxtext.layers.sharding import target_platform
+from maxtext.mesh import logical_to_spec
+from maxtext.platform import Policy
 
 NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
+KERNELS = ("xla", "chunked", "splash", "cudnn")
+_log = logging.getLogger("maxtext.attention")
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+  if message not in _logged:
+    _logged.add(message)
+    _log.warning(message)
+
+
+# ----------------------------------------------------------------------------------------------- selection
+
+
+def unsupported_reason(kernel: str, policy: Policy, *, dtype, head_dim: int, q_len: int, kv_len: int, soft_cap: float | None) -> str | None:
+  """Why kernel cannot compute this attention call exactly (None when it can)."""
+  if kernel in ("xla", "chunked"):
+    return None
+  if kernel == "splash":
+    if policy.platform != "tpu":
+      return f"splash attention runs on TPU, not {policy.platform}"
+    if q_len % 128:
+      return f"splash attention needs a sequence length divisible by 128, got {q_len}"
+    return None
+  if kernel == "cudnn":
+    if policy.platform != "gpu":
+      return f"cuDNN attention needs a GPU, but the target is {policy.platform}"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      return f"cuDNN attention needs bfloat16 or float16 activations, got {jnp.dtype(dtype).name}"
+    if soft_cap is not None:
+      return "cuDNN attention has no logit soft cap"
+    if head_dim % 8 or head_dim > 128:
+      return f"cuDNN attention needs head_dim a multiple of 8 up to 128, got {head_dim}"
+    return None
+  raise ValueError(f"unknown attention kernel {kernel}")
+
+
+def select(policy: Policy, *, dtype, head_dim: int, q_len: int, kv_len: int, soft_cap: float | None) -> str:
+  """The kernel for one attention call under policy.attention; explicit requests that cannot be met are ConfigErrors.
+
+  autoselected: the platform's fused kernel (splash on TPU, cuDNN on GPU, chunked on CPU for long sequences),
+  else XLA with a one-time log line. flash: the fused kernel (the chunked kernel on CPU). cudnn: cuDNN.
+  dot_product: XLA. Queries shorter than the keys (decoding against a cache) run XLA under every request.
+  """
+  request = policy.attention
+  if request == "dot_product":
+    return "xla"
+  if q_len != kv_len:  # queries against a longer key/value cache (decoding): the fused kernels here are self-attention
+    _log_once(f"attention: {q_len} queries against {kv_len} keys run XLA dot-product attention")
+    return "xla"
+  facts = dict(dtype=dtype, head_dim=head_dim, q_len=q_len, kv_len=kv_len, soft_cap=soft_cap)
+  if request == "cudnn":
+    reason = unsupported_reason("cudnn", policy, **facts)
+    if reason:
+      raise ConfigError(f"attention=cudnn cannot run this model: {reason}; use attention=autoselected")
+    return "cudnn"
+  fused = {"tpu": "splash", "gpu": "cudnn", "cpu": "chunked"}[policy.platform]
+  if request == "flash":
+    reason = unsupported_reason(fused, policy, **facts)
+    if reason:
+      raise ConfigError(f"attention=flash cannot run this model: {reason}; use attention=autoselected or attention=dot_product")
+    return fused
+  if request != "autoselected":
+    raise ValueError(f"unknown attention {request}")
+  if fused == "chunked":
+    return "chunked" if policy.chunked_attention_from and q_len >= policy.chunked_attention_from else "xla"
+  reason = unsupported_reason(fused, policy, **facts)
+  if reason:
+    _log_once(f"attention: {fused} cannot run this call ({reason}); falling back to XLA dot-product attention")
+    return "xla"
+  return fused
+
+
+# ------------------------------------------------------------------------------------------------- entry point
+
+
+def attend(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  q_positions: jax.Array,
+  kv_positions: jax.Array,
+  segment_ids: jax.Array | None,
+  window: int | jax.Array,
+  soft_cap: float | None,
+  scale: float,
+  policy: Policy,
+  precision: jax.lax.Precision | None = None,
+  window_choices: Sequence[int] = (),
+  rules: Sequence | None = None,
+) -> jax.Array:
+  """Causal attention q [B,S,H,D], k/v [B,T,K,D] (H a multiple of K) -> [B,S,H,D] in q's dtype.
+
+  positions [B,S]/[B,T] int; segment_ids [B,S] (self-attention, 0 = padding) or None; window: attend to keys with
+  q_pos - kv_pos < window (0 = unbounded), an int or a traced scalar taking one of window_choices (scanned layers
+  with mixed windows); soft_cap: cap * tanh(logits / cap) or None; scale multiplies q.k. rules: logical axis
+  rules that place the fused kernels' shard_map (batch and heads) under an active mesh.
+  """
+  kernel = select(policy, dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1], soft_cap=soft_cap)
+  if kernel == "xla":
+    mask = attention_mask(q_positions, kv_positions, segment_ids, window)
+    return xla_attention(q, k, v, mask, scale, soft_cap, precision, policy.integer_bf16_rounding)
+  if kernel == "chunked":
+    return chunked_attention(q, k, v, q_positions, kv_positions, segment_ids, window, scale, soft_cap, policy.attention_key_block)
+  if kernel == "splash":
+    run = functools.partial(splash_attention, scale=scale, soft_cap=soft_cap, blocks=policy.splash, interpret=policy.interpret_kernels)
+  else:
+    run = functools.partial(cudnn_attention, scale=scale, max_segments=policy.max_segments_per_seq)
+  segments = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
+  return _per_window(run, q, k, v, segments, window, window_choices, rules)
+
+
+def _per_window(run, q, k, v, segments, window, window_choices, rules) -> jax.Array:
+  """run(q, k, v, segments, window=int) under a batch/head shard_map; a traced window switches between window_choices."""
+
+  def local(q, k, v, segments):
+    if isinstance(window, int):
+      return run(q, k, v, segments, window=window)
+    choices = sorted(set(window_choices))
+    if not choices:
+      raise ValueError("a traced window needs window_choices")
+    index = sum(jnp.where(window == w, i, 0) for i, w in enumerate(choices))
+    return jax.lax.switch(index, [functools.partial(run, window=w) for w in choices], q, k, v, segments)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or rules is None:
+    return local(q, k, v, segments)
+  qs = logical_to_spec(("activation_batch", None, "activation_heads", None), rules, mesh)
+  kvs = logical_to_spec(("activation_batch", None, "activation_kv_heads", None), rules, mesh)
+  ss = logical_to_spec(("activation_batch", None), rules, mesh)
+  if not isinstance(window, int):  # the traced window enters the shard_map replicated
+    w_local = jax.shard_map(
+      lambda q, k, v, s, w: _per_window(run, q, k, v, s, w, window_choices, None),
+      mesh=mesh,
+      in_specs=(qs, kvs, kvs, ss, jax.sharding.PartitionSpec()),
+      out_specs=qs,
+      check_vma=False,
+    )
+    return w_local(q, k, v, segments, window)
+  return jax.shard_map(local, mesh=mesh, in_specs=(qs, kvs, kvs, ss), out_specs=qs, check_vma=False)(q, k, v, segments)
+
+
+# ----------------------------------------------------------------------------------------------- XLA reference
 
 
 def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array) -> jax.Array:
   """Boolean [B, 1, 1, S, T]: causal, same segment, and within the sliding window (window 0 = full)."""
-  causal = kv_pos[:, None, :] <= q_pos[:, :, None]  # [B,S,T]
-  if segment_ids is not None:
-    causal &= segment_ids[:, :, None] == segment_ids[:, None, :]
+  return _mask(q_pos, kv_pos, segment_ids, segment_ids, window)[:, None, None, :, :]
+
+
+def _mask(q_pos, kv_pos, q_seg, kv_seg, window) -> jax.Array:
+  """Boolean [B, S, T] from positions, optional segment ids and window."""
+  allowed = kv_pos[:, None, :] <= q_pos[:, :, None]
+  if q_seg is not None:
+    allowed &= q_seg[:, :, None] == kv_seg[:, None, :]
   if not (isinstance(window, int) and window == 0):
     in_window = (q_pos[:, :, None] - kv_pos[:, None, :]) < window
-    causal &= in_window | (jnp.asarray(window) == 0)
-  return causal[:, None, None, :, :]
+    allowed &= in_window | (jnp.asarray(window) == 0)
+  return allowed
 
 
 def xla_attention(
@@ -29,7 +196,8 @@ def xla_attention(
   mask: jax.Array,
   scale: float,
   soft_cap: float | None,
-  precision: jax.lax.Precision,
+  precision: jax.lax.Precision | None,
+  integer_rounding: bool = False,
 ) -> jax.Array:
   """q [B,S,H,D], k/v [B,T,K,D] (H = K*G) -> [B,S,H,D]; logits and softmax in float32."""
   b, s, h, d = q.shape
@@ -42,24 +210,205 @@ def xla_attention(
     logits = soft_cap * jnp.tanh(logits / soft_cap)
   logits = jnp.where(mask, logits, NEG_INF)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = matmul.einsum("bkgst,bktd->bkgsd", probs, v, dtype=v.dtype, precision=precision)
+  out = matmul.einsum("bkgst,bktd->bkgsd", probs, v, dtype=v.dtype, precision=precision, integer_rounding=integer_rounding)
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
 
 
-def cudnn_supported(q: jax.Array, soft_cap: float | None, segment_ids: jax.Array | None, window: int | jax.Array) -> bool:
-  """cuDNN fused attention handles this call: GPU, half precision, no soft cap, static window, no packing."""
-  return (
-    target_platform() == "gpu"
-    and q.dtype in (jnp.bfloat16, jnp.float16)
-    and soft_cap is None
-    and segment_ids is None
-    and isinstance(window, int)
-    and q.shape[-1] % 8 == 0
-    and q.shape[-1] <= 128
+# ------------------------------------------------------------------------------------------ chunked (O(S) memory)
+
+
+def chunked_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  q_pos: jax.Array,
+  kv_pos: jax.Array,
+  segment_ids: jax.Array | None,
+  window: int | jax.Array,
+  scale: float,
+  soft_cap: float | None,
+  block: int,
+) -> jax.Array:
+  """xla_attention's result, computed over blocks of `block` keys with an online softmax (forward and backward).
+
+  Scores never exist beyond one [B, K, G, S, block] float32 tile; the backward recomputes them from the saved
+  log-sum-exp. Keys are padded to a multiple of block (padding is masked out).
+  """
+  b, s, h, d = q.shape
+  t, kv_heads = k.shape[1], k.shape[2]
+  block = min(block, t)
+  pad = -t % block
+  q_seg = segment_ids if segment_ids is not None else jnp.zeros((b, s), jnp.int32)
+  kv_seg = segment_ids if segment_ids is not None else jnp.zeros((b, t), jnp.int32)
+  if pad:
+    k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    kv_pos = jnp.pad(kv_pos, ((0, 0), (0, pad)), constant_values=jnp.iinfo(jnp.int32).max)  # never <= a query position
+    kv_seg = jnp.pad(kv_seg, ((0, 0), (0, pad)))
+  n = (t + pad) // block
+  qh = jnp.transpose(q.reshape(b, s, kv_heads, h // kv_heads, d), (0, 2, 3, 1, 4))  # [B,K,G,S,D]
+  kb = jnp.transpose(k.reshape(b, n, block, kv_heads, d), (1, 0, 3, 2, 4))  # [N,B,K,C,D]
+  vb = jnp.transpose(v.reshape(b, n, block, kv_heads, d), (1, 0, 3, 2, 4))
+  pos_b = jnp.transpose(kv_pos.reshape(b, n, block), (1, 0, 2))  # [N,B,C]
+  seg_b = jnp.transpose(kv_seg.reshape(b, n, block), (1, 0, 2))
+  out = _chunked(qh, kb, vb, q_pos, pos_b, q_seg, seg_b, jnp.asarray(window, jnp.int32), scale, soft_cap)
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
+
+
+def _tile(q, k_blk, q_pos, pos_blk, q_seg, seg_blk, window, scale, soft_cap):
+  """(capped float32 logits [B,K,G,S,C], mask [B,1,1,S,C]) of one key block."""
+  logits = jnp.einsum("bkgsd,bkcd->bkgsc", q, k_blk, preferred_element_type=jnp.float32) * scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  mask = _mask(q_pos, pos_blk, q_seg, seg_blk, 0)
+  mask &= ((q_pos[:, :, None] - pos_blk[:, None, :]) < window) | (window == 0)
+  return logits, mask[:, None, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _chunked(q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, scale, soft_cap):
+  return _chunked_forward(q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, scale, soft_cap)[0]
+
+
+def _chunked_forward(q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, scale, soft_cap):
+  stats = q.shape[:-1]  # [B,K,G,S]
+
+  def step(carry, xs):
+    m, total, acc = carry
+    k_blk, v_blk, pos_blk, seg_blk = xs
+    logits, mask = _tile(q, k_blk, q_pos, pos_blk, q_seg, seg_blk, window, scale, soft_cap)
+    m_new = jnp.maximum(m, jnp.max(jnp.where(mask, logits, NEG_INF), axis=-1))
+    p = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)
+    correction = jnp.exp(m - m_new)
+    total = total * correction + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgsc,bkcd->bkgsd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+    return (m_new, total, acc * correction[..., None] + pv), None
+
+  init = (jnp.full(stats, NEG_INF, jnp.float32), jnp.zeros(stats, jnp.float32), jnp.zeros(q.shape, jnp.float32))
+  (m, total, acc), _ = jax.lax.scan(step, init, (kb, vb, pos_b, seg_b))
+  total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # every query sees itself; guards rows of padding keys only
+  out = (acc / total[..., None]).astype(q.dtype)
+  lse = m + jnp.log(total)
+  return out, (q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, out, lse)
+
+
+def _chunked_backward(scale, soft_cap, residuals, g):
+  q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, out, lse = residuals
+  g32 = g.astype(jnp.float32)
+  delta = jnp.sum(g32 * out.astype(jnp.float32), axis=-1)  # [B,K,G,S]: rowsum(dO * O)
+
+  def step(dq, xs):
+    k_blk, v_blk, pos_blk, seg_blk = xs
+    logits, mask = _tile(q, k_blk, q_pos, pos_blk, q_seg, seg_blk, window, scale, soft_cap)
+    p = jnp.where(mask, jnp.exp(logits - lse[..., None]), 0.0)
+    dv = jnp.einsum("bkgsc,bkgsd->bkcd", p.astype(g.dtype), g, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bkgsd,bkcd->bkgsc", g, v_blk, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None])
+    if soft_cap is not None:
+      ds = ds * (1.0 - jnp.square(logits / soft_cap))
+    ds = (ds * scale).astype(q.dtype)
+    dq = dq + jnp.einsum("bkgsc,bkcd->bkgsd", ds, k_blk, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgsc,bkgsd->bkcd", ds, q, preferred_element_type=jnp.float32)
+    return dq, (dk.astype(k_blk.dtype), dv.astype(v_blk.dtype))
+
+  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), (kb, vb, pos_b, seg_b))
+  return dq.astype(q.dtype), dk, dv, None, None, None, None, None
+
+
+_chunked.defvjp(_chunked_forward, _chunked_backward)
+
+
+# ------------------------------------------------------------------------------------------------ TPU: splash
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(heads: int, q_len: int, kv_len: int, window: int, soft_cap: float | None, blocks, interpret: bool):
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+
+  if window:
+    mask = mask_lib.LocalMask((q_len, kv_len), window_size=(window - 1, 0), offset=0)
+  else:
+    mask = mask_lib.CausalMask((q_len, kv_len))
+
+  def fit(size: int, length: int) -> int:
+    return min(size, length)
+
+  sizes = kernel_lib.BlockSizes(
+    block_q=fit(blocks.block_q, q_len),
+    block_kv=fit(blocks.block_kv, kv_len),
+    block_kv_compute=fit(blocks.block_kv_compute, kv_len),
+    block_q_dkv=fit(blocks.block_q_dkv, q_len),
+    block_kv_dkv=fit(blocks.block_kv_dkv, kv_len),
+    block_kv_dkv_compute=fit(blocks.block_kv_dkv_compute, kv_len),
+    block_q_dq=None if blocks.use_fused_bwd_kernel else fit(blocks.block_q_dq, q_len),
+    block_kv_dq=None if blocks.use_fused_bwd_kernel else fit(blocks.block_kv_dq, kv_len),
+    use_fused_bwd_kernel=blocks.use_fused_bwd_kernel,
   )
+  multi = mask_lib.MultiHeadMask([mask] * heads)
+  return kernel_lib.make_splash_mha(multi, block_sizes=sizes, head_shards=1, q_seq_shards=1, attn_logits_soft_cap=soft_cap, interpret=interpret)
 
 
-def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, window: int) -> jax.Array:
-  """Causal attention through jax.nn.dot_product_attention's cuDNN implementation."""
+def splash_attention(q, k, v, segments, *, window: int, scale: float, soft_cap: float | None, blocks, interpret: bool) -> jax.Array:
+  """Splash attention over local shards: q [B,S,H,D], k/v [B,T,K,D], segments [B,S] -> [B,S,H,D]."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+
+  kernel = _splash_kernel(q.shape[2], q.shape[1], k.shape[1], int(window), soft_cap, blocks, interpret)
+  qh = jnp.swapaxes(q * jnp.asarray(scale, q.dtype), 1, 2)  # [B,H,S,D]; splash does not scale
+  kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+
+  def one(q1, k1, v1, s1):
+    return kernel(q1, k1, v1, segment_ids=kernel_lib.SegmentIds(q=s1, kv=s1))
+
+  return jnp.swapaxes(jax.vmap(one)(qh, kh, vh, segments), 1, 2)
+
+
+# --------------------------------------------------------------------------------------------------- GPU: cuDNN
+
+
+def segment_mask(segments: jax.Array) -> jax.Array:
+  """Boolean [B, 1, S, S]: query and key in the same segment (cuDNN adds causality and the window itself)."""
+  return (segments[:, :, None] == segments[:, None, :])[:, None]
+
+
+def packed_offsets(segments: jax.Array, max_runs: int) -> tuple[jax.Array, jax.Array]:
+  """cuDNN packed-sequence layout of each row's runs of equal segment ids (documents, then the padding run).
+
+  Returns (offsets [B, max_runs + 1], lengths [B, max_runs]) int32: the start index and length of each run,
+  -1 past the row's last run. A row with more than max_runs runs is beyond the bound the caller promised;
+  its extra runs are folded into the last one.
+  """
+  b, s = segments.shape
+  starts = jnp.concatenate([jnp.ones((b, 1), bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+  run = jnp.minimum(jnp.cumsum(starts, axis=1) - 1, max_runs - 1)  # [B,S]
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
+  lengths = jnp.zeros((b, max_runs), jnp.int32).at[rows, run].add(1)
+  count = jnp.minimum(jnp.sum(starts, axis=1), max_runs)
+  lengths = jnp.where(jnp.arange(max_runs)[None] < count[:, None], lengths, -1)
+  index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+  first = jnp.full((b, max_runs + 1), s, jnp.int32).at[rows, run].min(index)
+  offsets = jnp.where(jnp.arange(max_runs + 1)[None] < count[:, None], first, -1)
+  return offsets.astype(jnp.int32), lengths.astype(jnp.int32)
+
+
+def cudnn_attention(q, k, v, segments, *, window: int, scale: float, max_segments: int, implementation: str = "cudnn") -> jax.Array:
+  """cuDNN fused causal attention that honours segments: packed offsets when max_segments > 0 and no window,
+  else a boolean segment mask. implementation='xla' runs the mask path through XLA (CPU tests)."""
+  if max_segments > 0 and not window and implementation == "cudnn":
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dpa
+
+    offsets, lengths = packed_offsets(segments, max_segments + 1)  # + 1: the padding run after the documents
+    return cudnn_dpa(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets, scale=scale, mask_type=MaskType.PADDING_CAUSAL)
   local = (window - 1, 0) if window else None
-  return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation="cudnn")
+  mask = segment_mask(segments)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True, local_window_size=local, implementation=implementation)
+
+
+def offsets_mask(offsets: jax.Array, lengths: jax.Array, length: int) -> jax.Array:
+  """Boolean [B, S, S] that cuDNN's packed layout (offsets, lengths) plus causality allows (tests check the construction)."""
+  index = jnp.arange(length)
+  starts, ends = offsets[:, :-1], offsets[:, :-1] + lengths  # [B, M]
+  member = (index[None, None, :] >= starts[:, :, None]) & (index[None, None, :] < ends[:, :, None]) & (lengths[:, :, None] > 0)  # [B,M,S]
+  same = jnp.einsum("bms,bmt->bst", member.astype(jnp.int32), member.astype(jnp.int32)) > 0
+  return same & (index[None, None, :] <= index[None, :, None])

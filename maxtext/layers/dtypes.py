@@ -5,8 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from maxtext.layers.sharding import target_platform
-
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
 
@@ -19,10 +17,11 @@ def precision(name: str) -> jax.lax.Precision:
   return PRECISIONS[name]
 
 
-def cast(x: jax.Array, to: jnp.dtype) -> jax.Array:
-  """x.astype(to). On CPU, float32 -> bfloat16 rounds with integer ops: XLA:CPU's fused float conversion
-  is about twice as slow as the arithmetic around it (a third of the output head's backward pass)."""
-  if x.dtype == jnp.float32 and jnp.dtype(to) == jnp.bfloat16 and target_platform() == "cpu":
+def cast(x: jax.Array, to: jnp.dtype, integer_rounding: bool = False) -> jax.Array:
+  """x.astype(to). With integer_rounding (the CPU policy's `integer_bf16_rounding`, maxtext.platform), float32 ->
+  bfloat16 rounds with integer ops: XLA:CPU's fused float conversion is about twice as slow as the arithmetic
+  around it (a third of the output head's backward pass)."""
+  if integer_rounding and x.dtype == jnp.float32 and jnp.dtype(to) == jnp.bfloat16:
     return round_to_bfloat16(x)
   return x.astype(to)
 

@@ -35,17 +35,19 @@ class DenseGeneral(nnx.Module):
     weight_dtype: jnp.dtype,
     precision: jax.lax.Precision,
     rngs: nnx.Rngs,
+    integer_rounding: bool = False,
   ):
     self.in_shape = tuple(in_shape)
     self.out_shape = tuple(out_shape)
     self.dtype = dtype
     self.precision = precision
+    self.integer_rounding = integer_rounding  # the platform policy's bf16 rounding (maxtext.layers.dtypes.cast)
     shape = self.in_shape + self.out_shape
     self.kernel = nnx.Param(variance_scaling_init(rngs.params(), shape, math.prod(self.in_shape), weight_dtype), logical_axes=tuple(logical_axes))
     self.lora: nnx.Module | None = None
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = matmul.contract_trailing(x, self.kernel[...], len(self.in_shape), dtype=self.dtype, precision=self.precision)
+    y = matmul.contract_trailing(x, self.kernel[...], len(self.in_shape), dtype=self.dtype, precision=self.precision, integer_rounding=self.integer_rounding)
     if self.lora is not None:
       y = y + self.lora(x).astype(y.dtype)
     return y

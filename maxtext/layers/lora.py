@@ -47,8 +47,10 @@ class LoRA(nnx.Module):
     weight_dtype: jnp.dtype,
     precision: jax.lax.Precision,
     key: jax.Array,
+    integer_rounding: bool = False,
   ):
     self.in_ndim = len(in_shape)
+    self.integer_rounding = integer_rounding
     self.scale = alpha / rank
     self.dtype = dtype
     self.precision = precision
@@ -58,8 +60,9 @@ class LoRA(nnx.Module):
     self.lora_b = LoRAParam(jnp.zeros((rank, *out_shape), weight_dtype), logical_axes=(None, *out_axes))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    h = matmul.contract_trailing(x, self.lora_a[...], self.in_ndim, dtype=self.dtype, precision=self.precision)
-    y = matmul.contract_trailing(h, self.lora_b[...], 1, dtype=self.dtype, precision=self.precision)
+    kw = dict(dtype=self.dtype, precision=self.precision, integer_rounding=self.integer_rounding)
+    h = matmul.contract_trailing(x, self.lora_a[...], self.in_ndim, **kw)
+    y = matmul.contract_trailing(h, self.lora_b[...], 1, **kw)
     return y * jnp.asarray(self.scale, y.dtype)
 
 
@@ -109,6 +112,7 @@ def attach(layer: nnx.Module, config: MaxTextConfig, rngs: nnx.Rngs) -> None:
         weight_dtype=dtype(config.weight_dtype),
         precision=dense.precision,
         key=jax.random.fold_in(base_key, i),
+        integer_rounding=dense.integer_rounding,
       )
     )
 

@@ -21,10 +21,20 @@ import jax.numpy as jnp
 from maxtext.layers.dtypes import cast
 
 
-def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Any, precision: jax.lax.Precision | None = None, out_dtype: Any = None) -> jax.Array:
+def einsum(
+  spec: str,
+  a: jax.Array,
+  b: jax.Array,
+  *,
+  dtype: Any,
+  precision: jax.lax.Precision | None = None,
+  out_dtype: Any = None,
+  integer_rounding: bool = False,
+) -> jax.Array:
   """jnp.einsum(spec, a, b) on dtype-cast operands with float32 accumulation, returned in out_dtype (default: dtype).
 
   spec is "A,B->C" where every index of A and of B also appears in the other operand or in C.
+  integer_rounding: the platform policy's float32 -> bfloat16 rounding (maxtext.layers.dtypes.cast).
   """
   inputs, out = spec.split("->")
   lhs, rhs = inputs.split(",")
@@ -33,13 +43,13 @@ def einsum(spec: str, a: jax.Array, b: jax.Array, *, dtype: Any, precision: jax.
 
   def forward(a, b):
     a_c, b_c = a.astype(dtype), b.astype(dtype)
-    return cast(product(spec, a_c, b_c, precision), out_dtype), (a_c, b_c)
+    return cast(product(spec, a_c, b_c, precision), out_dtype, integer_rounding), (a_c, b_c)
 
   def backward(residuals, g):
     a_c, b_c = residuals
     g = g.astype(dtype)
-    d_a = cast(product(f"{out},{rhs}->{lhs}", g, b_c, precision), a_dtype)
-    d_b = cast(product(f"{lhs},{out}->{rhs}", a_c, g, precision), b_dtype)
+    d_a = cast(product(f"{out},{rhs}->{lhs}", g, b_c, precision), a_dtype, integer_rounding)
+    d_b = cast(product(f"{lhs},{out}->{rhs}", a_c, g, precision), b_dtype, integer_rounding)
     return d_a, d_b
 
   fn = jax.custom_vjp(lambda a, b: forward(a, b)[0])
@@ -55,7 +65,10 @@ def product(spec: str, x: jax.Array, y: jax.Array, precision: jax.lax.Precision 
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-def contract_trailing(x: jax.Array, w: jax.Array, n: int, *, dtype: Any, precision: jax.lax.Precision | None = None) -> jax.Array:
+def contract_trailing(
+  x: jax.Array, w: jax.Array, n: int, *, dtype: Any, precision: jax.lax.Precision | None = None, integer_rounding: bool = False
+) -> jax.Array:
   """einsum of x's last n axes with w's first n axes: [..., *in] x [*in, *out] -> [..., *out]."""
   contracted, produced = _LETTERS[:n], _LETTERS[n : w.ndim]
-  return einsum(f"...{contracted},{contracted}{produced}->...{produced}", x, w, dtype=dtype, precision=precision)
+  spec = f"...{contracted},{contracted}{produced}->...{produced}"
+  return einsum(spec, x, w, dtype=dtype, precision=precision, integer_rounding=integer_rounding)

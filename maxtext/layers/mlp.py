@@ -11,6 +11,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral
 from maxtext.layers.sharding import constrain
+from maxtext.platform import Policy
 
 ACTIVATIONS = {
   "silu": jax.nn.silu,
@@ -26,10 +27,16 @@ def activation(name: str):
 
 
 class MLP(nnx.Module):
-  def __init__(self, config: MaxTextConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs):
     c = config
     self.config = c
-    kw = dict(dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), precision=precision(c.matmul_precision), rngs=rngs)
+    kw = dict(
+      dtype=dtype(c.dtype),
+      weight_dtype=dtype(c.weight_dtype),
+      precision=precision(c.matmul_precision),
+      rngs=rngs,
+      integer_rounding=policy.integer_bf16_rounding,
+    )
     self.acts = tuple(c.mlp_activations)
     if len(self.acts) == 2:
       self.wi_0 = DenseGeneral((c.emb_dim,), (c.mlp_dim,), ("embed", "mlp"), **kw)

@@ -11,6 +11,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
 from maxtext.layers.mlp import activation
+from maxtext.platform import Policy
 
 
 def route(router_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -35,14 +36,16 @@ def load_balance_loss(probs: jax.Array, experts: jax.Array, valid: jax.Array) ->
 class MoE(nnx.Module):
   """Experts' weights stacked [num_experts, ...]. Every routed token is computed exactly (no capacity, no dropping)."""
 
-  def __init__(self, config: MaxTextConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs):
     c = config
     self.config = c
     self.dtype = dtype(c.dtype)
     self.precision = precision(c.matmul_precision)
     wdt = dtype(c.weight_dtype)
     e, m, n = c.emb_dim, c.mlp_dim, c.num_experts
-    self.gate = DenseGeneral((e,), (n,), ("embed", None), dtype=jnp.float32, weight_dtype=wdt, precision=self.precision, rngs=rngs)
+    self.gate = DenseGeneral(
+      (e,), (n,), ("embed", None), dtype=jnp.float32, weight_dtype=wdt, precision=self.precision, rngs=rngs, integer_rounding=policy.integer_bf16_rounding
+    )
     self.wi_0 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
     self.wi_1 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
     self.wo = nnx.Param(variance_scaling_init(rngs.params(), (n, m, e), m, wdt), logical_axes=("exp", "mlp", "embed"))

@@ -34,12 +34,15 @@ class OutputHead:
   scale: float = 1.0
   soft_cap: float = 0.0
   rules: Sequence[Any] = ()
+  integer_rounding: bool = False  # the platform policy's bf16 rounding (maxtext.layers.dtypes.cast)
 
   def _constrain(self, x: jax.Array) -> jax.Array:
     return constrain(x, _LOGITS_AXES[-x.ndim :], self.rules)
 
   def _raw_logits(self, hidden: jax.Array, kernel: jax.Array) -> jax.Array:
-    logits = matmul.einsum("...e,ev->...v", hidden, kernel, dtype=self.dtype, precision=self.precision, out_dtype=jnp.float32)
+    logits = matmul.einsum(
+      "...e,ev->...v", hidden, kernel, dtype=self.dtype, precision=self.precision, out_dtype=jnp.float32, integer_rounding=self.integer_rounding
+    )
     if self.scale != 1.0:
       logits = logits * self.scale
     return self._constrain(logits)
@@ -72,10 +75,10 @@ class OutputHead:
         grad = grad * (1.0 - jnp.square(logits / head.soft_cap))
       if head.scale != 1.0:
         grad = grad * head.scale
-      grad = head._constrain(cast(grad, head.dtype))
+      grad = head._constrain(cast(grad, head.dtype, head.integer_rounding))
       k, h = kernel.astype(head.dtype), hidden.astype(head.dtype)
-      d_hidden = cast(matmul.product("...v,ev->...e", grad, k, head.precision), hidden.dtype)
-      d_kernel = cast(matmul.product("...e,...v->ev", h, grad, head.precision), kernel.dtype)
+      d_hidden = cast(matmul.product("...v,ev->...e", grad, k, head.precision), hidden.dtype, head.integer_rounding)
+      d_kernel = cast(matmul.product("...e,...v->ev", h, grad, head.precision), kernel.dtype, head.integer_rounding)
       return d_hidden, d_kernel, None, None
 
     fused = jax.custom_vjp(lambda h, k, t, m: forward(h, k, t, m)[0])

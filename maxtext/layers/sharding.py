@@ -17,9 +17,3 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Rules) ->
   if mesh.empty:
     return x
   return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, rules, mesh))
-
-
-def target_platform() -> str:
-  """The platform the traced code compiles for: the active mesh's devices (a TPU topology under AOT), else JAX's default backend."""
-  device = jax.sharding.get_abstract_mesh().abstract_device
-  return device.platform if device is not None else jax.default_backend()

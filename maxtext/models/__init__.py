@@ -6,21 +6,28 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from maxtext import platform
 from maxtext.config import MaxTextConfig
 from maxtext.mesh import checked_logical_sharding
 from maxtext.models.decoder import Transformer
+from maxtext.platform import Policy
 
 __all__ = ["Transformer", "abstract_model", "build", "create_sharded", "logical_axes", "state_shardings"]
 
 
-def build(config: MaxTextConfig, rngs: nnx.Rngs | None = None) -> Transformer:
-  """The model with freshly initialised parameters on the default device (small models, tests)."""
-  return Transformer(config, rngs=rngs or nnx.Rngs(config.init_weights_seed))
+def build(config: MaxTextConfig, rngs: nnx.Rngs | None = None, policy: Policy | None = None) -> Transformer:
+  """The model with freshly initialised parameters on the default device (small models, tests).
+
+  policy defaults to the local devices' (maxtext.platform.resolve); setup passes the target mesh's.
+  """
+  policy = policy or platform.resolve(config)
+  return Transformer(config, policy=policy, rngs=rngs or nnx.Rngs(config.init_weights_seed))
 
 
-def abstract_model(config: MaxTextConfig) -> Transformer:
+def abstract_model(config: MaxTextConfig, policy: Policy | None = None) -> Transformer:
   """The model with ShapeDtypeStruct parameters: no memory allocated."""
-  return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(config.init_weights_seed)))
+  policy = policy or platform.resolve(config)
+  return nnx.eval_shape(lambda: Transformer(config, policy=policy, rngs=nnx.Rngs(config.init_weights_seed)))
 
 
 def _is_variable(x) -> bool:
@@ -48,12 +55,13 @@ def state_shardings(state: nnx.State, config: MaxTextConfig, mesh: Mesh) -> nnx.
 def create_sharded(config: MaxTextConfig, mesh: Mesh, seed: int | None = None) -> Transformer:
   """Initialise the model with every parameter born sharded (no full host copy)."""
   seed = config.init_weights_seed if seed is None else seed
-  graphdef, abstract_state = nnx.split(abstract_model(config))
+  policy = platform.resolve(config, mesh)
+  graphdef, abstract_state = nnx.split(abstract_model(config, policy))
   shardings = state_shardings(abstract_state, config, mesh)
 
   @jax.jit
   def init() -> nnx.State:
-    return nnx.state(Transformer(config, rngs=nnx.Rngs(seed)))
+    return nnx.state(Transformer(config, policy=policy, rngs=nnx.Rngs(seed)))
 
   with jax.set_mesh(mesh):
     state = jax.jit(init, out_shardings=shardings)()

@@ -19,6 +19,7 @@ from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.layers.sharding import constrain
 from maxtext.models import registry, remat
 from maxtext.models.decoder_layer import DecoderLayer
+from maxtext.platform import Policy
 
 LAYERS_AXIS = "layers"
 
@@ -28,31 +29,33 @@ def _prepend_layers_axis(variable: nnx.Variable) -> nnx.Variable:
   return variable.replace(logical_axes=(LAYERS_AXIS,) + tuple(axes))
 
 
-def stacked_layers(config: MaxTextConfig, rngs: nnx.Rngs) -> DecoderLayer:
+def stacked_layers(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs) -> DecoderLayer:
   """One DecoderLayer whose parameters have a leading [num_decoder_layers] axis (logical name 'layers')."""
   family = registry.get(config.decoder_block)
   keys = jax.random.split(rngs.params(), config.num_decoder_layers)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(config, family, rngs=nnx.Rngs(0))))
-  state = jax.vmap(lambda k: nnx.state(DecoderLayer(config, family, rngs=nnx.Rngs(k))))(keys)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(0))))
+  state = jax.vmap(lambda k: nnx.state(DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(k))))(keys)
   state = jax.tree.map(_prepend_layers_axis, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
   return nnx.merge(graphdef, state)
 
 
 class Transformer(nnx.Module):
-  """Decoder-only LM. model(tokens) -> float32 logits [B, S, vocab]."""
+  """Decoder-only LM. model(tokens) -> float32 logits [B, S, vocab]. policy: the target platform's kernels and numerics."""
 
-  def __init__(self, config: MaxTextConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs):
     c = config
     self.config = c
+    self.policy = policy
     self.family = registry.get(c.decoder_block)
     kw = dict(dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), precision=precision(c.matmul_precision), rngs=rngs)
+    kw["integer_rounding"] = policy.integer_bf16_rounding
     # Tied tables also produce the logits: unit-variance rows would give logits of std sqrt(emb_dim) at init.
     tied_scale = 1.0 if (c.normalize_embedding_logits or not c.logits_via_embedding) else c.emb_dim**-0.5
     self.embed = Embed(c.vocab_size, c.emb_dim, init_std=tied_scale, dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
     if c.scan_layers:
-      self.layers = stacked_layers(c, rngs)
+      self.layers = stacked_layers(c, policy, rngs)
     else:
-      self.layers = nnx.List([DecoderLayer(c, self.family, rngs=rngs) for _ in range(c.num_decoder_layers)])
+      self.layers = nnx.List([DecoderLayer(c, self.family, policy=policy, rngs=rngs) for _ in range(c.num_decoder_layers)])
     self.final_norm = RMSNorm(
       c.emb_dim, c.normalization_layer_epsilon, dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=self.family.zero_centered_norms
     )
@@ -104,7 +107,15 @@ class Transformer(nnx.Module):
       scale = c.emb_dim**-0.5 if c.normalize_embedding_logits else 1.0
     else:
       kernel, scale = self.output.kernel[...], 1.0
-    return OutputHead(kernel, dtype(c.dtype), precision(c.matmul_precision), scale, c.final_logits_soft_cap or 0.0, c.logical_axis_rules)
+    return OutputHead(
+      kernel,
+      dtype(c.dtype),
+      precision(c.matmul_precision),
+      scale,
+      c.final_logits_soft_cap or 0.0,
+      c.logical_axis_rules,
+      self.policy.integer_bf16_rounding,
+    )
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """Final hidden states [..., E] -> float32 logits [..., vocab]."""

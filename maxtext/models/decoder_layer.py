@@ -16,10 +16,11 @@ from maxtext.layers.norms import RMSNorm
 from maxtext.layers.residual import make_connection
 from maxtext.layers.sharding import constrain
 from maxtext.models.family import Family
+from maxtext.platform import Policy
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, config: MaxTextConfig, family: Family, *, rngs: nnx.Rngs):
+  def __init__(self, config: MaxTextConfig, family: Family, *, policy: Policy, rngs: nnx.Rngs):
     c = config
     self.config = c
     zc = family.zero_centered_norms
@@ -28,10 +29,10 @@ class DecoderLayer(nnx.Module):
       return RMSNorm(c.emb_dim, c.normalization_layer_epsilon, dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=zc)
 
     self.pre_attention_norm = norm()
-    self.attention = Attention(c, rngs=rngs, zero_centered_norm=zc)
+    self.attention = Attention(c, policy=policy, rngs=rngs, zero_centered_norm=zc, window_choices=family.layer_windows(c))
     self.post_attention_norm = norm() if family.post_norms else None
     self.pre_mlp_norm = norm()
-    self.mlp = MoE(c, rngs=rngs) if c.num_experts > 1 else MLP(c, rngs=rngs)
+    self.mlp = MoE(c, policy=policy, rngs=rngs) if c.num_experts > 1 else MLP(c, policy=policy, rngs=rngs)
     self.post_mlp_norm = norm() if family.post_norms else None
     self.attention_connection = make_connection(c, rngs=rngs)
     self.mlp_connection = make_connection(c, rngs=rngs)

@@ -21,6 +21,8 @@ OFFLOADED: dict[str, str] = {"minimal_offloaded": "minimal", "qkv_proj_offloaded
 
 def policy(name: str):
   """The checkpoint policy for a remat_policy name ('full' saves nothing; 'none' is handled by the caller)."""
+  if name == "auto":
+    raise ValueError("remat_policy=auto is resolved before the model is built (maxtext.aot.remat_auto.resolve)")
   if name == "full":
     return None
   if name in SAVED_NAMES:

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from maxtext import mesh as mesh_lib
+from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError, UserError
 from maxtext.train import checkpointing, perf
@@ -163,8 +164,12 @@ def train(
   perf.check_hardware(config)
   if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
     raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
+  if config.remat_policy == "auto" and config.compiled_trainstep_file:
+    raise ConfigError("remat_policy=auto cannot load compiled_trainstep_file; pass the remat_policy train_compile printed for it")
   mesh = setup.mesh if setup is not None else mesh or mesh_lib.create(config)
   writer = MetricsWriter(config)
+  if setup is None:
+    config = remat_auto.resolve(config, mesh, log=writer.log)  # remat_policy=auto: compiled memory picks the policy
   setup = setup or setup_lib.build(config, mesh)
   ckpt = checkpointing.Checkpointer(config) if config.enable_checkpointing else None
   data_iter = create_data_iterator(config, mesh, "train")

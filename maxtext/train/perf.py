@@ -15,6 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from maxtext import platform
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
 
@@ -41,7 +42,7 @@ def check_hardware(config: MaxTextConfig) -> None:
   """config.hardware (unless 'auto') must name the backend JAX uses."""
   if config.hardware == "auto":
     return
-  want, have = BACKEND_OF_HARDWARE[config.hardware], jax.default_backend()
+  want, have = BACKEND_OF_HARDWARE[config.hardware], platform.local_platform()
   if want != have:
     raise ConfigError(f"hardware={config.hardware} but JAX runs on '{have}'; set hardware=auto or hardware={have}, or fix the JAX install")
 
@@ -56,7 +57,7 @@ def measure_matmul_tflops(n: int = 0) -> float:
 
   n = 0 picks 1024 on CPU and 8192 on accelerators.
   """
-  return _measure(n or (1024 if jax.default_backend() == "cpu" else 8192))
+  return _measure(n or (1024 if platform.local_platform() == "cpu" else 8192))
 
 
 @functools.cache

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtext import mesh as mesh_lib
+from maxtext import platform
 from maxtext.config import MaxTextConfig
 from maxtext.data.synthetic import BATCH_KEYS
 from maxtext.train import optimizers
@@ -26,10 +27,10 @@ from maxtext.train import step as step_lib
 ModelBuilder = Callable[[MaxTextConfig, nnx.Rngs], nnx.Module]
 
 
-def default_model_builder() -> ModelBuilder:
+def default_model_builder(policy: platform.Policy) -> ModelBuilder:
   from maxtext import models
 
-  return models.build
+  return functools.partial(models.build, policy=policy)
 
 
 @dataclasses.dataclass
@@ -57,8 +58,10 @@ class TrainSetup:
     return self.state_shardings["params"]
 
 
-def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = None) -> TrainSetup:
-  build_model = build_model or default_model_builder()
+def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = None, policy: platform.Policy | None = None) -> TrainSetup:
+  """policy defaults to the mesh's platform (maxtext.platform.resolve): a TPU topology mesh gets TPU kernels."""
+  policy = policy or platform.resolve(config, mesh)
+  build_model = build_model or default_model_builder(policy)
   optimizer = optimizers.build(config)
   init_fn = state_lib.make_init_fn(config, build_model, optimizer, config.init_weights_seed)
   abstract_model = nnx.eval_shape(lambda: build_model(config, nnx.Rngs(config.init_weights_seed)))
