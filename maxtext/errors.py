@@ -36,11 +36,26 @@ def one_line(message: str) -> str:
   return " ".join(str(message).split())
 
 
+def quiet_libraries() -> None:
+  """Keep library chatter off the user's terminal: absl warnings (Orbax) and the resource tracker's
+  'leaked shared_memory' warnings after grain worker processes stop (the tracker process reads sys.warnoptions)."""
+  try:
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.ERROR)
+  except ImportError:
+    pass
+  quiet_tracker = "ignore:resource_tracker:UserWarning"
+  if quiet_tracker not in sys.warnoptions:
+    sys.warnoptions.append(quiet_tracker)
+
+
 def cli_main(fn: F) -> F:
-  """Wrap an entry point: a UserError prints `error: ...` on stderr and exits with its code."""
+  """Wrap an entry point: a UserError prints `error: ...` on stderr and exits with its code; library warnings are muted."""
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
+    quiet_libraries()
     try:
       return fn(*args, **kwargs)
     except UserError as e:

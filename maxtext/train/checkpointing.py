@@ -185,11 +185,12 @@ def read_metadata_tree(item: epath.Path) -> Any:
   """The tree of array metadata in an Orbax PyTree item directory; ConfigError when it has none."""
   try:
     with ocp.PyTreeCheckpointer() as ckptr:
-      tree = ckptr.metadata(item).item_metadata.tree
+      metadata = ckptr.metadata(item)
   except Exception as e:  # noqa: BLE001 - Orbax raises many types for a directory that is not a checkpoint
     raise ConfigError(f"'{item}' is not a readable checkpoint ({_first_line(e)}); pass a checkpoint step directory such as <run>/checkpoints/<step>") from None
+  tree = getattr(getattr(metadata, "item_metadata", None), "tree", None)
   if tree is None:
-    raise ConfigError(f"'{item}' is not a readable checkpoint (no metadata); pass a checkpoint step directory such as <run>/checkpoints/<step>")
+    raise ConfigError(f"'{item}' is not a readable checkpoint (no Orbax array metadata in it); pass a checkpoint step directory such as <run>/checkpoints/<step>")
   return tree
 
 
@@ -212,7 +213,7 @@ def check_compatible(item: epath.Path, abstract_state: Any, checkpoint_dir: str)
   except ConfigError as e:
     return f"no readable metadata: {str(e).split('(', 1)[-1].rsplit(')', 1)[0]}"
   saved, wanted = shapes_by_name(tree), shapes_by_name(abstract_state)
-  for name, shape in wanted.items():
+  for name, shape in sorted(wanted.items(), key=lambda kv: (not kv[0].startswith("params/"), kv[0])):  # parameters first: the clearest message
     if name not in saved:
       if not saved:
         return "its metadata lists no arrays"

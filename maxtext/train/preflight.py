@@ -113,7 +113,7 @@ def device_memory() -> tuple[int, str]:
     return int(stats["bytes_limit"]), f"{device.device_kind} memory"
   available = host_available_bytes()
   per_device = available // max(1, jax.local_device_count())
-  return per_device, f"the host's available memory ({outputs.gib(available)}) shared by {jax.local_device_count()} CPU devices"
+  return per_device, f"the host's available memory ({available / 2**30:.2f} GiB) shared by {jax.local_device_count()} CPU devices"
 
 
 def host_available_bytes() -> int:
@@ -147,7 +147,7 @@ def check_memory_fit(config: MaxTextConfig, compiled: Any) -> None:
   limit, what = device_memory()
   if need > MEMORY_HEADROOM * limit:
     raise ConfigError(
-      f"the compiled train step needs {outputs.gib(need)} per device ({outputs.gib(temp)} of it temporaries) but {what} allows {outputs.gib(limit)}; "
+      f"the compiled train step needs {need / 2**30:.2f} GiB per device ({temp / 2**30:.2f} GiB of it temporaries) but {what} allows {limit / 2**30:.2f} GiB; "
       f"lower per_device_batch_size ({config.per_device_batch_size}) or max_target_length ({config.max_target_length}), "
       "use remat_policy=full, or shard over more devices"
     )
