@@ -190,7 +190,9 @@ def read_metadata_tree(item: epath.Path) -> Any:
     raise ConfigError(f"'{item}' is not a readable checkpoint ({_first_line(e)}); pass a checkpoint step directory such as <run>/checkpoints/<step>") from None
   tree = getattr(getattr(metadata, "item_metadata", None), "tree", None)
   if tree is None:
-    raise ConfigError(f"'{item}' is not a readable checkpoint (no Orbax array metadata in it); pass a checkpoint step directory such as <run>/checkpoints/<step>")
+    raise ConfigError(
+      f"'{item}' is not a readable checkpoint (no Orbax array metadata in it); pass a checkpoint step directory such as <run>/checkpoints/<step>"
+    )
   return tree
 
 
