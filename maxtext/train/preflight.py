@@ -1,9 +1,9 @@
 """Every check a run can fail, done before it writes anything (no directory, lock, checkpoint or metrics writer).
 
-`run_checks(config, mesh, setup) -> Checked`: hardware and eval settings, the model (abstract build),
-restore paths (load_parameters_path, load_full_state_path, lora.lora_restore_path, the run's own
-checkpoints), the data sources and tokenizer (the train iterator is opened; the eval one is opened and closed),
-the compiled train step and whether it fits the device memory, and room in the output locations.
+`run_checks(config, mesh, setup) -> Checked`, cheapest first: hardware and eval settings, the model (abstract
+build), restore paths (load_parameters_path, load_full_state_path, lora.lora_restore_path, the run's own
+checkpoints), room in the output locations, the data sources and tokenizer (the train iterator is opened; the
+eval one is opened and closed), the compiled train step and whether it fits the device memory.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ def run_checks(config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None, set
   checkpointed = state_lib.checkpointed(setup.abstract_state, config)
   check_restore_paths(config, setup, checkpointed)
 
+  checkpoint_bytes = state_bytes(checkpointed)
+  check_outputs(config, checkpoint_bytes)
+
   from maxtext.data import create_iterator
 
   data_iter = create_iterator(config, mesh, "train")
@@ -50,7 +53,11 @@ def run_checks(config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None, set
 
   step_fn = compiled_step(config, setup, mesh)
   check_memory_fit(config, step_fn)
-  checkpoint_bytes = state_bytes(checkpointed)
+  return Checked(mesh, setup, step_fn, data_iter, checkpoint_bytes)
+
+
+def check_outputs(config: MaxTextConfig, checkpoint_bytes: int) -> None:
+  """Every output location is a (future) directory we may write, with room for one checkpoint."""
   if config.enable_checkpointing:
     outputs.check_writable(config.checkpoint_dir, checkpoint_bytes, "checkpoint_dir")
   outputs.check_writable(os.path.dirname(config.checkpoint_dir.rstrip("/")), 0, "the run directory")
@@ -58,7 +65,6 @@ def run_checks(config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None, set
     outputs.check_writable(config.metrics_file, 0, "metrics_file")
   if config.enable_tensorboard or config.profiler == "xplane":
     outputs.check_writable(config.tensorboard_dir, 0, "tensorboard_dir")
-  return Checked(mesh, setup, step_fn, data_iter, checkpoint_bytes)
 
 
 def close_iterator(it: Any) -> None:
