@@ -15,7 +15,7 @@ from maxtext.errors import UserError
 
 FULL = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its disk quota"}
 NOT_WRITABLE = {errno.EROFS: "is read-only", errno.EACCES: "is not writable (permission denied)", errno.EPERM: "is not writable (operation not permitted)"}
-MISPLACED = {errno.ENOTDIR: "lies under a regular file, not a directory"}
+MISPLACED = {errno.ENOTDIR: "lies under a regular file, not a directory", errno.EEXIST: "is a regular file where a directory is needed"}
 TEXTS = {
   "no space left on device": "is full",
   "disk quota exceeded": "is over its disk quota",
