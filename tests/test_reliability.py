@@ -297,3 +297,21 @@ def test_resume_with_another_schedule_warns_how_to_pin_it(two_checkpoints, tmp_p
   config = _cfg(tmp_path, steps=8, learning_rate_schedule_steps=6)
   checkpointing.Checkpointer(config).note_schedule(config, 6, said.append)
   assert len(said) == 1  # pinned: no warning
+
+
+def test_library_warnings_are_muted():
+  """absl warnings (Orbax) and the resource tracker's leaked-shared_memory warning (grain workers) stay off stderr."""
+  code = (
+    "import sys\n"
+    "from maxtext.errors import quiet_libraries\n"
+    "quiet_libraries() if sys.argv[1] == 'quiet' else None\n"
+    "from absl import logging\n"
+    "logging.warning('an absl warning')\n"
+    "from multiprocessing import shared_memory\n"
+    "leaked = shared_memory.SharedMemory(create=True, size=64)\n"
+  )
+  env = dict(os.environ, PYTHONPATH=str(os.path.dirname(os.path.dirname(__file__))))
+  loud = subprocess.run([sys.executable, "-c", code, "loud"], capture_output=True, text=True, env=env, timeout=60)
+  quiet = subprocess.run([sys.executable, "-c", code, "quiet"], capture_output=True, text=True, env=env, timeout=60)
+  assert "an absl warning" in loud.stderr and "leaked shared_memory" in loud.stderr
+  assert quiet.returncode == 0 and quiet.stderr == ""
