@@ -209,7 +209,7 @@ def test_metrics_file_that_cannot_be_created_is_one_line(tmp_path, monkeypatch, 
   """The writer's own translation (the preflight check, which would catch this first, is switched off)."""
   (tmp_path / "file").write_text("x")
   config = _cfg(tmp_path, metrics_file=str(tmp_path / "file" / "metrics.jsonl"), enable_checkpointing=False)
-  monkeypatch.setattr(outputs, "check_writable", lambda *a: None)
+  monkeypatch.setattr(outputs, "check_writable", lambda *a, **k: None)
   with pytest.raises(outputs.OutputError, match=r"writing metrics_file failed: .*file is a regular file where a directory is needed"):
     train(config, setup=shared_setup)
 
@@ -315,3 +315,11 @@ def test_library_warnings_are_muted():
   quiet = subprocess.run([sys.executable, "-c", code, "quiet"], capture_output=True, text=True, env=env, timeout=60)
   assert "an absl warning" in loud.stderr and "leaked shared_memory" in loud.stderr
   assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+def test_an_existing_metrics_file_is_appended_to_not_refused(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 0}\n')
+  outputs.check_writable(str(path), 0, "metrics_file", is_file=True)
+  with pytest.raises(outputs.OutputError, match="is a directory"):
+    outputs.check_writable(str(tmp_path), 0, "metrics_file", is_file=True)

@@ -44,10 +44,17 @@ def _existing_ancestor(path: str) -> str:
   return p
 
 
-def check_writable(path: str, bytes_needed: int, what: str) -> None:
-  """path (created later if missing) can hold bytes_needed more bytes; else a one-line OutputError. Creates nothing."""
+def check_writable(path: str, bytes_needed: int, what: str, is_file: bool = False) -> None:
+  """path (a directory, or with is_file a file to append to; created later if missing) can take bytes_needed more
+  bytes; else a one-line OutputError. Creates nothing."""
   if is_remote(path):
     return  # object stores: no local check; failures mid-run still end in one line (as_user_error)
+  if is_file:
+    if os.path.isdir(path):
+      raise OutputError(f"{what} {path} is a directory; name a file")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+      raise OutputError(f"{what} {path} cannot be written ({'read-only' if _read_only(path) else 'no permission'}); choose a writable location")
+    path = os.path.dirname(os.path.abspath(path))
   anchor = _existing_ancestor(path)
   if not os.path.isdir(anchor):
     raise OutputError(f"{what} {path} lies under {anchor}, which is not a directory; choose another location")

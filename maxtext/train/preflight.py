@@ -62,7 +62,7 @@ def check_outputs(config: MaxTextConfig, checkpoint_bytes: int) -> None:
     outputs.check_writable(config.checkpoint_dir, checkpoint_bytes, "checkpoint_dir")
   outputs.check_writable(os.path.dirname(config.checkpoint_dir.rstrip("/")), 0, "the run directory")
   if config.metrics_file:
-    outputs.check_writable(config.metrics_file, 0, "metrics_file")
+    outputs.check_writable(config.metrics_file, 0, "metrics_file", is_file=True)
   if config.enable_tensorboard or config.profiler == "xplane":
     outputs.check_writable(config.tensorboard_dir, 0, "tensorboard_dir")
 
