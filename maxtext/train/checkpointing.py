@@ -145,7 +145,7 @@ def restore_params(path: str, abstract_params: Any) -> Any:
   try:
     with ocp.PyTreeCheckpointer() as ckptr:
       return ckptr.restore(item_path(path), args=args)["params"]
-  except (ValueError, KeyError, TypeError) as e:
+  except Exception as e:  # noqa: BLE001 - a user-named checkpoint that does not read (wrong tree, truncated arrays) is a config error
     raise ConfigError(f"load_parameters_path '{path}' does not hold this model's parameters ({_first_line(e)}); check model_name and dimensions") from None
 
 
@@ -154,7 +154,7 @@ def restore_full_state(path: str, abstract_state: Any) -> Any:
   try:
     with ocp.StandardCheckpointer() as ckptr:
       return ckptr.restore(item_path(path), abstract_state)
-  except (ValueError, KeyError, TypeError) as e:
+  except Exception as e:  # noqa: BLE001 - a user-named checkpoint that does not read (wrong tree, truncated arrays) is a config error
     raise ConfigError(
       f"load_full_state_path '{path}' does not match this run's train state ({_first_line(e)}); check the model and optimizer settings"
     ) from None

@@ -51,7 +51,8 @@ def run_checks(config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None, set
   if config.eval_interval > 0:
     close_iterator(create_iterator(config, mesh, "eval"))
 
-  step_fn = compiled_step(config, setup, mesh)
+  with jax.set_mesh(mesh):  # traced as the loop would run it
+    step_fn = compiled_step(config, setup, mesh)
   check_memory_fit(config, step_fn)
   return Checked(mesh, setup, step_fn, data_iter, checkpoint_bytes)
 
