@@ -138,9 +138,9 @@ def test_damaged_newest_checkpoint_falls_back_and_is_kept_aside(two_checkpoints,
   if damage == "empty_newer_step":
     bad = ckpts / "5"
     bad.mkdir()
-  elif damage == "truncated_arrays":
-    for f in (bad / "items" / "d").iterdir():
-      f.write_bytes(f.read_bytes()[:100])
+  elif damage == "truncated_arrays":  # the largest array data file cut short; metadata intact
+    data = max((f for f in (bad / "items").rglob("*") if f.is_file() and "ocdbt.process_" in str(f)), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[:1000])
   elif damage == "no_array_data":  # commit marker and metadata, no arrays
     shutil.rmtree(bad / "items" / "d")
     for f in (bad / "items").glob("ocdbt.process_*"):
@@ -154,6 +154,8 @@ def test_damaged_newest_checkpoint_falls_back_and_is_kept_aside(two_checkpoints,
   expect = 4 if damage == "empty_newer_step" else 2
   assert int(state["step"]) == expect
   assert len(said) == 1 and f"checkpoint {bad} is unusable" in said[0] and "moved it to" in said[0]
+  reason = {"truncated_arrays": "its arrays do not restore", "wrong_step_inside": "its state is at step 2", "empty_newer_step": "no readable metadata"}
+  assert reason.get(damage, "") in said[0]
   assert not bad.exists() and len(list(ckpts.glob(f"{bad.name}.unusable-*"))) == 1  # kept, not deleted
 
 
@@ -300,7 +302,8 @@ def test_resume_with_another_schedule_warns_how_to_pin_it(two_checkpoints, tmp_p
 
 
 def test_library_warnings_are_muted():
-  """absl warnings (Orbax) and the resource tracker's leaked-shared_memory warning (grain workers) stay off stderr."""
+  """absl warnings (Orbax), 'Event loop is closed' after a failed checkpoint read and the resource tracker's
+  leaked-shared_memory warning (grain workers) stay off stderr."""
   code = (
     "import sys\n"
     "from maxtext.errors import quiet_libraries\n"
@@ -309,11 +312,15 @@ def test_library_warnings_are_muted():
     "logging.warning('an absl warning')\n"
     "from multiprocessing import shared_memory\n"
     "leaked = shared_memory.SharedMemory(create=True, size=64)\n"
+    "class Callback:\n"
+    "  def __del__(self):\n"
+    "    raise RuntimeError('Event loop is closed')\n"
+    "Callback()\n"
   )
   env = dict(os.environ, PYTHONPATH=str(os.path.dirname(os.path.dirname(__file__))))
   loud = subprocess.run([sys.executable, "-c", code, "loud"], capture_output=True, text=True, env=env, timeout=60)
   quiet = subprocess.run([sys.executable, "-c", code, "quiet"], capture_output=True, text=True, env=env, timeout=60)
-  assert "an absl warning" in loud.stderr and "leaked shared_memory" in loud.stderr
+  assert "an absl warning" in loud.stderr and "leaked shared_memory" in loud.stderr and "Event loop is closed" in loud.stderr
   assert quiet.returncode == 0 and quiet.stderr == ""
 
 

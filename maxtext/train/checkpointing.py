@@ -95,7 +95,7 @@ class Checkpointer:
           if int(restored["step"]) != step:
             problem = f"its state is at step {int(restored['step'])}"
         except Exception as e:  # noqa: BLE001 - any failure to read this step's arrays means the step is damaged
-          problem = f"its arrays do not restore: {_first_line(e)}"
+          problem = f"its arrays do not restore: {_first_line(e).split(' See full')[0]}"
       if problem is None:
         f = self._data_file(step)
         if not f.exists():  # saved by fewer processes: process 0's state (global for synthetic data; grain refuses a different count)
