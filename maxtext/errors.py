@@ -43,7 +43,7 @@ def quiet_libraries() -> None:
   try:
     from absl import logging as absl_logging
 
-    absl_logging.set_verbosity(absl_logging.ERROR)
+    absl_logging.set_verbosity(absl_logging.FATAL)  # Orbax logs failures it raises; the error line (or traceback) carries them
   except ImportError:
     pass
   if not getattr(sys.unraisablehook, "maxtext_quiet", False):

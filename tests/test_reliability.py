@@ -177,7 +177,7 @@ def test_output_checks_name_the_path_and_the_bytes(tmp_path, monkeypatch):
   with pytest.raises(outputs.OutputError, match="not a directory"):
     outputs.check_writable(str(tmp_path / "file" / "run"), 10, "checkpoint_dir")
   monkeypatch.setattr(outputs.shutil, "disk_usage", lambda _: types.SimpleNamespace(free=1000))
-  with pytest.raises(outputs.OutputError, match=r"needs 0.00 GiB \(5000 bytes\) but .* has 0.00 GiB \(1000 bytes\) free"):
+  with pytest.raises(outputs.OutputError, match=r"needs 5 KiB \(5000 bytes\) but .* has 1000 bytes free"):
     outputs.check_writable(str(tmp_path / "run"), 5000, "checkpoint_dir")
   monkeypatch.setattr(outputs.os, "access", lambda *_: False)  # what a read-only mount reports (root ignores chmod)
   with pytest.raises(outputs.OutputError, match="cannot be written"):

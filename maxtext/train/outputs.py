@@ -34,7 +34,11 @@ def is_remote(path: str) -> bool:
 
 
 def gib(n: float) -> str:
-  return f"{n / 2**30:.2f} GiB ({int(n)} bytes)"
+  """A size for messages: '1.50 GiB (1610612736 bytes)', '338 KiB (345992 bytes)'."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= scale:
+      return f"{n / scale:.2f} {unit} ({int(n)} bytes)" if unit == "GiB" else f"{n / scale:.0f} {unit} ({int(n)} bytes)"
+  return f"{int(n)} bytes"
 
 
 def _existing_ancestor(path: str) -> str:
