@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,7 @@ CASES = [
     "no.model",
   ),
   ("restart_with_another_model_shape", _train("base_output_directory={run}", "base_mlp_dim=128"), "shape"),
+  ("run_directory_locked_by_a_live_run", _train("base_output_directory={tmp}/locked"), "in use by another run"),
   ("convert_truncated_safetensors", [*CONVERT, "--hf-dir", "{tmp}/hf_truncated"], "not a readable safetensors file"),
   ("convert_hidden_size_disagrees", [*CONVERT, "--hf-dir", "{tmp}/hf_wrong_size"], "does not fit hidden_size"),
 ]
@@ -105,6 +107,8 @@ def _make_inputs(tmp: Path) -> None:
   (tmp / "not_a_checkpoint").mkdir()
   (tmp / "not_a_checkpoint" / "notes.txt").write_text("not a checkpoint\n")
   (tmp / "a_file").write_text("a regular file\n")
+  (tmp / "locked" / "r").mkdir(parents=True)  # held by this (live) test process
+  (tmp / "locked" / "r" / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now"}))
   (tmp / "data.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(8)))
   _hf_dir(tmp / "hf_truncated", 16, 16)
   weights = tmp / "hf_truncated" / "model.safetensors"
