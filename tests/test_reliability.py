@@ -330,3 +330,17 @@ def test_an_existing_metrics_file_is_appended_to_not_refused(tmp_path):
   outputs.check_writable(str(path), 0, "metrics_file", is_file=True)
   with pytest.raises(outputs.OutputError, match="is a directory"):
     outputs.check_writable(str(tmp_path), 0, "metrics_file", is_file=True)
+
+
+def test_a_second_ctrl_c_stops_at_once():
+  before = signal.getsignal(signal.SIGTERM)
+  with loop_lib._Preemption() as preemption:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # a repeated SIGTERM still waits for the save
+    assert preemption.signal_name == "SIGTERM"
+  with loop_lib._Preemption() as preemption:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert preemption.signal_name == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+  assert signal.getsignal(signal.SIGTERM) is before

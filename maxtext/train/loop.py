@@ -98,7 +98,7 @@ class _Preemption:
     return self
 
   def _handle(self, signum: int, frame: Any) -> None:
-    if self.signal_name and signum == signal.SIGINT:  # a second Ctrl-C: stop now (finished checkpoints stay intact)
+    if self.signal_name == "SIGINT" and signum == signal.SIGINT:  # a second Ctrl-C: stop now (finished checkpoints stay intact)
       raise KeyboardInterrupt
     self.signal_name = self.signal_name or signal.Signals(signum).name
 
