@@ -36,11 +36,41 @@ def one_line(message: str) -> str:
   return " ".join(str(message).split())
 
 
+def quiet_libraries() -> None:
+  """Keep library chatter off the user's terminal: absl warnings (Orbax), 'Event loop is closed' left by a failed
+  checkpoint read, and the resource tracker's 'leaked shared_memory' warnings after grain worker processes stop
+  (the tracker process reads sys.warnoptions)."""
+  try:
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.FATAL)  # Orbax logs failures it raises; the error line (or traceback) carries them
+  except ImportError:
+    pass
+  if not getattr(sys.unraisablehook, "maxtext_quiet", False):
+    sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+  quiet_tracker = "ignore:resource_tracker:UserWarning"
+  if quiet_tracker not in sys.warnoptions:
+    sys.warnoptions.append(quiet_tracker)
+
+
+def _quiet_unraisable(previous: Callable) -> Callable:
+  """Drop 'Event loop is closed' from callbacks that a failed Orbax/TensorStore read leaves behind; report the rest."""
+
+  def hook(unraisable) -> None:
+    if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):
+      return
+    previous(unraisable)
+
+  hook.maxtext_quiet = True  # type: ignore[attr-defined]
+  return hook
+
+
 def cli_main(fn: F) -> F:
-  """Wrap an entry point: a UserError prints `error: ...` on stderr and exits with its code."""
+  """Wrap an entry point: a UserError prints `error: ...` on stderr and exits with its code; library warnings are muted."""
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
+    quiet_libraries()
     try:
       return fn(*args, **kwargs)
     except UserError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 from maxtext.errors import ConfigError
@@ -111,6 +112,14 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one")
   if c.learning_rate_schedule_steps != -1 and c.learning_rate_schedule_steps < 1:
     raise ConfigError(f"invalid value for 'learning_rate_schedule_steps': {c.learning_rate_schedule_steps}; use -1 (= steps) or a positive integer")
+  if c.max_num_checkpoints_to_keep is not None and c.max_num_checkpoints_to_keep < 1:
+    raise ConfigError(
+      f"invalid value for 'max_num_checkpoints_to_keep': {c.max_num_checkpoints_to_keep}; it would delete every checkpoint; use a positive number or leave it unset to keep all"
+    )
+  try:
+    re.compile(c.lora.lora_module_path)
+  except re.error as e:
+    raise ConfigError(f"invalid value for 'lora.lora_module_path': {c.lora.lora_module_path!r} is not a regular expression ({e}); fix the pattern") from None
   if c.lr_schedule_type == "wsd" and c.warmup_steps_fraction + c.wsd_decay_steps_fraction > 1:
     raise ConfigError("warmup_steps_fraction + wsd_decay_steps_fraction > 1; lower one of them")
   unknown_axes = [a for a in c.mesh_axes if a not in PARALLEL_AXES]

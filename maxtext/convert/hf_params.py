@@ -100,19 +100,32 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str,
     used.add(name)
     return tensors[name]
 
-  out: dict[str, Array] = {r.ours: r.to_ours(take(r.hf)) for r in _global_rules(c)}
+  def convert(rule: Rule, name: str) -> Array:
+    value = take(name)
+    try:
+      return rule.to_ours(value)
+    except ValueError:  # a reshape that cannot hold: config.json's sizes disagree with the tensors
+      raise ConfigError(
+        f"tensor '{name}' has shape {tuple(value.shape)}, which does not fit hidden_size={c.emb_dim}, num_attention_heads={c.num_query_heads}, "
+        f"num_key_value_heads={c.num_kv_heads}, head_dim={c.head_dim}; config.json disagrees with the safetensors files: fix one of them"
+      ) from None
+
+  out: dict[str, Array] = {r.ours: convert(r, r.hf) for r in _global_rules(c)}
   per_layer: dict[str, list[Array]] = {}
   for i in range(c.num_decoder_layers):
     for r in _layer_rules(c):
       if r.experts:
-        value = np.stack([r.to_ours(take(f"model.layers.{i}." + r.hf.format(j=j))) for j in range(c.num_experts)])
+        value = np.stack([convert(r, f"model.layers.{i}." + r.hf.format(j=j)) for j in range(c.num_experts)])
       else:
-        value = r.to_ours(take(f"model.layers.{i}.{r.hf}"))
+        value = convert(r, f"model.layers.{i}.{r.hf}")
       if c.scan_layers:
         per_layer.setdefault(r.ours, []).append(value)
       else:
         out[f"layers/{i}/{r.ours}"] = value
-  out.update({f"layers/{k}": np.stack(v) for k, v in per_layer.items()})
+  try:
+    out.update({f"layers/{k}": np.stack(v) for k, v in per_layer.items()})
+  except ValueError as e:
+    raise ConfigError(f"layers' tensors differ in shape ({_first_line(e)}); the safetensors files disagree with config.json") from None
   # Tied checkpoints may carry a copy of the embedding as lm_head.
   if c.logits_via_embedding and "lm_head.weight" in tensors and np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
     used.add("lm_head.weight")
@@ -120,6 +133,10 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str,
   if unused:
     raise ConfigError(f"checkpoint has {len(unused)} tensor(s) the {c.decoder_block} model does not use: {shorten(unused)}; check the model type and config")
   return out
+
+
+def _first_line(e: Exception) -> str:
+  return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
 
 
 def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, Array]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from maxtext.errors import ConfigError
@@ -41,13 +42,18 @@ def read_tensors(hf_dir: str | Path) -> dict[str, np.ndarray]:
 
 
 def _load(path: Path) -> dict[str, np.ndarray]:
+  """The file's tensors; a truncated or corrupt file is a one-line ConfigError naming it."""
   try:
-    return load_file(str(path))
-  except (TypeError, ValueError):  # dtypes numpy lacks (bfloat16): read through JAX, which keeps them exactly
-    from safetensors import safe_open
+    try:
+      return load_file(str(path))
+    except (TypeError, ValueError):  # dtypes numpy lacks (bfloat16): read through JAX, which keeps them exactly
+      from safetensors import safe_open
 
-    with safe_open(str(path), framework="flax") as f:
-      return {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
+      with safe_open(str(path), framework="flax") as f:
+        return {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
+  except (SafetensorError, OSError, ValueError, TypeError) as e:
+    reason = " ".join(str(e).split())[:160] or type(e).__name__
+    raise ConfigError(f"'{path}' is not a readable safetensors file ({reason}); it may be truncated or corrupt: re-download or re-export it") from None
 
 
 def write(hf_dir: str | Path, config: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:

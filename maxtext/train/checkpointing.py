@@ -3,6 +3,8 @@
 Layout under config.checkpoint_dir (one directory per saved step, named by steps completed):
 
     <step>/items/                            the full train state (Orbax PyTree, sharded arrays)
+    <step>.unusable-<time>/                  a step that failed to restore, set aside (never deleted)
+    schedule.json                            learning_rate_schedule_steps of the saved states
     data_iterator/<step>/process_<i>.json    each process's data-iterator state for that step
 
 Restore order: the run's own latest checkpoint (full state + data position) -> else
@@ -13,6 +15,8 @@ load_parameters_path (params only; fresh optimizer, step 0) or load_full_state_p
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,9 +28,10 @@ from maxtext.errors import ConfigError
 
 ITEM = "items"
 DATA_DIR = "data_iterator"
+SCHEDULE_FILE = "schedule.json"  # the learning_rate_schedule_steps the saved states were trained with
 
 
-def _item_path(path: str) -> epath.Path:
+def item_path(path: str) -> epath.Path:
   """Accept either a step directory (<ckpt>/<step>) or its item directory (<ckpt>/<step>/items)."""
   p = epath.Path(path)
   if (p / ITEM).is_dir():
@@ -75,16 +80,55 @@ class Checkpointer:
         if own.exists():
           own.unlink()
 
-  def restore_latest(self, abstract_state: Any) -> tuple[Any, dict[str, Any] | None] | None:
-    """(state, data-iterator state) of the latest checkpoint, or None if there is none."""
-    step = self.latest_step()
-    if step is None:
-      return None
-    restored = self.manager.restore(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(abstract_state)}))
-    f = self._data_file(step)
-    if not f.exists():  # saved by fewer processes: process 0's state (global for synthetic data; grain refuses a different count)
-      f = self._data_file(step, 0)
-    return restored[ITEM], (json.loads(f.read_text()) if f.exists() else None)
+  def restore_latest(self, abstract_state: Any, log: Callable[[str], None] = print) -> tuple[Any, dict[str, Any] | None] | None:
+    """(state, data-iterator state) of the newest usable checkpoint, or None if there is none.
+
+    A step that fails to restore (no readable metadata, missing or truncated array data, a state whose step
+    disagrees with its directory) is moved aside (never deleted) with one log line, and the previous step is tried.
+    Checkpoints of another model (shapes or parameters differ) are a ConfigError: nothing is moved.
+    """
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      problem = check_compatible(self.directory / str(step) / ITEM, abstract_state, self.config.checkpoint_dir)
+      if problem is None:
+        try:
+          restored = self.manager.restore(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(abstract_state)}))[ITEM]
+          if int(restored["step"]) != step:
+            problem = f"its state is at step {int(restored['step'])}"
+        except Exception as e:  # noqa: BLE001 - any failure to read this step's arrays means the step is damaged
+          problem = f"its arrays do not restore: {_first_line(e).split(' See full')[0]}"
+      if problem is None:
+        f = self._data_file(step)
+        if not f.exists():  # saved by fewer processes: process 0's state (global for synthetic data; grain refuses a different count)
+          f = self._data_file(step, 0)
+        return restored, (json.loads(f.read_text()) if f.exists() else None)
+      self._set_aside(step, problem, log)
+    return None
+
+  def _set_aside(self, step: int, problem: str, log: Callable[[str], None]) -> None:
+    """Move an unusable step directory to <step>.unusable-<time> (a name Orbax does not list) and forget it."""
+    src = self.directory / str(step)
+    dst = self.directory / f"{step}.unusable-{time.strftime('%Y%m%dT%H%M%S')}"
+    if jax.process_index() == 0:
+      src.rename(dst)
+      log(f"checkpoint {src} is unusable ({problem}); moved it to {dst} and trying the previous step")
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+
+      multihost_utils.sync_global_devices(f"maxtext_set_aside_{step}")
+    self.manager.reload()
+
+  def note_schedule(self, config: MaxTextConfig, start: int, log: Callable[[str], None]) -> None:
+    """Record the learning-rate schedule length in <checkpoint_dir>/schedule.json; warn when a resume changes it."""
+    f = self.directory / SCHEDULE_FILE
+    steps = config.learning_rate_schedule_steps
+    before = json.loads(f.read_text()).get("learning_rate_schedule_steps") if start > 0 and f.exists() else None
+    if before is not None and before != steps:
+      log(
+        f"warning: the learning-rate schedule now spans {steps} steps, but the checkpoints in {self.directory} were trained with "
+        f"{before}; from step {start} on the learning rate follows the new schedule (pass learning_rate_schedule_steps={before} to keep the original)"
+      )
+    if jax.process_index() == 0 and before != steps:
+      f.write_text(json.dumps({"learning_rate_schedule_steps": steps}))
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -100,8 +144,8 @@ def restore_params(path: str, abstract_params: Any) -> Any:
   args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)
   try:
     with ocp.PyTreeCheckpointer() as ckptr:
-      return ckptr.restore(_item_path(path), args=args)["params"]
-  except (ValueError, KeyError, TypeError) as e:
+      return ckptr.restore(item_path(path), args=args)["params"]
+  except Exception as e:  # noqa: BLE001 - a user-named checkpoint that does not read (wrong tree, truncated arrays) is a config error
     raise ConfigError(f"load_parameters_path '{path}' does not hold this model's parameters ({_first_line(e)}); check model_name and dimensions") from None
 
 
@@ -109,8 +153,8 @@ def restore_full_state(path: str, abstract_state: Any) -> Any:
   """A whole train state (params, optimizer state, step), into the shardings abstract_state carries."""
   try:
     with ocp.StandardCheckpointer() as ckptr:
-      return ckptr.restore(_item_path(path), abstract_state)
-  except (ValueError, KeyError, TypeError) as e:
+      return ckptr.restore(item_path(path), abstract_state)
+  except Exception as e:  # noqa: BLE001 - a user-named checkpoint that does not read (wrong tree, truncated arrays) is a config error
     raise ConfigError(
       f"load_full_state_path '{path}' does not match this run's train state ({_first_line(e)}); check the model and optimizer settings"
     ) from None
@@ -130,16 +174,59 @@ def _first_line(e: Exception) -> str:
 
 def param_shapes(path: str) -> dict[str, tuple[int, ...]]:
   """'/'-joined path -> shape of every parameter under 'params' in a checkpoint (from its metadata; no arrays read)."""
+  item = item_path(path)
+  tree = read_metadata_tree(item)
+  if not isinstance(tree, dict) or not isinstance(tree.get("params"), dict):
+    raise ConfigError(f"'{path}' is not a readable checkpoint (no 'params' in it); pass a checkpoint step directory such as <run>/checkpoints/<step>")
+  return shapes_by_name(tree["params"])
+
+
+def read_metadata_tree(item: epath.Path) -> Any:
+  """The tree of array metadata in an Orbax PyTree item directory; ConfigError when it has none."""
   try:
     with ocp.PyTreeCheckpointer() as ckptr:
-      tree = ckptr.metadata(_item_path(path)).item_metadata.tree
-  except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
-    raise ConfigError(f"'{path}' is not a readable checkpoint ({_first_line(e)}); pass a checkpoint step directory such as <run>/checkpoints/<step>") from None
+      metadata = ckptr.metadata(item)
+  except Exception as e:  # noqa: BLE001 - Orbax raises many types for a directory that is not a checkpoint
+    raise ConfigError(f"'{item}' is not a readable checkpoint ({_first_line(e)}); pass a checkpoint step directory such as <run>/checkpoints/<step>") from None
+  tree = getattr(getattr(metadata, "item_metadata", None), "tree", None)
+  if tree is None:
+    raise ConfigError(
+      f"'{item}' is not a readable checkpoint (no Orbax array metadata in it); pass a checkpoint step directory such as <run>/checkpoints/<step>"
+    )
+  return tree
+
+
+def shapes_by_name(tree: Any) -> dict[str, tuple[int, ...]]:
+  """'/'-joined path -> shape of every array in a state or metadata tree (a trailing Variable 'value' dropped)."""
   shapes = {}
-  for keys, meta in jax.tree_util.tree_flatten_with_path(tree.get("params", {}) if isinstance(tree, dict) else {})[0]:
-    names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in keys]
-    shapes["/".join(names[:-1] if names and names[-1] == "value" else names)] = tuple(getattr(meta, "shape", ()))
+  for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keys]
+    shapes["/".join(names[:-1] if names and names[-1] == "value" else names)] = tuple(getattr(leaf, "shape", ()))
   return shapes
+
+
+def check_compatible(item: epath.Path, abstract_state: Any, checkpoint_dir: str) -> str | None:
+  """None if the checkpoint item's metadata matches abstract_state; else why the step is damaged.
+
+  Metadata that reads but describes another model is the user's change, not damage: a ConfigError.
+  """
+  try:
+    tree = read_metadata_tree(item)
+  except ConfigError as e:
+    return f"no readable metadata: {str(e).split('(', 1)[-1].rsplit(')', 1)[0]}"
+  saved, wanted = shapes_by_name(tree), shapes_by_name(abstract_state)
+  for name, shape in sorted(wanted.items(), key=lambda kv: (not kv[0].startswith("params/"), kv[0])):  # parameters first: the clearest message
+    if name not in saved:
+      if not saved:
+        return "its metadata lists no arrays"
+      raise ConfigError(
+        f"checkpoints in {checkpoint_dir} were written by another model or optimizer (they lack '{name}'); use a new run_name or the config they were written with"
+      )
+    if saved[name] != shape:
+      raise ConfigError(
+        f"checkpoints in {checkpoint_dir} hold '{name}' with shape {saved[name]}, this config needs {shape}; use a new run_name or the config they were written with"
+      )
+  return None
 
 
 def restore_some_params(path: str, abstract_params: Any, what: str, may_lack: Any = None) -> tuple[Any, list[str]]:
@@ -148,6 +235,19 @@ def restore_some_params(path: str, abstract_params: Any, what: str, may_lack: An
   Returns (restored nnx.State, '/'-paths the checkpoint lacks). Lacking a parameter is a one-line ConfigError
   unless the nnx filter `may_lack` selects it (LoRA adapters and mHC connectors a base checkpoint cannot have);
   so is a parameter of another shape. `what` names the config key in messages.
+  """
+  present, lacking = match_params(path, abstract_params, what, may_lack)
+  if present is None:
+    from flax import nnx
+
+    return nnx.State({}), lacking
+  return restore_params(path, present), lacking
+
+
+def match_params(path: str, abstract_params: Any, what: str, may_lack: Any = None) -> tuple[Any, list[str]]:
+  """(the abstract params the checkpoint holds, as an nnx.State or None, '/'-paths it lacks); reads metadata only.
+
+  Raises the one-line ConfigErrors restore_some_params documents.
   """
   from flax import nnx
 
@@ -165,9 +265,16 @@ def restore_some_params(path: str, abstract_params: Any, what: str, may_lack: An
       raise ConfigError(f"{what} '{path}' holds '{name}' with shape {shapes[name]}, this model needs {shape}; use the config it was written with")
     else:
       present.append((keys, var))
-  if not present:
-    return nnx.State({}), lacking
-  return restore_params(path, nnx.from_flat_state(present)), lacking
+  return (nnx.from_flat_state(present) if present else None), lacking
+
+
+def newest_step_dir(checkpoint_dir: str) -> epath.Path | None:
+  """The highest-numbered step directory under checkpoint_dir (finished or not), or None; creates nothing."""
+  root = epath.Path(checkpoint_dir)
+  if not root.is_dir():
+    return None
+  steps = [int(d.name) for d in root.iterdir() if d.name.isdigit() and d.is_dir()]
+  return root / str(max(steps)) if steps else None
 
 
 def overlay_params(params: Any, restored: Any) -> Any:

@@ -13,11 +13,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from maxtext import mesh as mesh_lib
-from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
-from maxtext.errors import ConfigError, UserError
-from maxtext.train import checkpointing, perf
+from maxtext.errors import UserError
+from maxtext.train import checkpointing, outputs, preflight, run_lock
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train.metrics import MetricsWriter, format_line
@@ -36,7 +34,7 @@ class TrainResult:
   steps_done: int  # optimizer steps in the final state
   losses: dict[int, float]  # step index -> train loss, for the steps this process ran
   eval_losses: dict[int, float]
-  stop_reason: str  # 'completed', 'target_eval_loss', 'sigterm'
+  stop_reason: str  # 'completed', 'target_eval_loss', 'sigterm', 'sigint'
   state: Any = None
 
 
@@ -51,7 +49,7 @@ def restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpointe
   """The run's own latest checkpoint, else load_parameters_path / load_full_state_path, else a fresh init."""
   config = setup.config
   if ckpt is not None:
-    restored = ckpt.restore_latest(state_lib.checkpointed(setup.abstract_state, config))
+    restored = ckpt.restore_latest(state_lib.checkpointed(setup.abstract_state, config), log)
     if restored is not None:
       state, data_state = restored
       if data_state is not None:
@@ -76,25 +74,38 @@ def _with_frozen_base(setup: setup_lib.TrainSetup, state: Any, log: Callable[[st
 
 
 class _Preemption:
-  """Remembers a SIGTERM so the loop can finish the step, save and exit cleanly."""
+  """Remembers a SIGTERM or SIGINT so the run can finish its step, save and exit cleanly.
+
+  Installed for the whole of train(), so a signal during the checks, an eval or the final (async) save
+  waits for them instead of killing the process with work unsaved.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
-    self.requested = False
-    self._previous: Any = None
+    self.signal_name = ""
+    self._previous: dict[int, Any] = {}
+
+  @property
+  def requested(self) -> bool:
+    return bool(self.signal_name)
 
   def __enter__(self) -> _Preemption:
-    try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # not the main thread: no handler
-      self._previous = None
+    for sig in self.SIGNALS:
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread: no handler
+        pass
     return self
 
   def _handle(self, signum: int, frame: Any) -> None:
-    self.requested = True
+    if self.signal_name == "SIGINT" and signum == signal.SIGINT:  # a second Ctrl-C: stop now (finished checkpoints stay intact)
+      raise KeyboardInterrupt
+    self.signal_name = self.signal_name or signal.Signals(signum).name
 
   def __exit__(self, *exc: Any) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for sig, previous in self._previous.items():
+      signal.signal(sig, previous)
 
 
 class _Profiler:
@@ -143,11 +154,23 @@ def eval_batches(it: Any, limit: int) -> Any:
     i += 1
 
 
-def _evaluate(config: MaxTextConfig, setup: setup_lib.TrainSetup, state: Any) -> dict[str, float]:
+def _evaluate(config: MaxTextConfig, setup: setup_lib.TrainSetup, state: Any, interrupted: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
+  """Eval metrics over the eval split, or None when interrupted() turns true between batches (a preemption)."""
   it = create_data_iterator(config, setup.mesh, "eval")
   other = state.get("other", nnx.State({}))
-  sums = [setup.jit_eval(state["params"], other, batch) for batch in eval_batches(it, config.eval_steps)]
+  sums = []
+  for batch in eval_batches(it, config.eval_steps):
+    if interrupted():
+      preflight.close_iterator(it)
+      return None
+    sums.append(setup.jit_eval(state["params"], other, batch))
   return combine_eval(jax.device_get(sums))
+
+
+def log_main(message: str) -> None:
+  """Print on process 0 (before the metrics writer exists)."""
+  if jax.process_index() == 0:
+    print(message, flush=True)
 
 
 def train(
@@ -160,36 +183,79 @@ def train(
 
   mesh defaults to all devices. setup: a TrainSetup built for an equivalent config (same model,
   optimizer, schedule and batch) whose compiled step is reused. on_step(step) runs after each step is logged.
+
+  Order: every check (preflight) before anything is written; then the run lock; then checkpoints, restore,
+  metrics writers and the loop. SIGTERM/SIGINT at any point end in a saved last step (or, before the first
+  step, in a clean exit); a full or read-only output ends in a one-line OutputError.
   """
-  perf.check_hardware(config)
-  if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
-    raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
-  if config.remat_policy == "auto" and config.compiled_trainstep_file:
-    raise ConfigError("remat_policy=auto cannot load compiled_trainstep_file; pass the remat_policy train_compile printed for it")
-  mesh = setup.mesh if setup is not None else mesh or mesh_lib.create(config)
-  writer = MetricsWriter(config)
-  if setup is None:
-    config = remat_auto.resolve(config, mesh, log=writer.log)  # remat_policy=auto: compiled memory picks the policy
-  setup = setup or setup_lib.build(config, mesh)
+  with _Preemption() as preemption:
+    checked = preflight.run_checks(config, mesh, setup, log_main)
+    config = checked.config  # remat_policy=auto resolved
+    if preemption.requested:
+      log_main(f"received {preemption.signal_name} before the first step: stopped, nothing was written; rerun the same command to start")
+      return TrainResult(0, {}, {}, preemption.signal_name.lower())
+    with run_lock.hold(run_lock.run_dir(config.checkpoint_dir), log_main):
+      try:
+        return _run(config, checked, preemption, on_step)
+      except Exception as e:
+        error = outputs.as_user_error(e, config.checkpoint_dir, checked.checkpoint_bytes, "a checkpoint or metrics")
+        if error is None:
+          raise
+        raise error from None
+
+
+def _run(config: MaxTextConfig, checked: preflight.Checked, preemption: _Preemption, on_step: Callable[[int], None] | None) -> TrainResult:
+  """Restore or init, then the step loop; runs under the run lock, after every check passed."""
+  mesh, setup, data_iter = checked.mesh, checked.setup, checked.data_iter
   ckpt = checkpointing.Checkpointer(config) if config.enable_checkpointing else None
-  data_iter = create_data_iterator(config, mesh, "train")
-  with jax.set_mesh(mesh):
-    state = restore_or_init(setup, ckpt, data_iter, writer.log)
-  start = int(state["step"])
+  writer: MetricsWriter | None = None
+  failed = True
+  try:
+    with jax.set_mesh(mesh):
+      state = restore_or_init(setup, ckpt, data_iter, log_main)
+    start = int(state["step"])
+    if ckpt is not None:
+      ckpt.note_schedule(config, start, log_main)
+    writer = MetricsWriter(config)
+    result = _loop(config, checked, preemption, on_step, ckpt, writer, state, start)
+    failed = False
+    return result
+  finally:
+    for closer in (ckpt, writer):
+      if closer is None:
+        continue
+      try:
+        closer.close()
+      except Exception:
+        if not failed:
+          raise
+
+
+def _loop(
+  config: MaxTextConfig,
+  checked: preflight.Checked,
+  preemption: _Preemption,
+  on_step: Callable[[int], None] | None,
+  ckpt: checkpointing.Checkpointer | None,
+  writer: MetricsWriter,
+  state: Any,
+  start: int,
+) -> TrainResult:
+  mesh, setup, step_fn, data_iter = checked.mesh, checked.setup, checked.step_fn, checked.data_iter
   story = RunReport(config, mesh, start, writer.log)
   story.banner()
-
-  step_fn = setup.jit_step
-  if config.compiled_trainstep_file:  # made by maxtext.train_compile; refused unless config and devices match
-    from maxtext.aot import executable
-
-    step_fn = executable.load(config.compiled_trainstep_file, config, list(mesh.devices.flat))
+  if config.compiled_trainstep_file:
     writer.log(f"loaded the compiled train step from {config.compiled_trainstep_file}")
 
   result = TrainResult(start, {}, {}, "completed")
+  if preemption.requested:
+    result.stop_reason = preemption.signal_name.lower()
+    writer.log(f"received {preemption.signal_name} before the first step: stopped at step {start}, nothing new to save; rerun the same command to continue")
+    return result
   pending: list[tuple[int, Any]] = []  # (step index, device metrics) not yet fetched
   last_time = [time.perf_counter()]
   profiler = _Profiler(config, start)
+  saved = [start]  # steps done in the newest saved (or restored) checkpoint
 
   def report(ready: Any = None) -> None:
     """Fetch and write the pending metrics (blocks until that step has finished; `ready`: the state it produced, when no later step runs)."""
@@ -210,48 +276,55 @@ def train(
 
   def save(steps_done: int) -> None:
     report(state)  # a NaN in the step being saved aborts here, before anything is written
+    writer.flush()  # the metrics file holds every step the checkpoint holds
     if ckpt is not None:
       ckpt.save(steps_done, state_lib.checkpointed(state, config), data_iter.get_state())
+      saved[0] = steps_done
 
-  try:
-    with _Preemption() as preemption, jax.set_mesh(mesh):
-      for step in range(start, config.steps):
-        profiler.before_step(step, state)
-        batch = next(data_iter)
-        state, metrics = step_fn(state, batch)
-        report()
-        pending.append((step, metrics))
-        done = step + 1
-        result.steps_done = done
-        if preemption.requested:
-          save(done)
-          if ckpt is not None:
-            ckpt.wait()
-          result.stop_reason = "sigterm"
-          writer.log(f"received SIGTERM: saved a checkpoint after step {step} in {config.checkpoint_dir}; rerun the same command to continue")
+  with jax.set_mesh(mesh):
+    for step in range(start, config.steps):
+      profiler.before_step(step, state)
+      batch = next(data_iter)
+      state, metrics = step_fn(state, batch)
+      report()
+      pending.append((step, metrics))
+      done = step + 1
+      result.steps_done = done
+      if preemption.requested:
+        break
+      is_last = done == config.steps
+      if done % config.checkpoint_period == 0 or (is_last and config.save_checkpoint_on_completion):
+        save(done)
+      if config.eval_interval > 0 and done % config.eval_interval == 0:
+        report(state)
+        ev = _evaluate(config, setup, state, lambda: preemption.requested)
+        if ev is None:
+          break  # preempted during the eval
+        result.eval_losses[step] = ev["eval_loss"]
+        story.after_eval(step, ev["eval_loss"])
+        writer.write(step, ev, f"eval after step {step}: eval_loss: {ev['eval_loss']:.4f}, total_weights: {int(ev['eval_total_weights'])}")
+        last_time[0] = time.perf_counter()  # eval time is not step time
+        if config.target_eval_loss > 0 and ev["eval_loss"] <= config.target_eval_loss:
+          writer.log(f"eval_loss {ev['eval_loss']:.4f} reached target_eval_loss {config.target_eval_loss}; stopping after step {step}")
+          result.stop_reason = "target_eval_loss"
+          if config.save_checkpoint_on_completion and not is_last:
+            save(done)
           break
-        is_last = done == config.steps
-        if done % config.checkpoint_period == 0 or (is_last and config.save_checkpoint_on_completion):
-          save(done)
-        if config.eval_interval > 0 and done % config.eval_interval == 0:
-          report(state)
-          ev = _evaluate(config, setup, state)
-          result.eval_losses[step] = ev["eval_loss"]
-          story.after_eval(step, ev["eval_loss"])
-          writer.write(step, ev, f"eval after step {step}: eval_loss: {ev['eval_loss']:.4f}, total_weights: {int(ev['eval_total_weights'])}")
-          last_time[0] = time.perf_counter()  # eval time is not step time
-          if config.target_eval_loss > 0 and ev["eval_loss"] <= config.target_eval_loss:
-            writer.log(f"eval_loss {ev['eval_loss']:.4f} reached target_eval_loss {config.target_eval_loss}; stopping after step {step}")
-            result.stop_reason = "target_eval_loss"
-            if ckpt is not None and config.save_checkpoint_on_completion and not is_last:
-              save(done)
-            break
-      report(state)
-      profiler.stop(state)
-  finally:
+    report(state)
+    profiler.stop(state)
     if ckpt is not None:
-      ckpt.close()
-    writer.close()
+      if preemption.requested and saved[0] != result.steps_done:
+        save(result.steps_done)
+      ckpt.wait()  # a signal now waits for the final save to finish
+  writer.flush()
+  if preemption.requested:
+    result.stop_reason = preemption.signal_name.lower()
+    where = (
+      f"saved a checkpoint after step {result.steps_done - 1} in {config.checkpoint_dir}"
+      if ckpt is not None
+      else "stopped (enable_checkpointing=false: nothing saved)"
+    )
+    writer.log(f"received {preemption.signal_name}: {where}; rerun the same command to continue")
   result.state = state
   story.summary(result.steps_done, result.stop_reason)
   return result

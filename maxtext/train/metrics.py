@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 from etils import epath
 
 from maxtext.config import MaxTextConfig
+from maxtext.train import outputs
 
 
 def format_line(step: int, m: dict[str, float]) -> str:
@@ -38,16 +41,28 @@ class MetricsWriter:
 
       self.tensorboard = SummaryWriter(config.tensorboard_dir)
     if config.metrics_file:
-      path = epath.Path(config.metrics_file)
-      path.parent.mkdir(parents=True, exist_ok=True)
-      self.file = path.open("a")
+      with self._writing():
+        path = epath.Path(config.metrics_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a")
+
+  @contextlib.contextmanager
+  def _writing(self) -> Iterator[None]:
+    """A full or read-only metrics_file location becomes a one-line OutputError naming it."""
+    try:
+      yield
+    except OSError as e:
+      error = outputs.as_user_error(e, self.config.metrics_file, 0, "metrics_file")
+      if error is None:
+        raise
+      raise error from None
 
   def log(self, message: str) -> None:
     if self.is_main:
       print(message, flush=True)
 
   def write(self, step: int, metrics: dict[str, Any], line: str | None = None) -> None:
-    """metrics: plain floats. `line` is printed if given. Flushes every log_period steps."""
+    """metrics: plain floats. `line` is printed if given. Flushes every log_period steps (and the loop flushes at every checkpoint)."""
     if not self.is_main:
       return
     if line:
@@ -58,7 +73,8 @@ class MetricsWriter:
         if math.isfinite(value):
           self.tensorboard.add_scalar(f"learning/{key}", value, step)
     if self.file is not None:
-      self.file.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}) + "\n")
+      with self._writing():
+        self.file.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}) + "\n")
     if (step + 1) % self.config.log_period == 0:
       self.flush()
 
@@ -66,7 +82,8 @@ class MetricsWriter:
     if self.tensorboard is not None:
       self.tensorboard.flush()
     if self.file is not None:
-      self.file.flush()
+      with self._writing():
+        self.file.flush()
 
   def close(self) -> None:
     self.flush()

@@ -50,6 +50,11 @@ class TrainSetup:
   def jit_init(self) -> Any:
     return jax.jit(self.init_fn, out_shardings=self.state_shardings)
 
+  @functools.cached_property
+  def compiled_step(self) -> Any:
+    """jit_step compiled for abstract_state and abstract_batch (its memory_analysis() is what a step needs)."""
+    return self.jit_step.lower(self.abstract_state, self.abstract_batch).compile()
+
   def init_state(self) -> state_lib.TrainState:
     """The fresh initial state, born sharded (parameters never exist unsharded)."""
     return self.jit_init()

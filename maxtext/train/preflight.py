@@ -1,0 +1,169 @@
+"""Every check a run can fail, done before it writes anything (no directory, lock, checkpoint or metrics writer).
+
+`run_checks(config, mesh, setup) -> Checked`, cheapest first: hardware and eval settings, the model (abstract
+build), restore paths (load_parameters_path, load_full_state_path, lora.lora_restore_path, the run's own
+checkpoints), room in the output locations, the data sources and tokenizer (the train iterator is opened; the
+eval one is opened and closed), the compiled train step and whether it fits the device memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from maxtext import mesh as mesh_lib
+from maxtext.aot import remat_auto
+from maxtext.config import MaxTextConfig
+from maxtext.errors import ConfigError
+from maxtext.train import checkpointing, outputs, perf
+from maxtext.train import setup as setup_lib
+from maxtext.train import state as state_lib
+
+MEMORY_HEADROOM = 0.95  # share of a device's memory the compiled step may plan to use
+
+
+@dataclasses.dataclass
+class Checked:
+  config: MaxTextConfig  # remat_policy=auto replaced by the policy the compiled memory chose
+  mesh: jax.sharding.Mesh
+  setup: setup_lib.TrainSetup
+  step_fn: Any  # the compiled train step
+  data_iter: Any  # the train iterator, at its start
+  checkpoint_bytes: int  # size of one checkpoint of the train state
+
+
+def run_checks(
+  config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None, setup: setup_lib.TrainSetup | None = None, log: Callable[[str], None] | None = None
+) -> Checked:
+  perf.check_hardware(config)
+  if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
+    raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
+  if config.remat_policy == "auto" and config.compiled_trainstep_file:
+    raise ConfigError("remat_policy=auto cannot load compiled_trainstep_file; pass the remat_policy train_compile printed for it")
+  mesh = setup.mesh if setup is not None else mesh or mesh_lib.create(config)
+  if setup is None:
+    config = remat_auto.resolve(config, mesh, log=log)  # remat_policy=auto: the compiled memory picks the policy
+  setup = setup or setup_lib.build(config, mesh)
+  checkpointed = state_lib.checkpointed(setup.abstract_state, config)
+  check_restore_paths(config, setup, checkpointed)
+
+  checkpoint_bytes = state_bytes(checkpointed)
+  check_outputs(config, checkpoint_bytes)
+
+  from maxtext.data import create_iterator
+
+  data_iter = create_iterator(config, mesh, "train")
+  if config.eval_interval > 0:
+    close_iterator(create_iterator(config, mesh, "eval"))
+
+  with jax.set_mesh(mesh):  # traced as the loop would run it
+    step_fn = compiled_step(config, setup, mesh)
+  check_memory_fit(config, step_fn)
+  return Checked(config, mesh, setup, step_fn, data_iter, checkpoint_bytes)
+
+
+def check_outputs(config: MaxTextConfig, checkpoint_bytes: int) -> None:
+  """Every output location is a (future) directory we may write, with room for one checkpoint."""
+  if config.enable_checkpointing:
+    outputs.check_writable(config.checkpoint_dir, checkpoint_bytes, "checkpoint_dir")
+  outputs.check_writable(os.path.dirname(config.checkpoint_dir.rstrip("/")), 0, "the run directory")
+  if config.metrics_file:
+    outputs.check_writable(config.metrics_file, 0, "metrics_file", is_file=True)
+  if config.enable_tensorboard or config.profiler == "xplane":
+    outputs.check_writable(config.tensorboard_dir, 0, "tensorboard_dir")
+
+
+def close_iterator(it: Any) -> None:
+  """Stop a data iterator's prefetch threads and workers (synthetic iterators have none)."""
+  if hasattr(it, "close"):
+    it.close()
+
+
+def check_restore_paths(config: MaxTextConfig, setup: setup_lib.TrainSetup, checkpointed: Any) -> None:
+  """Every checkpoint the run may read matches this model; read metadata only, no arrays."""
+  from flax import nnx
+
+  from maxtext.layers.lora import LoRAParam
+  from maxtext.layers.mhc import MHCParam
+
+  params = setup.abstract_state["params"]
+  if config.load_parameters_path:
+    checkpointing.match_params(config.load_parameters_path, params, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
+  if config.lora.lora_restore_path:
+    if not config.lora.enable_lora:
+      raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")
+    wanted = nnx.filter_state(params, nnx.Any(LoRAParam, MHCParam))
+    checkpointing.match_params(config.lora.lora_restore_path, wanted, "lora.lora_restore_path", may_lack=MHCParam)
+  if config.load_full_state_path:
+    problem = checkpointing.check_compatible(checkpointing.item_path(config.load_full_state_path), checkpointed, config.load_full_state_path)
+    if problem:
+      raise ConfigError(f"load_full_state_path '{config.load_full_state_path}' is not a usable checkpoint ({problem}); pass another step directory")
+  if config.enable_checkpointing:
+    newest = checkpointing.newest_step_dir(config.checkpoint_dir)
+    if newest is not None:  # a damaged newest step is set aside at restore; another model's checkpoints stop here
+      checkpointing.check_compatible(newest / checkpointing.ITEM, checkpointed, config.checkpoint_dir)
+
+
+def compiled_step(config: MaxTextConfig, setup: setup_lib.TrainSetup, mesh: jax.sharding.Mesh) -> Any:
+  """The train step the loop runs: the AOT executable of compiled_trainstep_file, else setup's compiled step."""
+  if config.compiled_trainstep_file:  # made by maxtext.train_compile; refused unless config and devices match
+    from maxtext.aot import executable
+
+    return executable.load(config.compiled_trainstep_file, config, list(mesh.devices.flat))
+  return setup.compiled_step
+
+
+def state_bytes(tree: Any) -> int:
+  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def device_memory() -> tuple[int, str]:
+  """(bytes one device may use, what that figure is): the accelerator's limit, or on CPU the host's available memory per device."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"{device.device_kind} memory"
+  available = host_available_bytes()
+  per_device = available // max(1, jax.local_device_count())
+  return per_device, f"the host's available memory ({available / 2**30:.2f} GiB) shared by {jax.local_device_count()} CPU devices"
+
+
+def host_available_bytes() -> int:
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def step_bytes(compiled: Any) -> tuple[int, int] | None:
+  """(bytes one device needs to run the compiled step, of which temporaries), from XLA's memory analysis."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - some backends and deserialized executables have no analysis
+    return None
+  if m is None:
+    return None
+  need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes + m.generated_code_size_in_bytes
+  return int(need), int(m.temp_size_in_bytes)
+
+
+def check_memory_fit(config: MaxTextConfig, compiled: Any) -> None:
+  sizes = step_bytes(compiled)
+  if sizes is None:
+    return
+  need, temp = sizes
+  limit, what = device_memory()
+  if need > MEMORY_HEADROOM * limit:
+    raise ConfigError(
+      f"the compiled train step needs {need / 2**30:.2f} GiB per device ({temp / 2**30:.2f} GiB of it temporaries) but {what} allows {limit / 2**30:.2f} GiB; "
+      f"lower per_device_batch_size ({config.per_device_batch_size}) or max_target_length ({config.max_target_length}), "
+      "use remat_policy=full, or shard over more devices"
+    )

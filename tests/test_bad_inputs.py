@@ -1,0 +1,170 @@
+"""Bad inputs, each run as the user would (a subprocess): exit 2, one `error:` line, no traceback, nothing written.
+
+Every failure found in a reliability campaign becomes a row of CASES. A row's argv may name `{tmp}` (the
+case's scratch directory, holding only the inputs the case made) and `{run}` (a run directory with one checkpoint) and `{sp}` (a tiny sentencepiece model).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.test_data_common import sp_model
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(
+  base_emb_dim=32,
+  base_num_query_heads=2,
+  base_num_kv_heads=2,
+  head_dim=16,
+  base_mlp_dim=64,
+  base_num_decoder_layers=2,
+  vocab_size=128,
+  max_target_length=16,
+  per_device_batch_size=1,
+  dataset_type="synthetic",
+  enable_tensorboard="true",
+  async_checkpointing="false",
+  base_output_directory="{tmp}/out",
+  run_name="r",
+)
+CONVERT = [sys.executable, "-m", "maxtext.convert", "hf-to-maxtext", "--out", "{tmp}/converted"]
+
+
+def _train(*extra: str) -> list[str]:
+  """The train command on the tiny model, with key=value overrides replacing its defaults."""
+  keys = {**TINY, **dict(e.split("=", 1) for e in extra)}
+  return [sys.executable, "-m", "maxtext.train", str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in keys.items())]
+
+
+# (id, argv, what the one line must mention)
+CASES = [
+  ("lora_module_path_not_a_regex", _train("lora.lora_module_path=("), "lora.lora_module_path"),
+  ("keep_zero_checkpoints", _train("max_num_checkpoints_to_keep=0"), "max_num_checkpoints_to_keep"),
+  ("load_parameters_path_not_a_checkpoint", _train("load_parameters_path={tmp}/not_a_checkpoint"), "not a readable checkpoint"),
+  ("load_full_state_path_missing", _train("load_full_state_path={tmp}/missing"), "does not exist"),
+  ("lora_restore_path_not_a_checkpoint", _train("lora.enable_lora=true", "lora.lora_restore_path={tmp}/not_a_checkpoint"), "not a readable checkpoint"),
+  ("compiled_trainstep_file_missing", _train("compiled_trainstep_file={tmp}/missing.bin"), "missing.bin"),
+  ("step_does_not_fit_memory", _train("max_target_length=32768", "per_device_batch_size=4"), "GiB per device"),
+  ("output_under_a_regular_file", _train("base_output_directory={tmp}/a_file/out"), "not a directory"),
+  ("metrics_file_under_a_regular_file", _train("metrics_file={tmp}/a_file/metrics.jsonl"), "not a directory"),
+  (
+    "no_data_files",
+    _train("dataset_type=grain", "grain_file_type=jsonl", "grain_train_files={tmp}/none/*.jsonl", "tokenizer_path={sp}", "vocab_size=512"),
+    "matches no file",
+  ),
+  (
+    "tokenizer_missing",
+    _train(
+      "dataset_type=grain", "grain_file_type=jsonl", "grain_train_files={tmp}/data.jsonl", "tokenizer_type=sentencepiece", "tokenizer_path={tmp}/no.model"
+    ),
+    "no.model",
+  ),
+  ("restart_with_another_model_shape", _train("base_output_directory={run}", "base_mlp_dim=128"), "shape"),
+  ("run_directory_locked_by_a_live_run", _train("base_output_directory={tmp}/locked"), "in use by another run"),
+  ("convert_truncated_safetensors", [*CONVERT, "--hf-dir", "{tmp}/hf_truncated"], "not a readable safetensors file"),
+  ("convert_hidden_size_disagrees", [*CONVERT, "--hf-dir", "{tmp}/hf_wrong_size"], "does not fit hidden_size"),
+]
+
+
+def _hf_dir(path: Path, hidden: int, tensors_hidden: int) -> None:
+  """A tiny Llama-style Hugging Face directory whose tensors use tensors_hidden while config.json says hidden."""
+  from safetensors.numpy import save_file
+
+  path.mkdir()
+  heads, layers, vocab, mlp = 2, 1, 64, 32
+  cfg = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=hidden, intermediate_size=mlp, num_attention_heads=heads)
+  cfg.update(num_key_value_heads=heads, num_hidden_layers=layers, vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64)
+  cfg.update(tie_word_embeddings=False, hidden_act="silu", head_dim=8)
+  (path / "config.json").write_text(json.dumps(cfg))
+  e, q = tensors_hidden, heads * 8
+  t = {"model.embed_tokens.weight": (vocab, e), "model.norm.weight": (e,), "lm_head.weight": (vocab, e)}
+  for name, shape in {
+    "self_attn.q_proj.weight": (q, e),
+    "self_attn.k_proj.weight": (q, e),
+    "self_attn.v_proj.weight": (q, e),
+    "self_attn.o_proj.weight": (e, q),
+    "mlp.gate_proj.weight": (mlp, e),
+    "mlp.up_proj.weight": (mlp, e),
+    "mlp.down_proj.weight": (e, mlp),
+    "input_layernorm.weight": (e,),
+    "post_attention_layernorm.weight": (e,),
+  }.items():
+    t[f"model.layers.0.{name}"] = shape
+  save_file({k: np.zeros(s, np.float32) for k, s in t.items()}, str(path / "model.safetensors"))
+
+
+def _make_inputs(tmp: Path) -> None:
+  (tmp / "not_a_checkpoint").mkdir()
+  (tmp / "not_a_checkpoint" / "notes.txt").write_text("not a checkpoint\n")
+  (tmp / "a_file").write_text("a regular file\n")
+  (tmp / "locked" / "r").mkdir(parents=True)  # held by this (live) test process
+  (tmp / "locked" / "r" / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now"}))
+  (tmp / "data.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(8)))
+  _hf_dir(tmp / "hf_truncated", 16, 16)
+  weights = tmp / "hf_truncated" / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:1000])
+  _hf_dir(tmp / "hf_wrong_size", 24, 16)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+  """Every path under root with its size and mtime: what a case must leave untouched."""
+  out = {}
+  for dirpath, dirnames, filenames in os.walk(root):
+    for name in dirnames + filenames:
+      p = Path(dirpath) / name
+      st = p.lstat()
+      out[str(p.relative_to(root))] = (st.st_size if p.is_file() else 0, st.st_mtime_ns)
+  return out
+
+
+def _env() -> dict[str, str]:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=str(REPO))
+  env.pop("PYTHONWARNINGS", None)
+  return env
+
+
+def _run_case(argv: list[str], tmp: Path, run: Path, sp: str) -> tuple[subprocess.CompletedProcess, tuple, tuple]:
+  args = [a.replace("{tmp}", str(tmp)).replace("{run}", str(run)).replace("{sp}", sp) for a in argv]
+  before = (_snapshot(tmp.parent), _snapshot(run))
+  proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp, env=_env(), timeout=300)
+  return proc, before, (_snapshot(tmp.parent), _snapshot(run))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  """Run every case (two at a time) once; each gets its own scratch directory."""
+  run_root = tmp_path_factory.mktemp("existing_run")
+  argv = [a.replace("{tmp}/out", str(run_root)) for a in _train("steps=1")]
+  made = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300)
+  assert made.returncode == 0, made.stderr[-2000:]
+  shutil.rmtree(run_root / "r" / "tensorboard", ignore_errors=True)
+  sp = sp_model()
+  jobs = {}
+  with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+    for case_id, argv, _ in CASES:
+      tmp = tmp_path_factory.mktemp("case") / "work"
+      tmp.mkdir()
+      _make_inputs(tmp)
+      jobs[case_id] = pool.submit(_run_case, argv, tmp, run_root, sp)
+  return {k: v.result() for k, v in jobs.items()}, run_root
+
+
+@pytest.mark.parametrize("case_id,argv,mention", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_nothing_written(results, case_id, argv, mention):
+  (proc, before, after), _ = results[0][case_id], results[1]
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+  assert mention in lines[0]
+  assert "Traceback" not in proc.stdout + proc.stderr
+  assert after == before  # no directory, lock, checkpoint, events file or metrics file appeared or changed
