@@ -94,12 +94,21 @@ class HyperConnection(nnx.Module):
 
   def __call__(self, x: jax.Array, branch: Branch) -> jax.Array:
     h_pre, h_post, h_res = self.mixing(x)
-    x32 = x.astype(jnp.float32)
-    # Sums over n <= a few streams: elementwise products in exact float32 (no low-precision matmul passes).
-    u = jnp.sum(h_pre[..., None] * x32, axis=-2)
+    streams = [x[..., k, :].astype(jnp.float32) for k in range(self.n)]
+    u = _weighted_sum(h_pre, streams)
     y = branch(u.astype(x.dtype)).astype(jnp.float32)
-    mixed = jnp.sum(h_res[..., None] * x32[..., None, :, :], axis=-2)
-    return (mixed + h_post[..., None] * y[..., None, :]).astype(x.dtype)
+    out = [_weighted_sum(h_res[..., m, :], streams) + h_post[..., m, None] * y for m in range(self.n)]
+    return jnp.stack(out, axis=-2).astype(x.dtype)
+
+
+def _weighted_sum(weights: jax.Array, streams: list[jax.Array]) -> jax.Array:
+  """sum_k weights[..., k] streams[k], in float32, unrolled over the n streams.
+
+  n is a handful, so these are elementwise multiply-adds that fuse into one loop, and their gradients
+  are n separate [..., E] -> [...] reductions. A batched einsum over the stream axis instead lowers
+  (on XLA:CPU) to a materialised [..., n, n, E] product reduced over E, which cost more than the layer.
+  """
+  return sum(weights[..., k, None] * s for k, s in enumerate(streams))
 
 
 def expand(x: jax.Array, n: int) -> jax.Array:
