@@ -53,6 +53,17 @@ def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS) * scale
 
 
+@jax.checkpoint
+def _projections(x: jax.Array, norm_scale: jax.Array, w: jax.Array) -> jax.Array:
+  """RMSNorm(flatten(x)) W in float32: [..., n, E] -> [..., n (n + 2)].
+
+  Rematerialised: the backward pass recomputes the n-times-wide float32 copy and its normalised form
+  from x (which the layer keeps anyway) instead of storing two [..., nE] float32 arrays per connection.
+  """
+  flat = x.astype(jnp.float32).reshape(*x.shape[:-2], -1)
+  return jnp.einsum("...i,ij->...j", _rms_norm(flat, norm_scale), w, precision=jax.lax.Precision.HIGHEST)
+
+
 class HyperConnection(nnx.Module):
   """The mHC update around one sub-block; called as connection(x [B, S, n, E], branch) -> x'."""
 
@@ -81,10 +92,8 @@ class HyperConnection(nnx.Module):
     """(H_pre [..., n], H_post [..., n], H_res [..., n, n]) for the stream state x [..., n, E], in float32."""
     n = self.n
     f32 = jnp.float32
-    flat = x.astype(f32).reshape(*x.shape[:-2], -1)
-    x_hat = _rms_norm(flat, self.norm_scale[...].astype(f32))
     w = jnp.concatenate([self.pre_proj[...], self.post_proj[...], self.res_proj[...]], axis=-1).astype(f32)
-    proj = jnp.einsum("...i,ij->...j", x_hat, w, precision=jax.lax.Precision.HIGHEST)
+    proj = _projections(x, self.norm_scale[...].astype(f32), w)
     pre, post, res = proj[..., :n], proj[..., n : 2 * n], proj[..., 2 * n :]
     h_pre = jax.nn.sigmoid(self.pre_scale[...].astype(f32) * pre + self.pre_bias[...].astype(f32))
     h_post = 2.0 * jax.nn.sigmoid(self.post_scale[...].astype(f32) * post + self.post_bias[...].astype(f32))
