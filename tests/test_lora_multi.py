@@ -116,7 +116,7 @@ def test_one_adapter_equals_the_single_adapter_path_bit_for_bit(multi_model):
     m_loss, m_grads = _loss_and_adapter_grads("multi", model, toks, ids)
     assert np.array_equal(s_loss, m_loss)
     for key, grad in s_grads.items():
-      np.testing.assert_allclose(m_grads[key][:, 0], grad, rtol=2e-6, atol=2e-7, err_msg=key)
+      np.testing.assert_allclose(m_grads[key][:, 0], grad, rtol=1e-5, atol=1e-6, err_msg=key)
       assert not np.any(m_grads[key][:, 1:]), key  # no row uses the other slots
 
 
