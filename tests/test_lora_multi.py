@@ -3,7 +3,6 @@ equal to the single-adapter path bit for bit, and no gradient leaking between ad
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +11,8 @@ from flax import nnx
 
 from maxtext import models
 from maxtext.config import ConfigError
-from maxtext.layers.lora import LoRAParam, adapter_specs
+from maxtext.convert import peft
+from maxtext.layers.lora import LoRAParam, adapter_specs, put_slot, single_adapter_config, slot_params
 from maxtext.models.counting import param_count
 from tests.test_models import tiny, tokens
 
@@ -135,3 +135,27 @@ def test_gradients_never_leak_between_adapters(multi_model):
   assert not np.any(grads["layers/attention/query/lora/lora_b"][:, 1, 1])
   _, none = _loss_and_adapter_grads("multi", multi_model, toks, jnp.full((4,), -1, jnp.int32))
   assert not any(np.any(g) for g in none.values())
+
+
+def test_each_adapter_exports_to_peft_on_its_own_and_loads_into_a_slot_by_name(multi_model):
+  config = tiny("llama2", lora=MULTI)
+  graphdef, params, rest = nnx.split(multi_model, nnx.Param, ...)
+  flat = _flat(params)
+  paths = {"/".join(map(str, p)): p for p, _ in nnx.to_flat_state(params)}
+  emptied = {k: jnp.zeros_like(v) if k.endswith(("lora_a", "lora_b")) else v for k, v in flat.items()}
+  toks = tokens(batch=3, seed=5)
+  for slot, name in ((1, "bob"), (2, "carol")):
+    single_config = single_adapter_config(config, name)
+    adapter = slot_params(flat, config, name)
+    tensors, adapter_config = peft.to_peft({k: np.asarray(v) for k, v in adapter.items()}, single_config)
+    assert adapter_config["r"] == single_config.lora.lora_rank == (1 if name == "bob" else 2)
+    shapes = {k: tuple(v.shape) for k, v in adapter.items()}
+    back = peft.from_peft(tensors, single_config, shapes)
+    loaded = put_slot(emptied, back, config, name)  # into a model whose adapters are all zero
+    model = nnx.merge(graphdef, nnx.from_flat_state({paths[k]: v for k, v in loaded.items()}), rest)
+    ids = jnp.full((3,), slot, jnp.int32)
+    want, _ = _loss_and_adapter_grads("multi", multi_model, toks, ids)
+    got, _ = _loss_and_adapter_grads("multi", model, toks, ids)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+  with pytest.raises(ConfigError):
+    slot_params(flat, config, "dave")

@@ -236,3 +236,54 @@ def merge(kernel: jax.Array, lora_a: jax.Array, lora_b: jax.Array, scale: float,
   batch = tuple(range(lead))
   delta = jax.lax.dot_general(a, b, (((a.ndim - 1,), (lead,)), (batch, batch)), precision=jax.lax.Precision.HIGHEST)
   return (jnp.asarray(kernel, jnp.float32) + scale * delta).astype(jnp.asarray(kernel).dtype)
+
+
+def _slot_index(config: MaxTextConfig, name: str) -> tuple[int, AdapterSpec]:
+  specs = adapter_specs(config)
+  for i, spec in enumerate(specs):
+    if spec.name == name:
+      return i, spec
+  raise ConfigError(f"no adapter named '{name}'; this config's adapters are {', '.join(s.name for s in specs)}")
+
+
+def single_adapter_config(config: MaxTextConfig, name: str) -> MaxTextConfig:
+  """The config of a one-adapter model holding only adapter `name` of a multi-adapter config (its rank, same alpha)."""
+  _, spec = _slot_index(config, name)
+  lora = config.lora.model_copy(update={"max_lora_adapters": 1, "max_lora_rank": 0, "lora_adapters": [], "lora_rank": spec.rank})
+  return config.model_copy(update={"lora": lora})
+
+
+def _is_adapter(path: str) -> bool:
+  return path.endswith(("lora/lora_a", "lora/lora_b"))
+
+
+def slot_params(flat: dict[str, jax.Array], config: MaxTextConfig, name: str) -> dict[str, jax.Array]:
+  """Adapter `name` of a multi-adapter model's flat '/'-path params, as the one-adapter model of
+  single_adapter_config(config, name) holds it: A [..., in..., r], B [..., r, out...] (only adapter paths)."""
+  slot, spec = _slot_index(config, name)
+  axis = 1 if config.scan_layers else 0
+  out = {}
+  for path, value in flat.items():
+    if _is_adapter(path):
+      value = jnp.take(jnp.asarray(value), slot, axis=axis)
+      rank_axis = value.ndim - 1 if path.endswith("lora_a") else axis
+      out[path] = jax.lax.slice_in_dim(value, 0, spec.rank, axis=rank_axis)
+  return out
+
+
+def put_slot(flat: dict[str, jax.Array], adapter: dict[str, jax.Array], config: MaxTextConfig, name: str) -> dict[str, jax.Array]:
+  """flat with slot `name` replaced by a one-adapter model's adapters (as slot_params gives them), zero-padded to max_lora_rank."""
+  slot, spec = _slot_index(config, name)
+  axis = 1 if config.scan_layers else 0
+  out = dict(flat)
+  for path, value in adapter.items():
+    value = jnp.asarray(value)
+    rank_axis = value.ndim - 1 if path.endswith("lora_a") else axis
+    if value.shape[rank_axis] != spec.rank:
+      raise ConfigError(f"adapter for slot '{name}' has rank {value.shape[rank_axis]} at {path}; the slot's rank is {spec.rank}")
+    full = jnp.asarray(flat[path])
+    pad = [(0, 0)] * value.ndim
+    pad[rank_axis] = (0, full.shape[axis + 1 if path.endswith("lora_b") else -1] - spec.rank)
+    padded = jnp.pad(value, pad).astype(full.dtype)
+    out[path] = full.at[(slice(None),) * axis + (slot,)].set(padded)
+  return out

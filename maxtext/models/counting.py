@@ -120,7 +120,17 @@ def attended_keys(config: MaxTextConfig) -> int:
 
 # Stages of a decoder layer, bottom to top: a gradient is needed at a stage's input only if something
 # below it trains. Norms belong to the stage they feed.
-_STAGE_OF = {"attention/query": 0, "attention/key": 0, "attention/value": 0, "attention/out": 2, "mlp/gate": 3, "mlp/wi_0": 3, "mlp/wi_1": 3, "mlp/wi": 3, "mlp/wo": 4}
+_STAGE_OF = {
+  "attention/query": 0,
+  "attention/key": 0,
+  "attention/value": 0,
+  "attention/out": 2,
+  "mlp/gate": 3,
+  "mlp/wi_0": 3,
+  "mlp/wi_1": 3,
+  "mlp/wi": 3,
+  "mlp/wo": 4,
+}
 _ATTENTION_CORE_STAGE = 1
 SINKHORN_FLOPS_PER_ENTRY = 4  # one log-domain normalisation: subtract the max, exp, sum, subtract the log-sum
 
