@@ -5,7 +5,7 @@ step of three variants, exactly as `python -m maxtext.train` builds them:
   plain  mHC off, full finetuning (every parameter trains)
   mhc    mhc_expansion_rate = --mhc_rate
   lora   lora.enable_lora = true (base frozen; the optimizer holds state for the adapters only)
-and reports compile seconds, median step seconds (the variants' steps run round-robin, so a load
+and reports compile seconds, XLA's temporary bytes (activations), median step seconds (the variants' steps run round-robin, so a load
 change on a shared host hits all of them alike), and the bytes of parameters, trainable parameters
 and optimizer state (from the compiled state's shapes, so the numbers do not depend on the device).
 """
@@ -50,6 +50,7 @@ def build(config_args: list[str]) -> dict:
     "trainable_param_bytes": _bytes(trainable),
     "optimizer_state_bytes": _bytes(abstract["opt_state"]),
     "checkpointed_param_bytes": _bytes(state_lib.checkpointed(abstract, config)["params"]),
+    "temp_bytes": step.compiled.memory_analysis().temp_size_in_bytes,  # activations and other temporaries (XLA)
   }
   return {"step": step, "state": state, "batch": batch, "sizes": sizes, "times": [], "losses": []}
 
@@ -98,6 +99,7 @@ def main(argv: list[str]) -> list[dict]:
   summary = {
     "mhc_step_time_ratio": round(mhc["median_step_seconds"] / plain["median_step_seconds"], 3),
     "mhc_compile_time_ratio": round(mhc["compile_seconds"] / plain["compile_seconds"], 3),
+    "mhc_extra_temp_bytes": mhc["temp_bytes"] - plain["temp_bytes"],
     "lora_step_time_ratio": round(lora["median_step_seconds"] / plain["median_step_seconds"], 3),
     "lora_optimizer_state_ratio": round(lora["optimizer_state_bytes"] / plain["optimizer_state_bytes"], 5),
     "lora_checkpoint_param_ratio": round(lora["checkpointed_param_bytes"] / plain["checkpointed_param_bytes"], 5),

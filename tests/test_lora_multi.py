@@ -14,6 +14,7 @@ from maxtext.config import ConfigError
 from maxtext.convert import peft
 from maxtext.layers.lora import LoRAParam, adapter_specs, put_slot, single_adapter_config, slot_params
 from maxtext.models.counting import param_count
+from maxtext.train import setup as setup_lib
 from tests.test_models import tiny, tokens
 
 SINGLE = {"enable_lora": True, "lora_rank": 2, "lora_alpha": 4.0}
@@ -112,7 +113,7 @@ def test_one_adapter_equals_the_single_adapter_path_bit_for_bit(multi_model):
   model = nnx.merge(m_graph, m_params, m_rest)
   toks = tokens(batch=3)
   s_loss, s_grads = _loss_and_adapter_grads("single", single, toks, None)
-  for ids in (None, jnp.zeros((3,), jnp.int32)):
+  for ids in (jnp.zeros((3,), jnp.int32),):  # every row on slot 0
     m_loss, m_grads = _loss_and_adapter_grads("multi", model, toks, ids)
     assert np.array_equal(s_loss, m_loss)
     for key, grad in s_grads.items():
@@ -159,3 +160,25 @@ def test_each_adapter_exports_to_peft_on_its_own_and_loads_into_a_slot_by_name(m
     np.testing.assert_allclose(got, want, rtol=1e-6)
   with pytest.raises(ConfigError):
     slot_params(flat, config, "dave")
+
+
+def test_one_train_step_trains_every_adapter_in_the_batch_and_no_other():
+  from tests.test_lora import _fixed_batch
+  from tests.test_train_helpers import mesh_for, tiny_config
+
+  config = tiny_config(num_devices=2, lora={**MULTI, "max_lora_adapters": 3, "lora_adapters": ["a", "b:1", "c"]})
+  setup = setup_lib.build(config, mesh_for(config))
+  assert setup.abstract_batch["adapter_ids"].shape == (config.global_batch_size_to_train_on,)
+  with jax.set_mesh(setup.mesh):
+    state = setup.init_state()
+    before = _flat(jax.device_get(state["params"]))
+    batch = dict(_fixed_batch(config), adapter_ids=np.asarray([0, 2], np.int32))  # slot 1 ("b") has no row
+    state, metrics = setup.jit_step(state, jax.device_put(batch, setup.batch_shardings))
+    after = _flat(jax.device_get(state["params"]))
+  assert np.isfinite(float(metrics["loss"]))
+  for key, value in before.items():
+    if key.endswith("lora_b"):  # B starts at zero, so only B moves in the first step
+      assert np.any(after[key][:, 0] != value[:, 0]) and np.any(after[key][:, 2] != value[:, 2]), key
+      assert np.array_equal(after[key][:, 1], value[:, 1]), key
+    elif not key.endswith("lora_a"):
+      assert np.array_equal(after[key], value), key  # the frozen base

@@ -175,7 +175,7 @@ class MultiLoRA(nnx.Module):
     y = self.slot(x, 0)
     if ids is None:
       return y
-    rows = jnp.asarray(ids).reshape(ids.shape[0], *(1,) * (y.ndim - 1))
+    rows = jnp.asarray(ids).reshape(*ids.shape, *(1,) * (y.ndim - ids.ndim))  # [B] per row or [B, S] per token
     y = jnp.where(rows == 0, y, jnp.zeros_like(y))  # a row whose id names no slot (e.g. -1) gets no adapter
     for s in range(1, len(self.ranks)):
       y = jnp.where(rows == s, self.slot(x, s), y)
