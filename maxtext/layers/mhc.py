@@ -103,21 +103,38 @@ class HyperConnection(nnx.Module):
 
   def __call__(self, x: jax.Array, branch: Branch) -> jax.Array:
     h_pre, h_post, h_res = self.mixing(x)
-    streams = [x[..., k, :].astype(jnp.float32) for k in range(self.n)]
-    u = _weighted_sum(h_pre, streams)
-    y = branch(u.astype(x.dtype)).astype(jnp.float32)
-    out = [_weighted_sum(h_res[..., m, :], streams) + h_post[..., m, None] * y for m in range(self.n)]
-    return jnp.stack(out, axis=-2).astype(x.dtype)
+    y = branch(_mix_in(h_pre, x))
+    return _mix_out(h_res, h_post, x, y)
 
 
-def _weighted_sum(weights: jax.Array, streams: list[jax.Array]) -> jax.Array:
-  """sum_k weights[..., k] streams[k], in float32, unrolled over the n streams.
+def _weighted_sum(weights: jax.Array, x: jax.Array) -> jax.Array:
+  """sum_k weights[..., k] x[..., k, :] in float32: [..., n] x [..., n, E] -> [..., E].
 
-  n is a handful, so these are elementwise multiply-adds that fuse into one loop, and their gradients
-  are n separate [..., E] -> [...] reductions. A batched einsum over the stream axis instead lowers
-  (on XLA:CPU) to a materialised [..., n, n, E] product reduced over E, which cost more than the layer.
+  A broadcast product reduced over the stream axis: its gradients are elementwise (to x) and one
+  [..., n, E] -> [..., n] reduction (to the weights). Slicing x into n streams instead pads each slice's
+  gradient back to [..., n, E] (n full-size temporaries per connection).
   """
-  return sum(weights[..., k, None] * s for k, s in enumerate(streams))
+  return jnp.sum(weights[..., None].astype(jnp.float32) * x.astype(jnp.float32), axis=-2)
+
+
+# Both mixes are rematerialised: their backward passes need only x, y and the small H matrices, so the
+# float32 products are recomputed instead of stored per connection.
+@jax.checkpoint
+def _mix_in(h_pre: jax.Array, x: jax.Array) -> jax.Array:
+  """The branch input sum_k H_pre[k] x_k, in x's dtype."""
+  return _weighted_sum(h_pre, x).astype(x.dtype)
+
+
+@jax.checkpoint
+def _mix_out(h_res: jax.Array, h_post: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+  """x'_m = sum_k H_res[m, k] x_k + H_post[m] y, in x's dtype.
+
+  One batched contraction over the streams, in exact float32 (HIGHEST: no low-precision matmul passes).
+  Its broadcast-and-sum form is as fast forward, but its backward reduces a [..., n, n, E] product,
+  which made the stream mixing cost more than the rest of the layer on XLA:CPU.
+  """
+  mixed = jnp.einsum("...mk,...ke->...me", h_res, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  return (mixed + h_post[..., None] * y.astype(jnp.float32)[..., None, :]).astype(x.dtype)
 
 
 def expand(x: jax.Array, n: int) -> jax.Array:
