@@ -104,6 +104,10 @@ def _device_counts(config: MaxTextConfig, num_devices: int | None, num_slices: i
 
 
 def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
+  if c.lora.max_lora_adapters > 1 or c.lora.lora_adapters:
+    from maxtext.layers.lora import adapter_specs  # validates names, ranks and their count
+
+    adapter_specs(c)
   if heads % kv_heads:
     raise ConfigError(f"num_query_heads {heads} is not a multiple of num_kv_heads {kv_heads}; change base_num_query_heads or base_num_kv_heads")
   if c.num_experts_per_tok > c.num_experts:

@@ -289,6 +289,11 @@ class LoRA(Section):
   lora_alpha: float = Field(32.0, gt=0, description="Adapter scale alpha; the update is (alpha / r) B A x.")
   lora_module_path: str = Field(r".*(attention/(query|key|value|out)|mlp/(wi_0|wi_1|wo))$", description="Regex over parameter module paths that get adapters.")
   lora_restore_path: str = Field("", description="Checkpoint of adapters to start from.")
+  max_lora_adapters: int = Field(1, gt=0, description="Adapter slots in the model; > 1: each batch row names its slot (batch key adapter_ids).")
+  max_lora_rank: int = Field(0, ge=0, description="Rank of every slot's matrices when max_lora_adapters > 1 (0 = lora_rank); adapters may use less.")
+  lora_adapters: list[str] = Field(
+    [], description="Slot names with optional ranks, 'name' or 'name:rank', one per slot when max_lora_adapters > 1 ([] = adapter_<i> at lora_rank)."
+  )
 
 
 class LoRASection(Section):

@@ -2,7 +2,7 @@
 
 python -m maxtext.convert hf-to-maxtext --hf-dir D --out O [key=value ...]
 python -m maxtext.convert maxtext-to-hf --checkpoint O --out D [--config configs/base.yml key=value ...]
-python -m maxtext.convert lora-to-peft --checkpoint C --out D [--merge] --config <run config> key=value ...
+python -m maxtext.convert lora-to-peft --checkpoint C --out D [--merge] [--adapter NAME] --config <run config> key=value ...
 python -m maxtext.convert peft-to-lora --peft-dir P --out O --config <base model config> key=value ...
 """
 
@@ -93,6 +93,7 @@ def main(argv: list[str]) -> None:
   c.add_argument("--out", required=True)
   c.add_argument("--merge", action="store_true", help="write full HF weights W + (alpha/r) B A (base from load_parameters_path)")
   c.add_argument("--config", nargs="+", required=True, help="config file and key=value of the LoRA run")
+  c.add_argument("--adapter", default="", help="with lora.max_lora_adapters > 1: the name of the adapter to export")
   d = sub.add_parser("peft-to-lora", help="Hugging Face PEFT adapter -> adapters checkpoint for lora.lora_restore_path")
   d.add_argument("--peft-dir", required=True)
   d.add_argument("--out", required=True)
@@ -105,7 +106,7 @@ def main(argv: list[str]) -> None:
   elif args.command == "lora-to-peft":
     from maxtext.convert import peft
 
-    print(peft.export(args.checkpoint, args.out, args.config, merged=args.merge))
+    print(peft.export(args.checkpoint, args.out, args.config, merged=args.merge, adapter=args.adapter))
   else:
     from maxtext.convert import peft
 

@@ -225,9 +225,11 @@ def _flat_numpy(state: Any) -> dict[str, np.ndarray]:
   return {k: np.asarray(jax.device_get(v)) for k, v in flat_params(state).items()}
 
 
-def export(checkpoint: str, out: str, config_args: list[str], merged: bool = False) -> str:
+def export(checkpoint: str, out: str, config_args: list[str], merged: bool = False, adapter: str = "") -> str:
   """A LoRA run's checkpoint -> a PEFT adapter directory, or with merged=True a full Hugging Face model directory
-  (base from the config's load_parameters_path, W + (alpha / r) B A). Returns a one-line summary."""
+  (base from the config's load_parameters_path, W + (alpha / r) B A). Returns a one-line summary.
+
+  With lora.max_lora_adapters > 1, `adapter` names the one slot to export (at its own rank)."""
   from flax import nnx
 
   from maxtext.config import load
@@ -245,6 +247,15 @@ def export(checkpoint: str, out: str, config_args: list[str], merged: bool = Fal
   abstract = _abstract_params(config)
   adapters, _ = restore_some_params(checkpoint, nnx.filter_state(abstract, LoRAParam), "--checkpoint")
   flat = _flat_numpy(adapters)
+  if config.lora.max_lora_adapters > 1:
+    from maxtext.layers.lora import single_adapter_config, slot_params
+
+    if not adapter:
+      raise ConfigError("this run has several adapters; name the one to export with --adapter <name> (see lora.lora_adapters)")
+    flat = {k: np.asarray(v) for k, v in slot_params(flat, config, adapter).items()}
+    config = single_adapter_config(config, adapter)
+  elif adapter:
+    raise ConfigError("--adapter applies to runs with lora.max_lora_adapters > 1; drop it")
   if not merged:
     tensors, adapter_config = to_peft(flat, config)
     write(out_path, tensors, adapter_config)

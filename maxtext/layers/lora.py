@@ -9,12 +9,22 @@ Candidates are the attention projections (query, key, value, out), the dense MLP
 (wi_0, wi_1 or wi, wo) and the MoE router (mlp/gate). Stacked MoE expert weights, the embedding and the
 output head take no adapters. A [in..., r] starts Kaiming-uniform (bound 1/sqrt(fan_in), as PEFT) and
 B [r, out...] at zero, so an adapted model equals its base at init.
+
+Several adapters (lora.max_lora_adapters > 1): each adapted projection holds one A [slots, in..., R] and
+B [slots, R, out...] (R = max_lora_rank); slot s uses its first rank_s columns. Every row of a batch names
+its slot (`adapter_ids` [batch], handed to the model's call); each slot's product runs on the whole batch
+and `where` keeps it only on its rows, so no gradient reaches a slot from another slot's rows, and with
+one slot in use the result is the single-adapter computation bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
 import re
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +39,60 @@ from maxtext.layers.linear import DenseGeneral
 
 class LoRAParam(nnx.Param):
   """An adapter matrix (A or B): the only parameters a LoRA run trains (with mHC connectors, if on)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSpec:
+  """One adapter slot: its name (for saving, exporting and loading) and its rank."""
+
+  name: str
+  rank: int
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def adapter_specs(config: MaxTextConfig) -> list[AdapterSpec]:
+  """The adapter slots of a multi-adapter config (lora.max_lora_adapters > 1), validated."""
+  cfg = config.lora
+  slots = cfg.max_lora_adapters
+  if slots == 1:
+    if cfg.lora_adapters or cfg.max_lora_rank:
+      raise ConfigError("lora.lora_adapters and lora.max_lora_rank apply to lora.max_lora_adapters > 1; set max_lora_adapters or drop them")
+    return [AdapterSpec("default", cfg.lora_rank)]
+  max_rank = cfg.max_lora_rank or cfg.lora_rank
+  if not cfg.lora_adapters:
+    return [AdapterSpec(f"adapter_{i}", min(cfg.lora_rank, max_rank)) for i in range(slots)]
+  if len(cfg.lora_adapters) != slots:
+    raise ConfigError(f"lora.lora_adapters names {len(cfg.lora_adapters)} adapters but lora.max_lora_adapters is {slots}; name one per slot")
+  specs = []
+  for entry in cfg.lora_adapters:
+    name, _, rank_text = str(entry).partition(":")
+    if not _NAME.match(name) or (rank_text and not rank_text.isdigit()):
+      raise ConfigError(f"invalid lora.lora_adapters entry {entry!r}; use 'name' or 'name:rank' (name of letters, digits, '_', '.', '-')")
+    rank = int(rank_text) if rank_text else min(cfg.lora_rank, max_rank)
+    if not 0 < rank <= max_rank:
+      raise ConfigError(f"adapter '{name}' has rank {rank}; ranks must be in 1..lora.max_lora_rank ({max_rank})")
+    specs.append(AdapterSpec(name, rank))
+  if len({s.name for s in specs}) != len(specs):
+    raise ConfigError(f"lora.lora_adapters has duplicate names: {cfg.lora_adapters}; give each slot its own name")
+  return specs
+
+
+_ADAPTER_IDS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("lora_adapter_ids", default=None)
+
+
+@contextlib.contextmanager
+def adapter_rows(adapter_ids: jax.Array | None) -> Iterator[None]:
+  """Within this block, multi-adapter LoRA layers route batch row i through slot adapter_ids[i].
+
+  None: every row uses slot 0. An id that names no slot (e.g. -1) leaves its row on the base model.
+  """
+  token = _ADAPTER_IDS.set(adapter_ids)
+  try:
+    yield
+  finally:
+    _ADAPTER_IDS.reset(token)
 
 
 class LoRA(nnx.Module):
@@ -66,6 +130,64 @@ class LoRA(nnx.Module):
     return y * jnp.asarray(self.scale, y.dtype)
 
 
+class MultiLoRA(nnx.Module):
+  """Adapter slots for one DenseGeneral: row i of the batch gets (alpha / r_s) B_s A_s x with s = adapter_ids[i].
+
+  A is [slots, in..., R], B [slots, R, out...]; slot s masks A's columns from its rank r_s on. Slot 0 draws
+  A from `key` exactly as the single-adapter LoRA does (slot s > 0 from fold_in(key, s)).
+  """
+
+  def __init__(
+    self,
+    in_shape: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    in_axes: tuple[str | None, ...],
+    out_axes: tuple[str | None, ...],
+    ranks: tuple[int, ...],
+    max_rank: int,
+    alpha: float,
+    *,
+    dtype: jnp.dtype,
+    weight_dtype: jnp.dtype,
+    precision: jax.lax.Precision,
+    key: jax.Array,
+    integer_rounding: bool = False,
+  ):
+    self.in_ndim = len(in_shape)
+    self.integer_rounding = integer_rounding
+    self.ranks = tuple(ranks)
+    self.max_rank = max_rank
+    self.scales = tuple(alpha / r for r in ranks)
+    self.dtype = dtype
+    self.precision = precision
+    bound = 1.0 / math.sqrt(math.prod(in_shape))
+    keys = [key] + [jax.random.fold_in(key, s) for s in range(1, len(ranks))]
+    a = jnp.stack([jax.random.uniform(k, (*in_shape, max_rank), jnp.float32, -bound, bound) for k in keys])
+    self.lora_a = LoRAParam(a.astype(weight_dtype), logical_axes=(None, *in_axes, None))
+    self.lora_b = LoRAParam(jnp.zeros((len(ranks), max_rank, *out_shape), weight_dtype), logical_axes=(None, None, *out_axes))
+
+  def slot(self, x: jax.Array, s: int) -> jax.Array:
+    """Slot s's update for every row of x (masked to its rank)."""
+    a = self.lora_a[...][s]
+    if self.ranks[s] < self.max_rank:
+      a = a * (jnp.arange(self.max_rank) < self.ranks[s]).astype(a.dtype)
+    kw = dict(dtype=self.dtype, precision=self.precision, integer_rounding=self.integer_rounding)
+    h = matmul.contract_trailing(x, a, self.in_ndim, **kw)
+    y = matmul.contract_trailing(h, self.lora_b[...][s], 1, **kw)
+    return y * jnp.asarray(self.scales[s], y.dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    ids = _ADAPTER_IDS.get()
+    y = self.slot(x, 0)
+    if ids is None:
+      return y
+    rows = jnp.asarray(ids).reshape(*ids.shape, *(1,) * (y.ndim - ids.ndim))  # [B] per row or [B, S] per token
+    y = jnp.where(rows == 0, y, jnp.zeros_like(y))  # a row whose id names no slot (e.g. -1) gets no adapter
+    for s in range(1, len(self.ranks)):
+      y = jnp.where(rows == s, self.slot(x, s), y)
+    return y
+
+
 def module_path(path: tuple) -> str:
   return "/".join(str(p) for p in path)
 
@@ -100,21 +222,19 @@ def attach(layer: nnx.Module, config: MaxTextConfig, rngs: nnx.Rngs) -> None:
     dense = modules[path]
     axes = tuple(dense.kernel.get_metadata().get("logical_axes") or (None,) * dense.kernel[...].ndim)
     n_in = len(dense.in_shape)
-    dense.lora = nnx.data(
-      LoRA(
-        dense.in_shape,
-        dense.out_shape,
-        axes[:n_in],
-        axes[n_in:],
-        cfg.lora_rank,
-        cfg.lora_alpha,
-        dtype=dense.dtype,
-        weight_dtype=dtype(config.weight_dtype),
-        precision=dense.precision,
-        key=jax.random.fold_in(base_key, i),
-        integer_rounding=dense.integer_rounding,
-      )
+    common = dict(
+      dtype=dense.dtype,
+      weight_dtype=dtype(config.weight_dtype),
+      precision=dense.precision,
+      key=jax.random.fold_in(base_key, i),
+      integer_rounding=dense.integer_rounding,
     )
+    if cfg.max_lora_adapters == 1:
+      adapter = LoRA(dense.in_shape, dense.out_shape, axes[:n_in], axes[n_in:], cfg.lora_rank, cfg.lora_alpha, **common)
+    else:
+      ranks = tuple(spec.rank for spec in adapter_specs(config))
+      adapter = MultiLoRA(dense.in_shape, dense.out_shape, axes[:n_in], axes[n_in:], ranks, cfg.max_lora_rank or cfg.lora_rank, cfg.lora_alpha, **common)
+    dense.lora = nnx.data(adapter)
 
 
 def merge(kernel: jax.Array, lora_a: jax.Array, lora_b: jax.Array, scale: float, lead: int = 0) -> jax.Array:
@@ -128,3 +248,54 @@ def merge(kernel: jax.Array, lora_a: jax.Array, lora_b: jax.Array, scale: float,
   batch = tuple(range(lead))
   delta = jax.lax.dot_general(a, b, (((a.ndim - 1,), (lead,)), (batch, batch)), precision=jax.lax.Precision.HIGHEST)
   return (jnp.asarray(kernel, jnp.float32) + scale * delta).astype(jnp.asarray(kernel).dtype)
+
+
+def _slot_index(config: MaxTextConfig, name: str) -> tuple[int, AdapterSpec]:
+  specs = adapter_specs(config)
+  for i, spec in enumerate(specs):
+    if spec.name == name:
+      return i, spec
+  raise ConfigError(f"no adapter named '{name}'; this config's adapters are {', '.join(s.name for s in specs)}")
+
+
+def single_adapter_config(config: MaxTextConfig, name: str) -> MaxTextConfig:
+  """The config of a one-adapter model holding only adapter `name` of a multi-adapter config (its rank, same alpha)."""
+  _, spec = _slot_index(config, name)
+  lora = config.lora.model_copy(update={"max_lora_adapters": 1, "max_lora_rank": 0, "lora_adapters": [], "lora_rank": spec.rank})
+  return config.model_copy(update={"lora": lora})
+
+
+def _is_adapter(path: str) -> bool:
+  return path.endswith(("lora/lora_a", "lora/lora_b"))
+
+
+def slot_params(flat: dict[str, jax.Array], config: MaxTextConfig, name: str) -> dict[str, jax.Array]:
+  """Adapter `name` of a multi-adapter model's flat '/'-path params, as the one-adapter model of
+  single_adapter_config(config, name) holds it: A [..., in..., r], B [..., r, out...] (only adapter paths)."""
+  slot, spec = _slot_index(config, name)
+  axis = 1 if config.scan_layers else 0
+  out = {}
+  for path, value in flat.items():
+    if _is_adapter(path):
+      value = jnp.take(jnp.asarray(value), slot, axis=axis)
+      rank_axis = value.ndim - 1 if path.endswith("lora_a") else axis
+      out[path] = jax.lax.slice_in_dim(value, 0, spec.rank, axis=rank_axis)
+  return out
+
+
+def put_slot(flat: dict[str, jax.Array], adapter: dict[str, jax.Array], config: MaxTextConfig, name: str) -> dict[str, jax.Array]:
+  """flat with slot `name` replaced by a one-adapter model's adapters (as slot_params gives them), zero-padded to max_lora_rank."""
+  slot, spec = _slot_index(config, name)
+  axis = 1 if config.scan_layers else 0
+  out = dict(flat)
+  for path, value in adapter.items():
+    value = jnp.asarray(value)
+    rank_axis = value.ndim - 1 if path.endswith("lora_a") else axis
+    if value.shape[rank_axis] != spec.rank:
+      raise ConfigError(f"adapter for slot '{name}' has rank {value.shape[rank_axis]} at {path}; the slot's rank is {spec.rank}")
+    full = jnp.asarray(flat[path])
+    pad = [(0, 0)] * value.ndim
+    pad[rank_axis] = (0, full.shape[axis + 1 if path.endswith("lora_b") else -1] - spec.rank)
+    padded = jnp.pad(value, pad).astype(full.dtype)
+    out[path] = full.at[(slice(None),) * axis + (slot,)].set(padded)
+  return out

@@ -53,6 +53,17 @@ def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS) * scale
 
 
+@jax.checkpoint
+def _projections(x: jax.Array, norm_scale: jax.Array, w: jax.Array) -> jax.Array:
+  """RMSNorm(flatten(x)) W in float32: [..., n, E] -> [..., n (n + 2)].
+
+  Rematerialised: the backward pass recomputes the n-times-wide float32 copy and its normalised form
+  from x (which the layer keeps anyway) instead of storing two [..., nE] float32 arrays per connection.
+  """
+  flat = x.astype(jnp.float32).reshape(*x.shape[:-2], -1)
+  return jnp.einsum("...i,ij->...j", _rms_norm(flat, norm_scale), w, precision=jax.lax.Precision.HIGHEST)
+
+
 class HyperConnection(nnx.Module):
   """The mHC update around one sub-block; called as connection(x [B, S, n, E], branch) -> x'."""
 
@@ -81,10 +92,8 @@ class HyperConnection(nnx.Module):
     """(H_pre [..., n], H_post [..., n], H_res [..., n, n]) for the stream state x [..., n, E], in float32."""
     n = self.n
     f32 = jnp.float32
-    flat = x.astype(f32).reshape(*x.shape[:-2], -1)
-    x_hat = _rms_norm(flat, self.norm_scale[...].astype(f32))
     w = jnp.concatenate([self.pre_proj[...], self.post_proj[...], self.res_proj[...]], axis=-1).astype(f32)
-    proj = jnp.einsum("...i,ij->...j", x_hat, w, precision=jax.lax.Precision.HIGHEST)
+    proj = _projections(x, self.norm_scale[...].astype(f32), w)
     pre, post, res = proj[..., :n], proj[..., n : 2 * n], proj[..., 2 * n :]
     h_pre = jax.nn.sigmoid(self.pre_scale[...].astype(f32) * pre + self.pre_bias[...].astype(f32))
     h_post = 2.0 * jax.nn.sigmoid(self.post_scale[...].astype(f32) * post + self.post_bias[...].astype(f32))
@@ -94,12 +103,38 @@ class HyperConnection(nnx.Module):
 
   def __call__(self, x: jax.Array, branch: Branch) -> jax.Array:
     h_pre, h_post, h_res = self.mixing(x)
-    x32 = x.astype(jnp.float32)
-    # Sums over n <= a few streams: elementwise products in exact float32 (no low-precision matmul passes).
-    u = jnp.sum(h_pre[..., None] * x32, axis=-2)
-    y = branch(u.astype(x.dtype)).astype(jnp.float32)
-    mixed = jnp.sum(h_res[..., None] * x32[..., None, :, :], axis=-2)
-    return (mixed + h_post[..., None] * y[..., None, :]).astype(x.dtype)
+    y = branch(_mix_in(h_pre, x))
+    return _mix_out(h_res, h_post, x, y)
+
+
+def _weighted_sum(weights: jax.Array, x: jax.Array) -> jax.Array:
+  """sum_k weights[..., k] x[..., k, :] in float32: [..., n] x [..., n, E] -> [..., E].
+
+  A broadcast product reduced over the stream axis: its gradients are elementwise (to x) and one
+  [..., n, E] -> [..., n] reduction (to the weights). Slicing x into n streams instead pads each slice's
+  gradient back to [..., n, E] (n full-size temporaries per connection).
+  """
+  return jnp.sum(weights[..., None].astype(jnp.float32) * x.astype(jnp.float32), axis=-2)
+
+
+# Both mixes are rematerialised: their backward passes need only x, y and the small H matrices, so the
+# float32 products are recomputed instead of stored per connection.
+@jax.checkpoint
+def _mix_in(h_pre: jax.Array, x: jax.Array) -> jax.Array:
+  """The branch input sum_k H_pre[k] x_k, in x's dtype."""
+  return _weighted_sum(h_pre, x).astype(x.dtype)
+
+
+@jax.checkpoint
+def _mix_out(h_res: jax.Array, h_post: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+  """x'_m = sum_k H_res[m, k] x_k + H_post[m] y, in x's dtype.
+
+  One batched contraction over the streams, in exact float32 (HIGHEST: no low-precision matmul passes).
+  Its broadcast-and-sum form is as fast forward, but its backward reduces a [..., n, n, E] product,
+  which made the stream mixing cost more than the rest of the layer on XLA:CPU.
+  """
+  mixed = jnp.einsum("...mk,...ke->...me", h_res, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  return (mixed + h_post[..., None] * y.astype(jnp.float32)[..., None, :]).astype(x.dtype)
 
 
 def expand(x: jax.Array, n: int) -> jax.Array:

@@ -10,6 +10,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
+from maxtext.layers import lora
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.embed import Embed
 from maxtext.layers.linear import DenseGeneral
@@ -61,8 +62,17 @@ class Transformer(nnx.Module):
     )
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **kw)
 
-  def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """tokens [B, S] -> (final-normed hidden [B, S, E], weighted MoE load-balance loss)."""
+  def hidden_states(
+    self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array]:
+    """tokens [B, S] -> (final-normed hidden [B, S, E], weighted MoE load-balance loss).
+
+    adapter_ids [B]: the LoRA slot of each row when lora.max_lora_adapters > 1 (None: slot 0 for all).
+    """
+    with lora.adapter_rows(adapter_ids):
+      return self._hidden_states(tokens, positions, segment_ids)
+
+  def _hidden_states(self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     c = self.config
     rules = c.logical_axis_rules
     if positions is None:
@@ -121,6 +131,8 @@ class Transformer(nnx.Module):
     """Final hidden states [..., E] -> float32 logits [..., vocab]."""
     return self.output_head().logits(hidden)
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
-    hidden, _ = self.hidden_states(tokens, positions, segment_ids)
+  def __call__(
+    self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
+  ) -> jax.Array:
+    hidden, _ = self.hidden_states(tokens, positions, segment_ids, adapter_ids)
     return self.logits(hidden)

@@ -45,7 +45,9 @@ def _tiled_sums(head: OutputHead, hidden: jax.Array, targets: jax.Array, mask: j
 
 def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig) -> LossSums:
   """Forward the model on a batch and return the summed losses over its real target tokens."""
-  hidden, aux = model.hidden_states(batch["inputs"], positions=batch["inputs_position"], segment_ids=batch["inputs_segmentation"])
+  hidden, aux = model.hidden_states(
+    batch["inputs"], positions=batch["inputs_position"], segment_ids=batch["inputs_segmentation"], adapter_ids=batch.get("adapter_ids")
+  )
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   targets = batch["targets"]
   if config.num_vocab_tiling > 1:
