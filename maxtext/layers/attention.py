@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -13,6 +15,9 @@ from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.sharding import constrain
+
+if TYPE_CHECKING:
+  from maxtext.inference.kv_cache import LayerCache
 
 
 class Attention(nnx.Module):
@@ -35,7 +40,8 @@ class Attention(nnx.Module):
     if c.attention == "cudnn" and jax.default_backend() != "gpu":
       raise ConfigError(f"attention=cudnn needs a GPU, but JAX runs on {jax.default_backend()}; use attention=autoselected")
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, cache: LayerCache | None = None):
+    """-> output [B, S, E]; with a KV cache (decoding), -> (output, updated cache)."""
     rules = self.config.logical_axis_rules
     q = checkpoint_name(self.query(x), "query_proj")
     k = checkpoint_name(self.key(x), "key_proj")
@@ -58,6 +64,9 @@ class Attention(nnx.Module):
     k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
     v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
     cap = self.config.attn_logits_soft_cap
+    if cache is not None:
+      ctx, cache = cache.attend(q, k, v, window, self.scale, cap, precision(self.config.matmul_precision), rules)  # type: ignore[arg-type]
+      return self.out(ctx), cache
     use_cudnn = self.config.attention == "cudnn" or (self.config.attention == "autoselected" and attention_ops.cudnn_supported(q, cap, segment_ids, window))
     if use_cudnn:
       ctx = attention_ops.cudnn_attention(q, k, v, self.scale, window)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""Inference: a KV cache threaded through the decoder, prefill and decode steps, sampling and `generate`."""
