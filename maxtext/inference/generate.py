@@ -70,7 +70,7 @@ class Generator:
     self.graphdef, self.state = nnx.split(model)
     self.prefill = jax.jit(self._prefill)
     self.step = jax.jit(self._step, donate_argnums=1)
-    self.loop = jax.jit(self._loop, donate_argnums=1)
+    self.loop = jax.jit(self._loop)
 
   # -- pure functions of (state, ...) -------------------------------------------------------------------------
   def _model(self, state: nnx.State) -> Transformer:
