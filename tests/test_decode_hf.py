@@ -29,7 +29,7 @@ def test_greedy_matches_transformers_generate(tmp_path, name):
   ours = gen.generate(prompts).tokens
   for prompt, got in zip(prompts, ours):
     with torch.no_grad():
-      ref = torch_model.generate(
-        torch.tensor([prompt]), max_new_tokens=MAX_TARGET_LENGTH - len(prompt), do_sample=False, eos_token_id=eos, pad_token_id=0
-      )[0, len(prompt) :].tolist()
+      ref = torch_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TARGET_LENGTH - len(prompt), do_sample=False, eos_token_id=eos, pad_token_id=0)[
+        0, len(prompt) :
+      ].tolist()
     assert got == ref, f"{name}: prompt of {len(prompt)} tokens"
