@@ -8,6 +8,7 @@ fills positions 0 .. len_b - 1 and its generated tokens follow. The loop runs on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from maxtext import mesh as mesh_lib
 from maxtext.errors import ConfigError, DataError
 from maxtext.inference import cache_layout, forward
 from maxtext.inference.cache_layout import DecodeCache
@@ -35,10 +37,10 @@ def prefill_bucket(length: int, limit: int) -> int:
 @dataclasses.dataclass
 class Result:
   tokens: list[list[int]]  # generated tokens per prompt (EOS included when emitted)
-  prefill_tokens: int
+  prefill_tokens: int  # prompt tokens (padding excluded)
   prefill_seconds: float
-  decode_tokens: int
-  decode_seconds: float
+  decode_tokens: int  # generated tokens (the first comes from the prefill logits)
+  decode_seconds: float  # the decode loop, sampling the first token included
 
 
 class Generator:
@@ -59,11 +61,7 @@ class Generator:
     self.sampling = sampling or SamplingParams()
     self.max_target_length = max_target_length or c.max_target_length
     self.max_prefill_length = max_prefill_length or c.max_prefill_predict_length
-    if self.max_prefill_length >= self.max_target_length:
-      raise ConfigError(
-        f"max_prefill_predict_length {self.max_prefill_length} leaves no room to generate within max_target_length {self.max_target_length}; "
-        "raise max_target_length or lower max_prefill_predict_length"
-      )
+    self.check_lengths(self.max_target_length, self.max_prefill_length)
     self.eos_id = -1 if eos_id is None else int(eos_id)
     self.mesh = mesh
     self.layout = cache_layout.layout(c, self.max_target_length)
@@ -71,6 +69,27 @@ class Generator:
     self.prefill = jax.jit(self._prefill)
     self.step = jax.jit(self._step, donate_argnums=1)
     self.loop = jax.jit(self._loop)
+    self._executables: dict[tuple[int, int], tuple] = {}
+
+  @staticmethod
+  def check_lengths(max_target_length: int, max_prefill_length: int) -> None:
+    if max_prefill_length >= max_target_length:
+      raise ConfigError(
+        f"max_prefill_predict_length {max_prefill_length} leaves no room to generate within max_target_length {max_target_length}; "
+        "raise max_target_length or lower max_prefill_predict_length"
+      )
+
+  @staticmethod
+  def check_prompt(prompt: Sequence[int], max_prefill_length: int, vocab_size: int) -> None:
+    """A prompt must have 1 to max_prefill_length tokens, each inside the vocabulary: else a one-line DataError."""
+    if len(prompt) == 0:
+      raise DataError("the prompt is empty; pass at least one token")
+    if len(prompt) > max_prefill_length:
+      raise DataError(
+        f"the prompt has {len(prompt)} tokens, more than max_prefill_predict_length={max_prefill_length}; shorten it or raise max_prefill_predict_length"
+      )
+    if any(t < 0 or t >= vocab_size for t in prompt):
+      raise DataError(f"a prompt token id is outside the model's vocabulary of {vocab_size}; use the tokenizer the model was trained with")
 
   # -- pure functions of (state, ...) -------------------------------------------------------------------------
   def _model(self, state: nnx.State) -> Transformer:
@@ -121,41 +140,61 @@ class Generator:
     return out, counts, steps
 
   # -- host side ---------------------------------------------------------------------------------------------
+  def batch_multiple(self) -> int:
+    """Rows must come in multiples of the devices the batch is split over (cache_batch's mesh axes)."""
+    if self.mesh is None:
+      return 1
+    spec = mesh_lib.logical_to_spec(("cache_batch",), self.config.logical_axis_rules, self.mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return int(np.prod([self.mesh.shape[a] for a in axes]))
+
   def pad(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Token lists -> (right-padded tokens [B, bucket], lengths [B]); a prompt over the prefill bound is a DataError."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-      raise DataError("every prompt needs at least one token; pass non-empty prompts")
-    longest = max(len(p) for p in prompts)
-    if longest > self.max_prefill_length:
-      raise DataError(
-        f"a prompt has {longest} tokens, more than max_prefill_predict_length={self.max_prefill_length}; shorten it or raise max_prefill_predict_length"
-      )
-    vocab = self.config.vocab_size
-    if any(t < 0 or t >= vocab for p in prompts for t in p):
-      raise DataError(f"a prompt token id is outside the model's vocabulary of {vocab}; use the tokenizer the model was trained with")
-    tokens = np.zeros((len(prompts), prefill_bucket(longest, self.max_prefill_length)), np.int32)
+    """Token lists -> (right-padded tokens [B', bucket], lengths [B']); B' rounds B up to batch_multiple (dummy rows)."""
+    if not prompts:
+      raise DataError("no prompts given; pass at least one")
+    for p in prompts:
+      self.check_prompt(p, self.max_prefill_length, self.config.vocab_size)
+    rows = -(-len(prompts) // self.batch_multiple()) * self.batch_multiple()
+    tokens = np.zeros((rows, prefill_bucket(max(len(p) for p in prompts), self.max_prefill_length)), np.int32)
+    lengths = np.ones((rows,), np.int32)
     for i, p in enumerate(prompts):
       tokens[i, : len(p)] = p
-    return tokens, np.asarray([len(p) for p in prompts], np.int32)
+      lengths[i] = len(p)
+    return tokens, lengths
 
-  def _run(self, fn, *args):
-    if self.mesh is None:
-      return fn(*args)
-    with jax.set_mesh(self.mesh):
-      return fn(*args)
+  def compile(self, batch: int, prompt_length: int) -> float:
+    """Compile prefill and the decode loop for this batch and the bucket of prompt_length ahead of time; returns seconds."""
+    start = time.perf_counter()
+    self._executables_for(*self.pad([[0] * prompt_length] * batch))
+    return time.perf_counter() - start
+
+  def _executables_for(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple:
+    key = tokens.shape
+    if key not in self._executables:
+      with self._mesh_context():
+        prefill = self.prefill.lower(self.state, tokens, lengths).compile()
+        cache, logits = jax.eval_shape(self._prefill, self.state, tokens, lengths)
+        loop = self.loop.lower(self.state, cache, logits, lengths, jax.random.key(0)).compile()
+      self._executables[key] = (prefill, loop)
+    return self._executables[key]
+
+  def _mesh_context(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> Result:
+    """Generated tokens for each prompt (compiled once per batch size and prompt bucket), with timings."""
     tokens, lengths = self.pad(prompts)
-    start = time.perf_counter()
-    cache, logits = self._run(self.prefill, self.state, tokens, lengths)
-    logits.block_until_ready()
-    prefill_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    out, counts, steps = self._run(self.loop, self.state, cache, logits, lengths, jax.random.key(seed))
-    out, counts, steps = jax.device_get((out, counts, steps))
-    decode_seconds = time.perf_counter() - start
+    prefill, loop = self._executables_for(tokens, lengths)
+    with self._mesh_context():
+      start = time.perf_counter()
+      cache, logits = prefill(self.state, tokens, lengths)
+      logits.block_until_ready()
+      prefill_seconds = time.perf_counter() - start
+      start = time.perf_counter()
+      out, counts, _ = jax.device_get(loop(self.state, cache, logits, lengths, jax.random.key(seed)))
+      decode_seconds = time.perf_counter() - start
     generated = [out[i, : counts[i]].tolist() for i in range(len(prompts))]
-    return Result(generated, int(lengths.sum()), prefill_seconds, int(steps) * len(prompts), decode_seconds)
+    return Result(generated, int(lengths[: len(prompts)].sum()), prefill_seconds, int(counts[: len(prompts)].sum()), decode_seconds)
 
 
 def generate(
