@@ -109,7 +109,9 @@ class Generator:
     hidden, cache = forward.hidden_states(model, tokens[:, None], jnp.ones_like(tokens), cache, self.layout)
     return cache, model.logits(hidden[:, 0])
 
-  def _loop(self, state: nnx.State, cache: DecodeCache, logits: jax.Array, prompt_lengths: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def _loop(
+    self, state: nnx.State, cache: DecodeCache, logits: jax.Array, prompt_lengths: jax.Array, key: jax.Array, eos_id: jax.Array
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sample from the prefill logits, then decode until every row is done -> (tokens [B, max_target_length], counts [B], steps)."""
     b = logits.shape[0]
     budget = self.max_target_length - prompt_lengths  # tokens each row may generate
@@ -121,7 +123,7 @@ class Generator:
       write = ~done
       carry_out = carry_out.at[rows, jnp.where(write, counts, self.max_target_length)].set(tok, mode="drop")  # finished rows write nowhere
       counts = counts + write
-      done = done | (tok == self.eos_id) | (counts >= budget)
+      done = done | (tok == eos_id) | (counts >= budget)
       return carry_out, counts, done, tok
 
     counts = jnp.zeros((b,), jnp.int32)
@@ -173,8 +175,9 @@ class Generator:
     if key not in self._executables:
       with self._mesh_context():
         prefill = self.prefill.lower(self.state, tokens, lengths).compile()
-        cache, logits = jax.eval_shape(self._prefill, self.state, tokens, lengths)
-        loop = self.loop.lower(self.state, cache, logits, lengths, jax.random.key(0)).compile()
+        shapes = jax.eval_shape(self._prefill, self.state, tokens, lengths)
+        cache, logits = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, prefill.output_shardings)
+        loop = self.loop.lower(self.state, cache, logits, lengths, jax.random.key(0), jnp.int32(0)).compile()
       self._executables[key] = (prefill, loop)
     return self._executables[key]
 
@@ -191,7 +194,7 @@ class Generator:
       logits.block_until_ready()
       prefill_seconds = time.perf_counter() - start
       start = time.perf_counter()
-      out, counts, _ = jax.device_get(loop(self.state, cache, logits, lengths, jax.random.key(seed)))
+      out, counts, _ = jax.device_get(loop(self.state, cache, logits, lengths, jax.random.key(seed), jnp.int32(self.eos_id)))
       decode_seconds = time.perf_counter() - start
     generated = [out[i, : counts[i]].tolist() for i in range(len(prompts))]
     return Result(generated, int(lengths[: len(prompts)].sum()), prefill_seconds, int(counts[: len(prompts)].sum()), decode_seconds)

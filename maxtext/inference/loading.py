@@ -53,6 +53,7 @@ def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = p
     log(f"loading Hugging Face model {config.hf_model_path}")
     return model_from_flat(config, hf_params.hf_to_maxtext(safetensors_io.read_tensors(config.hf_model_path), config), mesh)
   from maxtext.convert.peft import _abstract_params
+  from maxtext.train.checkpointing import _item_path as checkpoint_item_path
   from maxtext.train.checkpointing import load_initial_params
 
   own = latest_checkpoint(config.checkpoint_dir)
@@ -69,6 +70,9 @@ def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = p
   if config.lora.enable_lora and not (config.load_parameters_path or updates.get("lora", config.lora).lora_restore_path):
     raise ConfigError("lora.enable_lora=true needs the base (load_parameters_path) and the adapters (lora.lora_restore_path or the run's own checkpoint)")
   config = config.model_copy(update=updates)
+  for path in (config.load_parameters_path, config.lora.lora_restore_path):
+    if path:
+      checkpoint_item_path(path)  # a missing path fails here, before any parameter is allocated
   model = models.create_sharded(config, mesh)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params = load_initial_params(config, params, _abstract_params(config), log)
