@@ -18,6 +18,11 @@ from maxtext.models.decoder import Transformer
 from maxtext.tokenizer import Tokenizer, load_tokenizer
 
 
+def _absolute(path: str) -> str:
+  """Orbax restores need absolute local paths; URLs (gs://...) pass through."""
+  return os.path.abspath(path) if path and "://" not in path else path
+
+
 def latest_checkpoint(checkpoint_dir: str) -> str | None:
   """The newest <checkpoint_dir>/<step> holding a saved train state, or None."""
   root = epath.Path(checkpoint_dir)
@@ -70,6 +75,8 @@ def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = p
   if config.lora.enable_lora and not (config.load_parameters_path or updates.get("lora", config.lora).lora_restore_path):
     raise ConfigError("lora.enable_lora=true needs the base (load_parameters_path) and the adapters (lora.lora_restore_path or the run's own checkpoint)")
   config = config.model_copy(update=updates)
+  config = config.model_copy(update={"load_parameters_path": _absolute(config.load_parameters_path)})
+  config = config.model_copy(update={"lora": config.lora.model_copy(update={"lora_restore_path": _absolute(config.lora.lora_restore_path)})})
   for path in (config.load_parameters_path, config.lora.lora_restore_path):
     if path:
       checkpoint_item_path(path)  # a missing path fails here, before any parameter is allocated
