@@ -16,6 +16,7 @@ from maxtext.inference import cache_layout, forward
 from maxtext.inference.generate import Generator, prefill_bucket
 from maxtext.inference.lora_merge import merge_lora
 from maxtext.inference.sampling import SamplingParams, allowed_logits, sample
+from maxtext.inference.unstack import unstack_layers
 
 TINY = dict(
   decoder_block="gemma2",  # alternating sliding-window (ring buffer) and global layers, soft caps, post norms
@@ -164,3 +165,11 @@ def test_bad_sampling_settings_are_config_errors(bad):
 
   with pytest.raises(ConfigError):
     SamplingParams(**bad)
+
+
+def test_unstacked_layers_give_the_same_logits(scanned):
+  _, model, _ = scanned
+  tokens = np.random.default_rng(4).integers(0, 97, size=(2, 12)).astype(np.int32)
+  unstacked = unstack_layers(model)
+  assert not unstacked.config.scan_layers and len(unstacked.layers) == 3
+  np.testing.assert_allclose(full_logits(unstacked, tokens), full_logits(model, tokens), atol=1e-5, rtol=0)
