@@ -2,7 +2,7 @@
 
 With scan_layers=true the per-layer windows repeat with some period p (1 for uniform models, 2 for
 Gemma 2's local/global alternation). Decoding scans over groups of p consecutive layers; position j of a
-group has its own stacked cache [num_groups, B, T_j, K, D], so each layer keeps a cache of its own length
+group has its own stacked cache [num_groups, B, K, T_j, D], so each layer keeps a cache of its own length
 (a ring of sliding_window_size slots for local layers). Layers after the last whole group (and every layer
 with scan_layers=false) keep unstacked caches in `tail`.
 """
@@ -28,7 +28,7 @@ STACK_AXIS = "cache_layers"
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeCache:
-  """scan: per group position j, {'key', 'value'} [num_groups, B, T_j, K, D]; tail: per leftover layer [B, T, K, D];
+  """scan: per group position j, {'key', 'value'} [num_groups, B, K, T_j, D]; tail: per leftover layer [B, K, T, D];
   lengths [B]: tokens cached per row."""
 
   scan: tuple[dict[str, jax.Array], ...]
@@ -65,7 +65,7 @@ def layout(config: MaxTextConfig, max_length: int | None = None) -> Layout:
 
 
 def _layer_shape(config: MaxTextConfig, lay: Layout, batch: int, window: int) -> tuple[int, ...]:
-  return (batch, lay.slots(window), config.num_kv_heads, config.head_dim)
+  return (batch, config.num_kv_heads, lay.slots(window), config.head_dim)
 
 
 def abstract(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
