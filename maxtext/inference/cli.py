@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
+from maxtext.inference import unstack
 from maxtext.inference.generate import Generator
 from maxtext.inference.loading import hf_config, load_decode_tokenizer, load_model
 from maxtext.inference.sampling import SamplingParams
@@ -26,7 +27,7 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
   generator_args = dict(max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length, eos_id=tokenizer.eos_id)
   Generator.check_lengths(config.max_target_length, config.max_prefill_predict_length)
   Generator.check_prompt(prompt, config.max_prefill_predict_length, config.vocab_size)
-  model = load_model(config, mesh, log)
+  model = unstack.for_platform(load_model(config, mesh, log), mesh.devices.flat[0].platform)
   generator = Generator(model, sampling, mesh=mesh, **generator_args)
   seconds = generator.compile(batch=1, prompt_length=len(prompt))
   log(f"compiled prefill and decode in {seconds:.1f}s")

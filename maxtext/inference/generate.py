@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from maxtext import mesh as mesh_lib
 from maxtext.errors import ConfigError, DataError
-from maxtext.inference import cache_layout, forward
+from maxtext.inference import cache_layout, forward, unstack
 from maxtext.inference.cache_layout import DecodeCache
 from maxtext.inference.sampling import SamplingParams, sample
 from maxtext.models.decoder import Transformer
@@ -223,7 +223,7 @@ def generate(
   add_bos = c.add_bos if add_bos is None else add_bos
   bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
   gen = Generator(
-    model,
+    unstack.for_platform(model, jax.default_backend()),
     sampling or SamplingParams.from_config(c),
     max_target_length=max_target_length,
     max_prefill_length=max_prefill_predict_length,

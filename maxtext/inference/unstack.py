@@ -24,3 +24,10 @@ def unstack_layers(model: Transformer) -> Transformer:
       value = stacked[path][...]
     leaves[path] = var.replace(value)
   return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def for_platform(model: Transformer, platform: str) -> Transformer:
+  """The layer arrangement decoding runs fastest with on `platform`: per-layer arrays on CPU, where a scan's slices of
+  stacked weights and caches are copies (5x the weight-streaming bound at batch 1, benchmarks/README.md); as trained
+  elsewhere. A per-platform choice: it belongs with the platform policy once there is one."""
+  return unstack_layers(model) if platform == "cpu" else model
