@@ -90,3 +90,17 @@ def test_bad_input_is_one_line_exit_2(case, message, hf_dir, tokenizer, tmp_path
   err = capsys.readouterr().err
   assert e.value.code == 2
   assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_generate_api(hf_dir, tokenizer, tmp_path):
+  import maxtext
+  from maxtext.errors import DataError
+  from maxtext.tokenizer import load_tokenizer
+
+  model, _ = maxtext.from_hf(hf_dir, dtype="float32", max_target_length=20, max_prefill_predict_length=16)
+  tok = load_tokenizer("huggingface", tokenizer)
+  completions = maxtext.generate(model, tok, ["w1 w2", "w3"])
+  assert isinstance(completions, list) and len(completions) == 2 and all(isinstance(c, str) for c in completions)
+  assert maxtext.generate(model, tok, "w1 w2") == completions[0]
+  with pytest.raises(DataError, match="has 123 tokens"):
+    maxtext.generate(model, load_tokenizer("huggingface", word_tokenizer(tmp_path / "big.json", 120)), "w1")
