@@ -41,16 +41,13 @@ TINY = dict(
 
 
 def perturbed(config, seed: int = 0):
-  """A model whose every parameter (LoRA B and the mHC maps included, zero at init) is randomly perturbed."""
+  """The config's model with every parameter drawn at random (LoRA B and the mHC maps included, which start at zero or
+  constants), N(0, 0.1) (gemma2's norms scale by 1 + s). Drawn with numpy, so
+  nothing compiles."""
+  rng = np.random.default_rng(seed)
   graphdef, abstract = nnx.split(models.abstract_model(config))
-
-  @jax.jit
-  def init():
-    leaves, treedef = jax.tree.flatten(nnx.state(models.build(config)))
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
-
-  return nnx.merge(graphdef, init())
+  state = jax.tree.map(lambda v: rng.normal(0.0, 0.1, v.shape).astype(v.dtype), abstract)
+  return nnx.merge(graphdef, state)
 
 
 def full_logits(model, tokens):
@@ -60,9 +57,12 @@ def full_logits(model, tokens):
 
 @functools.cache
 def built(scan: bool):
+  """(config, model, generator, tokens [2, 20], the full forward pass's logits over them)."""
   config = from_overrides(**TINY, scan_layers=scan)
   model = perturbed(config)
-  return config, model, Generator(model, max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length)
+  gen = Generator(model, max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length)
+  tokens = np.random.default_rng(0).integers(0, 97, size=(2, 20)).astype(np.int32)
+  return config, model, gen, tokens, full_logits(model, tokens)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["scanned", "unscanned"])
@@ -76,9 +76,7 @@ def scanned():
 
 
 def test_cached_logits_equal_full_forward(setup):
-  config, model, gen = setup
-  tokens = np.random.default_rng(0).integers(0, 97, size=(2, 20)).astype(np.int32)
-  full = full_logits(model, tokens)
+  config, _, gen, tokens, full = setup
   lengths = np.array([5, 9], np.int32)
   prompts = np.where(np.arange(16) < lengths[:, None], tokens[:, :16], 0)
 
@@ -99,7 +97,7 @@ def test_cached_logits_equal_full_forward(setup):
 
 
 def test_mixed_prompt_lengths_equal_each_alone(scanned):
-  _, _, gen = scanned
+  gen = scanned[2]
   rng = np.random.default_rng(2)
   prompts = [rng.integers(0, 97, size=n).tolist() for n in (2, 7, 13)]
   together = gen.generate(prompts).tokens
@@ -114,11 +112,10 @@ def test_mixed_prompt_lengths_equal_each_alone(scanned):
 
 
 def test_merged_lora_gives_the_same_logits(scanned):
-  config, model, _ = scanned
-  tokens = np.random.default_rng(3).integers(0, 97, size=(2, 12)).astype(np.int32)
-  merged = merge_lora(perturbed(config))  # same seed: the same weights as `model`
+  config, _, _, tokens, full = scanned
+  merged = merge_lora(perturbed(config))  # same seed: the weights of the fixture's model, merged in place
   assert not any("lora" in "/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(merged)))
-  np.testing.assert_allclose(full_logits(merged, tokens), full_logits(model, tokens), atol=1e-5, rtol=0)
+  np.testing.assert_allclose(full_logits(merged, tokens), full, atol=1e-5, rtol=0)
 
 
 def test_prefill_bucket():
@@ -168,8 +165,7 @@ def test_bad_sampling_settings_are_config_errors(bad):
 
 
 def test_unstacked_layers_give_the_same_logits(scanned):
-  _, model, _ = scanned
-  tokens = np.random.default_rng(4).integers(0, 97, size=(2, 12)).astype(np.int32)
+  _, model, _, tokens, full = scanned
   unstacked = unstack_layers(model)
   assert not unstacked.config.scan_layers and len(unstacked.layers) == 3
-  np.testing.assert_allclose(full_logits(unstacked, tokens), full_logits(model, tokens), atol=1e-5, rtol=0)
+  np.testing.assert_allclose(full_logits(unstacked, tokens), full, atol=1e-5, rtol=0)
