@@ -8,4 +8,8 @@ def __getattr__(name: str):
     from maxtext.hf import from_hf
 
     return from_hf
+  if name == "generate":
+    from maxtext.inference.generate import generate
+
+    return generate
   raise AttributeError(f"module 'maxtext' has no attribute {name!r}")

@@ -58,6 +58,7 @@ class Policy:
   chunked_attention_from: int = 0  # sequences at least this long take the chunked XLA path (0 = never)
   attention_key_block: int = CPU_ATTENTION_KEY_BLOCK  # keys per step of the chunked path
   max_segments_per_seq: int = -1  # documents per packed row (data pipeline bound); > 0 enables cuDNN packed offsets
+  unstacked_decode: bool = False  # decode with per-layer arrays: XLA:CPU copies a scan's slices of stacked weights and caches
 
 
 def splash_blocks(config: MaxTextConfig) -> SplashBlocks:
@@ -89,6 +90,7 @@ def for_platform(config: MaxTextConfig, platform: str, interpret: bool = False) 
     splash=splash_blocks(config),
     chunked_attention_from=CPU_CHUNKED_ATTENTION_FROM if cpu else 0,
     max_segments_per_seq=config.max_segments_per_seq,
+    unstacked_decode=cpu,
   )
 
 

@@ -28,6 +28,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   s.TrainingLoop,
   s.DatasetGeneral,
   s.Tokenizer,
+  s.Decoding,
   s.AOT,
   s.LoRASection,
   s.DerivedValues,

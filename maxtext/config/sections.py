@@ -161,6 +161,11 @@ DEFAULT_LOGICAL_AXIS_RULES: list[list] = [
   ["layers", []],
   ["norm", []],
   ["mhc", []],
+  ["cache_batch", ["data", "fsdp", "expert"]],
+  ["cache_sequence", []],
+  ["cache_heads", ["tensor"]],
+  ["cache_kv", []],
+  ["cache_layers", []],
 ]
 
 
@@ -275,6 +280,17 @@ class Tokenizer(Section):
   add_bos: bool = Field(True, description="Prepend the BOS token to each document.")
   add_eos: bool = Field(True, description="Append the EOS token to each document.")
   use_truncation: bool = Field(True, description="Truncate each document to max_target_length; false -> split it into chunks.")
+
+
+class Decoding(Section):
+  prompt: str = Field("I love to", description="decode: text to complete (python -m maxtext.decode).")
+  max_prefill_predict_length: int = Field(64, gt=0, description="decode: most prompt tokens; prompts are padded to a power-of-two bucket up to it.")
+  decode_sampling_strategy: Literal["greedy", "weighted", "topk", "nucleus"] = Field("greedy", description="decode: how the next token is chosen.")
+  decode_sampling_temperature: float = Field(1.0, description="decode: logits are divided by it before weighted, topk and nucleus sampling.")
+  decode_sampling_top_k: int = Field(0, ge=0, description="decode: topk samples among this many most likely tokens.")
+  decode_sampling_nucleus_p: float = Field(-1.0, description="decode: nucleus samples among the most likely tokens whose probability reaches p.")
+  decode_sampling_seed: int = Field(0, description="decode: PRNG seed of the sampling strategies.")
+  hf_model_path: str = Field("", description="decode: a Hugging Face model directory (config.json + safetensors) to load instead of a checkpoint.")
 
 
 class AOT(Section):

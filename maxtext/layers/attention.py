@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 from flax import nnx
@@ -15,6 +16,9 @@ from maxtext.layers.linear import DenseGeneral
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.sharding import constrain
 from maxtext.platform import Policy
+
+if TYPE_CHECKING:
+  from maxtext.inference.kv_cache import LayerCache
 
 
 class Attention(nnx.Module):
@@ -48,7 +52,8 @@ class Attention(nnx.Module):
     # An explicit kernel that cannot run this model fails here, at build time, as a one-line config error.
     attention_ops.select(policy, dtype=dtype(c.dtype), head_dim=d, q_len=c.max_target_length, kv_len=c.max_target_length, soft_cap=c.attn_logits_soft_cap)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, cache: LayerCache | None = None):
+    """-> output [B, S, E]; with a KV cache (decoding), -> (output, updated cache)."""
     rules = self.config.logical_axis_rules
     q = checkpoint_name(self.query(x), "query_proj")
     k = checkpoint_name(self.key(x), "key_proj")
@@ -70,6 +75,9 @@ class Attention(nnx.Module):
     q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
     k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
     v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
+    if cache is not None:
+      ctx, cache = cache.attend(q, k, v, window, self.scale, c.attn_logits_soft_cap, precision(c.matmul_precision), rules)  # type: ignore[arg-type]
+      return self.out(ctx), cache
     ctx = attention_ops.attend(
       q,
       k,

@@ -62,6 +62,15 @@ class Transformer(nnx.Module):
     )
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **kw)
 
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """tokens [B, S] -> the residual stream state entering the first layer ([B, S, E], or [B, S, n, E] with mHC)."""
+    c = self.config
+    x = self.embed(tokens)
+    if self.family.scale_embedding:
+      x = x * jnp.asarray(math.sqrt(c.emb_dim), x.dtype)
+    x = constrain(x, ("activation_batch", "activation_length", "activation_embed"), c.logical_axis_rules)
+    return expand_streams(x, c)
+
   def hidden_states(
     self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
   ) -> tuple[jax.Array, jax.Array]:
@@ -74,14 +83,9 @@ class Transformer(nnx.Module):
 
   def _hidden_states(self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     c = self.config
-    rules = c.logical_axis_rules
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x = self.embed(tokens)
-    if self.family.scale_embedding:
-      x = x * jnp.asarray(math.sqrt(c.emb_dim), x.dtype)
-    x = constrain(x, ("activation_batch", "activation_length", "activation_embed"), rules)
-    x = expand_streams(x, c)
+    x = self.embed_tokens(tokens)
     windows = self.family.layer_windows(c)
 
     def layer_fn(layer: DecoderLayer, h: jax.Array, window: int | jax.Array) -> tuple[jax.Array, jax.Array]:

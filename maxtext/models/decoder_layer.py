@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -17,6 +19,9 @@ from maxtext.layers.residual import make_connection
 from maxtext.layers.sharding import constrain
 from maxtext.models.family import Family
 from maxtext.platform import Policy
+
+if TYPE_CHECKING:
+  from maxtext.inference.kv_cache import LayerCache
 
 
 class DecoderLayer(nnx.Module):
@@ -38,12 +43,16 @@ class DecoderLayer(nnx.Module):
     self.mlp_connection = make_connection(c, rngs=rngs)
     lora.attach(self, c, rngs)  # adapters last, so base parameters draw the same random keys with or without LoRA
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x: residual stream state -> (new state, MoE load-balance loss of this layer)."""
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, cache: LayerCache | None = None) -> tuple:
+    """x: residual stream state -> (new state, MoE load-balance loss of this layer); with a KV cache, (..., updated cache)."""
     aux = jnp.zeros((), jnp.float32)
 
     def attention_branch(h: jax.Array) -> jax.Array:
-      y = self.attention(self.pre_attention_norm(h), positions, segment_ids, window)
+      nonlocal cache
+      if cache is None:
+        y = self.attention(self.pre_attention_norm(h), positions, segment_ids, window)
+      else:
+        y, cache = self.attention(self.pre_attention_norm(h), positions, segment_ids, window, cache=cache)
       return self.post_attention_norm(y) if self.post_attention_norm is not None else y
 
     def mlp_branch(h: jax.Array) -> jax.Array:
@@ -59,4 +68,4 @@ class DecoderLayer(nnx.Module):
     x = self.attention_connection(x, attention_branch)
     x = self.mlp_connection(x, mlp_branch)
     x = constrain(x, ("activation_batch", "activation_length") + (None,) * (x.ndim - 3) + ("activation_embed",), self.config.logical_axis_rules)
-    return x, aux
+    return (x, aux) if cache is None else (x, aux, cache)

@@ -1,0 +1,116 @@
+"""Decode throughput: `python benchmarks/decode_throughput.py <config.yml> key=value ...` prints one JSON line per batch size.
+
+For each batch size (--batches, default 1 and 32) it compiles the prefill and the on-device decode loop once,
+then reports prefill tokens/s (prompts of max_prefill_predict_length tokens), the median time of one jitted
+decode step (`Generator.step`, the cache donated) and decode tokens/s from it, the same from the on-device
+loop, the KV cache's bytes against 2 x batch x sum over layers (slots x kv_heads x head_dim x bytes), and
+whether the decode step ever compiled more than once. The batch-1 step is compared with the
+weight-streaming bound: parameter bytes / this host's measured streaming bandwidth (step_profile.py's probe).
+Parameters are a random init of the config's model (the speed does not depend on their values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def main(argv: list[str]) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+  parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+  parser.add_argument("--unstack", action="store_true", help="decode with the stacked layers split per layer (maxtext.inference.unstack)")
+  parser.add_argument("config", nargs="+", help="<config.yml> key=value ...")
+  args = parser.parse_args(argv)
+
+  from step_profile import stream_gb_per_s
+
+  from maxtext import mesh as mesh_lib
+  from maxtext import models
+  from maxtext.config import load
+  from maxtext.inference import cache_layout
+  from maxtext.inference.generate import Generator
+  from maxtext.inference.unstack import unstack_layers
+  from maxtext.process import prepare
+
+  config = load(args.config, before_devices=prepare)
+  mesh = mesh_lib.create(config)
+  model = models.create_sharded(config, mesh)
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  bandwidth = stream_gb_per_s()
+  bound_s = param_bytes / (bandwidth * 1e9)
+  if args.unstack:
+    model = unstack_layers(model)
+  gen = Generator(model, mesh=mesh)
+  prompt_length = config.max_prefill_predict_length
+  rows = []
+  rng = np.random.default_rng(0)
+  for batch in args.batches:
+    prompts = rng.integers(0, config.vocab_size, size=(batch, prompt_length)).tolist()
+    compile_s = gen.compile(batch, prompt_length)
+    tokens, lengths = gen.pad(prompts)
+    prefill, _ = gen._executables_for(tokens, lengths)
+    with jax.set_mesh(mesh):
+      prefill_s = median_seconds(prefill, gen.state, tokens, lengths, repeats=5)
+      cache, logits = prefill(gen.state, tokens, lengths)
+      next_tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+      cache, logits = gen.step(gen.state, cache, next_tokens)  # compiles the step for this batch size
+      compiles = gen.step._cache_size()
+      times = []
+      for _ in range(args.steps):
+        start = time.perf_counter()
+        cache, logits = gen.step(gen.state, cache, next_tokens)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - start)
+      step_s = statistics.median(times)
+      kv_bytes, length_bytes = cache_layout.nbytes(cache)
+    result = gen.generate(prompts)  # the on-device loop: prompt_length + generated = max_target_length per row
+    loop_steps = result.decode_tokens / batch
+    row = {
+      "batch": batch,
+      "prompt_tokens": prompt_length,
+      "max_target_length": config.max_target_length,
+      "compile_s": round(compile_s, 2),
+      "prefill_s": round(prefill_s, 4),
+      "prefill_tokens_per_s": round(batch * prompt_length / prefill_s, 1),
+      "decode_step_s": round(step_s, 5),
+      "decode_step_min_s": round(min(times), 5),
+      "decode_tokens_per_s": round(batch / step_s, 1),
+      "loop_step_s": round(result.decode_seconds / loop_steps, 5),
+      "loop_decode_tokens_per_s": round(result.decode_tokens / result.decode_seconds, 1),
+      "kv_cache_bytes": kv_bytes,
+      "kv_cache_theoretical_bytes": cache_layout.theoretical_bytes(config, tokens.shape[0], gen.layout),
+      "cache_lengths_bytes": length_bytes,
+      "decode_step_recompiles": gen.step._cache_size() - compiles,
+      "scan_layers": config.scan_layers and not args.unstack,
+      "param_bytes": param_bytes,
+      "stream_gb_per_s": round(bandwidth, 2),
+      "weight_streaming_bound_s": round(bound_s, 5),
+      "step_over_bound": round(step_s / bound_s, 2),
+      "min_step_over_bound": round(min(times) / bound_s, 2),
+      "device": jax.devices()[0].device_kind,
+    }
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+  return rows
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

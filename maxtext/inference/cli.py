@@ -1,0 +1,41 @@
+"""The decode command: load, check, compile, generate, print the completion and the throughput."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from maxtext import mesh as mesh_lib
+from maxtext.config import MaxTextConfig
+from maxtext.inference import unstack
+from maxtext.inference.generate import Generator
+from maxtext.inference.loading import hf_config, load_decode_tokenizer, load_model
+from maxtext.inference.sampling import SamplingParams
+
+
+def log(message: str) -> None:
+  print(message, flush=True)
+
+
+def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
+  if config.hf_model_path:
+    config = hf_config(argv, config.hf_model_path)
+  sampling = SamplingParams.from_config(config)
+  tokenizer = load_decode_tokenizer(config)
+  bos = [tokenizer.bos_id] if config.add_bos and tokenizer.bos_id is not None else []
+  prompt = bos + tokenizer.encode(config.prompt)
+  mesh = mesh_lib.create(config)
+  generator_args = dict(max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length, eos_id=tokenizer.eos_id)
+  Generator.check_lengths(config.max_target_length, config.max_prefill_predict_length)
+  Generator.check_prompt(prompt, config.max_prefill_predict_length, config.vocab_size)
+  model = unstack.for_decoding(load_model(config, mesh, log))
+  generator = Generator(model, sampling, mesh=mesh, **generator_args)
+  seconds = generator.compile(batch=1, prompt_length=len(prompt))
+  log(f"compiled prefill and decode in {seconds:.1f}s")
+  result = generator.generate([prompt], seed=config.decode_sampling_seed)
+  completion = tokenizer.decode([t for t in result.tokens[0] if t != tokenizer.eos_id])
+  log(f"prompt: {config.prompt}")
+  log(f"completion: {completion}")
+  log(
+    f"prefill: {result.prefill_tokens} tokens in {result.prefill_seconds:.3f}s ({result.prefill_tokens / result.prefill_seconds:.1f} tokens/s); "
+    f"decode: {result.decode_tokens} tokens in {result.decode_seconds:.3f}s ({result.decode_tokens / max(result.decode_seconds, 1e-9):.1f} tokens/s)"
+  )

@@ -1,0 +1,242 @@
+"""Generation: a jitted prefill, a jitted decode step and a jitted on-device loop, compiled once per length bucket.
+
+Prompts are right-padded to a power-of-two bucket (at least 16, at most max_prefill_predict_length) so
+prompts of other lengths reuse the compiled prefill. Each row keeps its own position: row b's prompt
+fills positions 0 .. len_b - 1 and its generated tokens follow. The loop runs on device
+(jax.lax.while_loop) until every row has emitted EOS or reached max_target_length tokens in all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from maxtext import mesh as mesh_lib
+from maxtext.errors import ConfigError, DataError
+from maxtext.inference import cache_layout, forward, unstack
+from maxtext.inference.cache_layout import DecodeCache
+from maxtext.inference.sampling import SamplingParams, sample
+from maxtext.models.decoder import Transformer
+
+MIN_BUCKET = 16
+
+
+def prefill_bucket(length: int, limit: int) -> int:
+  """The padded prompt length: the next power of two >= length (at least MIN_BUCKET), capped at limit."""
+  return min(limit, max(MIN_BUCKET, 1 << max(0, length - 1).bit_length()))
+
+
+@dataclasses.dataclass
+class Result:
+  tokens: list[list[int]]  # generated tokens per prompt (EOS included when emitted)
+  prefill_tokens: int  # prompt tokens (padding excluded)
+  prefill_seconds: float
+  decode_tokens: int  # generated tokens (the first comes from the prefill logits)
+  decode_seconds: float  # the decode loop, sampling the first token included
+
+
+class Generator:
+  """Prefill and decode for one model. `generate(prompts)` takes token lists and returns generated token lists."""
+
+  def __init__(
+    self,
+    model: Transformer,
+    sampling: SamplingParams | None = None,
+    *,
+    max_target_length: int | None = None,
+    max_prefill_length: int | None = None,
+    eos_id: int | None = None,
+    mesh: Mesh | None = None,
+  ):
+    c = model.config
+    self.config = c
+    self.sampling = sampling or SamplingParams()
+    self.max_target_length = max_target_length or c.max_target_length
+    self.max_prefill_length = max_prefill_length or c.max_prefill_predict_length
+    self.check_lengths(self.max_target_length, self.max_prefill_length)
+    self.eos_id = -1 if eos_id is None else int(eos_id)
+    self.mesh = mesh
+    self.layout = cache_layout.layout(c, self.max_target_length)
+    self.graphdef, self.state = nnx.split(model)
+    self.prefill = jax.jit(self._prefill)
+    self.step = jax.jit(self._step, donate_argnums=1)
+    self.loop = jax.jit(self._loop)
+    self._executables: dict[tuple[int, int], tuple] = {}
+
+  @staticmethod
+  def check_lengths(max_target_length: int, max_prefill_length: int) -> None:
+    if max_prefill_length >= max_target_length:
+      raise ConfigError(
+        f"max_prefill_predict_length {max_prefill_length} leaves no room to generate within max_target_length {max_target_length}; "
+        "raise max_target_length or lower max_prefill_predict_length"
+      )
+
+  @staticmethod
+  def check_prompt(prompt: Sequence[int], max_prefill_length: int, vocab_size: int) -> None:
+    """A prompt must have 1 to max_prefill_length tokens, each inside the vocabulary: else a one-line DataError."""
+    if len(prompt) == 0:
+      raise DataError("the prompt is empty; pass at least one token")
+    if len(prompt) > max_prefill_length:
+      raise DataError(
+        f"the prompt has {len(prompt)} tokens, more than max_prefill_predict_length={max_prefill_length}; shorten it or raise max_prefill_predict_length"
+      )
+    if any(t < 0 or t >= vocab_size for t in prompt):
+      raise DataError(f"a prompt token id is outside the model's vocabulary of {vocab_size}; use the tokenizer the model was trained with")
+
+  # -- pure functions of (state, ...) -------------------------------------------------------------------------
+  def _model(self, state: nnx.State) -> Transformer:
+    return nnx.merge(self.graphdef, state)
+
+  def _prefill(self, state: nnx.State, tokens: jax.Array, lengths: jax.Array) -> tuple[DecodeCache, jax.Array]:
+    """Right-padded prompts [B, P] with lengths [B] -> (cache holding them, logits [B, V] at each row's last prompt token)."""
+    model = self._model(state)
+    cache = cache_layout.zeros(self.config, tokens.shape[0], self.layout)
+    hidden, cache = forward.hidden_states(model, tokens, lengths, cache, self.layout)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return cache, model.logits(last)
+
+  def _step(self, state: nnx.State, cache: DecodeCache, tokens: jax.Array) -> tuple[DecodeCache, jax.Array]:
+    """One token per row [B] at each row's next position -> (cache, logits [B, V])."""
+    model = self._model(state)
+    hidden, cache = forward.hidden_states(model, tokens[:, None], jnp.ones_like(tokens), cache, self.layout)
+    return cache, model.logits(hidden[:, 0])
+
+  def _loop(
+    self, state: nnx.State, cache: DecodeCache, logits: jax.Array, prompt_lengths: jax.Array, key: jax.Array, eos_id: jax.Array
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sample from the prefill logits, then decode until every row is done -> (tokens [B, max_target_length], counts [B], steps)."""
+    b = logits.shape[0]
+    budget = self.max_target_length - prompt_lengths  # tokens each row may generate
+    out = jnp.zeros((b, self.max_target_length), jnp.int32)
+    rows = jnp.arange(b)
+
+    def emit(carry_out, counts, done, logits, i):
+      tok = sample(logits, jax.random.fold_in(key, i), self.sampling)
+      write = ~done
+      carry_out = carry_out.at[rows, jnp.where(write, counts, self.max_target_length)].set(tok, mode="drop")  # finished rows write nowhere
+      counts = counts + write
+      done = done | (tok == eos_id) | (counts >= budget)
+      return carry_out, counts, done, tok
+
+    counts = jnp.zeros((b,), jnp.int32)
+    out, counts, done, tok = emit(out, counts, jnp.zeros((b,), bool), logits, 0)
+
+    def cond(carry):
+      return ~jnp.all(carry[3])
+
+    def body(carry):
+      cache, out, counts, done, tok, i = carry
+      cache, logits = self._step(state, cache, tok)
+      out, counts, done, tok = emit(out, counts, done, logits, i)
+      return cache, out, counts, done, tok, i + 1
+
+    _, out, counts, _, _, steps = jax.lax.while_loop(cond, body, (cache, out, counts, done, tok, jnp.ones((), jnp.int32)))
+    return out, counts, steps
+
+  # -- host side ---------------------------------------------------------------------------------------------
+  def batch_multiple(self) -> int:
+    """Rows must come in multiples of the devices the batch is split over (cache_batch's mesh axes)."""
+    if self.mesh is None:
+      return 1
+    spec = mesh_lib.logical_to_spec(("cache_batch",), self.config.logical_axis_rules, self.mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+  def pad(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists -> (right-padded tokens [B', bucket], lengths [B']); B' rounds B up to batch_multiple (dummy rows)."""
+    if not prompts:
+      raise DataError("no prompts given; pass at least one")
+    for p in prompts:
+      self.check_prompt(p, self.max_prefill_length, self.config.vocab_size)
+    rows = -(-len(prompts) // self.batch_multiple()) * self.batch_multiple()
+    tokens = np.zeros((rows, prefill_bucket(max(len(p) for p in prompts), self.max_prefill_length)), np.int32)
+    lengths = np.ones((rows,), np.int32)
+    for i, p in enumerate(prompts):
+      tokens[i, : len(p)] = p
+      lengths[i] = len(p)
+    return tokens, lengths
+
+  def compile(self, batch: int, prompt_length: int) -> float:
+    """Compile prefill and the decode loop for this batch and the bucket of prompt_length ahead of time; returns seconds."""
+    start = time.perf_counter()
+    self._executables_for(*self.pad([[0] * prompt_length] * batch))
+    return time.perf_counter() - start
+
+  def _executables_for(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple:
+    key = tokens.shape
+    if key not in self._executables:
+      with self._mesh_context():
+        prefill = self.prefill.lower(self.state, tokens, lengths).compile()
+        shapes = jax.eval_shape(self._prefill, self.state, tokens, lengths)
+        cache, logits = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, prefill.output_shardings)
+        loop = self.loop.lower(self.state, cache, logits, lengths, jax.random.key(0), jnp.int32(0)).compile()
+      self._executables[key] = (prefill, loop)
+    return self._executables[key]
+
+  def _mesh_context(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> Result:
+    """Generated tokens for each prompt (compiled once per batch size and prompt bucket), with timings."""
+    tokens, lengths = self.pad(prompts)
+    prefill, loop = self._executables_for(tokens, lengths)
+    with self._mesh_context():
+      start = time.perf_counter()
+      cache, logits = prefill(self.state, tokens, lengths)
+      logits.block_until_ready()
+      prefill_seconds = time.perf_counter() - start
+      start = time.perf_counter()
+      out, counts, _ = jax.device_get(loop(self.state, cache, logits, lengths, jax.random.key(seed), jnp.int32(self.eos_id)))
+      decode_seconds = time.perf_counter() - start
+    generated = [out[i, : counts[i]].tolist() for i in range(len(prompts))]
+    return Result(generated, int(lengths[: len(prompts)].sum()), prefill_seconds, int(counts[: len(prompts)].sum()), decode_seconds)
+
+
+def generate(
+  model: Transformer,
+  tokenizer,
+  prompts: str | Sequence[str],
+  *,
+  sampling: SamplingParams | None = None,
+  max_target_length: int | None = None,
+  max_prefill_predict_length: int | None = None,
+  seed: int = 0,
+  add_bos: bool | None = None,
+) -> str | list[str]:
+  """Complete text prompts with a model and its tokenizer; returns the completions (without the prompt).
+
+  Defaults come from model.config: the decode_sampling_* keys, max_target_length, max_prefill_predict_length
+  and add_bos. A tokenizer whose vocabulary does not fit the model's is a DataError.
+  """
+  c = model.config
+  check_tokenizer(tokenizer, c.vocab_size)
+  single = isinstance(prompts, str)
+  texts = [prompts] if single else list(prompts)
+  add_bos = c.add_bos if add_bos is None else add_bos
+  bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+  gen = Generator(
+    unstack.for_decoding(model),
+    sampling or SamplingParams.from_config(c),
+    max_target_length=max_target_length,
+    max_prefill_length=max_prefill_predict_length,
+    eos_id=tokenizer.eos_id,
+  )
+  result = gen.generate([bos + tokenizer.encode(t) for t in texts], seed=seed)
+  completions = [tokenizer.decode([t for t in toks if t != tokenizer.eos_id]) for toks in result.tokens]
+  return completions[0] if single else completions
+
+
+def check_tokenizer(tokenizer, vocab_size: int) -> None:
+  """A tokenizer with more tokens than the model's vocabulary cannot have been trained with it: a DataError."""
+  if tokenizer.vocab_size > vocab_size:
+    raise DataError(
+      f"tokenizer '{tokenizer.path}' has {tokenizer.vocab_size} tokens but the model's vocabulary has {vocab_size}; use the tokenizer the model was trained with"
+    )

@@ -1,0 +1,105 @@
+"""What decode runs on: the model (own checkpoint, load_parameters_path, a Hugging Face directory, base + LoRA)
+and its tokenizer, checked before anything is compiled."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import yaml
+from etils import epath
+from flax import nnx
+from jax.sharding import Mesh
+
+from maxtext import models
+from maxtext.config import MaxTextConfig, load
+from maxtext.errors import ConfigError, DataError
+from maxtext.models.decoder import Transformer
+from maxtext.tokenizer import Tokenizer, load_tokenizer
+
+
+def _absolute(path: str) -> str:
+  """Orbax restores need absolute local paths; URLs (gs://...) pass through."""
+  return os.path.abspath(path) if path and "://" not in path else path
+
+
+def latest_checkpoint(checkpoint_dir: str) -> str | None:
+  """The newest <checkpoint_dir>/<step> holding a saved train state, or None."""
+  root = epath.Path(checkpoint_dir)
+  if not checkpoint_dir or not root.is_dir():
+    return None
+  steps = [int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "items").is_dir()]
+  return str(root / str(max(steps))) if steps else None
+
+
+def hf_config(argv: Sequence[str], hf_dir: str, **load_kwargs) -> MaxTextConfig:
+  """The run's config with the architecture of the Hugging Face directory; keys set in argv win."""
+  from maxtext.convert.hf_config import overrides_from_hf
+  from maxtext.convert.safetensors_io import read_config
+
+  if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+    raise ConfigError(f"hf_model_path '{hf_dir}' holds no config.json; pass a Hugging Face model directory (config.json + *.safetensors)")
+  given = {a.split("=", 1)[0].strip() for a in argv[1:]}
+  arch = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}" for k, v in overrides_from_hf(read_config(hf_dir)).items()]
+  return load([argv[0], *(a for a in arch if a.split("=", 1)[0] not in given), *argv[1:]], **load_kwargs)
+
+
+def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = print) -> Transformer:
+  """The model to decode with, its parameters sharded over mesh.
+
+  Sources, first that applies: hf_model_path; else load_parameters_path (plus lora.lora_restore_path); else the
+  run's own latest checkpoint (<base_output_directory>/<run_name>/checkpoints). With lora.enable_lora and no
+  lora.lora_restore_path, the run's own checkpoint supplies the adapters over load_parameters_path's base.
+  """
+  if config.hf_model_path:
+    from maxtext.convert import hf_params, safetensors_io
+    from maxtext.convert.model_params import model_from_flat
+
+    log(f"loading Hugging Face model {config.hf_model_path}")
+    return model_from_flat(config, hf_params.hf_to_maxtext(safetensors_io.read_tensors(config.hf_model_path), config), mesh)
+  from maxtext.convert.peft import _abstract_params
+  from maxtext.train.checkpointing import _item_path as checkpoint_item_path
+  from maxtext.train.checkpointing import load_initial_params
+
+  own = latest_checkpoint(config.checkpoint_dir)
+  updates = {}
+  if config.lora.enable_lora and not config.lora.lora_restore_path and own:
+    updates["lora"] = config.lora.model_copy(update={"lora_restore_path": own})
+  elif not config.lora.enable_lora and not config.load_parameters_path:
+    if own is None:
+      raise ConfigError(
+        f"no checkpoint to decode: '{config.checkpoint_dir}' holds none; set load_parameters_path=<run>/checkpoints/<step>, "
+        "hf_model_path=<dir>, or the run_name and base_output_directory of a trained run"
+      )
+    updates["load_parameters_path"] = own
+  if config.lora.enable_lora and not (config.load_parameters_path or updates.get("lora", config.lora).lora_restore_path):
+    raise ConfigError("lora.enable_lora=true needs the base (load_parameters_path) and the adapters (lora.lora_restore_path or the run's own checkpoint)")
+  config = config.model_copy(update=updates)
+  config = config.model_copy(update={"load_parameters_path": _absolute(config.load_parameters_path)})
+  config = config.model_copy(update={"lora": config.lora.model_copy(update={"lora_restore_path": _absolute(config.lora.lora_restore_path)})})
+  for path in (config.load_parameters_path, config.lora.lora_restore_path):
+    if path:
+      checkpoint_item_path(path)  # a missing path fails here, before any parameter is allocated
+  model = models.create_sharded(config, mesh)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  params = load_initial_params(config, params, _abstract_params(config), log)
+  return nnx.merge(graphdef, params, rest)
+
+
+def load_decode_tokenizer(config: MaxTextConfig) -> Tokenizer:
+  """tokenizer_path; with an HF model and no tokenizer_path, the directory's own; with dataset_type=embedded, the cached
+  corpus tokenizer training made. A tokenizer with more tokens than the model's vocabulary is a DataError."""
+  from maxtext.data import embedded
+
+  path, kind = config.tokenizer_path, config.tokenizer_type
+  if not path and config.hf_model_path:
+    path, kind = config.hf_model_path, "huggingface"
+  if not path and config.dataset_type == "embedded":
+    path = embedded.tokenizer_cache_path(config.base_output_directory, config.vocab_size)
+    if not os.path.exists(path):
+      raise DataError(f"no tokenizer at '{path}' (training caches it there); set tokenizer_path or base_output_directory to the training run's")
+  tokenizer = load_tokenizer(kind, path)
+  from maxtext.inference.generate import check_tokenizer
+
+  check_tokenizer(tokenizer, config.vocab_size)
+  return tokenizer
