@@ -7,7 +7,6 @@ import os
 from collections.abc import Callable, Sequence
 
 import yaml
-from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -16,20 +15,6 @@ from maxtext.config import MaxTextConfig, load
 from maxtext.errors import ConfigError, DataError
 from maxtext.models.decoder import Transformer
 from maxtext.tokenizer import Tokenizer, load_tokenizer
-
-
-def _absolute(path: str) -> str:
-  """Orbax restores need absolute local paths; URLs (gs://...) pass through."""
-  return os.path.abspath(path) if path and "://" not in path else path
-
-
-def latest_checkpoint(checkpoint_dir: str) -> str | None:
-  """The newest <checkpoint_dir>/<step> holding a saved train state, or None."""
-  root = epath.Path(checkpoint_dir)
-  if not checkpoint_dir or not root.is_dir():
-    return None
-  steps = [int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "items").is_dir()]
-  return str(root / str(max(steps))) if steps else None
 
 
 def hf_config(argv: Sequence[str], hf_dir: str, **load_kwargs) -> MaxTextConfig:
@@ -58,10 +43,9 @@ def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = p
     log(f"loading Hugging Face model {config.hf_model_path}")
     return model_from_flat(config, hf_params.hf_to_maxtext(safetensors_io.read_tensors(config.hf_model_path), config), mesh)
   from maxtext.convert.peft import _abstract_params
-  from maxtext.train.checkpointing import _item_path as checkpoint_item_path
-  from maxtext.train.checkpointing import load_initial_params
+  from maxtext.train.checkpointing import item_path, latest_saved_step, load_initial_params
 
-  own = latest_checkpoint(config.checkpoint_dir)
+  own = latest_saved_step(config.checkpoint_dir)
   updates = {}
   if config.lora.enable_lora and not config.lora.lora_restore_path and own:
     updates["lora"] = config.lora.model_copy(update={"lora_restore_path": own})
@@ -74,12 +58,10 @@ def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = p
     updates["load_parameters_path"] = own
   if config.lora.enable_lora and not (config.load_parameters_path or updates.get("lora", config.lora).lora_restore_path):
     raise ConfigError("lora.enable_lora=true needs the base (load_parameters_path) and the adapters (lora.lora_restore_path or the run's own checkpoint)")
-  config = config.model_copy(update=updates)
-  config = config.model_copy(update={"load_parameters_path": _absolute(config.load_parameters_path)})
-  config = config.model_copy(update={"lora": config.lora.model_copy(update={"lora_restore_path": _absolute(config.lora.lora_restore_path)})})
+  config = config.model_copy(update=updates)  # paths are absolute: the config resolved them, checkpoint_dir included
   for path in (config.load_parameters_path, config.lora.lora_restore_path):
     if path:
-      checkpoint_item_path(path)  # a missing path fails here, before any parameter is allocated
+      item_path(path)  # a missing path fails here, before any parameter is allocated
   model = models.create_sharded(config, mesh)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params = load_initial_params(config, params, _abstract_params(config), log)

@@ -277,6 +277,15 @@ def newest_step_dir(checkpoint_dir: str) -> epath.Path | None:
   return root / str(max(steps)) if steps else None
 
 
+def latest_saved_step(checkpoint_dir: str) -> str | None:
+  """The newest <checkpoint_dir>/<step> holding a saved train state (its items/ directory), or None; creates nothing."""
+  root = epath.Path(checkpoint_dir) if checkpoint_dir else None
+  if root is None or not root.is_dir():
+    return None
+  steps = [int(d.name) for d in root.iterdir() if d.name.isdigit() and (d / ITEM).is_dir()]
+  return str(root / str(max(steps))) if steps else None
+
+
 def overlay_params(params: Any, restored: Any) -> Any:
   """params with every parameter that `restored` holds replaced by its restored value."""
   from flax import nnx

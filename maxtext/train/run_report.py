@@ -12,10 +12,9 @@ import time
 from collections.abc import Callable
 
 import jax
-from etils import epath
 
 from maxtext.config import MaxTextConfig
-from maxtext.train import perf
+from maxtext.train import checkpointing, perf
 
 
 def duration(seconds: float) -> str:
@@ -39,15 +38,6 @@ def count(n: float) -> str:
 def run_dir(config: MaxTextConfig) -> str:
   """<base_output_directory>/<run_name>, as the config resolved it (the parent of checkpoint_dir)."""
   return os.path.dirname(os.path.dirname(config.checkpoint_dir))
-
-
-def latest_checkpoint(config: MaxTextConfig) -> str | None:
-  """The newest finished step directory under checkpoint_dir, or None."""
-  directory = epath.Path(config.checkpoint_dir)
-  if not config.enable_checkpointing or not directory.exists():
-    return None
-  steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()]
-  return str(directory / str(max(steps))) if steps else None
 
 
 class RunReport:
@@ -142,7 +132,7 @@ class RunReport:
         f"mean {self.tokens_per_step / c.num_devices / mean_seconds:,.0f} tokens/s/device, {self.flops / mean_seconds:.3f} TFLOP/s/device, "
         f"MFU {100 * mfu:.2f}% of {self.yardstick.tflops:.3f} TFLOP/s ({self.yardstick.source}) over {len(timed)} steps"
       )
-    checkpoint = latest_checkpoint(c)
+    checkpoint = checkpointing.latest_saved_step(c.checkpoint_dir) if c.enable_checkpointing else None
     self.log(f"checkpoint: {checkpoint}" if checkpoint else "checkpoint: none saved (enable_checkpointing=false or no checkpoint step reached)")
     png = self._write_plot()
     if png:
