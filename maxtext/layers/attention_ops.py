@@ -31,7 +31,7 @@ def xla_attention(
   soft_cap: float | None,
   precision: jax.lax.Precision,
 ) -> jax.Array:
-  """q [B,S,H,D], k/v [B,T,K,D] (H = K*G) -> [B,S,H,D]; logits and softmax in float32."""
+  """q [B,S,H,D], k [B,T,K,D], v [B,T,K,Dv] (H = K*G) -> [B,S,H,Dv]; logits and softmax in float32."""
   b, s, h, d = q.shape
   kv_heads = k.shape[2]
   # Head-major operands ([B, K, G, S, D], [B, K, T, D]) make both einsums plain batched matmuls.
@@ -43,7 +43,7 @@ def xla_attention(
   logits = jnp.where(mask, logits, NEG_INF)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = matmul.einsum("bkgst,bktd->bkgsd", probs, v, dtype=v.dtype, precision=precision)
-  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, v.shape[-1])
 
 
 def cudnn_supported(q: jax.Array, soft_cap: float | None, segment_ids: jax.Array | None, window: int | jax.Array) -> bool:

@@ -1,6 +1,21 @@
-"""Mixture of experts with top-k routing (Mixtral), exact and dropless, with a load-balance loss."""
+"""Mixture of experts: routing (Mixtral, Qwen3-MoE, DeepSeek V3), dropless or capacity-limited dispatch, shared experts.
+
+Routing (float32): scores are softmax or sigmoid (routed_score_func) of the router logits. Experts are chosen by
+top-k of the scores plus an optional score-correction bias (routed_bias, DeepSeek's aux-loss-free balancing),
+optionally only inside the best topk_routing_group of n_routing_groups groups (each group scored by the sum of
+its two best biased scores). The chosen experts' weights are the unbiased scores, renormalised to sum to one
+with norm_topk_prob (always for mixtral), times routed_scaling_factor.
+
+Dispatch: dropless (capacity_factor = -1) sorts the (token, expert) pairs by expert and runs grouped matmuls
+(jax.lax.ragged_dot); with capacity_factor > 0 every expert takes at most
+ceil(capacity_factor x tokens x k / experts) tokens (earlier tokens first), the rest are dropped (counted in
+the metrics), and experts run as one batched matmul over [experts, capacity] buffers.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,15 +25,38 @@ from jax.ad_checkpoint import checkpoint_name
 from maxtext.config import MaxTextConfig
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
-from maxtext.layers.mlp import activation
+from maxtext.layers.mlp import MLP, activation
 
 
-def route(router_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Softmax router (float32), top-k renormalised. Returns (weights [T,k], experts [T,k], probs [T,E])."""
-  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-  weights, experts = jax.lax.top_k(probs, k)
-  weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return weights, experts, probs
+class RoutingBias(nnx.Variable):
+  """DeepSeek's per-expert score-correction bias: not trained by gradients, moved by the aux-loss-free update."""
+
+
+class Routing(NamedTuple):
+  weights: jax.Array  # [T, k] float32 combine weights of the chosen experts
+  experts: jax.Array  # [T, k] int32 chosen experts
+  probs: jax.Array  # [T, E] float32 routing probabilities (for the load-balance loss)
+
+
+def route(logits: jax.Array, config: MaxTextConfig, bias: jax.Array | None = None) -> Routing:
+  """Choose num_experts_per_tok experts per token from router logits [T, E] (see the module docstring)."""
+  c = config
+  logits = logits.astype(jnp.float32)
+  scores = jax.nn.sigmoid(logits) if c.routed_score_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+  choice = scores if bias is None else scores + bias.astype(jnp.float32)
+  if c.n_routing_groups > 0:
+    t, e = choice.shape
+    grouped = choice.reshape(t, c.n_routing_groups, e // c.n_routing_groups)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+    _, best_groups = jax.lax.top_k(group_scores, c.topk_routing_group)
+    keep = jnp.sum(jax.nn.one_hot(best_groups, c.n_routing_groups, dtype=jnp.bool_), axis=1)  # [T, G]
+    choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
+  _, experts = jax.lax.top_k(choice, c.num_experts_per_tok)
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if c.norm_topk_prob or c.decoder_block == "mixtral":
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  probs = scores if c.routed_score_func != "sigmoid" else scores / jnp.sum(scores, axis=-1, keepdims=True)
+  return Routing(weights * c.routed_scaling_factor, experts, probs)
 
 
 def load_balance_loss(probs: jax.Array, experts: jax.Array, valid: jax.Array) -> jax.Array:
@@ -32,8 +70,36 @@ def load_balance_loss(probs: jax.Array, experts: jax.Array, valid: jax.Array) ->
   return num_experts * jnp.sum(frac * mean_prob)
 
 
+def bias_update(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+  """Aux-loss-free balancing (DeepSeek V3): raise the bias of under-loaded experts, lower over-loaded ones, by rate.
+
+  load [..., E]: tokens routed to each expert this step; bias [..., E].
+  """
+  mean = jnp.mean(load, axis=-1, keepdims=True)
+  return bias + rate * jnp.sign(mean - load).astype(bias.dtype)
+
+
+def expert_capacity(tokens: int, config: MaxTextConfig) -> int:
+  """Slots per expert: ceil(capacity_factor x tokens x k / experts) (at least 1)."""
+  c = config
+  return max(1, math.ceil(c.capacity_factor * tokens * c.num_experts_per_tok / c.num_experts))
+
+
+def capacity_positions(experts: jax.Array, num_experts: int) -> jax.Array:
+  """[T, k] experts -> each pair's arrival index at its expert, earlier tokens first (a token's k picks in order)."""
+  flat = jax.nn.one_hot(experts.reshape(-1), num_experts, dtype=jnp.int32)  # [T*k, E]
+  before = jnp.cumsum(flat, axis=0) - flat
+  return jnp.sum(before * flat, axis=-1).reshape(experts.shape)
+
+
+def empty_stats(num_experts: int) -> dict[str, jax.Array]:
+  """The statistics of a layer without experts (same structure as MoE's)."""
+  zero = jnp.zeros((), jnp.float32)
+  return {"lb_loss": zero, "dropped": zero, "load": jnp.zeros((num_experts,), jnp.float32)}
+
+
 class MoE(nnx.Module):
-  """Experts' weights stacked [num_experts, ...]. Every routed token is computed exactly (no capacity, no dropping)."""
+  """Routed experts' weights stacked [num_experts, ...], plus optional shared experts (one dense MLP)."""
 
   def __init__(self, config: MaxTextConfig, *, rngs: nnx.Rngs):
     c = config
@@ -41,25 +107,23 @@ class MoE(nnx.Module):
     self.dtype = dtype(c.dtype)
     self.precision = precision(c.matmul_precision)
     wdt = dtype(c.weight_dtype)
-    e, m, n = c.emb_dim, c.mlp_dim, c.num_experts
+    e, m, n = c.emb_dim, c.moe_mlp_dim, c.num_experts
     self.gate = DenseGeneral((e,), (n,), ("embed", None), dtype=jnp.float32, weight_dtype=wdt, precision=self.precision, rngs=rngs)
     self.wi_0 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
     self.wi_1 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
     self.wo = nnx.Param(variance_scaling_init(rngs.params(), (n, m, e), m, wdt), logical_axes=("exp", "mlp", "embed"))
+    self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias else None
+    self.shared_experts = MLP(c, rngs=rngs, width=c.shared_experts * m) if c.shared_experts else None
 
-  def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [B,S,E], valid [B,S] bool (tokens counted in the load-balance loss) -> (y [B,S,E], aux loss).
+  def _act(self, h0: jax.Array, h1: jax.Array) -> jax.Array:
+    acts = self.config.mlp_activations
+    return activation(acts[0])(h0) * activation(acts[-1])(h1)
 
-    Dropless: each (token, chosen expert) pair is sorted by expert and the experts run as
-    grouped matmuls (jax.lax.ragged_dot), so compute is proportional to num_experts_per_tok.
-    """
+  def _dropless(self, tokens: jax.Array, r: Routing) -> jax.Array:
+    """Every (token, expert) pair computed: sort by expert, grouped matmuls, unsort, weighted sum."""
     c = self.config
-    b, s, e = x.shape
-    k = c.num_experts_per_tok
-    tokens = x.reshape(b * s, e).astype(self.dtype)
-    weights, experts, probs = route(self.gate(tokens), k)
-    aux = load_balance_loss(probs, experts, valid.reshape(-1))
-    flat_experts = experts.reshape(-1)
+    t, k = r.experts.shape
+    flat_experts = r.experts.reshape(-1)
     order = jnp.argsort(flat_experts, stable=True)
     group_sizes = jnp.bincount(flat_experts, length=c.num_experts).astype(jnp.int32)
     routed = tokens[order // k]  # [T*k, E], grouped by expert
@@ -67,10 +131,51 @@ class MoE(nnx.Module):
     def grouped(lhs: jax.Array, w: nnx.Param) -> jax.Array:
       return jax.lax.ragged_dot(lhs, w[...].astype(self.dtype), group_sizes, precision=self.precision)
 
-    h0 = checkpoint_name(grouped(routed, self.wi_0), "mlpwi_0")
-    h1 = checkpoint_name(grouped(routed, self.wi_1), "mlpwi_1")
-    h = activation(c.mlp_activations[0])(h0) * activation(c.mlp_activations[-1])(h1)
+    h = self._act(checkpoint_name(grouped(routed, self.wi_0), "mlpwi_0"), checkpoint_name(grouped(routed, self.wi_1), "mlpwi_1"))
     out = grouped(h, self.wo)  # [T*k, E]
-    slots = jnp.zeros_like(out).at[order].set(out).reshape(b * s, k, e)
-    y = jnp.einsum("tke,tk->te", slots.astype(jnp.float32), weights).astype(self.dtype)
-    return checkpoint_name(y.reshape(b, s, e), "mlpwo"), aux
+    slots = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
+    return jnp.einsum("tke,tk->te", slots.astype(jnp.float32), r.weights)
+
+  def _with_capacity(self, tokens: jax.Array, r: Routing, kept: jax.Array, position: jax.Array, capacity: int) -> jax.Array:
+    """Kept pairs scattered into [experts, capacity] buffers, one batched matmul per projection, gathered back."""
+    c = self.config
+    t, k = r.experts.shape
+    slot = jnp.where(kept, r.experts * capacity + position, c.num_experts * capacity)  # dropped pairs -> an overflow row
+    buffer = jnp.zeros((c.num_experts * capacity + 1, tokens.shape[-1]), self.dtype)
+    buffer = buffer.at[slot.reshape(-1)].set(jnp.repeat(tokens, k, axis=0))[:-1].reshape(c.num_experts, capacity, -1)
+
+    def batched(lhs: jax.Array, w: nnx.Param) -> jax.Array:
+      return jnp.einsum("ecd,edf->ecf", lhs, w[...].astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
+
+    h = self._act(checkpoint_name(batched(buffer, self.wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, self.wi_1), "mlpwi_1"))
+    out = batched(h, self.wo).reshape(c.num_experts * capacity, -1)
+    out = jnp.concatenate([out, jnp.zeros((1, out.shape[-1]), out.dtype)])[slot]  # [T, k, E]; dropped pairs read zeros
+    return jnp.einsum("tke,tk->te", out.astype(jnp.float32), r.weights)
+
+  def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics).
+
+    Statistics: lb_loss (load-balance loss), dropped (valid (token, expert) pairs over capacity),
+    load [num_experts] (valid tokens routed to each expert, before dropping).
+    """
+    c = self.config
+    b, s, e = x.shape
+    tokens = x.reshape(b * s, e).astype(self.dtype)
+    valid = valid.reshape(-1)
+    r = route(self.gate(tokens), c, self.routed_bias[...] if self.routed_bias is not None else None)
+    chosen = jax.nn.one_hot(r.experts, c.num_experts, dtype=jnp.float32)  # [T,k,E]
+    load = jnp.einsum("tke,t->e", chosen, valid.astype(jnp.float32))
+    if c.capacity_factor > 0:
+      capacity = expert_capacity(b * s, c)
+      position = capacity_positions(r.experts, c.num_experts)
+      kept = position < capacity
+      y = self._with_capacity(tokens, r, kept, position, capacity)
+      dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid[:, None])
+    else:
+      y = self._dropless(tokens, r)
+      dropped = jnp.zeros((), jnp.float32)
+    y = y.astype(self.dtype).reshape(b, s, e)
+    if self.shared_experts is not None:
+      y = y + self.shared_experts(x)
+    stats = {"lb_loss": load_balance_loss(r.probs, r.experts, valid), "dropped": dropped, "load": load}
+    return checkpoint_name(y, "mlpwo"), stats
