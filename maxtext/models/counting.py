@@ -18,15 +18,38 @@ if TYPE_CHECKING:
 def _attention_shapes(c: MaxTextConfig) -> dict[str, tuple[int, int]]:
   """Attention projections as (fan_in, fan_out), keyed by module path inside a layer."""
   e, h, kv, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
+  if registry.get(c.decoder_block).mla:
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    q = {"attention/wq": (e, h * qk)} if c.q_lora_rank == 0 else {"attention/wq_a": (e, c.q_lora_rank), "attention/wq_b": (c.q_lora_rank, h * qk)}
+    return q | {
+      "attention/wkv_a": (e, c.kv_lora_rank + c.qk_rope_head_dim),
+      "attention/wkv_b": (c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim)),
+      "attention/out": (h * c.v_head_dim, e),
+    }
   return {"attention/query": (e, h * d), "attention/key": (e, kv * d), "attention/value": (e, kv * d), "attention/out": (h * d, e)}
 
 
-def _dense_mlp_shapes(c: MaxTextConfig) -> dict[str, tuple[int, int]]:
-  """Dense MLP projections: gated (wi_0, wi_1, wo) with two activations, else (wi, wo)."""
-  e, m = c.emb_dim, c.mlp_dim
+def _dense_mlp_shapes(c: MaxTextConfig, width: int | None = None, prefix: str = "mlp") -> dict[str, tuple[int, int]]:
+  """Dense MLP projections: gated (wi_0, wi_1, wo) with two activations, else (wi, wo); width defaults to mlp_dim."""
+  e, m = c.emb_dim, c.mlp_dim if width is None else width
   if len(c.mlp_activations) == 2:
-    return {"mlp/wi_0": (e, m), "mlp/wi_1": (e, m), "mlp/wo": (m, e)}
-  return {"mlp/wi": (e, m), "mlp/wo": (m, e)}
+    return {f"{prefix}/wi_0": (e, m), f"{prefix}/wi_1": (e, m), f"{prefix}/wo": (m, e)}
+  return {f"{prefix}/wi": (e, m), f"{prefix}/wo": (m, e)}
+
+
+def _moe_dense_shapes(c: MaxTextConfig) -> dict[str, tuple[int, int]]:
+  """Dense projections of a MoE layer: the router and the shared experts (the routed experts are stacked)."""
+  shapes = {"mlp/gate": (c.emb_dim, c.num_experts)}
+  if c.shared_experts:
+    shapes.update(_dense_mlp_shapes(c, c.shared_experts * c.moe_mlp_dim, "mlp/shared_experts"))
+  return shapes
+
+
+def _attention_norms(c: MaxTextConfig) -> int:
+  """Norm scales inside attention: qk-norm per head, or MLA's latent norms."""
+  if registry.get(c.decoder_block).mla:
+    return c.q_lora_rank + c.kv_lora_rank
+  return 2 * c.head_dim if c.use_qk_norm else 0
 
 
 def _norms_per_layer(c: MaxTextConfig) -> int:
@@ -50,7 +73,7 @@ def mhc_params_per_layer(c: MaxTextConfig) -> int:
   return 2 * per_sub_block
 
 
-def lora_params_per_layer(c: MaxTextConfig) -> int:
+def lora_params_per_layer(c: MaxTextConfig, dense: bool = False) -> int:
   """LoRA adapter parameters of one layer: r (fan_in + fan_out) for every dense projection lora.lora_module_path matches.
 
   Candidate modules are the attention projections (attention/query, key, value, out), the dense MLP
@@ -61,34 +84,47 @@ def lora_params_per_layer(c: MaxTextConfig) -> int:
     return 0
   pattern = re.compile(c.lora.lora_module_path)
   shapes = _attention_shapes(c)
-  shapes.update({"mlp/gate": (c.emb_dim, c.num_experts)} if c.num_experts > 1 else _dense_mlp_shapes(c))
+  shapes.update(_moe_dense_shapes(c) if c.num_experts > 1 and not dense else _dense_mlp_shapes(c))
   return sum(c.lora.lora_rank * (fan_in + fan_out) for path, (fan_in, fan_out) in shapes.items() if pattern.search(path))
 
 
-def params_per_layer(c: MaxTextConfig, active_only: bool = False) -> int:
-  """Parameters of one decoder layer (attention, MLP or MoE, norms, optional qk-norm, mHC, LoRA)."""
-  total = sum(i * o for i, o in _attention_shapes(c).values())
-  if c.use_qk_norm:
-    total += 2 * c.head_dim
-  if c.num_experts > 1:
+def params_per_layer(c: MaxTextConfig, active_only: bool = False, dense: bool = False) -> int:
+  """Parameters of one decoder layer (attention, MLP or MoE, norms, optional qk-norm, mHC, LoRA).
+
+  A MoE layer holds the router, num_experts (active_only: num_experts_per_tok) routed experts of width
+  moe_mlp_dim, shared experts, and the routing bias; dense=True counts a dense layer of a MoE model
+  (first_num_dense_layers).
+  """
+  total = sum(i * o for i, o in _attention_shapes(c).values()) + _attention_norms(c)
+  if c.num_experts > 1 and not dense:
     experts = c.num_experts_per_tok if active_only else c.num_experts
-    total += c.emb_dim * c.num_experts + experts * 3 * c.emb_dim * c.mlp_dim  # router + (wi_0, wi_1, wo) per expert
+    total += sum(i * o for i, o in _moe_dense_shapes(c).values()) + experts * 3 * c.emb_dim * c.moe_mlp_dim
+    total += c.num_experts if c.routed_bias else 0
   else:
     total += sum(i * o for i, o in _dense_mlp_shapes(c).values())
   total += _norms_per_layer(c) * c.emb_dim
-  return total + mhc_params_per_layer(c) + lora_params_per_layer(c)
+  return total + mhc_params_per_layer(c) + lora_params_per_layer(c, dense)
+
+
+def mtp_params(c: MaxTextConfig, active_only: bool = False) -> int:
+  """Multi-token-prediction modules: per module two input norms, the [2E, E] projection, one MoE decoder layer
+  and an output norm (embedding and output head are shared with the main model)."""
+  per_module = 3 * c.emb_dim + 2 * c.emb_dim * c.emb_dim + params_per_layer(c, active_only)
+  return c.mtp_num_layers * per_module
 
 
 def param_count(config: MaxTextConfig, include_embedding: bool = True, active_only: bool = False) -> int:
   """Number of model parameters.
 
-  layers x params_per_layer + final norm (emb_dim), plus, with include_embedding, the token
-  embedding (vocab x emb) and a separate output projection (emb x vocab) unless
-  logits_via_embedding ties the two (tied weights are counted once). active_only counts
-  num_experts_per_tok experts per MoE layer instead of all of them.
+  first_num_dense_layers dense layers + the other layers x params_per_layer + final norm (emb_dim)
+  + multi-token-prediction modules, plus, with include_embedding, the token embedding (vocab x emb)
+  and a separate output projection (emb x vocab) unless logits_via_embedding ties the two (tied
+  weights are counted once). active_only counts num_experts_per_tok experts per MoE layer instead of all of them.
   """
   c = config
-  total = c.num_decoder_layers * params_per_layer(c, active_only) + c.emb_dim
+  n_dense = c.first_num_dense_layers
+  total = n_dense * params_per_layer(c, active_only, dense=True) + (c.num_decoder_layers - n_dense) * params_per_layer(c, active_only)
+  total += c.emb_dim + mtp_params(c, active_only)
   if include_embedding:
     total += c.vocab_size * c.emb_dim * (1 if c.logits_via_embedding else 2)
   return total
@@ -104,18 +140,26 @@ def attended_keys(config: MaxTextConfig) -> int:
   return sum(min(seq, w) if w > 0 else seq for w in registry.get(config.decoder_block).layer_windows(config))
 
 
+def attention_width(c: MaxTextConfig) -> float:
+  """Mean of the query-key and value widths per head: head_dim, or (nope + rope + v) / 2 for MLA."""
+  if registry.get(c.decoder_block).mla:
+    return (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2
+  return c.head_dim
+
+
 def training_flops_per_step(config: MaxTextConfig) -> float:
   """Model FLOPs of one optimizer step over the whole global batch (forward + backward).
 
   With T = global_batch_size_to_train_on x max_target_length tokens:
-  6 T (non-embedding params, active experts only, + vocab x emb for the output matmul)
-  + causal attention 6 T x seq x heads x head_dim summed over layers, where sliding-window
-  layers see min(seq, sliding_window_size) keys instead of seq.
+  6 T (non-embedding params, active experts only, + vocab x emb for the output matmul, once more per MTP module)
+  + causal attention 6 T x seq x heads x attention_width summed over layers (and MTP modules), where
+  sliding-window layers see min(seq, sliding_window_size) keys instead of seq.
   """
   c = config
   tokens = c.global_batch_size_to_train_on * c.max_target_length
-  weights = param_count(c, include_embedding=False, active_only=True) + c.vocab_size * c.emb_dim
-  attention = 6 * tokens * attended_keys(c) * c.num_query_heads * c.head_dim
+  weights = param_count(c, include_embedding=False, active_only=True) + (1 + c.mtp_num_layers) * c.vocab_size * c.emb_dim
+  keys = attended_keys(c) + c.mtp_num_layers * c.max_target_length
+  attention = 6 * tokens * keys * c.num_query_heads * attention_width(c)
   return float(6 * tokens * weights + attention)
 
 
