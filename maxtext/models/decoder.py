@@ -19,6 +19,7 @@ from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.layers.sharding import constrain
 from maxtext.models import registry, remat
 from maxtext.models.decoder_layer import DecoderLayer
+from maxtext.models.mtp import MTPBlock
 
 LAYERS_AXIS = "layers"
 
@@ -60,6 +61,14 @@ class Transformer(nnx.Module):
       c.emb_dim, c.normalization_layer_epsilon, dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=self.family.zero_centered_norms
     )
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **kw)
+    self.mtp = nnx.List([MTPBlock(c, self.family, rngs=rngs) for _ in range(c.mtp_num_layers)]) if c.mtp_num_layers else None
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """Token embeddings as the first layer sees them (scaled by sqrt(emb_dim) for Gemma)."""
+    x = self.embed(tokens)
+    if self.family.scale_embedding:
+      x = x * jnp.asarray(math.sqrt(self.config.emb_dim), x.dtype)
+    return x
 
   def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """tokens [B, S] -> (final-normed hidden [B, S, E], weighted MoE load-balance loss)."""
@@ -103,10 +112,7 @@ class Transformer(nnx.Module):
     rules = c.logical_axis_rules
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x = self.embed(tokens)
-    if self.family.scale_embedding:
-      x = x * jnp.asarray(math.sqrt(c.emb_dim), x.dtype)
-    x = constrain(x, ("activation_batch", "activation_length", "activation_embed"), rules)
+    x = constrain(self.embed_tokens(tokens), ("activation_batch", "activation_length", "activation_embed"), rules)
     x = expand_streams(x, c)
     windows = self.family.layer_windows(c)
     n_dense = c.first_num_dense_layers
