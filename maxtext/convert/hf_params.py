@@ -131,6 +131,21 @@ def _global_rules(c: MaxTextConfig) -> list[Rule]:
   return rules
 
 
+def _mtp_rules(c: MaxTextConfig) -> list[Rule]:
+  """One multi-token-prediction module (DeepSeek's layer num_hidden_layers + k): norms, projection, a MoE layer."""
+  rules = [
+    Rule("embed_norm/scale", "enorm.weight", _identity, _identity),
+    Rule("hidden_norm/scale", "hnorm.weight", _identity, _identity),
+    Rule("projection/kernel", "eh_proj.weight", _transpose, _transpose),
+    Rule("out_norm/scale", "shared_head.norm.weight", _identity, _identity),
+  ]
+  return rules + [dataclasses.replace(r, ours=f"layer/{r.ours}") for r in _layer_rules(c)]
+
+
+# DeepSeek stores copies of the embedding and the output head in every MTP layer; maxtext shares the main model's.
+MTP_SHARED_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+
+
 def _layer_index(name: str) -> int | None:
   parts = name.split(".")
   return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
@@ -162,8 +177,20 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str,
         else:
           out[f"{stack}/{i}/{r.ours}"] = value
     out.update({f"{stack}/{k}": np.stack(v) for k, v in per_layer.items()})
-  # Layers past num_hidden_layers are DeepSeek's multi-token-prediction modules, which transformers does not run.
-  used.update(k for k in tensors if _layer_index(k) is not None and _layer_index(k) >= c.num_decoder_layers and c.mtp_num_layers == 0)
+  for k in range(c.mtp_num_layers):
+    prefix = f"model.layers.{c.num_decoder_layers + k}."
+    for r in _mtp_rules(c):
+      if r.experts:
+        out[f"mtp/{k}/{r.ours}"] = np.stack([r.to_ours(take(prefix + r.hf.format(j=j))) for j in range(c.num_experts)])
+      else:
+        out[f"mtp/{k}/{r.ours}"] = r.to_ours(take(prefix + r.hf))
+    for copy, main in MTP_SHARED_COPIES.items():
+      if prefix + copy in tensors and main in tensors:
+        if not np.array_equal(take(prefix + copy), tensors[main]):
+          raise ConfigError(f"'{prefix + copy}' differs from '{main}'; maxtext's MTP modules share the main model's embedding and output head")
+  # Layers past num_hidden_layers are DeepSeek's multi-token-prediction modules (transformers does not run them):
+  # without mtp_num_layers they are left out.
+  used.update(k for k in tensors if (_layer_index(k) or 0) >= c.num_decoder_layers + c.mtp_num_layers)
   # Tied checkpoints may carry a copy of the embedding as lm_head.
   if c.logits_via_embedding and "lm_head.weight" in tensors and np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
     used.add("lm_head.weight")
@@ -196,6 +223,15 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
             out[prefix + r.hf.format(j=j)] = r.to_hf(value[j])
         else:
           out[prefix + r.hf] = r.to_hf(value)
+  for k in range(c.mtp_num_layers):
+    prefix = f"model.layers.{c.num_decoder_layers + k}."
+    for r in _mtp_rules(c):
+      value = take(f"mtp/{k}/{r.ours}")
+      if r.experts:
+        out.update({prefix + r.hf.format(j=j): r.to_hf(value[j]) for j in range(c.num_experts)})
+      else:
+        out[prefix + r.hf] = r.to_hf(value)
+    out.update({prefix + copy: out[main] for copy, main in MTP_SHARED_COPIES.items() if main in out})
   unexpected = sorted(set(params) - used)
   if unexpected:
     raise ConfigError(f"parameters with no Hugging Face name: {shorten(unexpected)}; merge or drop adapters/connectors before exporting")
