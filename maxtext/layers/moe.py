@@ -10,6 +10,13 @@ Dispatch: dropless (capacity_factor = -1) sorts the (token, expert) pairs by exp
 (jax.lax.ragged_dot); with capacity_factor > 0 every expert takes at most
 ceil(capacity_factor x tokens x k / experts) tokens (earlier tokens first), the rest are dropped (counted in
 the metrics), and experts run as one batched matmul over [experts, capacity] buffers.
+
+Expert parallelism: when the active mesh has an `expert` axis of size ep > 1, each device owns
+num_experts / ep experts. Routing runs on the global (sharded) arrays; then, in shard_map, every device
+packs its own tokens into [experts, capacity] buffers, an all-to-all over `expert` sends each expert's
+slots to the device that owns it, the owner runs its experts, and a second all-to-all brings the results
+back. Capacity then applies per data shard; without capacity_factor it is the shard's token count, which
+no expert can exceed (dropless, at the price of buffers num_experts / k times the routed pairs).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
 from maxtext.layers.mlp import MLP, activation
+from maxtext.mesh import logical_to_spec
 
 
 class RoutingBias(nnx.Variable):
@@ -168,6 +176,49 @@ class MoE(nnx.Module):
     out = jnp.concatenate([out, jnp.zeros((1, out.shape[-1]), out.dtype)])[slot]  # [T, k, E]; dropped pairs read zeros
     return jnp.einsum("tke,tk->te", out.astype(jnp.float32), r.weights)
 
+  def _expert_parallel(self, x: jax.Array, r: Routing, valid: jax.Array, mesh: jax.sharding.AbstractMesh) -> tuple[jax.Array, jax.Array]:
+    """Dispatch by all-to-all over the `expert` mesh axis (see the module docstring) -> (y [B,S,E] float32, dropped)."""
+    c = self.config
+    b, s, e = x.shape
+    k, n, ep = c.num_experts_per_tok, c.num_experts, mesh.shape["expert"]
+    if n % ep:
+      raise ValueError(f"num_experts {n} is not divisible by the expert mesh axis {ep}")
+    x_spec = logical_to_spec(("activation_batch", "activation_length", "activation_embed"), c.logical_axis_rules, mesh)
+    routed_spec = jax.sharding.PartitionSpec(*x_spec[:2], None)
+    token_axes = tuple(a for part in x_spec for a in ((part,) if isinstance(part, str) else (part or ())))
+    w_spec = jax.sharding.PartitionSpec("expert", None, None)
+
+    def batched(lhs: jax.Array, w: jax.Array) -> jax.Array:
+      return jnp.einsum("ecd,edf->ecf", lhs, w.astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
+
+    def local(x, weights, experts, valid, wi_0, wi_1, wo):
+      lb, ls, _ = x.shape
+      t = lb * ls
+      tokens, experts, weights = x.reshape(t, e), experts.reshape(t, k), weights.reshape(t, k)
+      capacity = expert_capacity(t, c) if c.capacity_factor > 0 else t
+      position = capacity_positions(experts, n)
+      kept = position < capacity
+      slot = jnp.where(kept, experts * capacity + position, n * capacity)
+      buffer = jnp.zeros((n * capacity + 1, e), self.dtype).at[slot.reshape(-1)].set(jnp.repeat(tokens, k, axis=0))[:-1]
+      buffer = jax.lax.all_to_all(buffer.reshape(n, capacity, e), "expert", 0, 0, tiled=True)  # [source x local experts, C, E]
+      buffer = buffer.reshape(ep, n // ep, capacity, e).swapaxes(0, 1).reshape(n // ep, ep * capacity, e)
+      h = self._act(checkpoint_name(batched(buffer, wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, wi_1), "mlpwi_1"))
+      out = batched(h, wo).reshape(n // ep, ep, capacity, e).swapaxes(0, 1).reshape(n, capacity, e)
+      out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True).reshape(n * capacity, e)
+      out = jnp.concatenate([out, jnp.zeros((1, e), out.dtype)])[slot]  # [t, k, E]
+      y = jnp.einsum("tke,tk->te", out.astype(jnp.float32), weights).reshape(lb, ls, e)
+      dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid.reshape(t, 1))
+      return y, jax.lax.psum(dropped, token_axes) if token_axes else dropped
+
+    fn = jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(x_spec, routed_spec, routed_spec, jax.sharding.PartitionSpec(*x_spec[:2]), w_spec, w_spec, w_spec),
+      out_specs=(x_spec, jax.sharding.PartitionSpec()),
+    )
+    routed = (r.weights.reshape(b, s, k), r.experts.reshape(b, s, k))
+    return fn(x.astype(self.dtype), *routed, valid.reshape(b, s), self.wi_0[...], self.wi_1[...], self.wo[...])
+
   def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics).
 
@@ -181,7 +232,10 @@ class MoE(nnx.Module):
     r = route(self.gate(tokens), c, self.routed_bias[...] if self.routed_bias is not None else None)
     chosen = jax.nn.one_hot(r.experts, c.num_experts, dtype=jnp.float32)  # [T,k,E]
     load = jnp.einsum("tke,t->e", chosen, valid.astype(jnp.float32))
-    if c.capacity_factor > 0:
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape.get("expert", 1) > 1:
+      y, dropped = self._expert_parallel(x, r, valid, mesh)
+    elif c.capacity_factor > 0:
       capacity = expert_capacity(b * s, c)
       position = capacity_positions(r.experts, c.num_experts)
       kept = position < capacity
