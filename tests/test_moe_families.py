@@ -232,3 +232,43 @@ def test_expert_parallel_all_to_all_equals_one_device(capacity_factor):
   np.testing.assert_allclose(out.aux, ref.aux, atol=1e-6)
   np.testing.assert_array_equal(out.load, ref.load)
   assert float(out.dropped) == float(ref.dropped) == 0
+
+
+MLA_AND_SHARED = r".*(attention/(wq_a|wq_b|wq|wkv_a|wkv_b|out)|mlp/shared_experts/(wi_0|wi_1|wo)|mlp/gate)$"
+
+
+def test_lora_on_qwen3_moe_reaches_attention_and_router():
+  config = from_overrides(**dict(QWEN3_MOE, lora={"enable_lora": True, "lora_rank": 2}))
+  names = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(models.abstract_model(config)))}
+  assert {"layers/attention/query/lora/lora_a", "layers/attention/out/lora/lora_b"} <= names
+  assert not any("mlp/wi_0/lora" in n for n in names)  # routed experts take no adapters
+  assert counting.param_count(config) == sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(models.abstract_model(config))))
+
+
+@pytest.mark.parametrize("family", ["deepseek"])
+def test_lora_and_mhc_are_identity_at_init(family):
+  base = dict(DEEPSEEK, mtp_num_layers=0) if family == "deepseek" else dict(QWEN3_MOE, dtype="float32")
+  path = MLA_AND_SHARED if family == "deepseek" else r".*(attention/(query|key|value|out)|mlp/gate)$"
+  plain = from_overrides(**base)
+  flat = {k: np.asarray(v) for k, v in flat_params(_build(plain)).items()}
+  adapted = from_overrides(**dict(base, mhc_expansion_rate=2, lora={"enable_lora": True, "lora_rank": 2, "lora_module_path": path}))
+  model = model_from_flat(adapted, flat)
+  names = set(flat_params(model))
+  if family == "deepseek":
+    for module in ("attention/wq_a", "attention/wkv_b", "mlp/shared_experts/wi_0", "mlp/gate"):
+      assert f"layers/{module}/lora/lora_a" in names, module
+  assert counting.param_count(adapted) == sum(int(np.prod(v.shape)) for v in flat_params(model).values())
+  tokens = jnp.asarray(_batch()["inputs"])
+  graphdef, state = nnx.split(model)
+  ref_graphdef, ref_state = nnx.split(model_from_flat(plain, flat))
+  out = jax.jit(lambda st: nnx.merge(graphdef, st)(tokens))(state)
+  ref = jax.jit(lambda st: nnx.merge(ref_graphdef, st)(tokens))(ref_state)
+  np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def test_lora_on_routed_experts_is_a_config_error():
+  from maxtext.errors import ConfigError
+
+  config = from_overrides(**dict(QWEN3_MOE, lora={"enable_lora": True, "lora_module_path": "mlp/wi_0$"}))
+  with pytest.raises(ConfigError, match="routed expert"):
+    models.abstract_model(config)
