@@ -181,7 +181,7 @@ DEFAULT_LOGICAL_AXIS_RULES: list[list] = [
   ["activation_mlp", ["tensor"]],
   ["activation_vocab", ["tensor"]],
   ["activation_exp", ["expert"]],
-  ["embed", ["fsdp", "sequence"]],
+  ["embed", ["fsdp", "sequence", "expert"]],
   ["vocab", ["tensor"]],
   ["heads", ["tensor"]],
   ["kv_heads", ["tensor"]],

@@ -116,6 +116,40 @@ def capacity_positions(experts: jax.Array, num_experts: int) -> jax.Array:
   return jnp.sum(before * flat, axis=-1).reshape(experts.shape)
 
 
+def sort_by_expert(tokens: jax.Array, experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Dropless dispatch: tokens [T, E], experts [T, k] -> (pairs sorted by expert [T*k, E], their order, group sizes)."""
+  k = experts.shape[-1]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  return tokens[order // k], order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def unsort_combine(out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+  """Dropless combine: expert outputs [T*k, E] in sorted order -> weighted sum per token [T, E] (float32)."""
+  t, k = weights.shape
+  slots = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
+  return jnp.einsum("tke,tk->te", slots.astype(jnp.float32), weights)
+
+
+def pack(tokens: jax.Array, experts: jax.Array, kept: jax.Array, position: jax.Array, capacity: int, num_experts: int) -> tuple[jax.Array, jax.Array]:
+  """Capacity dispatch: kept (token, expert) pairs into [experts, capacity, E] buffers; returns (buffers, slot of each pair).
+
+  Dropped pairs point at one extra overflow row that is cut off (and reads zeros in unpack_combine).
+  """
+  k = experts.shape[-1]
+  slot = jnp.where(kept, experts * capacity + position, num_experts * capacity)
+  buffer = jnp.zeros((num_experts * capacity + 1, tokens.shape[-1]), tokens.dtype)
+  buffer = buffer.at[slot.reshape(-1)].set(jnp.repeat(tokens, k, axis=0))[:-1]
+  return buffer.reshape(num_experts, capacity, -1), slot
+
+
+def unpack_combine(out: jax.Array, slot: jax.Array, weights: jax.Array) -> jax.Array:
+  """Capacity combine: expert outputs [experts, capacity, E] -> weighted sum per token [T, E] (float32); dropped pairs add 0."""
+  flat = out.reshape(-1, out.shape[-1])
+  gathered = jnp.concatenate([flat, jnp.zeros((1, flat.shape[-1]), flat.dtype)])[slot]  # [T, k, E]
+  return jnp.einsum("tke,tk->te", gathered.astype(jnp.float32), weights)
+
+
 def empty_stats(num_experts: int) -> dict[str, jax.Array]:
   """The statistics of a layer without experts (same structure as MoE's)."""
   zero = jnp.zeros((), jnp.float32)
@@ -145,36 +179,24 @@ class MoE(nnx.Module):
 
   def _dropless(self, tokens: jax.Array, r: Routing) -> jax.Array:
     """Every (token, expert) pair computed: sort by expert, grouped matmuls, unsort, weighted sum."""
-    c = self.config
-    t, k = r.experts.shape
-    flat_experts = r.experts.reshape(-1)
-    order = jnp.argsort(flat_experts, stable=True)
-    group_sizes = jnp.bincount(flat_experts, length=c.num_experts).astype(jnp.int32)
-    routed = tokens[order // k]  # [T*k, E], grouped by expert
+    routed, order, group_sizes = sort_by_expert(tokens, r.experts, self.config.num_experts)
 
     def grouped(lhs: jax.Array, w: nnx.Param) -> jax.Array:
       return jax.lax.ragged_dot(lhs, w[...].astype(self.dtype), group_sizes, precision=self.precision)
 
     h = self._act(checkpoint_name(grouped(routed, self.wi_0), "mlpwi_0"), checkpoint_name(grouped(routed, self.wi_1), "mlpwi_1"))
-    out = grouped(h, self.wo)  # [T*k, E]
-    slots = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
-    return jnp.einsum("tke,tk->te", slots.astype(jnp.float32), r.weights)
+    return unsort_combine(grouped(h, self.wo), order, r.weights)
 
   def _with_capacity(self, tokens: jax.Array, r: Routing, kept: jax.Array, position: jax.Array, capacity: int) -> jax.Array:
     """Kept pairs scattered into [experts, capacity] buffers, one batched matmul per projection, gathered back."""
     c = self.config
-    t, k = r.experts.shape
-    slot = jnp.where(kept, r.experts * capacity + position, c.num_experts * capacity)  # dropped pairs -> an overflow row
-    buffer = jnp.zeros((c.num_experts * capacity + 1, tokens.shape[-1]), self.dtype)
-    buffer = buffer.at[slot.reshape(-1)].set(jnp.repeat(tokens, k, axis=0))[:-1].reshape(c.num_experts, capacity, -1)
+    buffer, slot = pack(tokens, r.experts, kept, position, capacity, c.num_experts)
 
     def batched(lhs: jax.Array, w: nnx.Param) -> jax.Array:
       return jnp.einsum("ecd,edf->ecf", lhs, w[...].astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
 
     h = self._act(checkpoint_name(batched(buffer, self.wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, self.wi_1), "mlpwi_1"))
-    out = batched(h, self.wo).reshape(c.num_experts * capacity, -1)
-    out = jnp.concatenate([out, jnp.zeros((1, out.shape[-1]), out.dtype)])[slot]  # [T, k, E]; dropped pairs read zeros
-    return jnp.einsum("tke,tk->te", out.astype(jnp.float32), r.weights)
+    return unpack_combine(batched(h, self.wo), slot, r.weights)
 
   def _expert_parallel(self, x: jax.Array, r: Routing, valid: jax.Array, mesh: jax.sharding.AbstractMesh) -> tuple[jax.Array, jax.Array]:
     """Dispatch by all-to-all over the `expert` mesh axis (see the module docstring) -> (y [B,S,E] float32, dropped)."""
@@ -198,15 +220,13 @@ class MoE(nnx.Module):
       capacity = expert_capacity(t, c) if c.capacity_factor > 0 else t
       position = capacity_positions(experts, n)
       kept = position < capacity
-      slot = jnp.where(kept, experts * capacity + position, n * capacity)
-      buffer = jnp.zeros((n * capacity + 1, e), self.dtype).at[slot.reshape(-1)].set(jnp.repeat(tokens, k, axis=0))[:-1]
-      buffer = jax.lax.all_to_all(buffer.reshape(n, capacity, e), "expert", 0, 0, tiled=True)  # [source x local experts, C, E]
+      buffer, slot = pack(tokens.astype(self.dtype), experts, kept, position, capacity, n)
+      buffer = jax.lax.all_to_all(buffer, "expert", 0, 0, tiled=True)  # [source x local experts, C, E]
       buffer = buffer.reshape(ep, n // ep, capacity, e).swapaxes(0, 1).reshape(n // ep, ep * capacity, e)
       h = self._act(checkpoint_name(batched(buffer, wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, wi_1), "mlpwi_1"))
       out = batched(h, wo).reshape(n // ep, ep, capacity, e).swapaxes(0, 1).reshape(n, capacity, e)
-      out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True).reshape(n * capacity, e)
-      out = jnp.concatenate([out, jnp.zeros((1, e), out.dtype)])[slot]  # [t, k, E]
-      y = jnp.einsum("tke,tk->te", out.astype(jnp.float32), weights).reshape(lb, ls, e)
+      out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
+      y = unpack_combine(out, slot, weights).reshape(lb, ls, e)
       dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid.reshape(t, 1))
       return y, jax.lax.psum(dropped, token_axes) if token_axes else dropped
 
