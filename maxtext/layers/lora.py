@@ -98,7 +98,9 @@ def _reject_routed_experts(layer: nnx.Module, path: str, pattern: re.Pattern) ->
       routed = [f"{module_path(module_path_)}/{w}" for w in ("wi_0", "wi_1", "wo")]
       hit = [p for p in routed if pattern.search(p)]
       if hit:
-        raise ConfigError(f"lora.lora_module_path '{path}' matches routed expert weights ({', '.join(hit)}); LoRA on routed experts is not supported, narrow the path (shared experts: mlp/shared_experts/...)")
+        raise ConfigError(
+          f"lora.lora_module_path '{path}' matches routed expert weights ({', '.join(hit)}); LoRA on routed experts is not supported, narrow the path (shared experts: mlp/shared_experts/...)"
+        )
 
 
 def attach(layer: nnx.Module, config: MaxTextConfig, rngs: nnx.Rngs) -> None:
