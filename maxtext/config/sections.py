@@ -182,6 +182,8 @@ DEFAULT_LOGICAL_AXIS_RULES: list[list] = [
   ["activation_vocab", ["tensor"]],
   ["activation_exp", ["expert"]],
   ["embed", ["fsdp", "sequence", "expert"]],
+  ["q_lora", ["fsdp", "sequence", "expert"]],
+  ["kv_lora", ["fsdp", "sequence", "expert"]],
   ["vocab", ["tensor"]],
   ["heads", ["tensor"]],
   ["kv_heads", ["tensor"]],
