@@ -71,7 +71,7 @@ CASES = [
     {},
     "'base_emb_dim=1024' conflicts with 'base_emb_dim: 4096' in models/llama2-7b.yml",
   ),
-  ("unknown_model", [BASE, "model_name=llama9"], {}, "unknown model_name 'llama9'; available: gemma2-27b"),
+  ("unknown_model", [BASE, "model_name=llama9"], {}, "unknown model_name 'llama9'; available: deepseek3-671b, deepseek3-tiny, gemma2-27b"),
   ("model_name_path", [BASE, "model_name=../base"], {}, "invalid value for 'model_name': '../base'"),
   (
     "unsupported_maxtext_key",
