@@ -249,12 +249,16 @@ def test_lora_on_qwen3_moe_reaches_attention_and_router():
 
 
 @pytest.mark.parametrize("family", ["deepseek"])
-def test_lora_and_mhc_are_identity_at_init(family):
+def test_lora_is_identity_at_init(family):
+  """Adapters on MLA's projections, the router and the shared experts leave the logits unchanged at init.
+
+  (mHC identity on both families is tests/test_mhc.py's test_identity_at_init_on_hf_weights.)
+  """
   base = dict(DEEPSEEK, mtp_num_layers=0) if family == "deepseek" else dict(QWEN3_MOE, dtype="float32")
   path = MLA_AND_SHARED if family == "deepseek" else r".*(attention/(query|key|value|out)|mlp/gate)$"
   plain = from_overrides(**base)
   flat = {k: np.asarray(v) for k, v in flat_params(_build(plain)).items()}
-  adapted = from_overrides(**dict(base, mhc_expansion_rate=2, lora={"enable_lora": True, "lora_rank": 2, "lora_module_path": path}))
+  adapted = from_overrides(**dict(base, lora={"enable_lora": True, "lora_rank": 2, "lora_module_path": path}))
   model = model_from_flat(adapted, flat)
   names = set(flat_params(model))
   if family == "deepseek":
