@@ -2,7 +2,8 @@
 
 Compiles exactly the step `python -m maxtext.train` runs, times `bench_steps` steps after
 `warmup_steps` (each step synchronised, so the figures are per-step device time), and measures
-this machine's bf16 matmul throughput in the same process as the yardstick.
+this machine's bf16 matmul throughput in the same process as the yardstick. For MoE configs it also
+reports the time and share of the step spent in routing, dispatch and combine (benchmarks/moe_share.py).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def main(argv: list[str]) -> dict:
     "median_data_wait_seconds": round(statistics.median(data_s), 5),
     "final_loss": float(metrics["loss"]),
   }
+  if config.num_experts > 1:
+    from moe_share import routing_dispatch_seconds
+
+    routing = routing_dispatch_seconds(config)
+    result.update(routing_dispatch_seconds=round(routing, 5), routing_dispatch_share=round(routing / seconds, 4))
   print(json.dumps(result), flush=True)
   return result
 

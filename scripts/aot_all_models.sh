@@ -14,7 +14,18 @@ topology_for() {  # a slice type with enough HBM for parameters + AdamW state at
     llama2-13b | qwen3-14b | gemma2-27b | qwen3-32b) echo v5p-64 ;;
     llama2-70b | llama3.1-70b | mixtral-8x7b) echo v5p-128 ;;
     llama3.1-405b) echo v5p-512 ;;
+    deepseek3-tiny) echo v5e-16 ;;
+    qwen3-30b-a3b) echo v5p-64 ;;
+    qwen3-235b-a22b) echo v5p-128 ;;
+    deepseek3-671b) echo v5p-1024 ;;
     *) echo v5p-128 ;;
+  esac
+}
+
+extra_for() {  # expert parallelism with capacity for the large MoE models (docs/tpu.md)
+  case "$1" in
+    qwen3-235b-a22b | deepseek3-671b) echo "ici_expert_parallelism=8 capacity_factor=1.25" ;;
+    *) echo "" ;;
   esac
 }
 
@@ -25,7 +36,7 @@ for file in configs/models/*.yml; do
   model=$(basename "$file" .yml)
   topo=$(topology_for "$model")
   out=$(python -m maxtext.train_compile configs/base.yml "model_name=$model" "compile_topology=$topo" compile_topology_num_slices=2 \
-    per_device_batch_size=1 max_target_length=2048 "$@" 2>/tmp/aot_"$model".err)
+    per_device_batch_size=1 max_target_length=2048 $(extra_for "$model") "$@" 2>/tmp/aot_"$model".err)
   rc=$?
   json=$(printf '%s\n' "$out" | tail -n 1)
   if [[ $rc -ne 0 && $rc -ne 3 ]]; then

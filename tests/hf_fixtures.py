@@ -26,7 +26,47 @@ FAMILY_CONFIGS = {
   "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
   "qwen3": lambda: transformers.Qwen3Config(**SMALL, tie_word_embeddings=True),
   "gemma2": lambda: transformers.Gemma2Config(**SMALL, sliding_window=4, query_pre_attn_scalar=16),
+  "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+    **SMALL, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]
+  ),
+  "deepseek": lambda: _deepseek(q_lora_rank=12),
+  "deepseek_q0": lambda: _deepseek(q_lora_rank=None, norm_topk_prob=False),
 }
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 32, "beta_slow": 1}
+
+
+def _deepseek(q_lora_rank: int | None, norm_topk_prob: bool = True) -> transformers.DeepseekV3Config:
+  """Tiny DeepSeek V3: 1 dense + 2 MoE layers, 8 experts in 4 groups (top-2 groups), a shared expert, MLA, YaRN.
+
+  q_lora_rank=12 compresses queries; None projects them directly (maxtext's q_lora_rank=0). The first uses
+  DeepSeek's mscale = mscale_all_dim (softmax-scale correction), the second HF's default cos/sin scaling.
+  """
+  mscale = {"mscale": 1.0, "mscale_all_dim": 1.0} if q_lora_rank else {}
+  return transformers.DeepseekV3Config(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=norm_topk_prob,
+    q_lora_rank=q_lora_rank,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    max_position_embeddings=16,
+    rope_parameters={**YARN, **mscale},
+  )
 
 
 def save_tiny_model(name: str, out_dir: Path, seed: int = 0) -> transformers.PreTrainedModel:
@@ -41,6 +81,9 @@ def save_tiny_model(name: str, out_dir: Path, seed: int = 0) -> transformers.Pre
         p.add_(0.1 * torch.randn_like(p))
       else:
         p.normal_(0.0, 0.2)
+    for name, b in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias: nonzero so it must reach expert choice
+        b.copy_(0.05 * torch.randn_like(b))
   model.save_pretrained(out_dir)
   return model
 

@@ -48,3 +48,18 @@ def test_round_trip_is_bit_identical(saved, name):
   assert sorted(back) == sorted(original)
   for k, v in original.items():
     assert back[k].dtype == v.dtype and np.array_equal(back[k], v), k
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek"])
+def test_export_loads_in_transformers_with_the_same_logits(saved, tokens, tmp_path, name):
+  """maxtext -> config.json + safetensors (hf_config_from, maxtext_to_hf) -> transformers gives the original logits."""
+  import transformers
+
+  from maxtext.convert import hf_config
+
+  hf_dir, torch_model = saved[name]
+  model, config = from_hf(hf_dir, dtype="float32")
+  tensors = hf_params.maxtext_to_hf({k: np.asarray(v) for k, v in flat_params(model).items()}, config)
+  safetensors_io.write(tmp_path, hf_config.hf_config_from(config), tensors)
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
+  np.testing.assert_allclose(hf_logits(exported, tokens), hf_logits(torch_model, tokens), atol=1e-5, rtol=0)

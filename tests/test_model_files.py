@@ -31,7 +31,11 @@ PUBLISHED_BILLIONS = {
   "gemma2-2b": 2.61,
   "gemma2-9b": 9.24,
   "gemma2-27b": 27.23,
+  "qwen3-30b-a3b": 30.53,
+  "qwen3-235b-a22b": 235.09,
+  "deepseek3-671b": 671.03,  # the main model; its multi-token-prediction module is counted apart (see below)
 }
+NOT_PUBLISHED = ("deepseek3-tiny",)  # architecture files for CPU runs, no published size
 
 # Exact parameter counts known for a few models (qwen3-0.6b: 751,632,384 on HF minus the duplicated 151936 x 1024 lm_head).
 EXACT = {
@@ -41,6 +45,8 @@ EXACT = {
   "mixtral-8x7b": 46_702_792_704,
   "gemma2-2b": 2_614_341_888,
   "qwen3-0.6b": 596_049_920,
+  "qwen3-30b-a3b": 30_532_122_624,
+  "qwen3-235b-a22b": 235_093_634_560,
 }
 
 
@@ -49,14 +55,14 @@ def _model(name: str):
 
 
 def test_every_model_file_is_listed():
-  assert sorted(p.stem for p in (ROOT / "configs" / "models").glob("*.yml")) == sorted(PUBLISHED_BILLIONS)
+  assert sorted(p.stem for p in (ROOT / "configs" / "models").glob("*.yml")) == sorted([*PUBLISHED_BILLIONS, *NOT_PUBLISHED])
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
 def test_param_count_matches_published_size(name):
   config = _model(name)
   assert config.model_name == name
-  count = counting.param_count(config)
+  count = counting.param_count(config) - counting.mtp_params(config)
   assert count == pytest.approx(PUBLISHED_BILLIONS[name] * 1e9, rel=0.01)
   if name in EXACT:
     assert count == EXACT[name]
@@ -74,6 +80,16 @@ def test_model_values_reach_the_config():
   assert gemma.mlp_activations == ["gelu", "linear"] and gemma.normalization_layer_epsilon == 1e-6
   mixtral = _model("mixtral-8x7b")
   assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.decoder_block) == (8, 2, "mixtral")
+
+
+def test_deepseek3_counts_with_its_mtp_module():
+  config = _model("deepseek3-671b")
+  # HF's 684.5B safetensors total stores the MTP module with its own copies of the embedding and the output head.
+  hf_total = counting.param_count(config) + 2 * config.vocab_size * config.emb_dim
+  assert hf_total == pytest.approx(684.53e9, rel=0.001)
+  assert counting.param_count(config, active_only=True) - counting.mtp_params(config, active_only=True) == pytest.approx(37.5e9, rel=0.01)
+  qwen = _model("qwen3-235b-a22b")
+  assert counting.param_count(qwen, active_only=True) == pytest.approx(22.2e9, rel=0.01)
 
 
 def test_tied_embeddings_are_counted_once():

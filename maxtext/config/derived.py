@@ -112,6 +112,7 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
     raise ConfigError(f"num_query_heads {heads} is not a multiple of num_kv_heads {kv_heads}; change base_num_query_heads or base_num_kv_heads")
   if c.num_experts_per_tok > c.num_experts:
     raise ConfigError(f"num_experts_per_tok {c.num_experts_per_tok} > num_experts {c.num_experts}; lower num_experts_per_tok")
+  _check_moe_fields(c)
   if c.load_parameters_path and c.load_full_state_path:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one")
   if c.learning_rate_schedule_steps != -1 and c.learning_rate_schedule_steps < 1:
@@ -136,6 +137,37 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
   missing = [a for a in c.data_sharding if a not in c.mesh_axes]
   if missing:
     raise ConfigError(f"data_sharding names {missing}, not in mesh_axes {c.mesh_axes}; fix one of the two")
+
+
+def _check_moe_fields(c: MaxTextConfig) -> None:
+  """DeepSeek MoE, MLA, YaRN and MTP keys that only make sense together."""
+  groups, topk_groups = c.n_routing_groups, c.topk_routing_group
+  if (groups == -1) != (topk_groups == -1):
+    raise ConfigError(f"n_routing_groups {groups} and topk_routing_group {topk_groups} must both be -1 (off) or both positive; set both")
+  if groups != -1:
+    if groups < 1 or c.num_experts % groups or not 1 <= topk_groups <= groups:
+      raise ConfigError(
+        f"group-limited routing needs n_routing_groups dividing num_experts {c.num_experts} and 1 <= topk_routing_group <= n_routing_groups; got {groups}, {topk_groups}"
+      )
+    if c.num_experts // groups < 2:
+      raise ConfigError(
+        f"group-limited routing scores each group by its top-2 experts, but {c.num_experts} experts in {groups} groups leave fewer than 2 per group"
+      )
+  if c.capacity_factor != -1 and c.capacity_factor <= 0:
+    raise ConfigError(f"invalid value for 'capacity_factor': {c.capacity_factor}; use -1 (dropless) or a positive number")
+  if c.routed_bias_update_rate > 0 and not c.routed_bias:
+    raise ConfigError("routed_bias_update_rate > 0 updates the routing bias, but routed_bias is false; set routed_bias=true")
+  if c.base_moe_mlp_dim != -1 and c.base_moe_mlp_dim < 1:
+    raise ConfigError(f"invalid value for 'base_moe_mlp_dim': {c.base_moe_mlp_dim}; use -1 (= base_mlp_dim) or a positive integer")
+  moe_only = {"shared_experts": c.shared_experts, "first_num_dense_layers": c.first_num_dense_layers, "n_routing_groups": max(groups, 0)}
+  if c.num_experts == 1 and any(moe_only.values()):
+    raise ConfigError(f"{', '.join(k for k, v in moe_only.items() if v)} need experts, but num_experts is 1; set num_experts > 1")
+  if c.first_num_dense_layers >= c.base_num_decoder_layers * scale_dims(c.global_parameter_scale)["layers"]:
+    raise ConfigError(f"first_num_dense_layers {c.first_num_dense_layers} leaves no MoE layer; lower it below the number of decoder layers")
+  if c.rope_type == "yarn" and c.decoder_block != "deepseek":
+    raise ConfigError(f"rope_type=yarn is implemented for decoder_block=deepseek (MLA), not {c.decoder_block}; use rope_type default or llama3.1")
+  if c.decoder_block == "deepseek" and (c.kv_lora_rank < 1 or c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2 or c.v_head_dim < 1):
+    raise ConfigError("deepseek MLA needs kv_lora_rank >= 1, an even qk_rope_head_dim >= 2 and v_head_dim >= 1; fix the MLA keys")
 
 
 def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | None = None) -> dict[str, Any]:
@@ -172,6 +204,7 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
     "num_query_heads": heads,
     "num_kv_heads": kv_heads,
     "mlp_dim": c.base_mlp_dim * mult["heads"],
+    "moe_mlp_dim": (c.base_moe_mlp_dim if c.base_moe_mlp_dim != -1 else c.base_mlp_dim) * mult["heads"],
     "num_decoder_layers": c.base_num_decoder_layers * mult["layers"],
     "num_devices": devices,
     "num_slices": slices,

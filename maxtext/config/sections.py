@@ -57,7 +57,9 @@ class DataTypes(Section):
 
 
 class ModelArchitecture(Section):
-  decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "gemma2"] = Field("llama2", description="Decoder family (block type).")
+  decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma2", "deepseek"] = Field(
+    "llama2", description="Decoder family (block type)."
+  )
   global_parameter_scale: int = Field(1, gt=0, description="Power of two scaling layers, heads, mlp and embedding dims (see docs/config.md).")
   base_emb_dim: int = Field(2048, gt=0, description="Model (embedding) width before global_parameter_scale.")
   base_num_query_heads: int = Field(16, gt=0, description="Query heads before global_parameter_scale.")
@@ -96,8 +98,18 @@ class SplashAttention(Section):
   sa_use_fused_bwd_kernel: bool = Field(False, description="TPU splash attention: one backward kernel computes dQ, dK and dV.")
 
 
+class MlaAttention(Section):
+  q_lora_rank: int = Field(0, ge=0, description="deepseek MLA: rank of the query down-projection; 0 -> queries projected directly from the input.")
+  kv_lora_rank: int = Field(512, ge=0, description="deepseek MLA: rank of the compressed key/value latent.")
+  qk_nope_head_dim: int = Field(128, ge=0, description="deepseek MLA: per-head query/key width without rotary embedding.")
+  qk_rope_head_dim: int = Field(64, ge=0, description="deepseek MLA: per-head query width with rotary embedding; the rotary key is shared by all heads.")
+  v_head_dim: int = Field(128, ge=0, description="deepseek MLA: per-head value width.")
+
+
 class Rope(Section):
-  rope_type: Literal["default", "llama3.1"] = Field("default", description="Rotary embedding variant; llama3.1 adds frequency scaling.")
+  rope_type: Literal["default", "llama3.1", "yarn"] = Field(
+    "default", description="Rotary embedding variant; llama3.1 adds frequency scaling; yarn (deepseek) NTK-by-parts scaling."
+  )
   rope_max_timescale: float = Field(10_000.0, gt=0, description="Rotary base wavelength (theta).")
   rope_scaling_factor: float = Field(8.0, gt=0, description="llama3.1 rope: frequency scaling factor.")
   rope_low_freq_factor: float = Field(1.0, gt=0, description="llama3.1 rope: low-frequency factor.")
@@ -105,10 +117,42 @@ class Rope(Section):
   rope_original_max_position_embeddings: int = Field(8192, gt=0, description="llama3.1 rope: original context length.")
 
 
+class YarnRope(Section):
+  original_max_position_embeddings: int = Field(4096, gt=0, description="yarn rope: context length the model was pretrained with.")
+  rope_factor: int = Field(40, gt=0, description="yarn rope: context extension factor.")
+  beta_fast: int = Field(32, gt=0, description="yarn rope: rotations above which frequencies are kept (extrapolated).")
+  beta_slow: int = Field(1, gt=0, description="yarn rope: rotations below which frequencies are divided by rope_factor (interpolated).")
+  mscale: float = Field(1.0, ge=0, description="yarn rope: softmax scale multiplied by (0.1 mscale ln(rope_factor) + 1)^2 (MLA); 0 -> no correction.")
+  rope_interleave: bool = Field(True, description="deepseek MLA: rotary pairs are interleaved (x0, x1), (x2, x3), ... rather than split in halves.")
+  rope_truncate: bool = Field(True, description="yarn rope: round the correction range to whole dimensions.")
+  rope_attention_scaling: bool = Field(False, description="yarn rope: scale cos/sin by (0.1 ln(rope_factor) + 1).")
+
+
 class MoEGeneral(Section):
   num_experts: int = Field(1, gt=0, description="Experts per MoE layer; 1 -> dense MLP.")
   num_experts_per_tok: int = Field(1, gt=0, description="Experts each token is routed to (top-k).")
   load_balance_loss_weight: float = Field(0.01, ge=0, description="Weight of the router load-balance loss added to the training loss.")
+  capacity_factor: float = Field(-1.0, description="Expert capacity = capacity_factor x tokens x top-k / experts; tokens over it are dropped; -1 -> dropless.")
+  base_moe_mlp_dim: int = Field(-1, description="Hidden width of each routed (and shared) expert before global_parameter_scale; -1 -> base_mlp_dim.")
+  norm_topk_prob: bool = Field(False, description="Renormalise the top-k routing weights to sum to 1 (mixtral always does).")
+
+
+class DeepSeekMoE(Section):
+  first_num_dense_layers: int = Field(0, ge=0, description="The first this many layers use a dense MLP (base_mlp_dim) instead of experts.")
+  shared_experts: int = Field(0, ge=0, description="Always-on experts per MoE layer, fused into one MLP of width shared_experts x moe_mlp_dim.")
+  routed_scaling_factor: float = Field(1.0, description="Routed experts' weights are multiplied by this.")
+  routed_score_func: Literal["", "softmax", "sigmoid"] = Field("", description="Router scores: softmax (''), or sigmoid (deepseek).")
+  routed_bias: bool = Field(False, description="Add a per-expert score-correction bias to the scores that choose experts (not to the weights).")
+  routed_bias_update_rate: float = Field(
+    0.0, ge=0, description="Aux-loss-free balancing: each step bias += rate x sign(mean load - expert load); 0 -> bias not updated."
+  )
+  n_routing_groups: int = Field(-1, description="Group-limited routing: experts split into this many groups; -1 -> off.")
+  topk_routing_group: int = Field(-1, description="Group-limited routing: tokens choose experts only in their best this many groups; -1 -> off.")
+
+
+class MTP(Section):
+  mtp_num_layers: int = Field(0, ge=0, description="Multi-token prediction modules (layer k predicts token t+1+k); training-only extra loss; 0 -> off.")
+  mtp_loss_scaling_factor: float = Field(0.1, ge=0, description="Weight of the mean multi-token-prediction loss added to the training loss.")
 
 
 class ManifoldConstrainedHyperConnections(Section):
@@ -151,7 +195,9 @@ DEFAULT_LOGICAL_AXIS_RULES: list[list] = [
   ["activation_mlp", ["tensor"]],
   ["activation_vocab", ["tensor"]],
   ["activation_exp", ["expert"]],
-  ["embed", ["fsdp", "sequence"]],
+  ["embed", ["fsdp", "sequence", "expert"]],
+  ["q_lora", ["fsdp", "sequence", "expert"]],
+  ["kv_lora", ["fsdp", "sequence", "expert"]],
   ["vocab", ["tensor"]],
   ["heads", ["tensor"]],
   ["kv_heads", ["tensor"]],
@@ -323,6 +369,7 @@ class DerivedValues(Section):
   num_query_heads: int = Field(0, description="base_num_query_heads scaled.")
   num_kv_heads: int = Field(0, description="base_num_kv_heads scaled.")
   mlp_dim: int = Field(0, description="base_mlp_dim scaled.")
+  moe_mlp_dim: int = Field(0, description="base_moe_mlp_dim scaled (base_mlp_dim when it is -1).")
   num_decoder_layers: int = Field(0, description="base_num_decoder_layers scaled.")
   num_devices: int = Field(0, description="Devices the run uses (or the AOT topology's).")
   num_slices: int = Field(0, description="Slices the devices form.")

@@ -37,46 +37,88 @@ def _transpose(x: Array) -> Array:
   return np.ascontiguousarray(x.T)
 
 
-def _layer_rules(c: MaxTextConfig) -> list[Rule]:
+def _linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> tuple[Callable, Callable]:
+  """HF Linear weight [out, in] <-> our kernel in_shape + out_shape."""
+  n_in, n_out = int(np.prod(in_shape)), int(np.prod(out_shape))
+  return (
+    lambda w: np.ascontiguousarray(w.T).reshape(*in_shape, *out_shape),
+    lambda w: np.ascontiguousarray(w.reshape(n_in, n_out).T),
+  )
+
+
+def _attention_rules(c: MaxTextConfig) -> list[Rule]:
   e, h, kv, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
-
-  def proj(heads: int) -> tuple[Callable, Callable]:
-    return (lambda w: np.ascontiguousarray(w.T).reshape(e, heads, d), lambda w: np.ascontiguousarray(w.reshape(e, heads * d).T))
-
-  q_in, q_out = proj(h)
-  kv_in, kv_out = proj(kv)
+  if registry.get(c.decoder_block).mla:
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    rules = []
+    if c.q_lora_rank == 0:
+      rules.append(Rule("attention/wq/kernel", "self_attn.q_proj.weight", *_linear((e,), (h, qk))))
+    else:
+      rules += [
+        Rule("attention/wq_a/kernel", "self_attn.q_a_proj.weight", *_linear((e,), (c.q_lora_rank,))),
+        Rule("attention/q_norm/scale", "self_attn.q_a_layernorm.weight", _identity, _identity),
+        Rule("attention/wq_b/kernel", "self_attn.q_b_proj.weight", *_linear((c.q_lora_rank,), (h, qk))),
+      ]
+    return rules + [
+      Rule("attention/wkv_a/kernel", "self_attn.kv_a_proj_with_mqa.weight", *_linear((e,), (c.kv_lora_rank + c.qk_rope_head_dim,))),
+      Rule("attention/kv_norm/scale", "self_attn.kv_a_layernorm.weight", _identity, _identity),
+      Rule("attention/wkv_b/kernel", "self_attn.kv_b_proj.weight", *_linear((c.kv_lora_rank,), (h, c.qk_nope_head_dim + c.v_head_dim))),
+      Rule("attention/out/kernel", "self_attn.o_proj.weight", *_linear((h, c.v_head_dim), (e,))),
+    ]
   rules = [
-    Rule("attention/query/kernel", "self_attn.q_proj.weight", q_in, q_out),
-    Rule("attention/key/kernel", "self_attn.k_proj.weight", kv_in, kv_out),
-    Rule("attention/value/kernel", "self_attn.v_proj.weight", kv_in, kv_out),
-    Rule(
-      "attention/out/kernel",
-      "self_attn.o_proj.weight",
-      lambda w: np.ascontiguousarray(w.T).reshape(h, d, e),
-      lambda w: np.ascontiguousarray(w.reshape(h * d, e).T),
-    ),
+    Rule("attention/query/kernel", "self_attn.q_proj.weight", *_linear((e,), (h, d))),
+    Rule("attention/key/kernel", "self_attn.k_proj.weight", *_linear((e,), (kv, d))),
+    Rule("attention/value/kernel", "self_attn.v_proj.weight", *_linear((e,), (kv, d))),
+    Rule("attention/out/kernel", "self_attn.o_proj.weight", *_linear((h, d), (e,))),
   ]
   if c.use_qk_norm:
     rules += [Rule("attention/query_norm/scale", "self_attn.q_norm.weight", _identity, _identity)]
     rules += [Rule("attention/key_norm/scale", "self_attn.k_norm.weight", _identity, _identity)]
+  return rules
+
+
+def _dense_mlp_rules(ours: str, hf: str) -> list[Rule]:
+  return [
+    Rule(f"{ours}/wi_0/kernel", f"{hf}.gate_proj.weight", _transpose, _transpose),
+    Rule(f"{ours}/wi_1/kernel", f"{hf}.up_proj.weight", _transpose, _transpose),
+    Rule(f"{ours}/wo/kernel", f"{hf}.down_proj.weight", _transpose, _transpose),
+  ]
+
+
+def _layer_rules(c: MaxTextConfig, dense: bool = False) -> list[Rule]:
+  """Rules of one decoder layer; dense=True for DeepSeek's first_num_dense_layers."""
+  if len(c.mlp_activations) != 2:
+    raise ConfigError("a single MLP activation has no Hugging Face layout; use mlp_activations=[<act>, linear]")
+  rules = _attention_rules(c)
   for ours, hf in registry.get(c.decoder_block).hf_norm_names.items():
     rules.append(Rule(f"{ours}/scale", f"{hf}.weight", _identity, _identity))
-  if c.num_experts > 1:
-    rules += [
+  if c.num_experts == 1 or dense:
+    return rules + _dense_mlp_rules("mlp", "mlp")
+  if c.decoder_block == "mixtral":
+    return rules + [
       Rule("mlp/gate/kernel", "block_sparse_moe.gate.weight", _transpose, _transpose),
       Rule("mlp/wi_0", "block_sparse_moe.experts.{j}.w1.weight", _transpose, _transpose, experts=True),
       Rule("mlp/wi_1", "block_sparse_moe.experts.{j}.w3.weight", _transpose, _transpose, experts=True),
       Rule("mlp/wo", "block_sparse_moe.experts.{j}.w2.weight", _transpose, _transpose, experts=True),
     ]
-  elif len(c.mlp_activations) == 2:
-    rules += [
-      Rule("mlp/wi_0/kernel", "mlp.gate_proj.weight", _transpose, _transpose),
-      Rule("mlp/wi_1/kernel", "mlp.up_proj.weight", _transpose, _transpose),
-      Rule("mlp/wo/kernel", "mlp.down_proj.weight", _transpose, _transpose),
-    ]
-  else:
-    raise ConfigError("a single MLP activation has no Hugging Face layout; use mlp_activations=[<act>, linear]")
+  rules += [
+    Rule("mlp/gate/kernel", "mlp.gate.weight", _transpose, _transpose),
+    Rule("mlp/wi_0", "mlp.experts.{j}.gate_proj.weight", _transpose, _transpose, experts=True),
+    Rule("mlp/wi_1", "mlp.experts.{j}.up_proj.weight", _transpose, _transpose, experts=True),
+    Rule("mlp/wo", "mlp.experts.{j}.down_proj.weight", _transpose, _transpose, experts=True),
+  ]
+  if c.routed_bias:
+    rules.append(Rule("mlp/routed_bias", "mlp.gate.e_score_correction_bias", _identity, _identity))
+  if c.shared_experts:
+    rules += _dense_mlp_rules("mlp/shared_experts", "mlp.shared_experts")
   return rules
+
+
+def _stacks(c: MaxTextConfig) -> list[tuple[str, int, int, bool]]:
+  """(our collection, first HF layer index, number of layers, dense) for each layer stack of the model."""
+  n_dense = c.first_num_dense_layers
+  moe = ("layers", n_dense, c.num_decoder_layers - n_dense, False)
+  return [("dense_layers", 0, n_dense, True), moe] if n_dense else [moe]
 
 
 def _global_rules(c: MaxTextConfig) -> list[Rule]:
@@ -87,6 +129,26 @@ def _global_rules(c: MaxTextConfig) -> list[Rule]:
   if not c.logits_via_embedding:
     rules.append(Rule("output/kernel", "lm_head.weight", _transpose, _transpose))
   return rules
+
+
+def _mtp_rules(c: MaxTextConfig) -> list[Rule]:
+  """One multi-token-prediction module (DeepSeek's layer num_hidden_layers + k): norms, projection, a MoE layer."""
+  rules = [
+    Rule("embed_norm/scale", "enorm.weight", _identity, _identity),
+    Rule("hidden_norm/scale", "hnorm.weight", _identity, _identity),
+    Rule("projection/kernel", "eh_proj.weight", _transpose, _transpose),
+    Rule("out_norm/scale", "shared_head.norm.weight", _identity, _identity),
+  ]
+  return rules + [dataclasses.replace(r, ours=f"layer/{r.ours}") for r in _layer_rules(c)]
+
+
+# DeepSeek stores copies of the embedding and the output head in every MTP layer; maxtext shares the main model's.
+MTP_SHARED_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+
+
+def _layer_index(name: str) -> int | None:
+  parts = name.split(".")
+  return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
 
 
 def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str, Array]:
@@ -111,21 +173,37 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str,
       ) from None
 
   out: dict[str, Array] = {r.ours: convert(r, r.hf) for r in _global_rules(c)}
-  per_layer: dict[str, list[Array]] = {}
-  for i in range(c.num_decoder_layers):
-    for r in _layer_rules(c):
+  for stack, first, count, dense in _stacks(c):
+    per_layer: dict[str, list[Array]] = {}
+    for i in range(count):
+      prefix = f"model.layers.{first + i}."
+      for r in _layer_rules(c, dense):
+        if r.experts:
+          value = np.stack([convert(r, prefix + r.hf.format(j=j)) for j in range(c.num_experts)])
+        else:
+          value = convert(r, prefix + r.hf)
+        if c.scan_layers:
+          per_layer.setdefault(r.ours, []).append(value)
+        else:
+          out[f"{stack}/{i}/{r.ours}"] = value
+    try:
+      out.update({f"{stack}/{k}": np.stack(v) for k, v in per_layer.items()})
+    except ValueError as e:
+      raise ConfigError(f"layers' tensors differ in shape ({_first_line(e)}); the safetensors files disagree with config.json") from None
+  for k in range(c.mtp_num_layers):
+    prefix = f"model.layers.{c.num_decoder_layers + k}."
+    for r in _mtp_rules(c):
       if r.experts:
-        value = np.stack([convert(r, f"model.layers.{i}." + r.hf.format(j=j)) for j in range(c.num_experts)])
+        out[f"mtp/{k}/{r.ours}"] = np.stack([convert(r, prefix + r.hf.format(j=j)) for j in range(c.num_experts)])
       else:
-        value = convert(r, f"model.layers.{i}.{r.hf}")
-      if c.scan_layers:
-        per_layer.setdefault(r.ours, []).append(value)
-      else:
-        out[f"layers/{i}/{r.ours}"] = value
-  try:
-    out.update({f"layers/{k}": np.stack(v) for k, v in per_layer.items()})
-  except ValueError as e:
-    raise ConfigError(f"layers' tensors differ in shape ({_first_line(e)}); the safetensors files disagree with config.json") from None
+        out[f"mtp/{k}/{r.ours}"] = convert(r, prefix + r.hf)
+    for copy, main in MTP_SHARED_COPIES.items():
+      if prefix + copy in tensors and main in tensors:
+        if not np.array_equal(take(prefix + copy), tensors[main]):
+          raise ConfigError(f"'{prefix + copy}' differs from '{main}'; maxtext's MTP modules share the main model's embedding and output head")
+  # Layers past num_hidden_layers are DeepSeek's multi-token-prediction modules (transformers does not run them):
+  # without mtp_num_layers they are left out.
+  used.update(k for k in tensors if (_layer_index(k) or 0) >= c.num_decoder_layers + c.mtp_num_layers)
   # Tied checkpoints may carry a copy of the embedding as lm_head.
   if c.logits_via_embedding and "lm_head.weight" in tensors and np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
     used.add("lm_head.weight")
@@ -151,15 +229,26 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
     return np.asarray(params[path])
 
   out = {r.hf: r.to_hf(take(r.ours)) for r in _global_rules(c)}
-  for r in _layer_rules(c):
-    stacked = take(f"layers/{r.ours}") if c.scan_layers else None
-    for i in range(c.num_decoder_layers):
-      value = stacked[i] if stacked is not None else take(f"layers/{i}/{r.ours}")
+  for stack, first, count, dense in _stacks(c):
+    for r in _layer_rules(c, dense):
+      stacked = take(f"{stack}/{r.ours}") if c.scan_layers else None
+      for i in range(count):
+        value = stacked[i] if stacked is not None else take(f"{stack}/{i}/{r.ours}")
+        prefix = f"model.layers.{first + i}."
+        if r.experts:
+          for j in range(c.num_experts):
+            out[prefix + r.hf.format(j=j)] = r.to_hf(value[j])
+        else:
+          out[prefix + r.hf] = r.to_hf(value)
+  for k in range(c.mtp_num_layers):
+    prefix = f"model.layers.{c.num_decoder_layers + k}."
+    for r in _mtp_rules(c):
+      value = take(f"mtp/{k}/{r.ours}")
       if r.experts:
-        for j in range(c.num_experts):
-          out[f"model.layers.{i}." + r.hf.format(j=j)] = r.to_hf(value[j])
+        out.update({prefix + r.hf.format(j=j): r.to_hf(value[j]) for j in range(c.num_experts)})
       else:
-        out[f"model.layers.{i}.{r.hf}"] = r.to_hf(value)
+        out[prefix + r.hf] = r.to_hf(value)
+    out.update({prefix + copy: out[main] for copy, main in MTP_SHARED_COPIES.items() if main in out})
   unexpected = sorted(set(params) - used)
   if unexpected:
     raise ConfigError(f"parameters with no Hugging Face name: {shorten(unexpected)}; merge or drop adapters/connectors before exporting")

@@ -199,7 +199,7 @@ def xla_attention(
   precision: jax.lax.Precision | None,
   integer_rounding: bool = False,
 ) -> jax.Array:
-  """q [B,S,H,D], k/v [B,T,K,D] (H = K*G) -> [B,S,H,D]; logits and softmax in float32."""
+  """q [B,S,H,D], k [B,T,K,D], v [B,T,K,Dv] (H = K*G) -> [B,S,H,Dv]; logits and softmax in float32."""
   b, s, h, d = q.shape
   kv_heads = k.shape[2]
   # Head-major operands ([B, K, G, S, D], [B, K, T, D]) make both einsums plain batched matmuls.
@@ -211,7 +211,7 @@ def xla_attention(
   logits = jnp.where(mask, logits, NEG_INF)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = matmul.einsum("bkgst,bktd->bkgsd", probs, v, dtype=v.dtype, precision=precision, integer_rounding=integer_rounding)
-  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, v.shape[-1])
 
 
 # ------------------------------------------------------------------------------------------ chunked (O(S) memory)

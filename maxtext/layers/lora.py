@@ -207,6 +207,27 @@ def _side_key(rngs: nnx.Rngs) -> jax.Array:
   return jax.random.fold_in(jax.random.fold_in(stream.key[...], stream.count[...]), 0x10A)
 
 
+def _reject_routed_experts(layer: nnx.Module, path: str, pattern: re.Pattern) -> None:
+  """Routed experts take no adapters: an explicitly set lora_module_path that matches their stacked weights is an error.
+
+  The default path names dense projections; in a MoE layer its 'mlp/(wi_0|wi_1|wo)' also matches the routed
+  experts' weights, which it leaves alone (attention, router and shared experts still get adapters).
+  """
+  from maxtext.config.sections import LoRA as LoRASection
+  from maxtext.layers.moe import MoE
+
+  if path == LoRASection.model_fields["lora_module_path"].default:
+    return
+  for module_path_, m in nnx.iter_modules(layer):
+    if isinstance(m, MoE):
+      routed = [f"{module_path(module_path_)}/{w}" for w in ("wi_0", "wi_1", "wo")]
+      hit = [p for p in routed if pattern.search(p)]
+      if hit:
+        raise ConfigError(
+          f"lora.lora_module_path '{path}' matches routed expert weights ({', '.join(hit)}); LoRA on routed experts is not supported, narrow the path (shared experts: mlp/shared_experts/...)"
+        )
+
+
 def attach(layer: nnx.Module, config: MaxTextConfig, rngs: nnx.Rngs) -> None:
   """Give the layer's matching DenseGenerals adapters (no-op unless lora.enable_lora)."""
   cfg = config.lora
@@ -214,6 +235,7 @@ def attach(layer: nnx.Module, config: MaxTextConfig, rngs: nnx.Rngs) -> None:
     return
   modules = candidates(layer)
   pattern = re.compile(cfg.lora_module_path)
+  _reject_routed_experts(layer, cfg.lora_module_path, pattern)
   chosen = sorted(p for p in modules if pattern.search(p))
   if not chosen:
     raise ConfigError(f"lora.lora_module_path '{cfg.lora_module_path}' matches no module; available module paths: {', '.join(sorted(modules))}")

@@ -27,9 +27,10 @@ def activation(name: str):
 
 
 class MLP(nnx.Module):
-  def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs):
+  def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs, width: int | None = None):
     c = config
     self.config = c
+    m = c.mlp_dim if width is None else width
     kw = dict(
       dtype=dtype(c.dtype),
       weight_dtype=dtype(c.weight_dtype),
@@ -39,13 +40,13 @@ class MLP(nnx.Module):
     )
     self.acts = tuple(c.mlp_activations)
     if len(self.acts) == 2:
-      self.wi_0 = DenseGeneral((c.emb_dim,), (c.mlp_dim,), ("embed", "mlp"), **kw)
-      self.wi_1 = DenseGeneral((c.emb_dim,), (c.mlp_dim,), ("embed", "mlp"), **kw)
+      self.wi_0 = DenseGeneral((c.emb_dim,), (m,), ("embed", "mlp"), **kw)
+      self.wi_1 = DenseGeneral((c.emb_dim,), (m,), ("embed", "mlp"), **kw)
       self.wi = None
     else:
-      self.wi = DenseGeneral((c.emb_dim,), (c.mlp_dim,), ("embed", "mlp"), **kw)
+      self.wi = DenseGeneral((c.emb_dim,), (m,), ("embed", "mlp"), **kw)
       self.wi_0 = self.wi_1 = None
-    self.wo = DenseGeneral((c.mlp_dim,), (c.emb_dim,), ("mlp", "embed"), **kw)
+    self.wo = DenseGeneral((m,), (c.emb_dim,), ("mlp", "embed"), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     rules = self.config.logical_axis_rules

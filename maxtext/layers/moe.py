@@ -1,6 +1,28 @@
-"""Mixture of experts with top-k routing (Mixtral), exact and dropless, with a load-balance loss."""
+"""Mixture of experts: routing (Mixtral, Qwen3-MoE, DeepSeek V3), dropless or capacity-limited dispatch, shared experts.
+
+Routing (float32): scores are softmax or sigmoid (routed_score_func) of the router logits. Experts are chosen by
+top-k of the scores plus an optional score-correction bias (routed_bias, DeepSeek's aux-loss-free balancing),
+optionally only inside the best topk_routing_group of n_routing_groups groups (each group scored by the sum of
+its two best biased scores). The chosen experts' weights are the unbiased scores, renormalised to sum to one
+with norm_topk_prob (always for mixtral), times routed_scaling_factor.
+
+Dispatch: dropless (capacity_factor = -1) sorts the (token, expert) pairs by expert and runs grouped matmuls
+(jax.lax.ragged_dot); with capacity_factor > 0 every expert takes at most
+ceil(capacity_factor x tokens x k / experts) tokens (earlier tokens first), the rest are dropped (counted in
+the metrics), and experts run as one batched matmul over [experts, capacity] buffers.
+
+Expert parallelism: when the active mesh has an `expert` axis of size ep > 1, each device owns
+num_experts / ep experts. Routing runs on the global (sharded) arrays; then, in shard_map, every device
+packs its own tokens into [experts, capacity] buffers, an all-to-all over `expert` sends each expert's
+slots to the device that owns it, the owner runs its experts, and a second all-to-all brings the results
+back. Capacity then applies per data shard; without capacity_factor it is the shard's token count, which
+no expert can exceed (dropless, at the price of buffers num_experts / k times the routed pairs).
+"""
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,16 +32,40 @@ from jax.ad_checkpoint import checkpoint_name
 from maxtext.config import MaxTextConfig
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
-from maxtext.layers.mlp import activation
+from maxtext.layers.mlp import MLP, activation
+from maxtext.mesh import logical_to_spec
 from maxtext.platform import Policy
 
 
-def route(router_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Softmax router (float32), top-k renormalised. Returns (weights [T,k], experts [T,k], probs [T,E])."""
-  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-  weights, experts = jax.lax.top_k(probs, k)
-  weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return weights, experts, probs
+class RoutingBias(nnx.Variable):
+  """DeepSeek's per-expert score-correction bias: not trained by gradients, moved by the aux-loss-free update."""
+
+
+class Routing(NamedTuple):
+  weights: jax.Array  # [T, k] float32 combine weights of the chosen experts
+  experts: jax.Array  # [T, k] int32 chosen experts
+  probs: jax.Array  # [T, E] float32 routing probabilities (for the load-balance loss)
+
+
+def route(logits: jax.Array, config: MaxTextConfig, bias: jax.Array | None = None) -> Routing:
+  """Choose num_experts_per_tok experts per token from router logits [T, E] (see the module docstring)."""
+  c = config
+  logits = logits.astype(jnp.float32)
+  scores = jax.nn.sigmoid(logits) if c.routed_score_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+  choice = scores if bias is None else scores + bias.astype(jnp.float32)
+  if c.n_routing_groups > 0:
+    t, e = choice.shape
+    grouped = choice.reshape(t, c.n_routing_groups, e // c.n_routing_groups)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+    _, best_groups = jax.lax.top_k(group_scores, c.topk_routing_group)
+    keep = jnp.sum(jax.nn.one_hot(best_groups, c.n_routing_groups, dtype=jnp.bool_), axis=1)  # [T, G]
+    choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
+  _, experts = jax.lax.top_k(choice, c.num_experts_per_tok)
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if c.norm_topk_prob or c.decoder_block == "mixtral":
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  probs = scores if c.routed_score_func != "sigmoid" else scores / jnp.sum(scores, axis=-1, keepdims=True)
+  return Routing(weights * c.routed_scaling_factor, experts, probs)
 
 
 def load_balance_loss(probs: jax.Array, experts: jax.Array, valid: jax.Array) -> jax.Array:
@@ -33,8 +79,86 @@ def load_balance_loss(probs: jax.Array, experts: jax.Array, valid: jax.Array) ->
   return num_experts * jnp.sum(frac * mean_prob)
 
 
+def bias_update(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+  """Aux-loss-free balancing (DeepSeek V3): raise the bias of under-loaded experts, lower over-loaded ones, by rate.
+
+  load [..., E]: tokens routed to each expert this step; bias [..., E].
+  """
+  mean = jnp.mean(load, axis=-1, keepdims=True)
+  return bias + rate * jnp.sign(mean - load).astype(bias.dtype)
+
+
+def update_routing_biases(other: nnx.State, load: jax.Array, config: MaxTextConfig) -> nnx.State:
+  """Apply bias_update to the routing bias of every main-model MoE layer in a non-Param state.
+
+  load [MoE layers, num_experts] is what the step's forward pass routed (the multi-token-prediction
+  modules' biases are left as they are).
+  """
+  leaves = []
+  for path, var in nnx.to_flat_state(other):
+    keys = [str(p) for p in path]
+    if keys[0] == "layers" and keys[-1] == "routed_bias":
+      layer_load = load if config.scan_layers else load[int(keys[1])]
+      var = var.replace(bias_update(var[...], layer_load, config.routed_bias_update_rate))
+    leaves.append((path, var))
+  return nnx.from_flat_state(leaves)
+
+
+def expert_capacity(tokens: int, config: MaxTextConfig) -> int:
+  """Slots per expert: ceil(capacity_factor x tokens x k / experts) (at least 1)."""
+  c = config
+  return max(1, math.ceil(c.capacity_factor * tokens * c.num_experts_per_tok / c.num_experts))
+
+
+def capacity_positions(experts: jax.Array, num_experts: int) -> jax.Array:
+  """[T, k] experts -> each pair's arrival index at its expert, earlier tokens first (a token's k picks in order)."""
+  flat = jax.nn.one_hot(experts.reshape(-1), num_experts, dtype=jnp.int32)  # [T*k, E]
+  before = jnp.cumsum(flat, axis=0) - flat
+  return jnp.sum(before * flat, axis=-1).reshape(experts.shape)
+
+
+def sort_by_expert(tokens: jax.Array, experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Dropless dispatch: tokens [T, E], experts [T, k] -> (pairs sorted by expert [T*k, E], their order, group sizes)."""
+  k = experts.shape[-1]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  return tokens[order // k], order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def unsort_combine(out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+  """Dropless combine: expert outputs [T*k, E] in sorted order -> weighted sum per token [T, E] (float32)."""
+  t, k = weights.shape
+  slots = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
+  return jnp.einsum("tke,tk->te", slots.astype(jnp.float32), weights)
+
+
+def pack(tokens: jax.Array, experts: jax.Array, kept: jax.Array, position: jax.Array, capacity: int, num_experts: int) -> tuple[jax.Array, jax.Array]:
+  """Capacity dispatch: kept (token, expert) pairs into [experts, capacity, E] buffers; returns (buffers, slot of each pair).
+
+  Dropped pairs point at one extra overflow row that is cut off (and reads zeros in unpack_combine).
+  """
+  k = experts.shape[-1]
+  slot = jnp.where(kept, experts * capacity + position, num_experts * capacity)
+  buffer = jnp.zeros((num_experts * capacity + 1, tokens.shape[-1]), tokens.dtype)
+  buffer = buffer.at[slot.reshape(-1)].set(jnp.repeat(tokens, k, axis=0))[:-1]
+  return buffer.reshape(num_experts, capacity, -1), slot
+
+
+def unpack_combine(out: jax.Array, slot: jax.Array, weights: jax.Array) -> jax.Array:
+  """Capacity combine: expert outputs [experts, capacity, E] -> weighted sum per token [T, E] (float32); dropped pairs add 0."""
+  flat = out.reshape(-1, out.shape[-1])
+  gathered = jnp.concatenate([flat, jnp.zeros((1, flat.shape[-1]), flat.dtype)])[slot]  # [T, k, E]
+  return jnp.einsum("tke,tk->te", gathered.astype(jnp.float32), weights)
+
+
+def empty_stats(num_experts: int) -> dict[str, jax.Array]:
+  """The statistics of a layer without experts (same structure as MoE's)."""
+  zero = jnp.zeros((), jnp.float32)
+  return {"lb_loss": zero, "dropped": zero, "load": jnp.zeros((num_experts,), jnp.float32)}
+
+
 class MoE(nnx.Module):
-  """Experts' weights stacked [num_experts, ...]. Every routed token is computed exactly (no capacity, no dropping)."""
+  """Routed experts' weights stacked [num_experts, ...], plus optional shared experts (one dense MLP)."""
 
   def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs):
     c = config
@@ -42,38 +166,109 @@ class MoE(nnx.Module):
     self.dtype = dtype(c.dtype)
     self.precision = precision(c.matmul_precision)
     wdt = dtype(c.weight_dtype)
-    e, m, n = c.emb_dim, c.mlp_dim, c.num_experts
+    e, m, n = c.emb_dim, c.moe_mlp_dim, c.num_experts
     self.gate = DenseGeneral(
       (e,), (n,), ("embed", None), dtype=jnp.float32, weight_dtype=wdt, precision=self.precision, rngs=rngs, integer_rounding=policy.integer_bf16_rounding
     )
     self.wi_0 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
     self.wi_1 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
     self.wo = nnx.Param(variance_scaling_init(rngs.params(), (n, m, e), m, wdt), logical_axes=("exp", "mlp", "embed"))
+    self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias else None
+    self.shared_experts = MLP(c, policy=policy, rngs=rngs, width=c.shared_experts * m) if c.shared_experts else None
 
-  def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [B,S,E], valid [B,S] bool (tokens counted in the load-balance loss) -> (y [B,S,E], aux loss).
+  def _act(self, h0: jax.Array, h1: jax.Array) -> jax.Array:
+    acts = self.config.mlp_activations
+    return activation(acts[0])(h0) * activation(acts[-1])(h1)
 
-    Dropless: each (token, chosen expert) pair is sorted by expert and the experts run as
-    grouped matmuls (jax.lax.ragged_dot), so compute is proportional to num_experts_per_tok.
-    """
-    c = self.config
-    b, s, e = x.shape
-    k = c.num_experts_per_tok
-    tokens = x.reshape(b * s, e).astype(self.dtype)
-    weights, experts, probs = route(self.gate(tokens), k)
-    aux = load_balance_loss(probs, experts, valid.reshape(-1))
-    flat_experts = experts.reshape(-1)
-    order = jnp.argsort(flat_experts, stable=True)
-    group_sizes = jnp.bincount(flat_experts, length=c.num_experts).astype(jnp.int32)
-    routed = tokens[order // k]  # [T*k, E], grouped by expert
+  def _dropless(self, tokens: jax.Array, r: Routing) -> jax.Array:
+    """Every (token, expert) pair computed: sort by expert, grouped matmuls, unsort, weighted sum."""
+    routed, order, group_sizes = sort_by_expert(tokens, r.experts, self.config.num_experts)
 
     def grouped(lhs: jax.Array, w: nnx.Param) -> jax.Array:
       return jax.lax.ragged_dot(lhs, w[...].astype(self.dtype), group_sizes, precision=self.precision)
 
-    h0 = checkpoint_name(grouped(routed, self.wi_0), "mlpwi_0")
-    h1 = checkpoint_name(grouped(routed, self.wi_1), "mlpwi_1")
-    h = activation(c.mlp_activations[0])(h0) * activation(c.mlp_activations[-1])(h1)
-    out = grouped(h, self.wo)  # [T*k, E]
-    slots = jnp.zeros_like(out).at[order].set(out).reshape(b * s, k, e)
-    y = jnp.einsum("tke,tk->te", slots.astype(jnp.float32), weights).astype(self.dtype)
-    return checkpoint_name(y.reshape(b, s, e), "mlpwo"), aux
+    h = self._act(checkpoint_name(grouped(routed, self.wi_0), "mlpwi_0"), checkpoint_name(grouped(routed, self.wi_1), "mlpwi_1"))
+    return unsort_combine(grouped(h, self.wo), order, r.weights)
+
+  def _with_capacity(self, tokens: jax.Array, r: Routing, kept: jax.Array, position: jax.Array, capacity: int) -> jax.Array:
+    """Kept pairs scattered into [experts, capacity] buffers, one batched matmul per projection, gathered back."""
+    c = self.config
+    buffer, slot = pack(tokens, r.experts, kept, position, capacity, c.num_experts)
+
+    def batched(lhs: jax.Array, w: nnx.Param) -> jax.Array:
+      return jnp.einsum("ecd,edf->ecf", lhs, w[...].astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
+
+    h = self._act(checkpoint_name(batched(buffer, self.wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, self.wi_1), "mlpwi_1"))
+    return unpack_combine(batched(h, self.wo), slot, r.weights)
+
+  def _expert_parallel(self, x: jax.Array, r: Routing, valid: jax.Array, mesh: jax.sharding.AbstractMesh) -> tuple[jax.Array, jax.Array]:
+    """Dispatch by all-to-all over the `expert` mesh axis (see the module docstring) -> (y [B,S,E] float32, dropped)."""
+    c = self.config
+    b, s, e = x.shape
+    k, n, ep = c.num_experts_per_tok, c.num_experts, mesh.shape["expert"]
+    if n % ep:
+      raise ValueError(f"num_experts {n} is not divisible by the expert mesh axis {ep}")
+    x_spec = logical_to_spec(("activation_batch", "activation_length", "activation_embed"), c.logical_axis_rules, mesh)
+    routed_spec = jax.sharding.PartitionSpec(*x_spec[:2], None)
+    token_axes = tuple(a for part in x_spec for a in ((part,) if isinstance(part, str) else (part or ())))
+    w_spec = jax.sharding.PartitionSpec("expert", None, None)
+
+    def batched(lhs: jax.Array, w: jax.Array) -> jax.Array:
+      return jnp.einsum("ecd,edf->ecf", lhs, w.astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
+
+    def local(x, weights, experts, valid, wi_0, wi_1, wo):
+      lb, ls, _ = x.shape
+      t = lb * ls
+      tokens, experts, weights = x.reshape(t, e), experts.reshape(t, k), weights.reshape(t, k)
+      capacity = expert_capacity(t, c) if c.capacity_factor > 0 else t
+      position = capacity_positions(experts, n)
+      kept = position < capacity
+      buffer, slot = pack(tokens.astype(self.dtype), experts, kept, position, capacity, n)
+      buffer = jax.lax.all_to_all(buffer, "expert", 0, 0, tiled=True)  # [source x local experts, C, E]
+      buffer = buffer.reshape(ep, n // ep, capacity, e).swapaxes(0, 1).reshape(n // ep, ep * capacity, e)
+      h = self._act(checkpoint_name(batched(buffer, wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, wi_1), "mlpwi_1"))
+      out = batched(h, wo).reshape(n // ep, ep, capacity, e).swapaxes(0, 1).reshape(n, capacity, e)
+      out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
+      y = unpack_combine(out, slot, weights).reshape(lb, ls, e)
+      dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid.reshape(t, 1))
+      return y, jax.lax.psum(dropped, token_axes) if token_axes else dropped
+
+    fn = jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(x_spec, routed_spec, routed_spec, jax.sharding.PartitionSpec(*x_spec[:2]), w_spec, w_spec, w_spec),
+      out_specs=(x_spec, jax.sharding.PartitionSpec()),
+    )
+    routed = (r.weights.reshape(b, s, k), r.experts.reshape(b, s, k))
+    return fn(x.astype(self.dtype), *routed, valid.reshape(b, s), self.wi_0[...], self.wi_1[...], self.wo[...])
+
+  def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics).
+
+    Statistics: lb_loss (load-balance loss), dropped (valid (token, expert) pairs over capacity),
+    load [num_experts] (valid tokens routed to each expert, before dropping).
+    """
+    c = self.config
+    b, s, e = x.shape
+    tokens = x.reshape(b * s, e).astype(self.dtype)
+    valid = valid.reshape(-1)
+    r = route(self.gate(tokens), c, self.routed_bias[...] if self.routed_bias is not None else None)
+    chosen = jax.nn.one_hot(r.experts, c.num_experts, dtype=jnp.float32)  # [T,k,E]
+    load = jnp.einsum("tke,t->e", chosen, valid.astype(jnp.float32))
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.shape.get("expert", 1) > 1:
+      y, dropped = self._expert_parallel(x, r, valid, mesh)
+    elif c.capacity_factor > 0:
+      capacity = expert_capacity(b * s, c)
+      position = capacity_positions(r.experts, c.num_experts)
+      kept = position < capacity
+      y = self._with_capacity(tokens, r, kept, position, capacity)
+      dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid[:, None])
+    else:
+      y = self._dropless(tokens, r)
+      dropped = jnp.zeros((), jnp.float32)
+    y = y.astype(self.dtype).reshape(b, s, e)
+    if self.shared_experts is not None:
+      y = y + self.shared_experts(x)
+    stats = {"lb_loss": load_balance_loss(r.probs, r.experts, valid), "dropped": dropped, "load": load}
+    return checkpoint_name(y, "mlpwo"), stats

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (half-split layout, as Hugging Face), with llama3.1 frequency scaling."""
+"""Rotary position embeddings (half-split or interleaved pairs, as Hugging Face), with llama3.1 and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -31,11 +31,41 @@ def inverse_frequencies(
   return inv
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """x [B, S, heads, head_dim], positions [B, S] -> rotated x (computed in float32)."""
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's attention temperature 0.1 mscale ln(factor) + 1 (1 when factor <= 1)."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inverse_frequencies(
+  dim: int, theta: float, factor: float, original_max_position: int, beta_fast: float, beta_slow: float, truncate: bool
+) -> np.ndarray:
+  """YaRN (NTK-by-parts): high frequencies kept, low frequencies divided by factor, a linear ramp in between."""
+  inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+
+  def correction_dim(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times into the original context
+    return dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+  if truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+  keep = 1.0 - ramp  # 1: extrapolate (original frequency), 0: interpolate (frequency / factor)
+  return inv / factor * (1.0 - keep) + inv * keep
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, interleave: bool = False, scale: float = 1.0) -> jax.Array:
+  """x [B, S, heads, head_dim], positions [B, S] -> rotated x (computed in float32).
+
+  Pairs are (x[i], x[i + D/2]), or with interleave (x[2i], x[2i+1]); the interleaved result comes back
+  in half-split order (as Hugging Face DeepSeek does), which leaves every query-key dot product unchanged.
+  cos and sin are multiplied by scale (YaRN's attention scaling).
+  """
   angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inv_freq, jnp.float32)  # [B,S,1,D/2]
-  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  sin, cos = jnp.sin(angles) * scale, jnp.cos(angles) * scale
   x32 = x.astype(jnp.float32)
-  x1, x2 = jnp.split(x32, 2, axis=-1)
+  x1, x2 = (x32[..., 0::2], x32[..., 1::2]) if interleave else jnp.split(x32, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)

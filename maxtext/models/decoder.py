@@ -20,6 +20,7 @@ from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.layers.sharding import constrain
 from maxtext.models import registry, remat
 from maxtext.models.decoder_layer import DecoderLayer
+from maxtext.models.mtp import MTPBlock
 from maxtext.platform import Policy
 
 LAYERS_AXIS = "layers"
@@ -30,12 +31,12 @@ def _prepend_layers_axis(variable: nnx.Variable) -> nnx.Variable:
   return variable.replace(logical_axes=(LAYERS_AXIS,) + tuple(axes))
 
 
-def stacked_layers(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs) -> DecoderLayer:
-  """One DecoderLayer whose parameters have a leading [num_decoder_layers] axis (logical name 'layers')."""
+def stacked_layers(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs, count: int | None = None, dense: bool = False) -> DecoderLayer:
+  """One DecoderLayer whose parameters have a leading [count] axis (logical name 'layers'; count defaults to all layers)."""
   family = registry.get(config.decoder_block)
-  keys = jax.random.split(rngs.params(), config.num_decoder_layers)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(0))))
-  state = jax.vmap(lambda k: nnx.state(DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(k))))(keys)
+  keys = jax.random.split(rngs.params(), config.num_decoder_layers if count is None else count)
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(0), dense=dense)))
+  state = jax.vmap(lambda k: nnx.state(DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(k), dense=dense)))(keys)
   state = jax.tree.map(_prepend_layers_axis, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
   return nnx.merge(graphdef, state)
 
@@ -53,46 +54,47 @@ class Transformer(nnx.Module):
     # Tied tables also produce the logits: unit-variance rows would give logits of std sqrt(emb_dim) at init.
     tied_scale = 1.0 if (c.normalize_embedding_logits or not c.logits_via_embedding) else c.emb_dim**-0.5
     self.embed = Embed(c.vocab_size, c.emb_dim, init_std=tied_scale, dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
+    n_dense = c.first_num_dense_layers
     if c.scan_layers:
-      self.layers = stacked_layers(c, policy, rngs)
+      self.dense_layers = stacked_layers(c, policy, rngs, n_dense, dense=True) if n_dense else None
+      self.layers = stacked_layers(c, policy, rngs, c.num_decoder_layers - n_dense)
     else:
-      self.layers = nnx.List([DecoderLayer(c, self.family, policy=policy, rngs=rngs) for _ in range(c.num_decoder_layers)])
+      self.dense_layers = nnx.List([DecoderLayer(c, self.family, policy=policy, rngs=rngs, dense=True) for _ in range(n_dense)]) if n_dense else None
+      self.layers = nnx.List([DecoderLayer(c, self.family, policy=policy, rngs=rngs) for _ in range(c.num_decoder_layers - n_dense)])
     self.final_norm = RMSNorm(
       c.emb_dim, c.normalization_layer_epsilon, dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=self.family.zero_centered_norms
     )
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **kw)
+    self.mtp = nnx.List([MTPBlock(c, self.family, policy=policy, rngs=rngs) for _ in range(c.mtp_num_layers)]) if c.mtp_num_layers else None
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-    """tokens [B, S] -> the residual stream state entering the first layer ([B, S, E], or [B, S, n, E] with mHC)."""
-    c = self.config
+    """Token embeddings as the first layer sees them (scaled by sqrt(emb_dim) for Gemma)."""
     x = self.embed(tokens)
     if self.family.scale_embedding:
-      x = x * jnp.asarray(math.sqrt(c.emb_dim), x.dtype)
-    x = constrain(x, ("activation_batch", "activation_length", "activation_embed"), c.logical_axis_rules)
-    return expand_streams(x, c)
+      x = x * jnp.asarray(math.sqrt(self.config.emb_dim), x.dtype)
+    return x
+
+  def input_stream(self, tokens: jax.Array) -> jax.Array:
+    """tokens [B, S] -> the residual stream state entering the first layer ([B, S, E], or [B, S, n, E] with mHC)."""
+    x = constrain(self.embed_tokens(tokens), ("activation_batch", "activation_length", "activation_embed"), self.config.logical_axis_rules)
+    return expand_streams(x, self.config)
 
   def hidden_states(
     self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
   ) -> tuple[jax.Array, jax.Array]:
-    """tokens [B, S] -> (final-normed hidden [B, S, E], weighted MoE load-balance loss).
+    """tokens [B, S] -> (final-normed hidden [B, S, E], weighted MoE load-balance loss)."""
+    hidden, _, stats = self.forward_hidden(tokens, positions, segment_ids, adapter_ids)
+    return hidden, stats["lb_loss"]
 
-    adapter_ids [B]: the LoRA slot of each row when lora.max_lora_adapters > 1 (None: slot 0 for all).
-    """
-    with lora.adapter_rows(adapter_ids):
-      return self._hidden_states(tokens, positions, segment_ids)
-
-  def _hidden_states(self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  def _run_layers(self, layers: nnx.Module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, windows: list[int]):
+    """A stack (scanned) or list of layers over x -> (x, per-layer MoE statistics stacked on a leading axis)."""
     c = self.config
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x = self.embed_tokens(tokens)
-    windows = self.family.layer_windows(c)
 
-    def layer_fn(layer: DecoderLayer, h: jax.Array, window: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+    def layer_fn(layer: DecoderLayer, h: jax.Array, window: int | jax.Array):
       return layer(checkpoint_name(h, "decoder_layer_input"), positions, segment_ids, window)
 
     if c.scan_layers:
-      graphdef, state = nnx.split(self.layers)
+      graphdef, state = nnx.split(layers)
       static_window = windows[0] if len(set(windows)) == 1 else None
 
       def body(h, xs):
@@ -100,18 +102,43 @@ class Transformer(nnx.Module):
         return layer_fn(nnx.merge(graphdef, layer_state), h, static_window if static_window is not None else window)
 
       body = remat.wrap(body, c.remat_policy, prevent_cse=False)
-      x, aux = jax.lax.scan(body, x, (state, jnp.asarray(windows, jnp.int32)))
-      aux = jnp.sum(aux)
-    else:
-      aux = jnp.zeros((), jnp.float32)
-      for layer, window in zip(self.layers, windows):
-        graphdef, state = nnx.split(layer)
-        step = remat.wrap(lambda h, st, w=window, g=graphdef: layer_fn(nnx.merge(g, st), h, w), c.remat_policy, prevent_cse=True)
-        x, layer_aux = step(x, state)
-        aux = aux + layer_aux
+      return jax.lax.scan(body, x, (state, jnp.asarray(windows, jnp.int32)))
+    per_layer = []
+    for layer, window in zip(layers, windows):
+      graphdef, state = nnx.split(layer)
+      step = remat.wrap(lambda h, st, w=window, g=graphdef: layer_fn(nnx.merge(g, st), h, w), c.remat_policy, prevent_cse=True)
+      x, stats = step(x, state)
+      per_layer.append(stats)
+    return x, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+  def forward_hidden(
+    self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """tokens [B, S] -> (final-normed hidden [B, S, E], hidden before the final norm, MoE statistics).
+
+    Statistics: lb_loss (load-balance loss x load_balance_loss_weight / num_decoder_layers, summed over layers),
+    dropped (routed pairs dropped over capacity, summed over layers), load [MoE layers, num_experts].
+    adapter_ids [B] or [B, S]: the LoRA slot of each row or token when lora.max_lora_adapters > 1 (None: slot 0).
+    """
+    with lora.adapter_rows(adapter_ids):
+      return self._forward_hidden(tokens, positions, segment_ids)
+
+  def _forward_hidden(self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    c = self.config
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    x = self.input_stream(tokens)
+    windows = self.family.layer_windows(c)
+    n_dense = c.first_num_dense_layers
+    lb = jnp.zeros((), jnp.float32)
+    if self.dense_layers is not None:
+      x, dense_stats = self._run_layers(self.dense_layers, x, positions, segment_ids, windows[:n_dense])
+      lb = lb + jnp.sum(dense_stats["lb_loss"])
+    x, stats = self._run_layers(self.layers, x, positions, segment_ids, windows[n_dense:])
     x = collapse_streams(x, c)
     hidden = self.final_norm(x)
-    return hidden, aux * (c.load_balance_loss_weight / c.num_decoder_layers)
+    lb = (lb + jnp.sum(stats["lb_loss"])) * (c.load_balance_loss_weight / c.num_decoder_layers)
+    return hidden, x, {"lb_loss": lb, "dropped": jnp.sum(stats["dropped"]), "load": stats["load"]}
 
   def output_head(self) -> OutputHead:
     """The map from final hidden states to logits: the output kernel, or the embedding table when tied."""

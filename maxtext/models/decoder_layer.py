@@ -12,8 +12,9 @@ from maxtext.config import MaxTextConfig
 from maxtext.layers import lora
 from maxtext.layers.attention import Attention
 from maxtext.layers.dtypes import dtype
+from maxtext.layers.mla import MLA
 from maxtext.layers.mlp import MLP
-from maxtext.layers.moe import MoE
+from maxtext.layers.moe import MoE, empty_stats
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.residual import make_connection
 from maxtext.layers.sharding import constrain
@@ -25,7 +26,9 @@ if TYPE_CHECKING:
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, config: MaxTextConfig, family: Family, *, policy: Policy, rngs: nnx.Rngs):
+  """dense=True forces a dense MLP (DeepSeek's first_num_dense_layers) in a model with experts."""
+
+  def __init__(self, config: MaxTextConfig, family: Family, *, policy: Policy, rngs: nnx.Rngs, dense: bool = False):
     c = config
     self.config = c
     zc = family.zero_centered_norms
@@ -34,18 +37,21 @@ class DecoderLayer(nnx.Module):
       return RMSNorm(c.emb_dim, c.normalization_layer_epsilon, dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=zc)
 
     self.pre_attention_norm = norm()
-    self.attention = Attention(c, policy=policy, rngs=rngs, zero_centered_norm=zc, window_choices=family.layer_windows(c))
+    self.attention = (
+      MLA(c, policy=policy, rngs=rngs) if family.mla else Attention(c, policy=policy, rngs=rngs, zero_centered_norm=zc, window_choices=family.layer_windows(c))
+    )
     self.post_attention_norm = norm() if family.post_norms else None
     self.pre_mlp_norm = norm()
-    self.mlp = MoE(c, policy=policy, rngs=rngs) if c.num_experts > 1 else MLP(c, policy=policy, rngs=rngs)
+    self.mlp = MoE(c, policy=policy, rngs=rngs) if c.num_experts > 1 and not dense else MLP(c, policy=policy, rngs=rngs)
     self.post_mlp_norm = norm() if family.post_norms else None
     self.attention_connection = make_connection(c, rngs=rngs)
     self.mlp_connection = make_connection(c, rngs=rngs)
     lora.attach(self, c, rngs)  # adapters last, so base parameters draw the same random keys with or without LoRA
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, cache: LayerCache | None = None) -> tuple:
-    """x: residual stream state -> (new state, MoE load-balance loss of this layer); with a KV cache, (..., updated cache)."""
-    aux = jnp.zeros((), jnp.float32)
+    """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense);
+    with a KV cache (decoding), (..., updated cache)."""
+    aux = empty_stats(self.config.num_experts)
 
     def attention_branch(h: jax.Array) -> jax.Array:
       nonlocal cache

@@ -25,3 +25,4 @@ class Family:
   scale_embedding: bool = False  # multiply embeddings by sqrt(emb_dim) (Gemma)
   layer_windows: Callable[[MaxTextConfig], list[int]] = uniform_windows  # sliding window per layer
   hf_norm_names: dict[str, str] = dataclasses.field(default_factory=lambda: dict(LLAMA_HF_NORMS))  # our norm -> HF module name
+  mla: bool = False  # multi-head latent attention (DeepSeek) instead of grouped-query attention

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from maxtext.models.families import gemma2, llama2, mistral, mixtral, qwen3
+from maxtext.models.families import deepseek, gemma2, llama2, mistral, mixtral, qwen3, qwen3_moe
 from maxtext.models.family import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama2.FAMILY, mistral.FAMILY, mixtral.FAMILY, qwen3.FAMILY, gemma2.FAMILY)}
+FAMILIES: dict[str, Family] = {
+  f.name: f for f in (llama2.FAMILY, mistral.FAMILY, mixtral.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, gemma2.FAMILY, deepseek.FAMILY)
+}
 
 
 def get(decoder_block: str) -> Family:

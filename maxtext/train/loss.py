@@ -1,7 +1,7 @@
 """Masked next-token cross entropy with z-loss, optionally over vocabulary tiles.
 
 Sums (not means) are returned so micro-batches can be combined token-weighted:
-loss = (sum xent + sum z) / total_weights + moe_aux.
+loss = (sum xent + sum z + sum mtp) / total_weights + moe_aux; mtp only in training.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
 from maxtext.layers.output_head import OutputHead
+from maxtext.models.mtp import mtp_xent_sum
 
 
 class LossSums(NamedTuple):
@@ -21,6 +22,16 @@ class LossSums(NamedTuple):
   z_loss: jax.Array  # sum over real tokens of z_loss_multiplier * logsumexp^2
   weights: jax.Array  # number of real tokens (targets_segmentation != 0)
   aux: jax.Array  # MoE load-balance loss (already weighted by the model)
+  mtp: jax.Array  # multi-token prediction: scaled mean over modules of summed cross entropy (0 when off or in eval)
+  dropped: jax.Array  # routed (token, expert) pairs dropped over expert capacity, summed over MoE layers
+  load: jax.Array  # [MoE layers, num_experts] tokens routed to each expert (the aux-loss-free bias update reads it)
+
+
+def zero_sums(config: MaxTextConfig) -> LossSums:
+  """LossSums of zeros (the start of gradient accumulation)."""
+  zero = jnp.zeros((), jnp.float32)
+  load = jnp.zeros((config.num_decoder_layers - config.first_num_dense_layers, config.num_experts), jnp.float32)
+  return LossSums(zero, zero, zero, zero, zero, zero, load)
 
 
 def _tiled_sums(head: OutputHead, hidden: jax.Array, targets: jax.Array, mask: jax.Array, tiles: int, z_mult: float) -> tuple[jax.Array, jax.Array]:
@@ -43,9 +54,9 @@ def _tiled_sums(head: OutputHead, hidden: jax.Array, targets: jax.Array, mask: j
   return xent, z
 
 
-def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig) -> LossSums:
-  """Forward the model on a batch and return the summed losses over its real target tokens."""
-  hidden, aux = model.hidden_states(
+def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, training: bool = True) -> LossSums:
+  """Forward the model on a batch and return the summed losses over its real target tokens (MTP only when training)."""
+  hidden, pre_norm, stats = model.forward_hidden(
     batch["inputs"], positions=batch["inputs_position"], segment_ids=batch["inputs_segmentation"], adapter_ids=batch.get("adapter_ids")
   )
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
@@ -54,4 +65,6 @@ def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig) ->
     xent, z = _tiled_sums(model.output_head(), hidden, targets, mask, config.num_vocab_tiling, config.z_loss_multiplier)
   else:
     xent, z = model.output_head().loss_sums(hidden, targets, mask, config.z_loss_multiplier)
-  return LossSums(xent, z, jnp.sum(mask), jnp.asarray(aux, jnp.float32))
+  mtp = mtp_xent_sum(model, pre_norm, batch, config) if training and config.mtp_num_layers else jnp.zeros((), jnp.float32)
+  lb, dropped = jnp.asarray(stats["lb_loss"], jnp.float32), jnp.asarray(stats["dropped"], jnp.float32)
+  return LossSums(xent, z, jnp.sum(mask), lb, mtp, dropped, jnp.asarray(stats["load"], jnp.float32))

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from maxtext.config import MaxTextConfig
+from maxtext.layers.moe import update_routing_biases
 from maxtext.train import loss as loss_lib
 from maxtext.train.schedules import learning_rate_schedule
 from maxtext.train.state import TrainState, split_params
@@ -43,7 +44,7 @@ def make_train_step(config: MaxTextConfig, graphdef: nnx.GraphDef, optimizer: op
   def objective(trainable, frozen, other, batch, total_weights):
     model = nnx.merge(graphdef, trainable, frozen, other)
     sums = loss_lib.loss_sums(model, batch, config)
-    return (sums.xent + sums.z_loss) / total_weights + sums.aux / accum, sums
+    return (sums.xent + sums.z_loss + sums.mtp) / total_weights + sums.aux / accum, sums
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
@@ -62,26 +63,29 @@ def make_train_step(config: MaxTextConfig, graphdef: nnx.GraphDef, optimizer: op
           return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s)), None
 
         zeros = jax.tree.map(jnp.zeros_like, trainable)
-        zero_sums = loss_lib.LossSums(*(jnp.zeros((), jnp.float32) for _ in loss_lib.LossSums._fields))
-        (grads, sums), _ = jax.lax.scan(micro_step, (zeros, zero_sums), _micro_batches(batch, accum))
+        (grads, sums), _ = jax.lax.scan(micro_step, (zeros, loss_lib.zero_sums(config)), _micro_batches(batch, accum))
       aux = sums.aux / accum
-      loss = (sums.xent + sums.z_loss) / total_weights + aux
+      loss = (sums.xent + sums.z_loss + sums.mtp) / total_weights + aux
       grad_norm = optax.tree.norm(grads)
       lr = schedule(state["step"])
       updates, opt_state = optimizer.update(grads, state["opt_state"], trainable)
       new_trainable = optax.apply_updates(trainable, jax.tree.map(lambda u: lr * u, updates))
       new_state = dict(state, step=state["step"] + 1, params=nnx.merge_state(new_trainable, frozen), opt_state=opt_state)
+      if config.routed_bias_update_rate > 0:
+        new_state["other"] = update_routing_biases(other, sums.load, config)
       metrics = {
         "loss": loss,
         "z_loss": sums.z_loss / total_weights,
         "moe_lb_loss": aux,
+        **({"mtp_loss": sums.mtp / total_weights} if config.mtp_num_layers else {}),
+        **({"moe_dropped_tokens": sums.dropped} if config.capacity_factor > 0 and config.num_experts > 1 else {}),
         "total_weights": sums.weights,
         "grad_norm": grad_norm,
         "lr": lr,
       }
       if config.skip_step_on_spikes:
         skip, new_state["spike"] = _spike_check(state["spike"], loss, config)
-        for key in ("params", "opt_state"):
+        for key in ("params", "opt_state", "other") if "other" in state else ("params", "opt_state"):
           new_state[key] = jax.tree.map(lambda new, old: jnp.where(skip, old, new), new_state[key], state[key])
         metrics["skipped"] = skip.astype(jnp.float32)
       return new_state, metrics
@@ -94,7 +98,7 @@ def make_eval_step(config: MaxTextConfig, graphdef: nnx.GraphDef, mesh: Mesh) ->
 
   def eval_step(params: nnx.State, other: nnx.State, batch: Batch) -> Metrics:
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      sums = loss_lib.loss_sums(nnx.merge(graphdef, params, other), batch, config)
+      sums = loss_lib.loss_sums(nnx.merge(graphdef, params, other), batch, config, training=False)
       return sums._asdict()
 
   return eval_step

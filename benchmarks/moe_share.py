@@ -1,0 +1,51 @@
+"""Time of MoE routing, dispatch and combine in one train step, measured apart from the step.
+
+The same functions the MoE layer runs (maxtext.layers.moe: route, sort_by_expert/unsort_combine or
+pack/unpack_combine) are compiled with identity experts, forward and backward, on one device's tokens
+of one micro-batch, timed, and multiplied by the MoE layers (plus MTP modules) and micro-batches per
+step. With remat the step recomputes the forward once more, so the share is a lower bound.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from maxtext.config import MaxTextConfig
+from maxtext.layers import moe
+from maxtext.layers.dtypes import dtype
+
+
+def routing_dispatch_seconds(config: MaxTextConfig, repeats: int = 10) -> float:
+  """Seconds per train step spent routing, dispatching and combining tokens (see the module docstring)."""
+  c = config
+  tokens = c.micro_batch_size_to_train_on // c.num_devices * c.max_target_length
+  kx, kg = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (tokens, c.emb_dim), dtype(c.dtype))
+  gate = jax.random.normal(kg, (c.emb_dim, c.num_experts), jnp.float32) * c.emb_dim**-0.5
+  bias = jnp.zeros((c.num_experts,), jnp.float32) if c.routed_bias else None
+
+  def one_layer(x: jax.Array, gate: jax.Array) -> jax.Array:
+    r = moe.route(x.astype(jnp.float32) @ gate, c, bias)
+    if c.capacity_factor > 0:
+      capacity = moe.expert_capacity(tokens, c)
+      position = moe.capacity_positions(r.experts, c.num_experts)
+      buffer, slot = moe.pack(x, r.experts, position < capacity, position, capacity, c.num_experts)
+      y = moe.unpack_combine(buffer, slot, r.weights)
+    else:
+      routed, order, _ = moe.sort_by_expert(x, r.experts, c.num_experts)
+      y = moe.unsort_combine(routed, order, r.weights)
+    return jnp.sum(y)
+
+  fn = jax.jit(jax.grad(one_layer, argnums=(0, 1)))
+  jax.block_until_ready(fn(x, gate))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(x, gate))
+    times.append(time.perf_counter() - start)
+  layers = c.num_decoder_layers - c.first_num_dense_layers + c.mtp_num_layers
+  return statistics.median(times) * layers * c.gradient_accumulation_steps

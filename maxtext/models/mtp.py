@@ -1,0 +1,75 @@
+"""Multi-token prediction (DeepSeek V3): a chain of modules, module k predicting the token k + 1 ahead of the main model.
+
+Module k takes the previous depth's hidden states h^{k-1} (h^0: the main model's last layer output, before its
+final norm) and the embeddings of the tokens k positions ahead: h^k = layer(proj([norm(emb); norm(h^{k-1})])).
+Its logits come from the shared output head after its own norm. Training-only: the mean over modules of their
+cross entropy, times mtp_loss_scaling_factor, is added to the loss.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtext.config import MaxTextConfig
+from maxtext.layers.dtypes import dtype, precision
+from maxtext.layers.linear import DenseGeneral
+from maxtext.layers.norms import RMSNorm
+from maxtext.layers.residual import collapse_streams, expand_streams
+from maxtext.models.decoder_layer import DecoderLayer
+from maxtext.models.family import Family
+from maxtext.platform import Policy
+
+
+class MTPBlock(nnx.Module):
+  def __init__(self, config: MaxTextConfig, family: Family, *, policy: Policy, rngs: nnx.Rngs):
+    c = config
+    e = c.emb_dim
+    nkw = dict(dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=family.zero_centered_norms)
+    self.config = c
+    self.embed_norm = RMSNorm(e, c.normalization_layer_epsilon, **nkw)
+    self.hidden_norm = RMSNorm(e, c.normalization_layer_epsilon, **nkw)
+    self.projection = DenseGeneral(
+      (2 * e,),
+      (e,),
+      ("mlp", "embed"),
+      dtype=dtype(c.dtype),
+      weight_dtype=dtype(c.weight_dtype),
+      precision=precision(c.matmul_precision),
+      rngs=rngs,
+      integer_rounding=policy.integer_bf16_rounding,
+    )
+    self.layer = DecoderLayer(c, family, policy=policy, rngs=rngs)
+    self.out_norm = RMSNorm(e, c.normalization_layer_epsilon, **nkw)
+
+  def __call__(
+    self, hidden: jax.Array, ahead_embeddings: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int
+  ) -> tuple[jax.Array, jax.Array]:
+    """(h^{k-1} [B,S,E], embeddings of tokens k ahead [B,S,E]) -> (h^k, out_norm(h^k) for the output head)."""
+    x = self.projection(jnp.concatenate([self.embed_norm(ahead_embeddings), self.hidden_norm(hidden)], axis=-1))
+    x, _ = self.layer(expand_streams(x, self.config), positions, segment_ids, window)
+    h = collapse_streams(x, self.config)
+    return h, self.out_norm(h)
+
+
+def shift_left(x: jax.Array, k: int) -> jax.Array:
+  """x[:, i] <- x[:, i + k] along the sequence axis, zeros past the end."""
+  return jnp.concatenate([x[:, k:], jnp.zeros_like(x[:, :k])], axis=1)
+
+
+def mtp_xent_sum(model, pre_norm: jax.Array, batch: dict[str, jax.Array], config: MaxTextConfig) -> jax.Array:
+  """mtp_loss_scaling_factor x mean over modules of each module's summed cross entropy (over targets it can see)."""
+  c = config
+  tokens, targets = batch["inputs"], batch["targets"]
+  positions, segments = batch["inputs_position"], batch["inputs_segmentation"]
+  head = model.output_head()
+  window = model.family.layer_windows(c)[-1]
+  h, total = pre_norm, jnp.zeros((), jnp.float32)
+  for k, block in enumerate(model.mtp, start=1):
+    h, normed = block(h, model.embed_tokens(shift_left(tokens, k)), positions, segments, window)
+    same_document = shift_left(segments, k) == segments
+    mask = ((shift_left(batch["targets_segmentation"], k) != 0) & same_document).astype(jnp.float32)
+    xent, _ = head.loss_sums(normed, shift_left(targets, k), mask, 0.0)
+    total = total + xent
+  return total * (c.mtp_loss_scaling_factor / c.mtp_num_layers)
