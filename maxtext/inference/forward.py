@@ -24,7 +24,7 @@ def hidden_states(model: Transformer, tokens: jax.Array, new_lengths: jax.Array,
   """
   c = model.config
   positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-  x = model.embed_tokens(tokens)
+  x = model.input_stream(tokens)
 
   def run(layer, h, window: int, kv: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     h, _, out = layer(h, positions, None, window, cache=LayerCache(kv["key"], kv["value"], cache.lengths, new_lengths))
