@@ -310,6 +310,10 @@ class LoRA(Section):
   lora_adapters: list[str] = Field(
     [], description="Slot names with optional ranks, 'name' or 'name:rank', one per slot when max_lora_adapters > 1 ([] = adapter_<i> at lora_rank)."
   )
+  adapter_column: str = Field(
+    "",
+    description="Record column naming each document's adapter (a lora_adapters name or an integer slot); the data then carries per-token adapter_ids.",
+  )
 
 
 class LoRASection(Section):
