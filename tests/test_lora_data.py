@@ -153,3 +153,23 @@ def test_two_adapters_train_from_data_and_the_third_stays(data_dir, tmp_path):
       assert moved == [True, True, False], name
     else:
       assert not moved[2], name
+
+
+def test_decode_serves_several_adapters_in_one_batch():
+  from maxtext.inference.generate import Generator
+  from maxtext.inference.sampling import SamplingParams
+  from tests.test_decode import perturbed
+  from tests.test_models import tiny
+
+  nested = {k.split(".", 1)[1]: v for k, v in MULTI.items() if k != "lora.adapter_column"}
+  cfg = tiny(dtype="float32", matmul_precision="highest", lora=nested, max_target_length=20, max_prefill_predict_length=8)
+  gen = Generator(perturbed(cfg, seed=3), SamplingParams(strategy="greedy"))
+  prompts = [[5, 9, 2, 7], [11, 3, 8]]
+  mixed = gen.generate(prompts, adapter_ids=["alice", 1]).tokens
+  alice = gen.generate(prompts, adapter_ids=["alice", "alice"]).tokens
+  bob = gen.generate(prompts, adapter_ids=[1, "bob"]).tokens
+  assert mixed == [alice[0], bob[1]]
+  assert gen.generate(prompts[:1], adapter_ids=["alice"]).tokens == [alice[0]]  # alone, in a batch of one
+  assert alice != bob  # the adapters differ, so the routing is what made the rows agree
+  with pytest.raises(DataError, match="adapter 'dave' of prompt 1"):
+    gen.generate(prompts, adapter_ids=["alice", "dave"])
