@@ -123,6 +123,8 @@ def _slots(params) -> dict[str, np.ndarray]:
 def test_two_adapters_train_from_data_and_the_third_stays(data_dir, tmp_path):
   nested = {k.split(".", 1)[1]: v for k, v in MULTI.items()}
   cfg = tiny_config(
+    num_devices=1,
+    per_device_batch_size=4,
     dataset_type="grain",
     grain_file_type="jsonl",
     grain_train_files=str(data_dir / "train.jsonl"),
@@ -137,7 +139,7 @@ def test_two_adapters_train_from_data_and_the_third_stays(data_dir, tmp_path):
     enable_checkpointing=False,
     base_output_directory=str(tmp_path),
     run_name="multi",
-    lora=nested,
+    lora={**nested, "lora_module_path": "attention/query$|mlp/wo$"},  # two adapted projections per layer: a smaller compile
   )
   setup = setup_lib.build(cfg, mesh_for(cfg))
   before = _slots(jax.device_get(setup.init_state()["params"]))
@@ -162,7 +164,8 @@ def test_decode_serves_several_adapters_in_one_batch():
   from tests.test_models import tiny
 
   nested = {k.split(".", 1)[1]: v for k, v in MULTI.items() if k != "lora.adapter_column"}
-  cfg = tiny(dtype="float32", matmul_precision="highest", lora=nested, max_target_length=20, max_prefill_predict_length=8)
+  lora = {**nested, "lora_module_path": "attention/query$|mlp/wo$"}
+  cfg = tiny(dtype="float32", matmul_precision="highest", lora=lora, max_target_length=20, max_prefill_predict_length=8)
   gen = Generator(perturbed(cfg, seed=3), SamplingParams(strategy="greedy"))
   prompts = [[5, 9, 2, 7], [11, 3, 8]]
   mixed = gen.generate(prompts, adapter_ids=["alice", 1]).tokens
