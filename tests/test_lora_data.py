@@ -168,6 +168,7 @@ def test_decode_serves_several_adapters_in_one_batch():
   cfg = tiny(dtype="float32", matmul_precision="highest", lora=lora, max_target_length=20, max_prefill_predict_length=8)
   gen = Generator(perturbed(cfg, seed=3), SamplingParams(strategy="greedy"))
   prompts = [[5, 9, 2, 7], [11, 3, 8]]
+  gen.compile(batch=2, prompt_length=4, adapters=True)  # what generate(..., adapter_ids=...) runs, compiled ahead
   mixed = gen.generate(prompts, adapter_ids=["alice", 1]).tokens
   alice = gen.generate(prompts, adapter_ids=["alice", "alice"]).tokens
   bob = gen.generate(prompts, adapter_ids=[1, "bob"]).tokens
@@ -176,3 +177,16 @@ def test_decode_serves_several_adapters_in_one_batch():
   assert alice != bob  # the adapters differ, so the routing is what made the rows agree
   with pytest.raises(DataError, match="adapter 'dave' of prompt 1"):
     gen.generate(prompts, adapter_ids=["alice", "dave"])
+
+
+def test_decode_lora_adapter_key_is_checked():
+  from maxtext.inference.cli import check_adapter
+  from tests.test_models import tiny
+
+  nested = {k.split(".", 1)[1]: v for k, v in MULTI.items() if k != "lora.adapter_column"}
+  assert check_adapter(tiny(lora=nested, decode_lora_adapter="bob")) == ["bob"]
+  assert check_adapter(tiny(lora=nested)) is None
+  with pytest.raises(ConfigError, match=r"'dave' is not one of the adapters \['alice', 'bob', 'carol'\]"):
+    check_adapter(tiny(lora=nested, decode_lora_adapter="dave"))
+  with pytest.raises(ConfigError, match="lora.max_lora_adapters > 1"):
+    check_adapter(tiny(decode_lora_adapter="bob"))

@@ -195,10 +195,12 @@ class Generator:
       lengths[i] = len(p)
     return tokens, lengths
 
-  def compile(self, batch: int, prompt_length: int) -> float:
-    """Compile prefill and the decode loop for this batch and the bucket of prompt_length ahead of time; returns seconds."""
+  def compile(self, batch: int, prompt_length: int, adapters: bool = False) -> float:
+    """Compile prefill and the decode loop for this batch and the bucket of prompt_length (adapters: for calls that
+    pass adapter_ids) ahead of time; returns seconds."""
     start = time.perf_counter()
-    self._executables_for(*self.pad([[0] * prompt_length] * batch))
+    tokens, lengths = self.pad([[0] * prompt_length] * batch)
+    self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None)
     return time.perf_counter() - start
 
   def _executables_for(self, tokens: np.ndarray, lengths: np.ndarray, adapter_ids: np.ndarray | None = None) -> tuple:
