@@ -175,6 +175,7 @@ def test_decode_serves_several_adapters_in_one_batch():
   assert mixed == [alice[0], bob[1]]
   assert gen.generate(prompts[:1], adapter_ids=["alice"]).tokens == [alice[0]]  # alone, in a batch of one
   assert alice != bob  # the adapters differ, so the routing is what made the rows agree
+  assert gen.generate(prompts).tokens == alice  # no ids: slot 0 for every row
   with pytest.raises(DataError, match="adapter 'dave' of prompt 1"):
     gen.generate(prompts, adapter_ids=["alice", "dave"])
 
