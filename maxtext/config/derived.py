@@ -108,6 +108,13 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
     from maxtext.layers.lora import adapter_specs  # validates names, ranks and their count
 
     adapter_specs(c)
+  if c.lora.adapter_column:
+    if not (c.lora.enable_lora and c.lora.max_lora_adapters > 1):
+      raise ConfigError(
+        f"lora.adapter_column='{c.lora.adapter_column}' picks one of several adapters per document; set lora.enable_lora=true and lora.max_lora_adapters > 1, or drop it"
+      )
+    if c.dataset_type == "synthetic":
+      raise ConfigError("lora.adapter_column reads a column of the data records; dataset_type=synthetic has none, use a file dataset or drop it")
   if heads % kv_heads:
     raise ConfigError(f"num_query_heads {heads} is not a multiple of num_kv_heads {kv_heads}; change base_num_query_heads or base_num_kv_heads")
   if c.num_experts_per_tok > c.num_experts:

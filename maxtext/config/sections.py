@@ -337,6 +337,9 @@ class Decoding(Section):
   decode_sampling_nucleus_p: float = Field(-1.0, description="decode: nucleus samples among the most likely tokens whose probability reaches p.")
   decode_sampling_seed: int = Field(0, description="decode: PRNG seed of the sampling strategies.")
   hf_model_path: str = Field("", description="decode: a Hugging Face model directory (config.json + safetensors) to load instead of a checkpoint.")
+  decode_lora_adapter: str = Field(
+    "", description="decode: with lora.max_lora_adapters > 1, the adapter (a lora.lora_adapters name) the prompt runs on ('' = slot 0)."
+  )
 
 
 class AOT(Section):
@@ -355,6 +358,10 @@ class LoRA(Section):
   max_lora_rank: int = Field(0, ge=0, description="Rank of every slot's matrices when max_lora_adapters > 1 (0 = lora_rank); adapters may use less.")
   lora_adapters: list[str] = Field(
     [], description="Slot names with optional ranks, 'name' or 'name:rank', one per slot when max_lora_adapters > 1 ([] = adapter_<i> at lora_rank)."
+  )
+  adapter_column: str = Field(
+    "",
+    description="Record column naming each document's adapter (a lora_adapters name or an integer slot); the data then carries per-token adapter_ids.",
   )
 
 

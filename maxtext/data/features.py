@@ -16,12 +16,21 @@ from maxtext.tokenizer import Tokenizer
 BATCH_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_position", "targets_segmentation")
 # Features packed by grain; each gets `<name>_segment_ids` and `<name>_positions` beside it.
 PACKED_FEATURES = ("inputs", "targets", "weights")
+# Per-token LoRA adapter slot (lora.adapter_column): a document feature, a row feature and a batch key; -1 on padding.
+ADAPTER_KEY = "adapter_ids"
+NO_ADAPTER = -1
+
+
+def packed_features(with_adapters: bool) -> tuple[str, ...]:
+  return PACKED_FEATURES + (ADAPTER_KEY,) if with_adapters else PACKED_FEATURES
 
 
 class DocumentEncoder:
   """(where, raw record) -> {'tokens', 'mask'} (int32 vectors) or None for a document with nothing to learn.
 
-  mask[i] = 1 when token i is trained on as a target (i.e. predicting it carries loss weight).
+  mask[i] = 1 when token i is trained on as a target (i.e. predicting it carries loss weight). With an
+  adapter_column, 'adapter_ids' repeats the document's adapter slot (its name's index in adapter_names, or an
+  integer slot) for every token.
   """
 
   def __init__(
@@ -33,8 +42,12 @@ class DocumentEncoder:
     use_sft: bool = False,
     completion_only: bool = True,
     chat_template: str | None = None,
+    adapter_column: str = "",
+    adapter_names: Sequence[str] = (),
   ):
     self.tokenizer = tokenizer
+    self.adapter_column = adapter_column
+    self.adapter_names = list(adapter_names)
     self.columns = list(columns)
     self.bos = tokenizer.bos_id if add_bos else None
     self.eos = tokenizer.eos_id if add_eos else None
@@ -86,27 +99,58 @@ class DocumentEncoder:
       mask.append(int(pieces[-1][1] or not self.completion_only))
     if len(ids) < 2:
       return None
-    return {"tokens": np.asarray(ids, np.int32), "mask": np.asarray(mask, np.int32)}
+    doc = {"tokens": np.asarray(ids, np.int32), "mask": np.asarray(mask, np.int32)}
+    if self.adapter_column:
+      doc[ADAPTER_KEY] = np.full(len(ids), self.adapter_slot(record, where), np.int32)
+    return doc
+
+  def adapter_slot(self, record: dict[str, Any], where: str) -> int:
+    """The slot named by the record's adapter column: an adapter name or an integer slot; else a DataError."""
+    value = record.get(self.adapter_column)
+    if isinstance(value, bytes):
+      value = value.decode("utf-8", "replace")
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+      value = value.item()
+    if isinstance(value, str) and value in self.adapter_names:
+      return self.adapter_names.index(value)
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < len(self.adapter_names):
+      return int(value)
+    what = "has no column" if self.adapter_column not in record else f"names adapter {value!r} in column"
+    raise DataError(
+      f"{where} {what} '{self.adapter_column}' (lora.adapter_column); use one of the adapters {self.adapter_names} "
+      f"or a slot 0..{len(self.adapter_names) - 1}, or fix lora.lora_adapters"
+    )
 
   def __call__(self, item: tuple[str, Any]) -> dict[str, np.ndarray] | None:
     where, raw = item
     return self.encode(decode_record(raw, where), where)
 
 
-def shift(tokens: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-  """Inputs are the tokens; targets are the next token within the row; the last token has target 0 and weight 0."""
+def shift(tokens: np.ndarray, mask: np.ndarray, adapters: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """Inputs are the tokens; targets are the next token within the row; the last token has target 0 and weight 0.
+
+  adapters (the document's per-token adapter slots) ride along unshifted: they belong to the input tokens.
+  """
   zero = np.zeros(1, np.int32)
-  return {"inputs": tokens, "targets": np.concatenate([tokens[1:], zero]), "weights": np.concatenate([mask[1:], zero])}
+  row = {"inputs": tokens, "targets": np.concatenate([tokens[1:], zero]), "weights": np.concatenate([mask[1:], zero])}
+  if adapters is not None:
+    row[ADAPTER_KEY] = adapters
+  return row
+
+
+def _span(doc: dict[str, np.ndarray], start: int, stop: int) -> dict[str, np.ndarray]:
+  adapters = doc.get(ADAPTER_KEY)
+  return shift(doc["tokens"][start:stop], doc["mask"][start:stop], None if adapters is None else adapters[start:stop])
 
 
 def truncate(doc: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
-  return shift(doc["tokens"][:length], doc["mask"][:length])
+  return _span(doc, 0, length)
 
 
 def chunk(doc: dict[str, np.ndarray], length: int) -> list[dict[str, np.ndarray]]:
   """Consecutive rows of at most `length` tokens; a trailing piece of a single token is dropped (no target)."""
-  tokens, mask = doc["tokens"], doc["mask"]
-  return [shift(tokens[i : i + length], mask[i : i + length]) for i in range(0, len(tokens), length) if len(tokens) - i > 1]
+  n = len(doc["tokens"])
+  return [_span(doc, i, i + length) for i in range(0, n, length) if n - i > 1]
 
 
 class ChunkTransform(gx.FlatMapTransform):
@@ -131,7 +175,7 @@ def pad_row(row: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
 
   segment = padded(np.ones(n, np.int32))
   positions = padded(np.arange(n, dtype=np.int32))
-  return {
+  out = {
     "inputs": padded(row["inputs"]),
     "inputs_position": positions,
     "inputs_segmentation": segment,
@@ -139,13 +183,16 @@ def pad_row(row: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
     "targets_position": positions,
     "targets_segmentation": segment * padded(row["weights"]),
   }
+  if ADAPTER_KEY in row:
+    out[ADAPTER_KEY] = np.pad(row[ADAPTER_KEY].astype(np.int32), (0, pad), constant_values=NO_ADAPTER)
+  return out
 
 
 def finalize_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """grain packer output -> batch keys; a target's segment id is zeroed where its weight is 0."""
   segment = row["inputs_segment_ids"].astype(np.int32)
   positions = row["inputs_positions"].astype(np.int32)
-  return {
+  out = {
     "inputs": row["inputs"].astype(np.int32),
     "inputs_position": positions,
     "inputs_segmentation": segment,
@@ -153,3 +200,6 @@ def finalize_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     "targets_position": positions,
     "targets_segmentation": segment * (row["weights"] != 0),
   }
+  if ADAPTER_KEY in row:  # the packer pads with 0, a real slot: padding goes to the base model instead
+    out[ADAPTER_KEY] = np.where(segment == 0, NO_ADAPTER, row[ADAPTER_KEY]).astype(np.int32)
+  return out

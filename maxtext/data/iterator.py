@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
-from maxtext.data.features import BATCH_KEYS
+from maxtext.data.features import ADAPTER_KEY, BATCH_KEYS, NO_ADAPTER
 from maxtext.errors import DataError, UserError
 
 STATE_VERSION = 1
@@ -35,6 +35,7 @@ class DataIterator:
     self.num_epoch = config.num_epoch
     self.global_shape = (config.global_batch_size_to_train_on, config.max_target_length)
     self.sharding = mesh_lib.data_sharding(config, mesh)
+    self.keys = BATCH_KEYS + (ADAPTER_KEY,) if config.lora.adapter_column else BATCH_KEYS
     self._dataset = dataset
     self._it = iter(dataset)
     self._batches_read = 0
@@ -53,7 +54,7 @@ class DataIterator:
 
   def __next__(self) -> dict[str, jax.Array]:
     local = self.next_local()
-    return {k: jax.make_array_from_process_local_data(self.sharding, local[k], self.global_shape) for k in BATCH_KEYS}
+    return {k: jax.make_array_from_process_local_data(self.sharding, local[k], self.global_shape) for k in self.keys}
 
   def next_local(self) -> dict[str, np.ndarray]:
     """This process's rows of the next batch as numpy arrays."""
@@ -119,10 +120,10 @@ class DataIterator:
       if cause is not None:
         raise cause from None
       raise
-    batch = {k: np.asarray(batch[k], np.int32) for k in BATCH_KEYS}
+    batch = {k: np.asarray(batch[k], np.int32) for k in self.keys}
     rows = batch["inputs"].shape[0]
-    if rows < self.local_batch:  # the last eval batch: pad with empty rows
-      batch = {k: np.pad(v, ((0, self.local_batch - rows), (0, 0))) for k, v in batch.items()}
+    if rows < self.local_batch:  # the last eval batch: pad with empty rows (on the base model)
+      batch = {k: np.pad(v, ((0, self.local_batch - rows), (0, 0)), constant_values=NO_ADAPTER if k == ADAPTER_KEY else 0) for k, v in batch.items()}
     return batch
 
 

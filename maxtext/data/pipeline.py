@@ -40,7 +40,18 @@ def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer) -> features.Docume
     use_sft=config.use_sft,
     completion_only=config.sft_train_on_completion_only,
     chat_template=template,
+    adapter_column=config.lora.adapter_column,
+    adapter_names=adapter_names(config),
   )
+
+
+def adapter_names(config: MaxTextConfig) -> list[str]:
+  """The adapter slots' names, in slot order, when lora.adapter_column routes documents to them."""
+  if not config.lora.adapter_column:
+    return []
+  from maxtext.layers.lora import adapter_specs
+
+  return [spec.name for spec in adapter_specs(config)]
 
 
 def open_source(config: MaxTextConfig, split: str, process_index: int, process_count: int, num_epoch: int) -> sources.Source:
@@ -96,7 +107,7 @@ def local_batches(config: MaxTextConfig, split: str, process_index: int, process
   if config.packing:
     ds = gx.FirstFitPackIterDataset(
       ds,
-      length_struct={name: length for name in features.PACKED_FEATURES},
+      length_struct={name: length for name in features.packed_features(bool(config.lora.adapter_column))},
       num_packing_bins=max(local_batch, MIN_PACKING_BINS),
       shuffle_bins=False,
       max_sequences_per_bin=None if config.max_segments_per_seq == -1 else config.max_segments_per_seq,

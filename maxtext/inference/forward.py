@@ -8,6 +8,7 @@ from flax import nnx
 
 from maxtext.inference.cache_layout import DecodeCache, Layout
 from maxtext.inference.kv_cache import LayerCache
+from maxtext.layers import lora
 from maxtext.layers.residual import collapse_streams
 from maxtext.models.decoder import Transformer
 
@@ -16,8 +17,19 @@ def _layer(graphdef: nnx.GraphDef, state: nnx.State, index) -> nnx.Module:
   return nnx.merge(graphdef, jax.tree.map(lambda a: a[index], state))
 
 
-def hidden_states(model: Transformer, tokens: jax.Array, new_lengths: jax.Array, cache: DecodeCache, lay: Layout) -> tuple[jax.Array, DecodeCache]:
+def hidden_states(
+  model: Transformer, tokens: jax.Array, new_lengths: jax.Array, cache: DecodeCache, lay: Layout, adapter_ids: jax.Array | None = None
+) -> tuple[jax.Array, DecodeCache]:
   """tokens [B, S] (row b's first new_lengths[b] are real) at positions cache.lengths + 0.. -> (final hidden [B, S, E], cache).
+
+  adapter_ids [B]: each row's LoRA slot when lora.max_lora_adapters > 1 (-1: the base model; None: slot 0 for all).
+  """
+  with lora.adapter_rows(adapter_ids):
+    return _hidden_states(model, tokens, new_lengths, cache, lay)
+
+
+def _hidden_states(model: Transformer, tokens: jax.Array, new_lengths: jax.Array, cache: DecodeCache, lay: Layout) -> tuple[jax.Array, DecodeCache]:
+  """hidden_states within the adapter rows' context.
 
   Scanned models scan over groups of `lay.period` layers, the stacked caches riding along as scan inputs and
   outputs; the rest of the layers run one by one.

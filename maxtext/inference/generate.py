@@ -102,26 +102,57 @@ class Generator:
     if any(t < 0 or t >= vocab_size for t in prompt):
       raise DataError(f"a prompt token id is outside the model's vocabulary of {vocab_size}; use the tokenizer the model was trained with")
 
+  def adapter_slots(self, adapter_ids: Sequence[int | str] | None, prompts: int, rows: int) -> np.ndarray | None:
+    """Per-prompt adapters (names from lora.lora_adapters, slot numbers, or -1 for the base model) -> slots [rows]
+    (padding rows on the base model); None when not given. Needs a model with lora.max_lora_adapters > 1."""
+    if adapter_ids is None:
+      return None
+    c = self.config
+    if not (c.lora.enable_lora and c.lora.max_lora_adapters > 1):
+      raise ConfigError("adapter_ids pick one of several LoRA adapters per prompt; this model has none (set lora.enable_lora and lora.max_lora_adapters > 1)")
+    from maxtext.layers.lora import adapter_specs
+
+    names = [spec.name for spec in adapter_specs(c)]
+    ids = list(adapter_ids)
+    if len(ids) != prompts:
+      raise DataError(f"{len(ids)} adapter_ids for {prompts} prompts; give one adapter (name, slot or -1) per prompt")
+    slots = np.full((rows,), -1, np.int32)
+    for i, a in enumerate(ids):
+      if isinstance(a, str) and a in names:
+        slots[i] = names.index(a)
+      elif isinstance(a, (int, np.integer)) and not isinstance(a, bool) and -1 <= a < len(names):
+        slots[i] = int(a)
+      else:
+        raise DataError(f"adapter {a!r} of prompt {i} is not one of this model's adapters {names}; use a name, a slot 0..{len(names) - 1} or -1 (base)")
+    return slots
+
   # -- pure functions of (state, ...) -------------------------------------------------------------------------
   def _model(self, state: nnx.State) -> Transformer:
     return nnx.merge(self.graphdef, state)
 
-  def _prefill(self, state: nnx.State, tokens: jax.Array, lengths: jax.Array) -> tuple[DecodeCache, jax.Array]:
+  def _prefill(self, state: nnx.State, tokens: jax.Array, lengths: jax.Array, adapter_ids: jax.Array | None = None) -> tuple[DecodeCache, jax.Array]:
     """Right-padded prompts [B, P] with lengths [B] -> (cache holding them, logits [B, V] at each row's last prompt token)."""
     model = self._model(state)
     cache = cache_layout.zeros(self.config, tokens.shape[0], self.layout)
-    hidden, cache = forward.hidden_states(model, tokens, lengths, cache, self.layout)
+    hidden, cache = forward.hidden_states(model, tokens, lengths, cache, self.layout, adapter_ids)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return cache, model.logits(last)
 
-  def _step(self, state: nnx.State, cache: DecodeCache, tokens: jax.Array) -> tuple[DecodeCache, jax.Array]:
+  def _step(self, state: nnx.State, cache: DecodeCache, tokens: jax.Array, adapter_ids: jax.Array | None = None) -> tuple[DecodeCache, jax.Array]:
     """One token per row [B] at each row's next position -> (cache, logits [B, V])."""
     model = self._model(state)
-    hidden, cache = forward.hidden_states(model, tokens[:, None], jnp.ones_like(tokens), cache, self.layout)
+    hidden, cache = forward.hidden_states(model, tokens[:, None], jnp.ones_like(tokens), cache, self.layout, adapter_ids)
     return cache, model.logits(hidden[:, 0])
 
   def _loop(
-    self, state: nnx.State, cache: DecodeCache, logits: jax.Array, prompt_lengths: jax.Array, key: jax.Array, eos_id: jax.Array
+    self,
+    state: nnx.State,
+    cache: DecodeCache,
+    logits: jax.Array,
+    prompt_lengths: jax.Array,
+    key: jax.Array,
+    eos_id: jax.Array,
+    adapter_ids: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sample from the prefill logits, then decode until every row is done -> (tokens [B, max_target_length], counts [B], steps)."""
     b = logits.shape[0]
@@ -145,7 +176,7 @@ class Generator:
 
     def body(carry):
       cache, out, counts, done, tok, i = carry
-      cache, logits = self._step(state, cache, tok)
+      cache, logits = self._step(state, cache, tok, adapter_ids)
       out, counts, done, tok = emit(out, counts, done, logits, i)
       return cache, out, counts, done, tok, i + 1
 
@@ -175,37 +206,44 @@ class Generator:
       lengths[i] = len(p)
     return tokens, lengths
 
-  def compile(self, batch: int, prompt_length: int) -> float:
-    """Compile prefill and the decode loop for this batch and the bucket of prompt_length ahead of time; returns seconds."""
+  def compile(self, batch: int, prompt_length: int, adapters: bool = False) -> float:
+    """Compile prefill and the decode loop for this batch and the bucket of prompt_length (adapters: for calls that
+    pass adapter_ids) ahead of time; returns seconds."""
     start = time.perf_counter()
-    self._executables_for(*self.pad([[0] * prompt_length] * batch))
+    tokens, lengths = self.pad([[0] * prompt_length] * batch)
+    self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None)
     return time.perf_counter() - start
 
-  def _executables_for(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple:
-    key = tokens.shape
+  def _executables_for(self, tokens: np.ndarray, lengths: np.ndarray, adapter_ids: np.ndarray | None = None) -> tuple:
+    key = (*tokens.shape, adapter_ids is None)
     if key not in self._executables:
       with self._mesh_context():
-        prefill = self.prefill.lower(self.state, tokens, lengths).compile()
-        shapes = jax.eval_shape(self._prefill, self.state, tokens, lengths)
+        prefill = self.prefill.lower(self.state, tokens, lengths, adapter_ids).compile()
+        shapes = jax.eval_shape(self._prefill, self.state, tokens, lengths, adapter_ids)
         cache, logits = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, prefill.output_shardings)
-        loop = self.loop.lower(self.state, cache, logits, lengths, jax.random.key(0), jnp.int32(0)).compile()
+        loop = self.loop.lower(self.state, cache, logits, lengths, jax.random.key(0), jnp.int32(0), adapter_ids).compile()
       self._executables[key] = (prefill, loop)
     return self._executables[key]
 
   def _mesh_context(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> Result:
-    """Generated tokens for each prompt (compiled once per batch size and prompt bucket), with timings."""
+  def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0, adapter_ids: Sequence[int | str] | None = None) -> Result:
+    """Generated tokens for each prompt (compiled once per batch size and prompt bucket), with timings.
+
+    adapter_ids: each prompt's LoRA adapter (name, slot or -1 for the base) when the model holds several; one batch
+    may mix them.
+    """
     tokens, lengths = self.pad(prompts)
-    prefill, loop = self._executables_for(tokens, lengths)
+    slots = self.adapter_slots(adapter_ids, len(prompts), tokens.shape[0])
+    prefill, loop = self._executables_for(tokens, lengths, slots)
     with self._mesh_context():
       start = time.perf_counter()
-      cache, logits = prefill(self.state, tokens, lengths)
+      cache, logits = prefill(self.state, tokens, lengths, slots)
       logits.block_until_ready()
       prefill_seconds = time.perf_counter() - start
       start = time.perf_counter()
-      out, counts, _ = jax.device_get(loop(self.state, cache, logits, lengths, jax.random.key(seed), jnp.int32(self.eos_id)))
+      out, counts, _ = jax.device_get(loop(self.state, cache, logits, lengths, jax.random.key(seed), jnp.int32(self.eos_id), slots))
       decode_seconds = time.perf_counter() - start
     generated = [out[i, : counts[i]].tolist() for i in range(len(prompts))]
     return Result(generated, int(lengths[: len(prompts)].sum()), prefill_seconds, int(counts[: len(prompts)].sum()), decode_seconds)
@@ -221,8 +259,12 @@ def generate(
   max_prefill_predict_length: int | None = None,
   seed: int = 0,
   add_bos: bool | None = None,
+  adapter_ids: str | int | Sequence[str | int] | None = None,
 ) -> str | list[str]:
   """Complete text prompts with a model and its tokenizer; returns the completions (without the prompt).
+
+  adapter_ids: with several LoRA adapters (lora.max_lora_adapters > 1), each prompt's adapter: a name from
+  lora.lora_adapters, a slot number or -1 (the base model); one value applies to every prompt.
 
   Defaults come from model.config: the decode_sampling_* keys, max_target_length, max_prefill_predict_length
   and add_bos. A tokenizer whose vocabulary does not fit the model's is a DataError.
@@ -240,7 +282,9 @@ def generate(
     max_prefill_length=max_prefill_predict_length,
     eos_id=tokenizer.eos_id,
   )
-  result = gen.generate([bos + tokenizer.encode(t) for t in texts], seed=seed)
+  if adapter_ids is not None and (isinstance(adapter_ids, (str, int, np.integer)) or np.ndim(adapter_ids) == 0):
+    adapter_ids = [adapter_ids] * len(texts)
+  result = gen.generate([bos + tokenizer.encode(t) for t in texts], seed=seed, adapter_ids=adapter_ids)
   completions = [tokenizer.decode([t for t in toks if t != tokenizer.eos_id]) for toks in result.tokens]
   return completions[0] if single else completions
 

@@ -22,12 +22,12 @@ def main(argv: list[str]) -> None:
   from maxtext.train.loop import train
 
   config = load(argv, before_devices=prepare)
-  if config.lora.enable_lora and config.lora.max_lora_adapters > 1:
+  if config.lora.enable_lora and config.lora.max_lora_adapters > 1 and not config.lora.adapter_column:
     from maxtext.errors import ConfigError
 
     raise ConfigError(
-      "lora.max_lora_adapters > 1 needs an adapter_ids batch column, which the built-in data pipelines do not emit yet;"
-      " drive maxtext.train.setup.build(...).jit_step with your own batches (docs/mhc_lora.md)"
+      "lora.max_lora_adapters > 1 trains each document on its own adapter; set lora.adapter_column to the data column that names it"
+      " (one of lora.lora_adapters, or a slot number)"
     )
   train(config)
 

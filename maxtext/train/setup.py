@@ -79,7 +79,10 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
   batch_shardings = {k: data for k in BATCH_KEYS}
   shape = (config.global_batch_size_to_train_on, config.max_target_length)
   abstract_batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data) for k in BATCH_KEYS}
-  if config.lora.enable_lora and config.lora.max_lora_adapters > 1:  # each row's adapter slot
+  if config.lora.enable_lora and config.lora.max_lora_adapters > 1 and config.lora.adapter_column:  # each token's adapter slot, from the data
+    batch_shardings["adapter_ids"] = data
+    abstract_batch["adapter_ids"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data)
+  elif config.lora.enable_lora and config.lora.max_lora_adapters > 1:  # each row's adapter slot, from the caller's batches
     rows = NamedSharding(mesh, PartitionSpec(data.spec[0] if data.spec else None))
     batch_shardings["adapter_ids"] = rows
     abstract_batch["adapter_ids"] = jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=rows)
