@@ -19,19 +19,11 @@ import numpy as np
 import pytest
 
 from tests.test_data_common import sp_model
+from tests.test_train_helpers import TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(
-  base_emb_dim=32,
-  base_num_query_heads=2,
-  base_num_kv_heads=2,
-  head_dim=16,
-  base_mlp_dim=64,
-  base_num_decoder_layers=2,
-  vocab_size=128,
-  max_target_length=16,
-  per_device_batch_size=1,
-  dataset_type="synthetic",
+  **TINY_MODEL,
   enable_tensorboard="true",
   async_checkpointing="false",
   base_output_directory="{tmp}/out",
@@ -54,7 +46,7 @@ CASES = [
   ("load_full_state_path_missing", _train("load_full_state_path={tmp}/missing"), "does not exist"),
   ("lora_restore_path_not_a_checkpoint", _train("lora.enable_lora=true", "lora.lora_restore_path={tmp}/not_a_checkpoint"), "not a readable checkpoint"),
   ("compiled_trainstep_file_missing", _train("compiled_trainstep_file={tmp}/missing.bin"), "missing.bin"),
-  ("step_does_not_fit_memory", _train("max_target_length=32768", "per_device_batch_size=4"), "GiB per device"),
+  ("step_does_not_fit_memory", _train("max_target_length=1048576", "per_device_batch_size=4"), "GiB per device"),
   ("output_under_a_regular_file", _train("base_output_directory={tmp}/a_file/out"), "not a directory"),
   ("metrics_file_under_a_regular_file", _train("metrics_file={tmp}/a_file/metrics.jsonl"), "not a directory"),
   (

@@ -108,7 +108,7 @@ def test_mixed_prompt_lengths_equal_each_alone(scanned):
   gen.eos_id = alone[1][2]  # EOS is an argument of the compiled loop: the row stops right after emitting it
   assert gen.generate([prompts[1]]).tokens[0] == alone[1][: alone[1].index(alone[1][2]) + 1]
   gen.eos_id = -1
-  assert sorted(gen._executables) == [(1, 16), (3, 16)]
+  assert sorted(gen._executables) == [(1, 16, False), (3, 16, False)]
 
 
 def test_merged_lora_gives_the_same_logits(scanned):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext import models
+from maxtext import models, platform
 from maxtext.config import from_overrides
 from maxtext.convert import hf_params
 from maxtext.convert.model_params import flat_params, model_from_flat
@@ -51,7 +51,7 @@ QWEN3_MOE = dict(BASE, decoder_block="qwen3_moe", base_num_decoder_layers=2, bas
 def _build(config) -> models.Transformer:
   """models.build, with the initialisation compiled (eager init of many small arrays is slow on CPU)."""
   graphdef = nnx.graphdef(models.abstract_model(config))
-  return nnx.merge(graphdef, jax.jit(lambda: nnx.state(models.Transformer(config, rngs=nnx.Rngs(0))))())
+  return nnx.merge(graphdef, jax.jit(lambda: nnx.state(models.build(config, nnx.Rngs(0))))())
 
 
 def _jit_loss(model, config, training=True):
@@ -154,7 +154,7 @@ def test_capacity_drops_late_tokens_and_counts_them():
 
   @functools.partial(jax.jit, static_argnums=0)
   def run(cf: float):
-    layer = moe.MoE(from_overrides(**dict(QWEN3_MOE, capacity_factor=cf, dtype="float32")), rngs=nnx.Rngs(0))
+    layer = moe.MoE(cfg := from_overrides(**dict(QWEN3_MOE, capacity_factor=cf, dtype="float32")), policy=platform.for_platform(cfg, "cpu"), rngs=nnx.Rngs(0))
     return layer(x, valid), moe.route(layer.gate(x.reshape(16, 16)), config).experts
 
   (y, stats), experts = run(1.0)

@@ -22,19 +22,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from tests.test_train_helpers import TINY_MODEL
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 24
 TINY = dict(
-  base_emb_dim=32,
-  base_num_query_heads=2,
-  base_num_kv_heads=2,
-  head_dim=16,
-  base_mlp_dim=64,
-  base_num_decoder_layers=2,
-  vocab_size=128,
-  max_target_length=16,
-  per_device_batch_size=1,
-  dataset_type="synthetic",
+  **TINY_MODEL,
   enable_tensorboard="false",
   async_checkpointing="true",
   steps=STEPS,

@@ -5,7 +5,8 @@ import jax
 from maxtext import mesh as mesh_lib
 from maxtext.config import from_overrides
 
-TINY = dict(
+# The tiny model and synthetic data every training test shares (also as command-line key=value pairs).
+TINY_MODEL = dict(
   base_emb_dim=32,
   base_num_query_heads=2,
   base_num_kv_heads=2,
@@ -16,6 +17,9 @@ TINY = dict(
   max_target_length=16,
   per_device_batch_size=1,
   dataset_type="synthetic",
+)
+TINY = dict(
+  **TINY_MODEL,
   learning_rate=1e-2,
   warmup_steps_fraction=0.0,
   enable_tensorboard=False,

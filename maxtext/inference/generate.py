@@ -80,7 +80,7 @@ class Generator:
     self.prefill = jax.jit(self._prefill)
     self.step = jax.jit(self._step, donate_argnums=1)
     self.loop = jax.jit(self._loop)
-    self._executables: dict[tuple[int, int], tuple] = {}
+    self._executables: dict[tuple[int, int, bool], tuple] = {}
 
   @staticmethod
   def check_lengths(max_target_length: int, max_prefill_length: int) -> None:
@@ -215,7 +215,7 @@ class Generator:
     return time.perf_counter() - start
 
   def _executables_for(self, tokens: np.ndarray, lengths: np.ndarray, adapter_ids: np.ndarray | None = None) -> tuple:
-    key = (*tokens.shape, adapter_ids is None)
+    key = (*tokens.shape, adapter_ids is not None)  # (batch, bucket, with adapter ids)
     if key not in self._executables:
       with self._mesh_context():
         prefill = self.prefill.lower(self.state, tokens, lengths, adapter_ids).compile()
