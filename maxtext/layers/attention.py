@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxtext.config import MaxTextConfig
 from maxtext.layers import attention_ops, rope
 from maxtext.layers.dtypes import dtype, precision
-from maxtext.layers.linear import DenseGeneral
+from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.sharding import constrain
 from maxtext.platform import Policy
@@ -31,13 +31,7 @@ class Attention(nnx.Module):
     self.policy = policy
     self.window_choices = tuple(sorted(set(window_choices)))
     e, h, kv, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
-    kw = dict(
-      dtype=dtype(c.dtype),
-      weight_dtype=dtype(c.weight_dtype),
-      precision=precision(c.matmul_precision),
-      rngs=rngs,
-      integer_rounding=policy.integer_bf16_rounding,
-    )
+    kw = dense_kwargs(c, policy, rngs)
     self.query = DenseGeneral((e,), (h, d), ("embed", "heads", "head_dim"), **kw)
     self.key = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
     self.value = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)

@@ -4,18 +4,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from maxtext.layers import matmul
+from maxtext.layers.dtypes import dtype, precision
+
+if TYPE_CHECKING:
+  from maxtext.config import MaxTextConfig
+  from maxtext.platform import Policy
 
 
 def variance_scaling_init(key: jax.Array, shape: Sequence[int], fan_in: int, dtype: jnp.dtype) -> jax.Array:
   """Truncated-normal init with variance 1/fan_in (MaxText's default kernel init)."""
   std = 1.0 / math.sqrt(fan_in) / 0.87962566103423978  # stddev of a unit normal truncated to [-2, 2]
   return (jax.random.truncated_normal(key, -2.0, 2.0, tuple(shape), jnp.float32) * std).astype(dtype)
+
+
+def dense_kwargs(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs) -> dict[str, Any]:
+  """DenseGeneral's keyword arguments from the config's dtypes and matmul precision and the platform policy's numerics."""
+  return dict(
+    dtype=dtype(config.dtype),
+    weight_dtype=dtype(config.weight_dtype),
+    precision=precision(config.matmul_precision),
+    rngs=rngs,
+    integer_rounding=policy.integer_bf16_rounding,
+  )
 
 
 class DenseGeneral(nnx.Module):

@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxtext.config import MaxTextConfig
 from maxtext.layers import attention_ops, rope
 from maxtext.layers.dtypes import dtype, precision
-from maxtext.layers.linear import DenseGeneral
+from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.sharding import constrain
 from maxtext.platform import Policy
@@ -59,13 +59,7 @@ class MLA(nnx.Module):
     self.policy = policy
     e, h = c.emb_dim, c.num_query_heads
     qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-    kw = dict(
-      dtype=dtype(c.dtype),
-      weight_dtype=dtype(c.weight_dtype),
-      precision=precision(c.matmul_precision),
-      rngs=rngs,
-      integer_rounding=policy.integer_bf16_rounding,
-    )
+    kw = dense_kwargs(c, policy, rngs)
     nkw = dict(dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype))
     if c.q_lora_rank == 0:
       self.wq = DenseGeneral((e,), (h, qk), ("embed", "heads", "head_dim"), **kw)

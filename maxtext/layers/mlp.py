@@ -8,8 +8,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
-from maxtext.layers.dtypes import dtype, precision
-from maxtext.layers.linear import DenseGeneral
+from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.sharding import constrain
 from maxtext.platform import Policy
 
@@ -31,13 +30,7 @@ class MLP(nnx.Module):
     c = config
     self.config = c
     m = c.mlp_dim if width is None else width
-    kw = dict(
-      dtype=dtype(c.dtype),
-      weight_dtype=dtype(c.weight_dtype),
-      precision=precision(c.matmul_precision),
-      rngs=rngs,
-      integer_rounding=policy.integer_bf16_rounding,
-    )
+    kw = dense_kwargs(c, policy, rngs)
     self.acts = tuple(c.mlp_activations)
     if len(self.acts) == 2:
       self.wi_0 = DenseGeneral((c.emb_dim,), (m,), ("embed", "mlp"), **kw)

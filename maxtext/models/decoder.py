@@ -13,7 +13,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.layers import lora
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.embed import Embed
-from maxtext.layers.linear import DenseGeneral
+from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.output_head import OutputHead
 from maxtext.layers.residual import collapse_streams, expand_streams
@@ -49,8 +49,7 @@ class Transformer(nnx.Module):
     self.config = c
     self.policy = policy
     self.family = registry.get(c.decoder_block)
-    kw = dict(dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), precision=precision(c.matmul_precision), rngs=rngs)
-    kw["integer_rounding"] = policy.integer_bf16_rounding
+    kw = dense_kwargs(c, policy, rngs)
     # Tied tables also produce the logits: unit-variance rows would give logits of std sqrt(emb_dim) at init.
     tied_scale = 1.0 if (c.normalize_embedding_logits or not c.logits_via_embedding) else c.emb_dim**-0.5
     self.embed = Embed(c.vocab_size, c.emb_dim, init_std=tied_scale, dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtext.config import MaxTextConfig
-from maxtext.layers.dtypes import dtype, precision
-from maxtext.layers.linear import DenseGeneral
+from maxtext.layers.dtypes import dtype
+from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.models.decoder_layer import DecoderLayer
@@ -30,16 +30,7 @@ class MTPBlock(nnx.Module):
     self.config = c
     self.embed_norm = RMSNorm(e, c.normalization_layer_epsilon, **nkw)
     self.hidden_norm = RMSNorm(e, c.normalization_layer_epsilon, **nkw)
-    self.projection = DenseGeneral(
-      (2 * e,),
-      (e,),
-      ("mlp", "embed"),
-      dtype=dtype(c.dtype),
-      weight_dtype=dtype(c.weight_dtype),
-      precision=precision(c.matmul_precision),
-      rngs=rngs,
-      integer_rounding=policy.integer_bf16_rounding,
-    )
+    self.projection = DenseGeneral((2 * e,), (e,), ("mlp", "embed"), **dense_kwargs(c, policy, rngs))
     self.layer = DecoderLayer(c, family, policy=policy, rngs=rngs)
     self.out_norm = RMSNorm(e, c.normalization_layer_epsilon, **nkw)
 
