@@ -30,3 +30,18 @@ def test_splash_lowers_for_v5p_and_shrinks_temporaries():
   assert "tpu_custom_call" in fused.compiled.as_text() and "tpu_custom_call" not in xla.compiled.as_text()
   # [B, H, S, S] float32 scores (16 MiB a layer here) are what the fused kernel never materialises
   assert fused.memory.temp_bytes < xla.memory.temp_bytes / 2
+
+
+def test_scanned_weights_are_cast_inside_the_layer_loop():
+  """No bfloat16 copy of a whole stacked float32 weight is made outside the layer scan (decoder.tied_to_carry)."""
+  import re
+
+  from maxtext.aot.compile import compile_for_topology
+
+  text = compile_for_topology(from_overrides(**{**MODEL, "base_num_decoder_layers": 4, "max_target_length": 256})).compiled.as_text()
+  entry = text[text.index("\nENTRY ") + 1 :].splitlines()
+  stacked = set(re.findall(r"param\.\d+: f32\[(4(?:,\d+){2,})\]", entry[0]))
+  assert len(stacked) >= 4, entry[0]  # the stacked attention and MLP kernels [layers, ...]
+  shapes = "|".join(re.escape(shape) for shape in stacked)
+  copies = [line.strip()[:120] for line in entry[1:] if re.search(rf"= bf16\[(?:{shapes})\]", line)]
+  assert not copies, copies

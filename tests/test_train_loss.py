@@ -16,8 +16,8 @@ from tests.test_train_helpers import tiny_config
 class LinearHead:
   """hidden_states returns fixed hidden states; logits = hidden @ w in float32."""
 
-  def __init__(self, hidden, w, aux=0.0):
-    self.hidden, self.w, self.aux = hidden, w, aux
+  def __init__(self, hidden, w, aux=0.0, tiles=1):
+    self.hidden, self.w, self.aux, self.tiles = hidden, w, aux, tiles
 
   def hidden_states(self, tokens, positions=None, segment_ids=None):
     return self.hidden, jnp.asarray(self.aux, jnp.float32)
@@ -27,7 +27,7 @@ class LinearHead:
     return self.hidden, self.hidden, {"lb_loss": jnp.asarray(self.aux, jnp.float32), "dropped": zero, "load": jnp.zeros((1, 1))}
 
   def output_head(self):
-    return OutputHead(self.w, jnp.float32)
+    return OutputHead(self.w, jnp.float32, vocab_tiles=self.tiles)
 
 
 def _batch(targets, segmentation):
@@ -70,7 +70,7 @@ def head():
 
 def _loss_and_grad(config):
   def f(hidden, w, batch):
-    sums = loss_lib.loss_sums(LinearHead(hidden, w), batch, config)
+    sums = loss_lib.loss_sums(LinearHead(hidden, w, tiles=config.num_vocab_tiling), batch, config)
     return (sums.xent + sums.z_loss) / sums.weights
 
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
@@ -93,20 +93,21 @@ def test_vocab_tiling_equals_plain_loss_and_cuts_peak_memory(head):
   assert tiled_bytes < plain_bytes / 3, (plain_bytes, tiled_bytes)
 
 
-def test_vocab_tiling_needs_a_divisor_of_the_sequence(head):
+def test_vocab_tiling_needs_a_divisor_of_the_vocabulary(head):
   hidden, w, batch = head
-  with pytest.raises(ConfigError, match="num_vocab_tiling"):
-    loss_lib.loss_sums(LinearHead(hidden, w), batch, tiny_config(num_devices=1, num_vocab_tiling=3))
+  with pytest.raises(ConfigError, match="vocab_size 4096 is not divisible by num_vocab_tiling 3"):
+    loss_lib.loss_sums(LinearHead(hidden, w, tiles=3), batch, tiny_config(num_devices=1, num_vocab_tiling=3))
 
 
 @pytest.mark.parametrize("compute_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("scale,soft_cap", [(1.0, 0.0), (0.5, 3.0)])
-def test_fused_loss_gradient_equals_autodiff_of_the_logits(head, compute_dtype, scale, soft_cap):
-  """OutputHead.loss_sums' hand-written backward pass against jax.grad of the same maths on OutputHead.logits."""
+@pytest.mark.parametrize("scale,soft_cap,tiles", [(1.0, 0.0, 1), (0.5, 3.0, 1), (1.0, 0.0, 4), (0.5, 3.0, 8)])
+def test_fused_loss_gradient_equals_autodiff_of_the_logits(head, compute_dtype, scale, soft_cap, tiles):
+  """OutputHead.loss_sums' hand-written backward pass (whole or streamed over vocabulary slices) against jax.grad of
+  the same maths on OutputHead.logits."""
   hidden, w, batch = head
   hidden = hidden.astype(compute_dtype)
   targets, mask = batch["targets"], (batch["targets_segmentation"] != 0).astype(jnp.float32)
-  out = OutputHead(w, compute_dtype, scale=scale, soft_cap=soft_cap)
+  out = OutputHead(w, compute_dtype, scale=scale, soft_cap=soft_cap, vocab_tiles=tiles)
 
   def fused(h, k):
     xent, z = dataclasses.replace(out, kernel=k).loss_sums(h, targets, mask, 1e-2)

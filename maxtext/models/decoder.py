@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,17 @@ def stacked_layers(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs, count:
   state = jax.vmap(lambda k: nnx.state(DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(k), dense=dense)))(keys)
   state = jax.tree.map(_prepend_layers_axis, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
   return nnx.merge(graphdef, state)
+
+
+def tied_to_carry(weights: Any, carry: jax.Array) -> Any:
+  """weights plus a zero that XLA cannot prove is zero (0 x the loop carry's first element, without gradient).
+
+  Values are unchanged, but each layer's compute-dtype weight casts now depend on the iteration, so XLA cannot hoist
+  a cast copy of the whole stack out of the layer scan and keep it alive through the backward pass (3.5 GB per
+  device for llama3.1-8b on v5p-8; benchmarks/README.md). The add fuses into the cast.
+  """
+  zero = jax.lax.stop_gradient(carry.reshape(-1)[0]).astype(jnp.float32) * 0.0
+  return jax.tree.map(lambda w: w + zero.astype(w.dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w, weights)
 
 
 class Transformer(nnx.Module):
@@ -98,7 +110,8 @@ class Transformer(nnx.Module):
 
       def body(h, xs):
         layer_state, window = xs
-        return layer_fn(nnx.merge(graphdef, layer_state), h, static_window if static_window is not None else window)
+        layer = nnx.merge(graphdef, tied_to_carry(layer_state, h))
+        return layer_fn(layer, h, static_window if static_window is not None else window)
 
       body = remat.wrap(body, c.remat_policy, prevent_cse=False)
       return jax.lax.scan(body, x, (state, jnp.asarray(windows, jnp.int32)))
@@ -155,6 +168,7 @@ class Transformer(nnx.Module):
       c.final_logits_soft_cap or 0.0,
       c.logical_axis_rules,
       self.policy.integer_bf16_rounding,
+      c.num_vocab_tiling,
     )
 
   def logits(self, hidden: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Masked next-token cross entropy with z-loss, optionally over vocabulary tiles.
+"""Masked next-token cross entropy with z-loss (the output head streams the vocabulary with num_vocab_tiling > 1).
 
 Sums (not means) are returned so micro-batches can be combined token-weighted:
 loss = (sum xent + sum z + sum mtp) / total_weights + moe_aux; mtp only in training.
@@ -12,8 +12,6 @@ import jax
 import jax.numpy as jnp
 
 from maxtext.config import MaxTextConfig
-from maxtext.errors import ConfigError
-from maxtext.layers.output_head import OutputHead
 from maxtext.models.mtp import mtp_xent_sum
 
 
@@ -34,26 +32,6 @@ def zero_sums(config: MaxTextConfig) -> LossSums:
   return LossSums(zero, zero, zero, zero, zero, zero, load)
 
 
-def _tiled_sums(head: OutputHead, hidden: jax.Array, targets: jax.Array, mask: jax.Array, tiles: int, z_mult: float) -> tuple[jax.Array, jax.Array]:
-  """Logits and loss per chunk of tokens inside a rematerialised scan: [B, S, V] logits never exist."""
-  b, s, e = hidden.shape
-  if s % tiles:
-    raise ConfigError(f"max_target_length {s} is not divisible by num_vocab_tiling {tiles}; pick a divisor")
-
-  def chunks(x):  # [B, S, ...] -> [tiles, B, S/tiles, ...]; the batch axis keeps its sharding
-    return jnp.swapaxes(x.reshape(b, tiles, s // tiles, *x.shape[2:]), 0, 1)
-
-  @jax.checkpoint
-  def body(carry, chunk):
-    h, t, m = chunk
-    xent, z = head.loss_sums(h, t, m, z_mult)
-    return (carry[0] + xent, carry[1] + z), None
-
-  zero = jnp.zeros((), jnp.float32)
-  (xent, z), _ = jax.lax.scan(body, (zero, zero), (chunks(hidden), chunks(targets), chunks(mask)))
-  return xent, z
-
-
 def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, training: bool = True) -> LossSums:
   """Forward the model on a batch and return the summed losses over its real target tokens (MTP only when training)."""
   hidden, pre_norm, stats = model.forward_hidden(
@@ -61,10 +39,7 @@ def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, tr
   )
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   targets = batch["targets"]
-  if config.num_vocab_tiling > 1:
-    xent, z = _tiled_sums(model.output_head(), hidden, targets, mask, config.num_vocab_tiling, config.z_loss_multiplier)
-  else:
-    xent, z = model.output_head().loss_sums(hidden, targets, mask, config.z_loss_multiplier)
+  xent, z = model.output_head().loss_sums(hidden, targets, mask, config.z_loss_multiplier)
   mtp = mtp_xent_sum(model, pre_norm, batch, config) if training and config.mtp_num_layers else jnp.zeros((), jnp.float32)
   lb, dropped = jnp.asarray(stats["lb_loss"], jnp.float32), jnp.asarray(stats["dropped"], jnp.float32)
   return LossSums(xent, z, jnp.sum(mask), lb, mtp, dropped, jnp.asarray(stats["load"], jnp.float32))
