@@ -2,13 +2,19 @@
 
 Keeping the rate out of optax makes the train state's `step` the single source of the
 schedule position (a skipped step does not desynchronise it).
+
+With several LoRA adapters (lora.max_lora_adapters > 1) the optimizer leaves an adapter slot that got no
+gradient this step exactly as it was, parameters and moments (`keep_unused_adapter_slots`): weight decay
+and momentum do not move an adapter that no document in the batch trains.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
@@ -30,6 +36,52 @@ def _path_names(path: tuple) -> list[str]:
 def decay_mask(params: Any) -> Any:
   """True for parameters that get weight decay: everything except norm scales and biases."""
   return jax.tree_util.tree_map_with_path(lambda path, _: not any(n in name for name in _path_names(path) for n in NO_DECAY_NAMES), params)
+
+
+def _is_adapter_path(names: list[str]) -> bool:
+  """An adapter matrix: lora/lora_a or lora/lora_b (nnx states add a trailing 'value')."""
+  return "lora" in names and ("lora_a" in names or "lora_b" in names)
+
+
+def adapter_slot_axes(params: Any, slot_axis: int) -> Any:
+  """slot_axis for the adapter matrices (paths ending lora/lora_a or lora/lora_b) of a multi-adapter model, -1 elsewhere."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: slot_axis if _is_adapter_path(_path_names(path)) else -1, params)
+
+
+def _slot_mask(used: jax.Array, axis: int, ndim: int) -> jax.Array:
+  """used [slots] broadcast against an array whose slot axis is `axis`."""
+  return used.reshape((1,) * axis + used.shape + (1,) * (ndim - axis - 1))
+
+
+def keep_unused_adapter_slots(inner: optax.GradientTransformation, slot_axis: int) -> optax.GradientTransformation:
+  """inner, except that an adapter slot none of whose gradients is nonzero this step is not changed at all.
+
+  A slot counts as trained when any entry of its A or B gradient, in any layer, is nonzero. For the other
+  slots the update is zero and every optimizer-state entry shaped like the parameters (Adam's moments,
+  SGD's trace) keeps its old value, so neither weight decay nor momentum moves an adapter that no row of the
+  batch uses, and its moments are where its last training step left them. Scalars such as Adam's step
+  count are shared by all slots and advance as usual.
+  """
+
+  def update(grads, state, params=None):
+    updates, new_state = inner.update(grads, state, params)
+    axes = adapter_slot_axes(grads, slot_axis)
+    per_leaf = [
+      jnp.any(g != 0, axis=tuple(i for i in range(g.ndim) if i != a)) for g, a in zip(jax.tree.leaves(grads), jax.tree.leaves(axes), strict=True) if a >= 0
+    ]
+    if not per_leaf:
+      return updates, new_state
+    used = functools.reduce(jnp.logical_or, per_leaf)
+
+    def keep(new, old, axis):
+      return new if axis < 0 else jnp.where(_slot_mask(used, axis, new.ndim), new, old)
+
+    updates = jax.tree.map(lambda u, a: keep(u, jnp.zeros_like(u), a), updates, axes)
+    state_axes = optax.tree_utils.tree_map_params(inner, lambda _, a: a, new_state, axes, transform_non_params=lambda _: -1)
+    new_state = jax.tree.map(keep, new_state, state, state_axes)
+    return updates, new_state
+
+  return optax.GradientTransformation(inner.init, update)
 
 
 def muon_dimension_numbers(logical_axes: tuple[str | None, ...] | None) -> MuonDimensionNumbers | None:
@@ -80,5 +132,9 @@ def build(config: MaxTextConfig) -> optax.GradientTransformation:
     )
     opt = optax.chain(muon, optax.add_decayed_weights(-config.adam_weight_decay, mask=decay_mask))
   if config.gradient_clipping_threshold > 0:
-    return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), opt)
+    opt = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), opt)
+  if config.lora.enable_lora and config.lora.max_lora_adapters > 1:
+    from maxtext.layers.lora import slot_axis
+
+    opt = keep_unused_adapter_slots(opt, slot_axis(config))
   return opt
