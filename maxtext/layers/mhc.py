@@ -15,6 +15,7 @@ the decoder's final collapse (sum / n) hands the plain stream to the final norm.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -34,10 +35,43 @@ class MHCParam(nnx.Param):
   """A parameter of an mHC connection (marked so training and converters can tell it from base weights)."""
 
 
-def _logsumexp(x: jax.Array, axis: int) -> jax.Array:
-  """log(sum(exp(x))) over `axis` (kept), shifted by the (constant for the gradient) maximum."""
-  peak = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
-  return peak + jnp.log(jnp.sum(jnp.exp(x - peak), axis=axis, keepdims=True))
+def _normalise(lp: jax.Array, axis: int) -> jax.Array:
+  """lp - logsumexp(lp, axis): one Sinkhorn half-step in the log domain (shifted by the maximum, so it never overflows)."""
+  peak = jnp.max(lp, axis=axis, keepdims=True)
+  return lp - (peak + jnp.log(jnp.sum(jnp.exp(lp - peak), axis=axis, keepdims=True)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _sinkhorn_log(log_p: jax.Array, iterations: int) -> jax.Array:
+  """`iterations` rounds of row (axis 1) then column (axis 0) normalisation of log_p [n, n, ...]."""
+  return _sinkhorn_log_fwd(log_p, iterations)[0]
+
+
+def _sinkhorn_log_fwd(log_p, iterations):
+  def one_round(lp, _):
+    rows = _normalise(lp, 1)
+    cols = _normalise(rows, 0)
+    return cols, (rows, cols)
+
+  final, iterates = jax.lax.scan(one_round, log_p, length=iterations)
+  return final, iterates
+
+
+def _sinkhorn_log_bwd(iterations, iterates, d):
+  """Each half-step y = lp - logsumexp(lp) has the gradient d lp = d y - exp(y) sum(d y): two ops per half-step, on
+  the stored iterates (autodiff of the loop recomputes the softmax and adds several ops per half-step)."""
+  del iterations
+
+  def back(d, round_iterates):
+    rows, cols = round_iterates
+    d = d - jnp.exp(cols) * jnp.sum(d, axis=0, keepdims=True)
+    return d - jnp.exp(rows) * jnp.sum(d, axis=1, keepdims=True), None
+
+  d, _ = jax.lax.scan(back, d, iterates, reverse=True)
+  return (d,)
+
+
+_sinkhorn_log.defvjp(_sinkhorn_log_fwd, _sinkhorn_log_bwd)
 
 
 def sinkhorn_knopp(logits: jax.Array, iterations: int) -> jax.Array:
@@ -46,27 +80,50 @@ def sinkhorn_knopp(logits: jax.Array, iterations: int) -> jax.Array:
   Runs in the log domain in float32 (no overflow or 0/0 for any finite logits); ends with a column
   normalisation, so columns sum to 1 exactly and rows to within the convergence of `iterations` rounds.
   The rounds run on [n, n, ...] (the tokens minor), so each normalisation is an elementwise pass over
-  vectors of tokens rather than many reductions of length n: a third of the time of the [..., n, n]
-  layout on XLA:CPU, forward and backward.
+  vectors of tokens rather than many reductions of length n, and the backward pass is written by hand
+  (`_sinkhorn_log_bwd`): together a fraction of the ops of autodiff through a [..., n, n] loop on XLA:CPU.
   """
   log_p = jnp.moveaxis(logits.astype(jnp.float32), (-2, -1), (0, 1))
-
-  def one_round(_, lp):
-    lp = lp - _logsumexp(lp, axis=1)
-    return lp - _logsumexp(lp, axis=0)
-
-  return jnp.moveaxis(jnp.exp(jax.lax.fori_loop(0, iterations, one_round, log_p)), (0, 1), (-2, -1))
+  return jnp.moveaxis(jnp.exp(_sinkhorn_log(log_p, iterations)), (0, 1), (-2, -1))
 
 
+@jax.custom_vjp
 def _projections(x: jax.Array, norm_scale: jax.Array, w: jax.Array) -> jax.Array:
   """RMSNorm(flatten(x)) W in float32: [..., n, E] -> [..., n (n + 2)], as one matmul.
 
   The norm's scale is folded into W and its per-token 1/rms applied to the n (n + 2) outputs, so the
   normalised [..., nE] stream is never formed (forward or backward): (x r s) W = r (x (s W)).
+  The backward pass keeps x itself (which the stream mixes keep too), not a flattened float32 copy,
+  so the layer stores the stream once.
   """
-  flat = x.astype(jnp.float32).reshape(*x.shape[:-2], -1)
+  return _projections_fwd(x, norm_scale, w)[0]
+
+
+def _flat(x: jax.Array) -> jax.Array:
+  return x.astype(jnp.float32).reshape(*x.shape[:-2], -1)
+
+
+def _projections_fwd(x, norm_scale, w):
+  flat = _flat(x)
   inv_rms = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + NORM_EPS)
-  return inv_rms * jnp.einsum("...i,ij->...j", flat, norm_scale[:, None] * w, precision=jax.lax.Precision.HIGHEST)
+  raw = jnp.einsum("...i,ij->...j", flat, norm_scale[:, None] * w, precision=jax.lax.Precision.HIGHEST)
+  return inv_rms * raw, (x, norm_scale, w, inv_rms, raw)
+
+
+def _projections_bwd(residuals, d_proj):
+  """With raw = x (s W) and proj = r raw, r = (mean(x^2) + eps)^-1/2: d raw = r d_proj, dr = <d_proj, raw>,
+  dx = d raw (s W)^T - r^3 dr x / nE, d(s W) = x^T d raw (summed over tokens), dW = s d(s W), ds = rowsum(d(s W) W)."""
+  x, norm_scale, w, inv_rms, raw = residuals
+  highest = jax.lax.Precision.HIGHEST
+  flat = _flat(x)
+  d_raw = inv_rms * d_proj
+  d_inv = jnp.sum(d_proj * raw, axis=-1, keepdims=True)
+  d_flat = jnp.einsum("...j,ij->...i", d_raw, norm_scale[:, None] * w, precision=highest) - (d_inv * inv_rms**3 / flat.shape[-1]) * flat
+  d_scaled_w = jnp.einsum("ti,tj->ij", flat.reshape(-1, flat.shape[-1]), d_raw.reshape(-1, d_raw.shape[-1]), precision=highest)
+  return d_flat.reshape(x.shape).astype(x.dtype), jnp.sum(d_scaled_w * w, axis=-1), norm_scale[:, None] * d_scaled_w
+
+
+_projections.defvjp(_projections_fwd, _projections_bwd)
 
 
 class HyperConnection(nnx.Module):
