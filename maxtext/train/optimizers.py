@@ -22,7 +22,8 @@ from optax.contrib import MuonDimensionNumbers
 from maxtext.config import MaxTextConfig
 
 NO_DECAY_NAMES = ("scale", "bias")
-MUON_BATCH_AXES = ("layers", "exp")
+LORA_SLOT_AXIS = "lora_slot"  # the adapter-slot axis of a multi-adapter model, named here for Muon (it has no logical name)
+MUON_BATCH_AXES = ("layers", "exp", LORA_SLOT_AXIS)
 
 
 def _is_variable(x: Any) -> bool:
@@ -73,12 +74,14 @@ def keep_unused_adapter_slots(inner: optax.GradientTransformation, slot_axis: in
       return updates, new_state
     used = functools.reduce(jnp.logical_or, per_leaf)
 
-    def keep(new, old, axis):
-      return new if axis < 0 else jnp.where(_slot_mask(used, axis, new.ndim), new, old)
+    def keep(path, new, old):
+      """old where the slot is unused, for adapter arrays (parameters' updates, and the moments, which optax keeps at
+      the parameters' paths and shapes); anything else (counts, optax's MaskedNode) passes through."""
+      adapter = hasattr(new, "ndim") and new.ndim > slot_axis and new.shape[slot_axis] == used.shape[0] and _is_adapter_path(_path_names(path))
+      return jnp.where(_slot_mask(used, slot_axis, new.ndim), new, old) if adapter else new
 
-    updates = jax.tree.map(lambda u, a: keep(u, jnp.zeros_like(u), a), updates, axes)
-    state_axes = optax.tree_utils.tree_map_params(inner, lambda _, a: a, new_state, axes, transform_non_params=lambda _: -1)
-    new_state = jax.tree.map(keep, new_state, state, state_axes)
+    updates = jax.tree_util.tree_map_with_path(lambda path, u: keep(path, u, jnp.zeros_like(u)), updates)
+    new_state = jax.tree_util.tree_map_with_path(keep, new_state, state, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
     return updates, new_state
 
   return optax.GradientTransformation(inner.init, update)
@@ -101,12 +104,26 @@ def muon_dimension_numbers(logical_axes: tuple[str | None, ...] | None) -> MuonD
   return MuonDimensionNumbers(reduction_axis=tuple(matrix[:-1]), output_axis=(matrix[-1],))
 
 
-def _muon_dims_tree(params: Any) -> Any:
-  return jax.tree.map(lambda v: muon_dimension_numbers(getattr(v, "logical_axes", None)), params, is_leaf=_is_variable)
+def _muon_dims_tree(params: Any, slot_axis: int | None = None) -> Any:
+  """Muon's dimension numbers per parameter; with several adapters (slot_axis set), each slot's A and B are
+  orthogonalised on their own (the slot axis is a batch axis), so no slot's update depends on another's gradient."""
+
+  def one(path: tuple, v: Any) -> MuonDimensionNumbers | None:
+    axes = getattr(v, "logical_axes", None)
+    if axes and slot_axis is not None and _is_adapter_path(_path_names(path)):
+      axes = tuple(LORA_SLOT_AXIS if i == slot_axis else name for i, name in enumerate(axes))
+    return muon_dimension_numbers(axes)
+
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_variable)
 
 
 def build(config: MaxTextConfig) -> optax.GradientTransformation:
   """Gradient clipping + the chosen optimizer at unit learning rate (updates are -direction)."""
+  slot_axis = None
+  if config.lora.enable_lora and config.lora.max_lora_adapters > 1:
+    from maxtext.layers.lora import slot_axis as lora_slot_axis
+
+    slot_axis = lora_slot_axis(config)
   if config.opt_type == "adamw":
     opt = optax.adamw(
       1.0,
@@ -128,13 +145,11 @@ def build(config: MaxTextConfig) -> optax.GradientTransformation:
       adam_b2=config.adam_b2,
       eps=config.adam_eps,
       adam_eps_root=config.adam_eps_root,
-      muon_weight_dimension_numbers=_muon_dims_tree,
+      muon_weight_dimension_numbers=functools.partial(_muon_dims_tree, slot_axis=slot_axis),
     )
     opt = optax.chain(muon, optax.add_decayed_weights(-config.adam_weight_decay, mask=decay_mask))
   if config.gradient_clipping_threshold > 0:
     opt = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), opt)
-  if config.lora.enable_lora and config.lora.max_lora_adapters > 1:
-    from maxtext.layers.lora import slot_axis
-
-    opt = keep_unused_adapter_slots(opt, slot_axis(config))
+  if slot_axis is not None:
+    opt = keep_unused_adapter_slots(opt, slot_axis)
   return opt
