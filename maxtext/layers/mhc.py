@@ -172,8 +172,9 @@ class HyperConnection(nnx.Module):
 # The stream mixes have hand-written backward passes. Their autodiff forms turn the per-token n x n
 # products into batched matmuls of tiny matrices (or materialised [..., n, n, E] broadcasts), which
 # XLA:CPU runs far below its elementwise speed. Here every [..., n, E] product is a sum of n
-# per-stream terms (elementwise, one fused pass) and every gradient of an H matrix a batched
-# matrix-vector product over E.
+# per-stream terms (elementwise, one fused pass); the gradients of H_pre and H_post are batched
+# matrix-vector products over E and that of H_res one batched [n, E] x [E, n] product (in the train
+# step 5% faster than n matrix-vector products on stream slices, which XLA copies out first).
 # The residuals are x, y and the small H matrices, which the layer keeps anyway: nothing n-times-wide
 # is stored per connection.
 def _streams(x: jax.Array) -> list[jax.Array]:
@@ -228,7 +229,7 @@ def _mix_out_bwd(residuals, g):
   g_streams = _streams(g)
   dx = sum(h_res[..., m, :, None] * g_m[..., None, :] for m, g_m in enumerate(g_streams))
   dy = sum(h_post[..., m, None] * g_m for m, g_m in enumerate(g_streams))
-  dh_res = jnp.stack([_stream_dots(x, g_m) for g_m in g_streams], axis=-2)
+  dh_res = jnp.einsum("...me,...ke->...mk", g.astype(jnp.float32), x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   dh_post = _stream_dots(g, y)
   return dh_res, dh_post, dx.astype(x.dtype), dy.astype(y.dtype)
 
