@@ -163,22 +163,37 @@ def test_each_adapter_exports_to_peft_on_its_own_and_loads_into_a_slot_by_name(m
 
 
 def test_one_train_step_trains_every_adapter_in_the_batch_and_no_other():
+  """Step 1 trains slots 0 and 2; step 2 only slot 2. A slot without rows is not changed at all: parameters and
+  optimizer moments bit-identical (no weight decay, no momentum from an earlier step), base frozen."""
   from tests.test_lora import _fixed_batch
   from tests.test_train_helpers import mesh_for, tiny_config
 
-  config = tiny_config(num_devices=2, lora={**MULTI, "max_lora_adapters": 3, "lora_adapters": ["a", "b:1", "c"]})
+  config = tiny_config(num_devices=2, adam_weight_decay=0.1, lora={**MULTI, "max_lora_adapters": 3, "lora_adapters": ["a", "b:1", "c"]})
   setup = setup_lib.build(config, mesh_for(config))
   assert setup.abstract_batch["adapter_ids"].shape == (config.global_batch_size_to_train_on,)
+  states = []
   with jax.set_mesh(setup.mesh):
     state = setup.init_state()
-    before = _flat(jax.device_get(state["params"]))
-    batch = dict(_fixed_batch(config), adapter_ids=np.asarray([0, 2], np.int32))  # slot 1 ("b") has no row
-    state, metrics = setup.jit_step(state, jax.device_put(batch, setup.batch_shardings))
-    after = _flat(jax.device_get(state["params"]))
-  assert np.isfinite(float(metrics["loss"]))
+    states.append(jax.device_get(state))
+    for ids in ([0, 2], [2, 2]):  # slot 1 ("b") never has a row; slot 0 only in the first step
+      batch = dict(_fixed_batch(config), adapter_ids=np.asarray(ids, np.int32))
+      state, metrics = setup.jit_step(state, jax.device_put(batch, setup.batch_shardings))
+      assert np.isfinite(float(metrics["loss"]))
+      states.append(jax.device_get(state))
+  before, after, final = (_flat(s["params"]) for s in states)
   for key, value in before.items():
-    if key.endswith("lora_b"):  # B starts at zero, so only B moves in the first step
+    if key.endswith("lora_b"):  # B starts at zero, so only B moves in the first step (A's gradient is zero)
       assert np.any(after[key][:, 0] != value[:, 0]) and np.any(after[key][:, 2] != value[:, 2]), key
-      assert np.array_equal(after[key][:, 1], value[:, 1]), key
-    elif not key.endswith("lora_a"):
-      assert np.array_equal(after[key], value), key  # the frozen base
+    if key.endswith(("lora_a", "lora_b")):
+      assert np.array_equal(after[key][:, 1], value[:, 1]) and np.array_equal(final[key][:, 1], value[:, 1]), key
+      assert np.array_equal(final[key][:, 0], after[key][:, 0]), key  # slot 0 unused in step 2, despite its momentum
+      assert np.any(final[key][:, 2] != after[key][:, 2]), key  # slot 2 trains on: A and B move
+    else:
+      assert np.array_equal(after[key], value) and np.array_equal(final[key], value), key  # the frozen base
+  moments = [jax.tree_util.tree_leaves_with_path(s["opt_state"]) for s in states[1:]]
+  adapter_moments = [(jax.tree_util.keystr(p), np.asarray(m1), np.asarray(m2)) for (p, m1), (_, m2) in zip(*moments) if "lora" in jax.tree_util.keystr(p)]
+  assert adapter_moments
+  for path, m1, m2 in adapter_moments:
+    assert np.array_equal(m2[:, 0], m1[:, 0]) and not np.any(m2[:, 1]), path
+    if "lora_b" in path:
+      assert np.any(m1[:, 0] != 0) and np.any(m2[:, 2] != m1[:, 2]), path

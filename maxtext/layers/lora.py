@@ -287,6 +287,11 @@ def single_adapter_config(config: MaxTextConfig, name: str) -> MaxTextConfig:
   return config.model_copy(update={"lora": lora})
 
 
+def slot_axis(config: MaxTextConfig) -> int:
+  """The slot axis of a multi-adapter model's A and B: after the 'layers' axis of scanned layers."""
+  return 1 if config.scan_layers else 0
+
+
 def _is_adapter(path: str) -> bool:
   return path.endswith(("lora/lora_a", "lora/lora_b"))
 
@@ -295,7 +300,7 @@ def slot_params(flat: dict[str, jax.Array], config: MaxTextConfig, name: str) ->
   """Adapter `name` of a multi-adapter model's flat '/'-path params, as the one-adapter model of
   single_adapter_config(config, name) holds it: A [..., in..., r], B [..., r, out...] (only adapter paths)."""
   slot, spec = _slot_index(config, name)
-  axis = 1 if config.scan_layers else 0
+  axis = slot_axis(config)
   out = {}
   for path, value in flat.items():
     if _is_adapter(path):
@@ -308,7 +313,7 @@ def slot_params(flat: dict[str, jax.Array], config: MaxTextConfig, name: str) ->
 def put_slot(flat: dict[str, jax.Array], adapter: dict[str, jax.Array], config: MaxTextConfig, name: str) -> dict[str, jax.Array]:
   """flat with slot `name` replaced by a one-adapter model's adapters (as slot_params gives them), zero-padded to max_lora_rank."""
   slot, spec = _slot_index(config, name)
-  axis = 1 if config.scan_layers else 0
+  axis = slot_axis(config)
   out = dict(flat)
   for path, value in adapter.items():
     value = jnp.asarray(value)

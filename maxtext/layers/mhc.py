@@ -15,6 +15,7 @@ the decoder's final collapse (sum / n) hands the plain stream to the final norm.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -34,34 +35,95 @@ class MHCParam(nnx.Param):
   """A parameter of an mHC connection (marked so training and converters can tell it from base weights)."""
 
 
+def _normalise(lp: jax.Array, axis: int) -> jax.Array:
+  """lp - logsumexp(lp, axis): one Sinkhorn half-step in the log domain (shifted by the maximum, so it never overflows)."""
+  peak = jnp.max(lp, axis=axis, keepdims=True)
+  return lp - (peak + jnp.log(jnp.sum(jnp.exp(lp - peak), axis=axis, keepdims=True)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _sinkhorn_log(log_p: jax.Array, iterations: int) -> jax.Array:
+  """`iterations` rounds of row (axis 1) then column (axis 0) normalisation of log_p [n, n, ...]."""
+  return _sinkhorn_log_fwd(log_p, iterations)[0]
+
+
+def _sinkhorn_log_fwd(log_p, iterations):
+  def one_round(lp, _):
+    rows = _normalise(lp, 1)
+    cols = _normalise(rows, 0)
+    return cols, (rows, cols)
+
+  final, iterates = jax.lax.scan(one_round, log_p, length=iterations)
+  return final, iterates
+
+
+def _sinkhorn_log_bwd(iterations, iterates, d):
+  """Each half-step y = lp - logsumexp(lp) has the gradient d lp = d y - exp(y) sum(d y): two ops per half-step, on
+  the stored iterates (autodiff of the loop recomputes the softmax and adds several ops per half-step)."""
+  del iterations
+
+  def back(d, round_iterates):
+    rows, cols = round_iterates
+    d = d - jnp.exp(cols) * jnp.sum(d, axis=0, keepdims=True)
+    return d - jnp.exp(rows) * jnp.sum(d, axis=1, keepdims=True), None
+
+  d, _ = jax.lax.scan(back, d, iterates, reverse=True)
+  return (d,)
+
+
+_sinkhorn_log.defvjp(_sinkhorn_log_fwd, _sinkhorn_log_bwd)
+
+
 def sinkhorn_knopp(logits: jax.Array, iterations: int) -> jax.Array:
   """exp(logits) over the last two axes, made doubly stochastic by alternating row and column normalisation.
 
   Runs in the log domain in float32 (no overflow or 0/0 for any finite logits); ends with a column
   normalisation, so columns sum to 1 exactly and rows to within the convergence of `iterations` rounds.
+  The rounds run on [n, n, ...] (the tokens minor), so each normalisation is an elementwise pass over
+  vectors of tokens rather than many reductions of length n, and the backward pass is written by hand
+  (`_sinkhorn_log_bwd`): together a fraction of the ops of autodiff through a [..., n, n] loop on XLA:CPU.
   """
-  log_p = logits.astype(jnp.float32)
-
-  def one_round(_, lp):
-    lp = lp - jax.nn.logsumexp(lp, axis=-1, keepdims=True)
-    return lp - jax.nn.logsumexp(lp, axis=-2, keepdims=True)
-
-  return jnp.exp(jax.lax.fori_loop(0, iterations, one_round, log_p))
+  log_p = jnp.moveaxis(logits.astype(jnp.float32), (-2, -1), (0, 1))
+  return jnp.moveaxis(jnp.exp(_sinkhorn_log(log_p, iterations)), (0, 1), (-2, -1))
 
 
-def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
-  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS) * scale
-
-
-@jax.checkpoint
+@jax.custom_vjp
 def _projections(x: jax.Array, norm_scale: jax.Array, w: jax.Array) -> jax.Array:
-  """RMSNorm(flatten(x)) W in float32: [..., n, E] -> [..., n (n + 2)].
+  """RMSNorm(flatten(x)) W in float32: [..., n, E] -> [..., n (n + 2)], as one matmul.
 
-  Rematerialised: the backward pass recomputes the n-times-wide float32 copy and its normalised form
-  from x (which the layer keeps anyway) instead of storing two [..., nE] float32 arrays per connection.
+  The norm's scale is folded into W and its per-token 1/rms applied to the n (n + 2) outputs, so the
+  normalised [..., nE] stream is never formed (forward or backward): (x r s) W = r (x (s W)).
+  The backward pass keeps x itself (which the stream mixes keep too), not a flattened float32 copy,
+  so the layer stores the stream once.
   """
-  flat = x.astype(jnp.float32).reshape(*x.shape[:-2], -1)
-  return jnp.einsum("...i,ij->...j", _rms_norm(flat, norm_scale), w, precision=jax.lax.Precision.HIGHEST)
+  return _projections_fwd(x, norm_scale, w)[0]
+
+
+def _flat(x: jax.Array) -> jax.Array:
+  return x.astype(jnp.float32).reshape(*x.shape[:-2], -1)
+
+
+def _projections_fwd(x, norm_scale, w):
+  flat = _flat(x)
+  inv_rms = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + NORM_EPS)
+  raw = jnp.einsum("...i,ij->...j", flat, norm_scale[:, None] * w, precision=jax.lax.Precision.HIGHEST)
+  return inv_rms * raw, (x, norm_scale, w, inv_rms, raw)
+
+
+def _projections_bwd(residuals, d_proj):
+  """With raw = x (s W) and proj = r raw, r = (mean(x^2) + eps)^-1/2: d raw = r d_proj, dr = <d_proj, raw>,
+  dx = d raw (s W)^T - r^3 dr x / nE, d(s W) = x^T d raw (summed over tokens), dW = s d(s W), ds = rowsum(d(s W) W)."""
+  x, norm_scale, w, inv_rms, raw = residuals
+  highest = jax.lax.Precision.HIGHEST
+  flat = _flat(x)
+  d_raw = inv_rms * d_proj
+  d_inv = jnp.sum(d_proj * raw, axis=-1, keepdims=True)
+  d_flat = jnp.einsum("...j,ij->...i", d_raw, norm_scale[:, None] * w, precision=highest) - (d_inv * inv_rms**3 / flat.shape[-1]) * flat
+  d_scaled_w = jnp.einsum("ti,tj->ij", flat.reshape(-1, flat.shape[-1]), d_raw.reshape(-1, d_raw.shape[-1]), precision=highest)
+  return d_flat.reshape(x.shape).astype(x.dtype), jnp.sum(d_scaled_w * w, axis=-1), norm_scale[:, None] * d_scaled_w
+
+
+_projections.defvjp(_projections_fwd, _projections_bwd)
 
 
 class HyperConnection(nnx.Module):
@@ -107,34 +169,72 @@ class HyperConnection(nnx.Module):
     return _mix_out(h_res, h_post, x, y)
 
 
-def _weighted_sum(weights: jax.Array, x: jax.Array) -> jax.Array:
-  """sum_k weights[..., k] x[..., k, :] in float32: [..., n] x [..., n, E] -> [..., E].
+# The stream mixes have hand-written backward passes. Their autodiff forms turn the per-token n x n
+# products into batched matmuls of tiny matrices (or materialised [..., n, n, E] broadcasts), which
+# XLA:CPU runs far below its elementwise speed. Here every [..., n, E] product is a sum of n
+# per-stream terms (elementwise, one fused pass); the gradients of H_pre and H_post are batched
+# matrix-vector products over E and that of H_res one batched [n, E] x [E, n] product (in the train
+# step 5% faster than n matrix-vector products on stream slices, which XLA copies out first).
+# The residuals are x, y and the small H matrices, which the layer keeps anyway: nothing n-times-wide
+# is stored per connection.
+def _streams(x: jax.Array) -> list[jax.Array]:
+  """x [..., n, E] -> its n streams [..., E], in float32."""
+  return [x[..., k, :].astype(jnp.float32) for k in range(x.shape[-2])]
 
-  A broadcast product reduced over the stream axis: its gradients are elementwise (to x) and one
-  [..., n, E] -> [..., n] reduction (to the weights). Slicing x into n streams instead pads each slice's
-  gradient back to [..., n, E] (n full-size temporaries per connection).
+
+def _stream_dots(x: jax.Array, v: jax.Array) -> jax.Array:
+  """<x_k, v> for each stream k: [..., n, E] x [..., E] -> [..., n], in float32.
+
+  A batched matrix-vector product: on XLA:CPU about ten times faster than reducing the broadcast product.
   """
-  return jnp.sum(weights[..., None].astype(jnp.float32) * x.astype(jnp.float32), axis=-2)
+  return jnp.einsum("...ke,...e->...k", x.astype(jnp.float32), v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
-# Both mixes are rematerialised: their backward passes need only x, y and the small H matrices, so the
-# float32 products are recomputed instead of stored per connection.
-@jax.checkpoint
+@jax.custom_vjp
 def _mix_in(h_pre: jax.Array, x: jax.Array) -> jax.Array:
-  """The branch input sum_k H_pre[k] x_k, in x's dtype."""
-  return _weighted_sum(h_pre, x).astype(x.dtype)
+  """The branch input sum_k H_pre[k] x_k ([..., n] x [..., n, E] -> [..., E]), in x's dtype."""
+  return sum(h_pre[..., k, None] * x_k for k, x_k in enumerate(_streams(x))).astype(x.dtype)
 
 
-@jax.checkpoint
+def _mix_in_fwd(h_pre, x):
+  return _mix_in(h_pre, x), (h_pre, x)
+
+
+def _mix_in_bwd(residuals, du):
+  h_pre, x = residuals
+  du = du.astype(jnp.float32)
+  dx = (h_pre[..., None] * du[..., None, :]).astype(x.dtype)
+  dh_pre = _stream_dots(x, du)
+  return dh_pre, dx
+
+
+_mix_in.defvjp(_mix_in_fwd, _mix_in_bwd)
+
+
+@jax.custom_vjp
 def _mix_out(h_res: jax.Array, h_post: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
-  """x'_m = sum_k H_res[m, k] x_k + H_post[m] y, in x's dtype.
+  """x'_m = sum_k H_res[m, k] x_k + H_post[m] y ([..., n, E] from x [..., n, E] and y [..., E]), in x's dtype."""
+  y = y.astype(jnp.float32)[..., None, :]
+  mixed = sum(h_res[..., :, k, None] * x_k[..., None, :] for k, x_k in enumerate(_streams(x)))
+  return (mixed + h_post[..., None] * y).astype(x.dtype)
 
-  One batched contraction over the streams, in exact float32 (HIGHEST: no low-precision matmul passes).
-  Its broadcast-and-sum form is as fast forward, but its backward reduces a [..., n, n, E] product,
-  which made the stream mixing cost more than the rest of the layer on XLA:CPU.
-  """
-  mixed = jnp.einsum("...mk,...ke->...me", h_res, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-  return (mixed + h_post[..., None] * y.astype(jnp.float32)[..., None, :]).astype(x.dtype)
+
+def _mix_out_fwd(h_res, h_post, x, y):
+  return _mix_out(h_res, h_post, x, y), (h_res, h_post, x, y)
+
+
+def _mix_out_bwd(residuals, g):
+  """dx_k = sum_m H_res[m, k] g_m, dy = sum_m H_post[m] g_m, dH_res[m, k] = <g_m, x_k>, dH_post[m] = <g_m, y>."""
+  h_res, h_post, x, y = residuals
+  g_streams = _streams(g)
+  dx = sum(h_res[..., m, :, None] * g_m[..., None, :] for m, g_m in enumerate(g_streams))
+  dy = sum(h_post[..., m, None] * g_m for m, g_m in enumerate(g_streams))
+  dh_res = jnp.einsum("...me,...ke->...mk", g.astype(jnp.float32), x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  dh_post = _stream_dots(g, y)
+  return dh_res, dh_post, dx.astype(x.dtype), dy.astype(y.dtype)
+
+
+_mix_out.defvjp(_mix_out_fwd, _mix_out_bwd)
 
 
 def expand(x: jax.Array, n: int) -> jax.Array:

@@ -2,13 +2,19 @@
 
 Keeping the rate out of optax makes the train state's `step` the single source of the
 schedule position (a skipped step does not desynchronise it).
+
+With several LoRA adapters (lora.max_lora_adapters > 1) the optimizer leaves an adapter slot that got no
+gradient this step exactly as it was, parameters and moments (`keep_unused_adapter_slots`): weight decay
+and momentum do not move an adapter that no document in the batch trains.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
@@ -16,7 +22,8 @@ from optax.contrib import MuonDimensionNumbers
 from maxtext.config import MaxTextConfig
 
 NO_DECAY_NAMES = ("scale", "bias")
-MUON_BATCH_AXES = ("layers", "exp")
+LORA_SLOT_AXIS = "lora_slot"  # the adapter-slot axis of a multi-adapter model, named here for Muon (it has no logical name)
+MUON_BATCH_AXES = ("layers", "exp", LORA_SLOT_AXIS)
 
 
 def _is_variable(x: Any) -> bool:
@@ -30,6 +37,54 @@ def _path_names(path: tuple) -> list[str]:
 def decay_mask(params: Any) -> Any:
   """True for parameters that get weight decay: everything except norm scales and biases."""
   return jax.tree_util.tree_map_with_path(lambda path, _: not any(n in name for name in _path_names(path) for n in NO_DECAY_NAMES), params)
+
+
+def _is_adapter_path(names: list[str]) -> bool:
+  """An adapter matrix: lora/lora_a or lora/lora_b (nnx states add a trailing 'value')."""
+  return "lora" in names and ("lora_a" in names or "lora_b" in names)
+
+
+def adapter_slot_axes(params: Any, slot_axis: int) -> Any:
+  """slot_axis for the adapter matrices (paths ending lora/lora_a or lora/lora_b) of a multi-adapter model, -1 elsewhere."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: slot_axis if _is_adapter_path(_path_names(path)) else -1, params)
+
+
+def _slot_mask(used: jax.Array, axis: int, ndim: int) -> jax.Array:
+  """used [slots] broadcast against an array whose slot axis is `axis`."""
+  return used.reshape((1,) * axis + used.shape + (1,) * (ndim - axis - 1))
+
+
+def keep_unused_adapter_slots(inner: optax.GradientTransformation, slot_axis: int) -> optax.GradientTransformation:
+  """inner, except that an adapter slot none of whose gradients is nonzero this step is not changed at all.
+
+  A slot counts as trained when any entry of its A or B gradient, in any layer, is nonzero. For the other
+  slots the update is zero and every optimizer-state entry shaped like the parameters (Adam's moments,
+  SGD's trace) keeps its old value, so neither weight decay nor momentum moves an adapter that no row of the
+  batch uses, and its moments are where its last training step left them. Scalars such as Adam's step
+  count are shared by all slots and advance as usual.
+  """
+
+  def update(grads, state, params=None):
+    updates, new_state = inner.update(grads, state, params)
+    axes = adapter_slot_axes(grads, slot_axis)
+    per_leaf = [
+      jnp.any(g != 0, axis=tuple(i for i in range(g.ndim) if i != a)) for g, a in zip(jax.tree.leaves(grads), jax.tree.leaves(axes), strict=True) if a >= 0
+    ]
+    if not per_leaf:
+      return updates, new_state
+    used = functools.reduce(jnp.logical_or, per_leaf)
+
+    def keep(path, new, old):
+      """old where the slot is unused, for adapter arrays (parameters' updates, and the moments, which optax keeps at
+      the parameters' paths and shapes); anything else (counts, optax's MaskedNode) passes through."""
+      adapter = hasattr(new, "ndim") and new.ndim > slot_axis and new.shape[slot_axis] == used.shape[0] and _is_adapter_path(_path_names(path))
+      return jnp.where(_slot_mask(used, slot_axis, new.ndim), new, old) if adapter else new
+
+    updates = jax.tree_util.tree_map_with_path(lambda path, u: keep(path, u, jnp.zeros_like(u)), updates)
+    new_state = jax.tree_util.tree_map_with_path(keep, new_state, state, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    return updates, new_state
+
+  return optax.GradientTransformation(inner.init, update)
 
 
 def muon_dimension_numbers(logical_axes: tuple[str | None, ...] | None) -> MuonDimensionNumbers | None:
@@ -49,12 +104,26 @@ def muon_dimension_numbers(logical_axes: tuple[str | None, ...] | None) -> MuonD
   return MuonDimensionNumbers(reduction_axis=tuple(matrix[:-1]), output_axis=(matrix[-1],))
 
 
-def _muon_dims_tree(params: Any) -> Any:
-  return jax.tree.map(lambda v: muon_dimension_numbers(getattr(v, "logical_axes", None)), params, is_leaf=_is_variable)
+def _muon_dims_tree(params: Any, slot_axis: int | None = None) -> Any:
+  """Muon's dimension numbers per parameter; with several adapters (slot_axis set), each slot's A and B are
+  orthogonalised on their own (the slot axis is a batch axis), so no slot's update depends on another's gradient."""
+
+  def one(path: tuple, v: Any) -> MuonDimensionNumbers | None:
+    axes = getattr(v, "logical_axes", None)
+    if axes and slot_axis is not None and _is_adapter_path(_path_names(path)):
+      axes = tuple(LORA_SLOT_AXIS if i == slot_axis else name for i, name in enumerate(axes))
+    return muon_dimension_numbers(axes)
+
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_variable)
 
 
 def build(config: MaxTextConfig) -> optax.GradientTransformation:
   """Gradient clipping + the chosen optimizer at unit learning rate (updates are -direction)."""
+  slot_axis = None
+  if config.lora.enable_lora and config.lora.max_lora_adapters > 1:
+    from maxtext.layers.lora import slot_axis as lora_slot_axis
+
+    slot_axis = lora_slot_axis(config)
   if config.opt_type == "adamw":
     opt = optax.adamw(
       1.0,
@@ -76,9 +145,11 @@ def build(config: MaxTextConfig) -> optax.GradientTransformation:
       adam_b2=config.adam_b2,
       eps=config.adam_eps,
       adam_eps_root=config.adam_eps_root,
-      muon_weight_dimension_numbers=_muon_dims_tree,
+      muon_weight_dimension_numbers=functools.partial(_muon_dims_tree, slot_axis=slot_axis),
     )
     opt = optax.chain(muon, optax.add_decayed_weights(-config.adam_weight_decay, mask=decay_mask))
   if config.gradient_clipping_threshold > 0:
-    return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), opt)
+    opt = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), opt)
+  if slot_axis is not None:
+    opt = keep_unused_adapter_slots(opt, slot_axis)
   return opt
