@@ -42,15 +42,21 @@ def stacked_layers(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs, count:
   return nnx.merge(graphdef, state)
 
 
-def tied_to_carry(weights: Any, carry: jax.Array) -> Any:
-  """weights plus a zero that XLA cannot prove is zero (0 x the loop carry's first element, without gradient).
+def tied_to_carry(weights: Any, carry: jax.Array, compute_dtype: Any) -> Any:
+  """weights stored in another dtype than compute_dtype, plus a zero that XLA cannot prove is zero (0 x the loop
+  carry's first element, without gradient); weights already in the compute dtype are returned as they are.
 
   Values are unchanged, but each layer's compute-dtype weight casts now depend on the iteration, so XLA cannot hoist
   a cast copy of the whole stack out of the layer scan and keep it alive through the backward pass (3.5 GB per
   device for llama3.1-8b on v5p-8; benchmarks/README.md). The add fuses into the cast.
   """
   zero = jax.lax.stop_gradient(carry.reshape(-1)[0]).astype(jnp.float32) * 0.0
-  return jax.tree.map(lambda w: w + zero.astype(w.dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w, weights)
+
+  def tie(w: jax.Array) -> jax.Array:
+    cast_later = jnp.issubdtype(w.dtype, jnp.floating) and w.dtype != compute_dtype
+    return w + zero.astype(w.dtype) if cast_later else w
+
+  return jax.tree.map(tie, weights)
 
 
 class Transformer(nnx.Module):
@@ -110,7 +116,7 @@ class Transformer(nnx.Module):
 
       def body(h, xs):
         layer_state, window = xs
-        layer = nnx.merge(graphdef, tied_to_carry(layer_state, h))
+        layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, dtype(c.dtype)))
         return layer_fn(layer, h, static_window if static_window is not None else window)
 
       body = remat.wrap(body, c.remat_policy, prevent_cse=False)
