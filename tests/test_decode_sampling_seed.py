@@ -8,15 +8,10 @@ from maxtext.config import from_overrides
 from maxtext.inference.generate import Generator
 from maxtext.inference.sampling import SamplingParams
 from tests.test_decode import perturbed
+from tests.test_train_helpers import TINY_MODEL
 
 TINY = dict(
-  base_emb_dim=16,
-  base_num_query_heads=2,
-  base_num_kv_heads=2,
-  head_dim=8,
-  base_mlp_dim=32,
-  base_num_decoder_layers=1,
-  vocab_size=64,
+  TINY_MODEL,
   dtype="float32",
   max_target_length=20,
   max_prefill_predict_length=4,
