@@ -90,6 +90,17 @@ def test_splash_interpret_equals_reference(batch, window, cap):
   assert_same(forward_and_grads(run, q, k, v), expected)
 
 
+def test_attend_with_narrower_values_pads_them_for_fused_kernels(batch):
+  """MLA's values are narrower than its queries and keys: attend pads them for a fused kernel and cuts the output."""
+  q, k, v, seg, pos = batch
+  v = v[..., :5]
+  kw = dict(q_positions=pos, kv_positions=pos, segment_ids=seg, window=37, soft_cap=None, scale=SCALE, precision=jax.lax.Precision.HIGHEST)
+  expected = forward_and_grads(jax.jit(lambda q, k, v: ops.attend(q, k, v, policy=policy("cpu", "dot_product"), **kw)), q, k, v)
+  actual = forward_and_grads(jax.jit(lambda q, k, v: ops.attend(q, k, v, policy=policy("cpu", "flash", attention_key_block=48), **kw)), q, k, v)
+  assert actual[0].shape == q.shape[:3] + (5,)
+  assert_same(actual, expected)
+
+
 @pytest.mark.parametrize("window", [37])
 def test_cudnn_segment_mask_path_equals_reference(batch, window):
   """The cuDNN call with the segment mask, run by jax.nn.dot_product_attention's XLA implementation on CPU."""

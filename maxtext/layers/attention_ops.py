@@ -119,7 +119,7 @@ def attend(
   window_choices: Sequence[int] = (),
   rules: Sequence | None = None,
 ) -> jax.Array:
-  """Causal attention q [B,S,H,D], k/v [B,T,K,D] (H a multiple of K) -> [B,S,H,D] in q's dtype.
+  """Causal attention q [B,S,H,D], k [B,T,K,D], v [B,T,K,Dv] (H a multiple of K) -> [B,S,H,Dv] in q's dtype.
 
   positions [B,S]/[B,T] int; segment_ids [B,S] (self-attention, 0 = padding) or None; window: attend to keys with
   q_pos - kv_pos < window (0 = unbounded), an int or a traced scalar taking one of window_choices (scanned layers
@@ -130,14 +130,19 @@ def attend(
   if kernel == "xla":
     mask = attention_mask(q_positions, kv_positions, segment_ids, window)
     return xla_attention(q, k, v, mask, scale, soft_cap, precision, policy.integer_bf16_rounding)
+  v_dim = v.shape[-1]
+  if v_dim != q.shape[-1]:  # the other kernels take one head width: zero value columns, cut from the result (MLA)
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v_dim)))
   if kernel == "chunked":
-    return chunked_attention(q, k, v, q_positions, kv_positions, segment_ids, window, scale, soft_cap, policy.attention_key_block)
-  if kernel == "splash":
-    run = functools.partial(splash_attention, scale=scale, soft_cap=soft_cap, blocks=policy.splash, interpret=policy.interpret_kernels)
+    out = chunked_attention(q, k, v, q_positions, kv_positions, segment_ids, window, scale, soft_cap, policy.attention_key_block)
   else:
-    run = functools.partial(cudnn_attention, scale=scale, max_segments=policy.max_segments_per_seq)
-  segments = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
-  return _per_window(run, q, k, v, segments, window, window_choices, rules)
+    if kernel == "splash":
+      run = functools.partial(splash_attention, scale=scale, soft_cap=soft_cap, blocks=policy.splash, interpret=policy.interpret_kernels)
+    else:
+      run = functools.partial(cudnn_attention, scale=scale, max_segments=policy.max_segments_per_seq)
+    segments = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
+    out = _per_window(run, q, k, v, segments, window, window_choices, rules)
+  return out[..., :v_dim]
 
 
 def _per_window(run, q, k, v, segments, window, window_choices, rules) -> jax.Array:

@@ -96,10 +96,6 @@ class MLA(nnx.Module):
     q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
     k = constrain(k, ("activation_batch", "activation_length", "activation_heads", None), rules)
     v = constrain(v, ("activation_batch", "activation_length", "activation_heads", None), rules)
-    kernel = attention_ops.select(self.policy, dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1], soft_cap=c.attn_logits_soft_cap)
-    v_dim = v.shape[-1]
-    if kernel != "xla" and v_dim != q.shape[-1]:  # fused kernels take one head width
-      v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v_dim)))
     ctx = attention_ops.attend(
       q,
       k,
@@ -113,6 +109,6 @@ class MLA(nnx.Module):
       policy=self.policy,
       precision=precision(c.matmul_precision),
       rules=rules,
-    )[..., :v_dim]
+    )
     ctx = checkpoint_name(ctx, "context")
     return checkpoint_name(self.out(ctx), "out_proj")
