@@ -25,6 +25,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,19 @@ from maxtext.errors import ConfigError
 from maxtext.layers import matmul
 from maxtext.layers.dtypes import dtype
 from maxtext.layers.linear import DenseGeneral
+
+
+def _init_a(key: jax.Array, in_shape: tuple[int, ...], rank: int) -> jax.Array:
+  """A [*in_shape, rank] ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) in float32 (B starts at zero)."""
+  bound = 1.0 / math.sqrt(math.prod(in_shape))
+  return jax.random.uniform(key, (*in_shape, rank), jnp.float32, -bound, bound)
+
+
+def _low_rank_update(adapter: Any, x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+  """scale * (x . A) . B in the adapter's compute dtype and precision."""
+  kw = dict(dtype=adapter.dtype, precision=adapter.precision, integer_rounding=adapter.integer_rounding)
+  y = matmul.contract_trailing(matmul.contract_trailing(x, a, adapter.in_ndim, **kw), b, 1, **kw)
+  return y * jnp.asarray(scale, y.dtype)
 
 
 class LoRAParam(nnx.Param):
@@ -118,16 +132,11 @@ class LoRA(nnx.Module):
     self.scale = alpha / rank
     self.dtype = dtype
     self.precision = precision
-    bound = 1.0 / math.sqrt(math.prod(in_shape))
-    a = jax.random.uniform(key, (*in_shape, rank), jnp.float32, -bound, bound)
-    self.lora_a = LoRAParam(a.astype(weight_dtype), logical_axes=(*in_axes, None))
+    self.lora_a = LoRAParam(_init_a(key, in_shape, rank).astype(weight_dtype), logical_axes=(*in_axes, None))
     self.lora_b = LoRAParam(jnp.zeros((rank, *out_shape), weight_dtype), logical_axes=(None, *out_axes))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    kw = dict(dtype=self.dtype, precision=self.precision, integer_rounding=self.integer_rounding)
-    h = matmul.contract_trailing(x, self.lora_a[...], self.in_ndim, **kw)
-    y = matmul.contract_trailing(h, self.lora_b[...], 1, **kw)
-    return y * jnp.asarray(self.scale, y.dtype)
+    return _low_rank_update(self, x, self.lora_a[...], self.lora_b[...], self.scale)
 
 
 class MultiLoRA(nnx.Module):
@@ -160,9 +169,8 @@ class MultiLoRA(nnx.Module):
     self.scales = tuple(alpha / r for r in ranks)
     self.dtype = dtype
     self.precision = precision
-    bound = 1.0 / math.sqrt(math.prod(in_shape))
     keys = [key] + [jax.random.fold_in(key, s) for s in range(1, len(ranks))]
-    a = jnp.stack([jax.random.uniform(k, (*in_shape, max_rank), jnp.float32, -bound, bound) for k in keys])
+    a = jnp.stack([_init_a(k, in_shape, max_rank) for k in keys])
     self.lora_a = LoRAParam(a.astype(weight_dtype), logical_axes=(None, *in_axes, None))
     self.lora_b = LoRAParam(jnp.zeros((len(ranks), max_rank, *out_shape), weight_dtype), logical_axes=(None, None, *out_axes))
 
@@ -171,10 +179,7 @@ class MultiLoRA(nnx.Module):
     a = self.lora_a[...][s]
     if self.ranks[s] < self.max_rank:
       a = a * (jnp.arange(self.max_rank) < self.ranks[s]).astype(a.dtype)
-    kw = dict(dtype=self.dtype, precision=self.precision, integer_rounding=self.integer_rounding)
-    h = matmul.contract_trailing(x, a, self.in_ndim, **kw)
-    y = matmul.contract_trailing(h, self.lora_b[...][s], 1, **kw)
-    return y * jnp.asarray(self.scales[s], y.dtype)
+    return _low_rank_update(self, x, a, self.lora_b[...][s], self.scales[s])
 
   def __call__(self, x: jax.Array) -> jax.Array:
     ids = _ADAPTER_IDS.get()
