@@ -20,6 +20,7 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from maxtext.config import MaxTextConfig
+from maxtext.layers.lora import slot_axis as lora_slot_axis
 
 NO_DECAY_NAMES = ("scale", "bias")
 LORA_SLOT_AXIS = "lora_slot"  # the adapter-slot axis of a multi-adapter model, named here for Muon (it has no logical name)
@@ -121,8 +122,6 @@ def build(config: MaxTextConfig) -> optax.GradientTransformation:
   """Gradient clipping + the chosen optimizer at unit learning rate (updates are -direction)."""
   slot_axis = None
   if config.lora.enable_lora and config.lora.max_lora_adapters > 1:
-    from maxtext.layers.lora import slot_axis as lora_slot_axis
-
     slot_axis = lora_slot_axis(config)
   if config.opt_type == "adamw":
     opt = optax.adamw(
