@@ -47,8 +47,6 @@ def test_scanned_weights_are_cast_inside_the_layer_loop():
   assert not copies, copies
 
 
-
-
 def test_summed_output_kernel_gradient_is_sliced_once():
   """The whole [emb, vocab] float32 sum of the output-kernel gradient feeds only the slice that keeps this device's
   shard, so it dies at once; without train.step's barrier XLA fuses the slice into the gradient norm and the update
