@@ -46,6 +46,7 @@ CASES = [
   ("load_full_state_path_missing", _train("load_full_state_path={tmp}/missing"), "does not exist"),
   ("lora_restore_path_not_a_checkpoint", _train("lora.enable_lora=true", "lora.lora_restore_path={tmp}/not_a_checkpoint"), "not a readable checkpoint"),
   ("compiled_trainstep_file_missing", _train("compiled_trainstep_file={tmp}/missing.bin"), "missing.bin"),
+  ("vocab_not_divisible_by_vocab_tiling", _train("num_vocab_tiling=3"), "num_vocab_tiling 3"),
   ("step_does_not_fit_memory", _train("max_target_length=1048576", "per_device_batch_size=4"), "GiB per device"),
   ("output_under_a_regular_file", _train("base_output_directory={tmp}/a_file/out"), "not a directory"),
   ("metrics_file_under_a_regular_file", _train("metrics_file={tmp}/a_file/metrics.jsonl"), "not a directory"),

@@ -297,7 +297,8 @@ def slot_axis(config: MaxTextConfig) -> int:
   return 1 if config.scan_layers else 0
 
 
-def _is_adapter(path: str) -> bool:
+def is_adapter_path(path: str) -> bool:
+  """A '/'-joined parameter path that names an adapter matrix (ends lora/lora_a or lora/lora_b)."""
   return path.endswith(("lora/lora_a", "lora/lora_b"))
 
 
@@ -308,7 +309,7 @@ def slot_params(flat: dict[str, jax.Array], config: MaxTextConfig, name: str) ->
   axis = slot_axis(config)
   out = {}
   for path, value in flat.items():
-    if _is_adapter(path):
+    if is_adapter_path(path):
       value = jnp.take(jnp.asarray(value), slot, axis=axis)
       rank_axis = value.ndim - 1 if path.endswith("lora_a") else axis
       out[path] = jax.lax.slice_in_dim(value, 0, spec.rank, axis=rank_axis)

@@ -20,6 +20,7 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from maxtext.config import MaxTextConfig
+from maxtext.layers.lora import is_adapter_path
 from maxtext.layers.lora import slot_axis as lora_slot_axis
 
 NO_DECAY_NAMES = ("scale", "bias")
@@ -41,8 +42,8 @@ def decay_mask(params: Any) -> Any:
 
 
 def _is_adapter_path(names: list[str]) -> bool:
-  """An adapter matrix: lora/lora_a or lora/lora_b (nnx states add a trailing 'value')."""
-  return "lora" in names and ("lora_a" in names or "lora_b" in names)
+  """An adapter matrix, by lora's rule (nnx states add a trailing 'value'; optimizer moments lead with their own keys)."""
+  return is_adapter_path("/".join(names[:-1] if names and names[-1] == "value" else names))
 
 
 def adapter_slot_axes(params: Any, slot_axis: int) -> Any:
