@@ -17,6 +17,12 @@ class CompiledStep:
   compiled: Any  # the compiled train step
   compile_seconds: float
 
+  def init_state(self) -> Any:
+    """The fresh train state in the formats (sharding and device layout) the compiled step takes."""
+    from maxtext.train import state as state_lib
+
+    return self.setup.init_state(state_lib.compiled_formats(self.compiled))
+
 
 def compile_train_step(config: Any) -> CompiledStep:
   """Build the run's TrainSetup and compile its jit_step against the abstract state and batch."""

@@ -40,7 +40,7 @@ def build(config_args: list[str]) -> dict:
   config = load(config_args, before_devices=prepare)
   step = compile_train_step(config)
   with jax.set_mesh(step.mesh):
-    state = step.setup.init_state()
+    state = step.init_state()
     batch = jax.block_until_ready(next(create_data_iterator(config, step.mesh, "train")))
   abstract = step.setup.abstract_state
   trainable, _ = state_lib.split_params(abstract["params"], config)

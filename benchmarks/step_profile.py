@@ -68,7 +68,7 @@ def main(argv: list[str]) -> None:
   config = load(args.config, before_devices=prepare)
   step = compile_train_step(config)
   with jax.set_mesh(step.mesh), tempfile.TemporaryDirectory() as trace_dir:
-    state = step.setup.init_state()
+    state = step.init_state()
     batch = next(create_data_iterator(config, step.mesh, "train"))
     for _ in range(3):
       state, metrics = step.compiled(state, batch)

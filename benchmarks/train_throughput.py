@@ -36,9 +36,9 @@ def main(argv: list[str]) -> dict:
   config = load(args.config, before_devices=prepare)
   matmul_tflops = perf.measure_matmul_tflops(args.matmul_size)
   step = compile_train_step(config)
-  mesh, setup, compiled, compile_s = step.mesh, step.setup, step.compiled, step.compile_seconds
+  mesh, compiled, compile_s = step.mesh, step.compiled, step.compile_seconds
   with jax.set_mesh(mesh):
-    state = setup.init_state()
+    state = step.init_state()
     data = create_data_iterator(config, mesh, "train")
     step_s, data_s = [], []
     for i in range(args.warmup_steps + args.bench_steps):

@@ -59,6 +59,7 @@ class Policy:
   attention_key_block: int = CPU_ATTENTION_KEY_BLOCK  # keys per step of the chunked path
   max_segments_per_seq: int = -1  # documents per packed row (data pipeline bound); > 0 enables cuDNN packed offsets
   unstacked_decode: bool = False  # decode with per-layer arrays: XLA:CPU copies a scan's slices of stacked weights and caches
+  compiler_state_layouts: bool = False  # XLA picks the train state's device layouts (TPU: no per-step relayout of stacked kernels)
 
 
 def splash_blocks(config: MaxTextConfig) -> SplashBlocks:
@@ -91,6 +92,7 @@ def for_platform(config: MaxTextConfig, platform: str, interpret: bool = False) 
     chunked_attention_from=CPU_CHUNKED_ATTENTION_FROM if cpu else 0,
     max_segments_per_seq=config.max_segments_per_seq,
     unstacked_decode=cpu,
+    compiler_state_layouts=platform == "tpu",
   )
 
 

@@ -72,6 +72,36 @@ def test_sigterm_finishes_the_step_saves_and_the_restart_continues(uninterrupted
   _same_params(resumed.state, full.state)
 
 
+def _with_state_layouts(setup):
+  """setup whose compiled step takes every multi-dimensional state array column-major: what a TPU's
+  compiler_state_layouts does with the stacked kernels, forced here because XLA:CPU keeps default layouts."""
+  from jax.experimental.layout import Format, Layout
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  def fmt(a):
+    return Format(Layout(tuple(reversed(range(a.ndim)))), a.sharding) if a.ndim >= 2 else a.sharding
+
+  formats = jax.tree.map(fmt, setup.abstract_state)
+  replicated = NamedSharding(setup.mesh, PartitionSpec())
+  step = jax.jit(setup.jit_step.__wrapped__, in_shardings=(formats, setup.batch_shardings), out_shardings=(formats, replicated), donate_argnums=0)
+  return dataclasses.replace(setup, jit_step=step), formats
+
+
+def test_state_in_compiler_layouts_trains_saves_and_resumes_like_default_layouts(uninterrupted, shared_setup, tmp_path):
+  """Init in the compiled step's layouts, save, restore (checkpoints come back in default layouts and are moved),
+  evaluate: the same losses and parameters as the default-layout run."""
+  _, full = uninterrupted
+  setup, formats = _with_state_layouts(shared_setup)
+  first = _train(_cfg(tmp_path, steps=5, eval_interval=5, eval_steps=1), setup)
+  second = _train(_cfg(tmp_path, steps=10), setup)
+  assert sorted(second.losses) == [5, 6, 7, 8, 9] and 4 in first.eval_losses
+  assert {**first.losses, **second.losses} == full.losses  # bitwise-equal floats
+  kernels = [x for x in jax.tree.leaves(second.state) if x.ndim >= 2]
+  assert kernels and all(x.format.layout.major_to_minor == tuple(reversed(range(x.ndim))) for x in kernels)
+  for x, y in zip(jax.tree.leaves(jax.device_get(second.state["params"])), jax.tree.leaves(jax.device_get(full.state["params"]))):
+    assert np.array_equal(x, y)
+
+
 def test_metrics_file_tensorboard_and_log_line(uninterrupted, capsys):
   config, full = uninterrupted
   lines = [json.loads(line) for line in open(config.metrics_file)]

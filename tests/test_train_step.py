@@ -36,6 +36,25 @@ def one_device():
   return _run(tiny_config(num_devices=1, dtype="float32", per_device_batch_size=8), steps=3)
 
 
+def test_a_second_build_in_one_process_runs_with_the_tpu_policy():
+  """remat_policy=auto compiles the step several times in one process: no array one trace made (the splash
+  kernel's mask) may leak into the next as a hoisted constant, or the last compiled step refuses its inputs."""
+  import dataclasses
+
+  from maxtext import platform
+
+  config = tiny_config(num_devices=1, max_target_length=256, attention="flash")
+  mesh = mesh_for(config)
+  policy = platform.for_platform(config, "tpu", interpret=True)  # splash in interpret mode, state layouts by XLA
+  with jax.set_mesh(mesh):
+    first = setup_lib.build(config, mesh, policy=policy).compiled_step
+    setup = setup_lib.build(config, mesh, policy=dataclasses.replace(policy))
+    step = setup.compiled_step
+    state = setup.init_state(state_lib.compiled_formats(step))
+    _, metrics = step(state, next(SyntheticIterator(config, mesh)))
+  assert np.isfinite(float(metrics["loss"])) and first is not step
+
+
 def test_gradient_accumulation_equals_the_big_batch(one_device):
   # skip_step_on_spikes is on here too: with a window not yet full nothing is skipped, so results must not change.
   config = tiny_config(num_devices=1, dtype="float32", per_device_batch_size=2, gradient_accumulation_steps=4, skip_step_on_spikes=True, skip_step_interval=8)

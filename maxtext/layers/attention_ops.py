@@ -326,7 +326,9 @@ _chunked.defvjp(_chunked_forward, _chunked_backward)
 # ------------------------------------------------------------------------------------------------ TPU: splash
 
 
-@functools.lru_cache(maxsize=64)
+# Not cached here: the kernel holds its mask as jax arrays made during the trace that built it, and a later trace
+# (remat_policy=auto compiles the step several times in one process) would capture them as hoisted constants that
+# the compiled step then expects as extra inputs. jax caches the costly mask processing itself (numpy).
 def _splash_kernel(heads: int, q_len: int, kv_len: int, window: int, soft_cap: float | None, blocks, interpret: bool):
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib

@@ -45,8 +45,18 @@ def create_data_iterator(config: MaxTextConfig, mesh: jax.sharding.Mesh, split: 
   return create_iterator(config, mesh, split=split)
 
 
-def restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpointer | None, data_iter: Any, log: Callable[[str], None]) -> Any:
-  """The run's own latest checkpoint, else load_parameters_path / load_full_state_path, else a fresh init."""
+def restore_or_init(
+  setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpointer | None, data_iter: Any, log: Callable[[str], None], formats: Any = None
+) -> Any:
+  """The run's own latest checkpoint, else load_parameters_path / load_full_state_path, else a fresh init.
+
+  formats: the compiled step's state formats; the state comes back in them (restored arrays are moved there).
+  """
+  state = _restore_or_init(setup, ckpt, data_iter, log, formats)
+  return state if formats is None else state_lib.placed(state, formats)
+
+
+def _restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpointer | None, data_iter: Any, log: Callable[[str], None], formats: Any) -> Any:
   config = setup.config
   if ckpt is not None:
     restored = ckpt.restore_latest(state_lib.checkpointed(setup.abstract_state, config), log)
@@ -55,21 +65,21 @@ def restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpointe
       if data_state is not None:
         data_iter.set_state(data_state)
       log(f"restored checkpoint at step {int(state['step'])} from {config.checkpoint_dir}")
-      return _with_frozen_base(setup, state, log)
+      return _with_frozen_base(setup, state, log, formats)
   if config.load_full_state_path:
     state = checkpointing.restore_full_state(config.load_full_state_path, state_lib.checkpointed(setup.abstract_state, config))
     log(f"loaded full state at step {int(state['step'])} from {config.load_full_state_path}")
-    return _with_frozen_base(setup, state, log)
-  state = setup.init_state()
+    return _with_frozen_base(setup, state, log, formats)
+  state = setup.init_state(formats)
   state["params"] = checkpointing.load_initial_params(config, state["params"], setup.abstract_state["params"], log)
   return state
 
 
-def _with_frozen_base(setup: setup_lib.TrainSetup, state: Any, log: Callable[[str], None]) -> Any:
+def _with_frozen_base(setup: setup_lib.TrainSetup, state: Any, log: Callable[[str], None], formats: Any) -> Any:
   """A LoRA checkpoint holds only the trainable parameters: add the frozen base (load_parameters_path or the seeded init)."""
   if not setup.config.lora.enable_lora:
     return state
-  base = checkpointing.load_initial_params(setup.config, setup.init_state()["params"], setup.abstract_state["params"], log, adapters=False)
+  base = checkpointing.load_initial_params(setup.config, setup.init_state(formats)["params"], setup.abstract_state["params"], log, adapters=False)
   return dict(state, params=checkpointing.overlay_params(base, state["params"]))
 
 
@@ -212,7 +222,7 @@ def _run(config: MaxTextConfig, checked: preflight.Checked, preemption: _Preempt
   failed = True
   try:
     with jax.set_mesh(mesh):
-      state = restore_or_init(setup, ckpt, data_iter, log_main)
+      state = restore_or_init(setup, ckpt, data_iter, log_main, state_lib.compiled_formats(checked.step_fn))
     start = int(state["step"])
     if ckpt is not None:
       ckpt.note_schedule(config, start, log_main)

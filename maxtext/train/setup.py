@@ -1,7 +1,10 @@
 """Everything a run compiles, built without allocating parameters: `build(config, mesh) -> TrainSetup`.
 
 `setup.jit_step.lower(setup.abstract_state, setup.abstract_batch).compile()` is exactly what
-train runs and what AOT compilation (maxtext.train_compile) checks.
+train runs and what AOT compilation (maxtext.train_compile) checks. On TPU the platform policy leaves the
+state's device layouts to XLA (`compiler_state_layouts`): the compiled step then says, in
+`state_lib.compiled_formats(compiled)`, the layouts the state must be created in (`init_state(formats)`)
+or moved to (`state_lib.placed`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class TrainSetup:
   abstract_batch: dict[str, jax.ShapeDtypeStruct]
   state_shardings: Any
   batch_shardings: dict[str, NamedSharding]
-  jit_step: Any  # jax.jit(train_step), donates the state
+  jit_step: Any  # jax.jit(train_step), donates the state; under compiler_state_layouts only .lower().compile() runs it
   jit_eval: Any  # jax.jit(eval_step)
   init_fn: Callable[[], state_lib.TrainState]
 
@@ -55,9 +58,12 @@ class TrainSetup:
     """jit_step compiled for abstract_state and abstract_batch (its memory_analysis() is what a step needs)."""
     return self.jit_step.lower(self.abstract_state, self.abstract_batch).compile()
 
-  def init_state(self) -> state_lib.TrainState:
-    """The fresh initial state, born sharded (parameters never exist unsharded)."""
-    return self.jit_init()
+  def init_state(self, formats: Any = None) -> state_lib.TrainState:
+    """The fresh initial state, born sharded (parameters never exist unsharded); given formats (a compiled
+    step's `state_lib.compiled_formats`), born in that step's device layouts too."""
+    if formats is None:
+      return self.jit_init()
+    return jax.jit(self.init_fn, out_shardings=formats)()
 
   def param_shardings(self) -> Any:
     return self.state_shardings["params"]
@@ -89,7 +95,8 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
   replicated = NamedSharding(mesh, PartitionSpec())
 
   train_step = step_lib.make_train_step(config, graphdef, optimizer, mesh)
-  jit_step = jax.jit(train_step, in_shardings=(state_shardings, batch_shardings), out_shardings=(state_shardings, replicated), donate_argnums=0)
+  step_state = state_lib.step_formats(state_shardings, policy.compiler_state_layouts)
+  jit_step = jax.jit(train_step, in_shardings=(step_state, batch_shardings), out_shardings=(step_state, replicated), donate_argnums=0)
   eval_step = step_lib.make_eval_step(config, graphdef, mesh)
   eval_in = (state_shardings["params"], state_shardings.get("other", nnx.State({})), batch_shardings)
   jit_eval = jax.jit(eval_step, in_shardings=eval_in, out_shardings=replicated)

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtext import mesh as mesh_lib
@@ -79,6 +80,31 @@ def shardings(tree: Any, config: MaxTextConfig, mesh: Mesh) -> Any:
 def with_shardings(abstract: Any, shardings_tree: Any) -> Any:
   """ShapeDtypeStructs that carry their sharding (what AOT lowering and Orbax restore want)."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings_tree)
+
+
+def step_formats(shardings_tree: Any, compiler_layouts: bool) -> Any:
+  """What the train step's jit takes and returns the state in: the shardings, with device layouts left to XLA
+  when compiler_layouts (the platform policy's `compiler_state_layouts`)."""
+  if not compiler_layouts:
+    return shardings_tree
+  return jax.tree.map(lambda s: Format(Layout.AUTO, s), shardings_tree)
+
+
+def compiled_formats(step_fn: Any) -> Any:
+  """The formats (sharding and device layout) of the state a compiled train step takes: those of the state it
+  returns, which the next step takes (the donated state is updated in place). Read from the outputs because
+  jax's `input_formats` miscounts when the step has hoisted constants or unused inputs."""
+  return step_fn.output_formats[0]
+
+
+def placed(state: TrainState, formats: Any) -> TrainState:
+  """state in formats: each array whose layout or sharding differs is moved there and its old buffer freed,
+  one array at a time (a restored checkpoint arrives in default layouts)."""
+
+  def one(x: Any, fmt: Any) -> Any:
+    return x if x.format == fmt else jax.device_put(x, fmt, donate=True)
+
+  return jax.tree.map(one, state, formats)
 
 
 def make_init_fn(config: MaxTextConfig, build_model: Callable[..., nnx.Module], optimizer: Any, seed: int) -> Callable[[], TrainState]:
