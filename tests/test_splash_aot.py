@@ -93,5 +93,5 @@ def test_state_layouts_are_the_compilers_so_stacked_kernels_are_not_relaid_every
   assert relayout_copies(default) and not relayout_copies(chosen), (relayout_copies(default), relayout_copies(chosen))
   assert chosen.memory.temp_bytes < default.memory.temp_bytes
   query = state_lib.compiled_formats(chosen.compiled)["params"]["layers"]["attention"]["query"]["kernel"]
-  query = getattr(query, "value", query)
+  query = query.get_value() if hasattr(query, "get_value") else query  # an nnx.Variable holding the Format
   assert query.layout.major_to_minor != (0, 1, 2, 3)
