@@ -70,28 +70,31 @@ def test_state_layouts_are_the_compilers_so_stacked_kernels_are_not_relaid_every
   import dataclasses
   import re
 
-  from maxtext import platform
-  from maxtext.aot.compile import compile_for_topology
+  import jax
+
+  from maxtext import platform, topology
+  from maxtext.aot.compile import compile_step, topology_mesh
+  from maxtext.train import setup as setup_lib
   from maxtext.train import state as state_lib
 
   config = from_overrides(**{**MODEL, "base_emb_dim": 1024, "base_num_query_heads": 8, "base_num_decoder_layers": 4, "max_target_length": 256})
+  mesh = topology_mesh(config)
+  tpu = platform.resolve(config, mesh)
+  assert tpu.platform == "tpu" and tpu.compiler_state_layouts  # the TPU policy's default
 
   def compiled(layouts_by_compiler):
-    tpu = platform.for_platform
-    platform.for_platform = lambda *a, **k: dataclasses.replace(tpu(*a, **k), compiler_state_layouts=layouts_by_compiler)
-    try:
-      return compile_for_topology(config)
-    finally:
-      platform.for_platform = tpu
+    with jax.set_mesh(mesh):
+      setup = setup_lib.build(config, mesh, policy=dataclasses.replace(tpu, compiler_state_layouts=layouts_by_compiler))
+      return compile_step(setup, topology.parse(config.compile_topology).chip.hbm_bytes)[:2]
 
-  def relayout_copies(result):
-    text = result.compiled.as_text()
+  def relayout_copies(step):
+    text = step.as_text()
     entry = text[text.index("\nENTRY ") + 1 :].split("\n}\n")[0].splitlines()
     return [line.strip()[:90] for line in entry if re.search(r"= f32\[4,[\d,]+\]\{[^}]*\} copy\(%param", line)]
 
-  default, chosen = compiled(False), compiled(True)
+  (default, default_memory), (chosen, chosen_memory) = compiled(False), compiled(True)
   assert relayout_copies(default) and not relayout_copies(chosen), (relayout_copies(default), relayout_copies(chosen))
-  assert chosen.memory.temp_bytes < default.memory.temp_bytes
-  query = state_lib.compiled_formats(chosen.compiled)["params"]["layers"]["attention"]["query"]["kernel"]
+  assert chosen_memory.temp_bytes < default_memory.temp_bytes
+  query = state_lib.compiled_formats(chosen)["params"]["layers"]["attention"]["query"]["kernel"]
   query = query.get_value() if hasattr(query, "get_value") else query  # an nnx.Variable holding the Format
   assert query.layout.major_to_minor != (0, 1, 2, 3)
