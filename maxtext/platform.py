@@ -60,6 +60,7 @@ class Policy:
   max_segments_per_seq: int = -1  # documents per packed row (data pipeline bound); > 0 enables cuDNN packed offsets
   unstacked_decode: bool = False  # decode with per-layer arrays: XLA:CPU copies a scan's slices of stacked weights and caches
   compiler_state_layouts: bool = False  # XLA picks the train state's device layouts (TPU: no per-step relayout of stacked kernels)
+  offload_layer_inputs: bool = False  # keep each decoder layer's saved input in pinned host memory (config.decoder_layer_input)
 
 
 def splash_blocks(config: MaxTextConfig) -> SplashBlocks:
@@ -93,7 +94,15 @@ def for_platform(config: MaxTextConfig, platform: str, interpret: bool = False) 
     max_segments_per_seq=config.max_segments_per_seq,
     unstacked_decode=cpu,
     compiler_state_layouts=platform == "tpu",
+    offload_layer_inputs=offload_layer_inputs(config, platform),
   )
+
+
+def offload_layer_inputs(config: MaxTextConfig, platform: str) -> bool:
+  """decoder_layer_input: offload, or auto on TPU with scanned layers (there the scanned loop keeps a [layers, B, S, E]
+  stack of inputs in HBM; unrolled TPU layers measured no better offloaded, benchmarks/README.md)."""
+  where = config.decoder_layer_input
+  return where == "offload" or (where == "auto" and platform == "tpu" and config.scan_layers)
 
 
 def platform_of(devices: Iterable[jax.Device]) -> str:

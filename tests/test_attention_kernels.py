@@ -212,6 +212,10 @@ def test_policies_per_platform():
   assert cpu.integer_bf16_rounding and cpu.tune_host_allocator and cpu.chunked_attention_from > 0
   assert not (gpu.integer_bf16_rounding or gpu.tune_host_allocator or tpu.integer_bf16_rounding or tpu.chunked_attention_from)
   assert tpu.attention == "flash" and tpu.splash.block_q == 256 and gpu.max_segments_per_seq == 8
+  assert tpu.offload_layer_inputs and not (cpu.offload_layer_inputs or gpu.offload_layer_inputs)  # decoder_layer_input=auto
+  assert not platform.for_platform(from_overrides(num_devices=1, decoder_layer_input="device"), "tpu").offload_layer_inputs
+  assert platform.for_platform(from_overrides(num_devices=1, decoder_layer_input="offload"), "cpu").offload_layer_inputs
+  assert not platform.for_platform(from_overrides(num_devices=1, scan_layers=False), "tpu").offload_layer_inputs
   assert platform.resolve(config).platform == "cpu"  # the tests' devices
   assert platform.predict(config, platforms="cuda") == "gpu" and platform.predict(config, platforms="", accelerator_nodes=True) == "tpu"
   assert platform.predict(from_overrides(num_devices=1, hardware="gpu_multiprocess"), platforms="cpu") == "gpu"

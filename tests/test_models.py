@@ -98,6 +98,31 @@ def test_remat_full_saves_less_than_none():
   assert temp_bytes("full") < temp_bytes("none")
 
 
+@pytest.mark.parametrize("remat_policy", ["full", "minimal"])
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_offloaded_layer_inputs_move_to_host_and_change_nothing(remat_policy, scan_layers):
+  """decoder_layer_input=offload: the saved layer inputs ([layers, B, S, E] when scanned) are host values in the
+  gradient's jaxpr, absent with device; losses and gradients are bitwise those of device (XLA:CPU has one memory, so
+  the TPU AOT test in test_splash_aot.py shows the HBM saved)."""
+  import re
+
+  toks = tokens()
+  row = f"{toks.shape[0]},{toks.shape[1]},{TINY['base_emb_dim']}]"  # a layer input [B, S, E]
+  stacked = f"f32<host>[{'2,' if scan_layers else ''}{row}"  # all of them, [layers, B, S, E] when scanned
+  results = {}
+  for where in ("device", "offload"):
+    graphdef, params = nnx.split(models.build(tiny("llama2", remat_policy=remat_policy, scan_layers=scan_layers, decoder_layer_input=where)))
+    grad_fn = jax.value_and_grad(lambda p, graphdef=graphdef: jnp.mean(nnx.merge(graphdef, p)(toks) ** 2))
+    host = set(re.findall(r"\w+<host>\[[\d,]*\]", str(jax.make_jaxpr(grad_fn)(params))))
+    value, grads = jax.jit(grad_fn)(params)
+    results[where] = (host, np.asarray(value), [np.asarray(g) for g in jax.tree.leaves(grads)])
+  host = results["offload"][0]
+  assert results["device"][0] == set() and stacked in host and all(x.endswith(row) for x in host)
+  np.testing.assert_array_equal(results["offload"][1], results["device"][1])
+  for a, b in zip(results["offload"][2], results["device"][2], strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("family", ["llama2", "gemma2", "mixtral"])
 def test_packed_row_equals_documents_run_alone(family):
   model = models.build(tiny(family))

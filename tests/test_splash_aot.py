@@ -32,6 +32,20 @@ def test_splash_lowers_for_v5p_and_shrinks_temporaries():
   assert fused.memory.temp_bytes < xla.memory.temp_bytes / 2
 
 
+def test_layer_inputs_leave_hbm_for_host_memory_on_tpu_by_default():
+  """decoder_layer_input=auto offloads each scanned layer's saved input to pinned host memory on TPU: the host
+  temporaries are exactly the [layers, B, S, E] bfloat16 stack, and the device temporaries fall by nearly as much."""
+  from maxtext.aot.compile import compile_for_topology
+
+  model = {**MODEL, "base_num_decoder_layers": 4, "base_emb_dim": 512, "max_target_length": 1024}
+  auto = compile_for_topology(from_overrides(**model)).memory
+  device = compile_for_topology(from_overrides(decoder_layer_input="device", **model)).memory
+  stack = 4 * 1 * 1024 * 512 * 2
+  assert auto.host_temp_bytes == stack and device.host_temp_bytes == 0
+  assert auto.temp_bytes < device.temp_bytes - 0.9 * stack
+  assert "host temporaries" in auto.lines()[0] and "host temporaries" not in device.lines()[0]
+
+
 def test_scanned_weights_are_cast_inside_the_layer_loop():
   """No bfloat16 copy of a whole stacked float32 weight is made outside the layer scan (decoder.tied_to_carry)."""
   import re
@@ -84,7 +98,8 @@ def test_state_layouts_are_the_compilers_so_stacked_kernels_are_not_relaid_every
 
   def compiled(layouts_by_compiler):
     with jax.set_mesh(mesh):
-      setup = setup_lib.build(config, mesh, policy=dataclasses.replace(tpu, compiler_state_layouts=layouts_by_compiler))
+      policy = dataclasses.replace(tpu, compiler_state_layouts=layouts_by_compiler, offload_layer_inputs=False)  # this one change alone
+      setup = setup_lib.build(config, mesh, policy=policy)
       return compile_step(setup, topology.parse(config.compile_topology).chip.hbm_bytes)[:2]
 
   def relayout_copies(step):

@@ -35,6 +35,7 @@ class CompileResult:
       "argument_bytes": m.argument_bytes,
       "output_bytes": m.output_bytes,
       "temp_bytes": m.temp_bytes,
+      "host_temp_bytes": m.host_temp_bytes,
       "total_bytes": m.total_bytes,
       "hbm_bytes": m.hbm_bytes,
       "fits": m.fits,

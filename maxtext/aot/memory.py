@@ -42,6 +42,7 @@ class MemoryReport:
   hbm_bytes: int
   largest: str = ""  # the largest contributor, when known
   out_of_memory: bool = False  # XLA refused to compile for lack of memory
+  host_temp_bytes: int = 0  # temporaries in pinned host memory (offloaded activations), not in HBM
 
   @property
   def total_bytes(self) -> int:
@@ -59,7 +60,8 @@ class MemoryReport:
       ]
     return [
       f"per-device memory: arguments {gib(self.argument_bytes)} GiB, outputs {gib(self.output_bytes)} GiB"
-      f" (aliased {gib(self.alias_bytes)} GiB), temporaries {gib(self.temp_bytes)} GiB",
+      f" (aliased {gib(self.alias_bytes)} GiB), temporaries {gib(self.temp_bytes)} GiB"
+      + (f"; host temporaries {gib(self.host_temp_bytes)} GiB (pinned host memory)" if self.host_temp_bytes else ""),
       f"total {gib(self.total_bytes)} GiB of {gib(self.hbm_bytes)} GiB HBM: {'fits' if self.fits else 'does NOT fit'}",
     ]
 
@@ -86,6 +88,7 @@ def from_compiled(compiled: jax.stages.Compiled, hbm_bytes: int) -> MemoryReport
     alias_bytes=stats.alias_size_in_bytes,
     hbm_bytes=hbm_bytes,
     largest=_largest_of(parts),
+    host_temp_bytes=stats.host_temp_size_in_bytes,
   )
 
 

@@ -107,8 +107,12 @@ class Transformer(nnx.Module):
     """A stack (scanned) or list of layers over x -> (x, per-layer MoE statistics stacked on a leading axis)."""
     c = self.config
 
-    def layer_fn(layer: DecoderLayer, h: jax.Array, window: int | jax.Array):
-      return layer(checkpoint_name(h, "decoder_layer_input"), positions, segment_ids, window)
+    offload = self.policy.offload_layer_inputs
+
+    def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int | jax.Array):
+      h = checkpoint_name(h, remat.LAYER_INPUT)  # before any other use of h, so an offloaded input is the only copy kept
+      layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, dtype(c.dtype)) if c.scan_layers else layer_state)
+      return layer(h, positions, segment_ids, window)
 
     if c.scan_layers:
       graphdef, state = nnx.split(layers)
@@ -116,15 +120,14 @@ class Transformer(nnx.Module):
 
       def body(h, xs):
         layer_state, window = xs
-        layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, dtype(c.dtype)))
-        return layer_fn(layer, h, static_window if static_window is not None else window)
+        return layer_fn(graphdef, layer_state, h, static_window if static_window is not None else window)
 
-      body = remat.wrap(body, c.remat_policy, prevent_cse=False)
+      body = remat.wrap(body, c.remat_policy, prevent_cse=False, offload_input=offload)
       return jax.lax.scan(body, x, (state, jnp.asarray(windows, jnp.int32)))
     per_layer = []
     for layer, window in zip(layers, windows):
       graphdef, state = nnx.split(layer)
-      step = remat.wrap(lambda h, st, w=window, g=graphdef: layer_fn(nnx.merge(g, st), h, w), c.remat_policy, prevent_cse=True)
+      step = remat.wrap(lambda h, st, w=window, g=graphdef: layer_fn(g, st, h, w), c.remat_policy, prevent_cse=True, offload_input=offload)
       x, stats = step(x, state)
       per_layer.append(stats)
     return x, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)

@@ -19,26 +19,39 @@ SAVED_NAMES: dict[str, tuple[str, ...]] = {
 OFFLOADED: dict[str, str] = {"minimal_offloaded": "minimal", "qkv_proj_offloaded": "save_qkv_proj"}
 
 
-def policy(name: str):
-  """The checkpoint policy for a remat_policy name ('full' saves nothing; 'none' is handled by the caller)."""
+LAYER_INPUT = "decoder_layer_input"
+
+
+def policy(name: str, offload_input: bool = False):
+  """The checkpoint policy for a remat_policy name ('full' saves nothing; 'none' is handled by the caller).
+
+  offload_input: each layer's input (named LAYER_INPUT) goes to pinned host memory instead of staying on the device.
+  """
   if name == "auto":
     raise ValueError("remat_policy=auto is resolved before the model is built (maxtext.aot.remat_auto.resolve)")
-  if name == "full":
-    return None
-  if name in SAVED_NAMES:
-    return jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES[name])
-  if name in OFFLOADED:
-    return jax.checkpoint_policies.save_and_offload_only_these_names(
-      names_which_can_be_saved=[],
-      names_which_can_be_offloaded=list(SAVED_NAMES[OFFLOADED[name]]),
-      offload_src="device",
-      offload_dst="pinned_host",
-    )
-  raise ValueError(f"unknown remat_policy {name}")
+  if name not in ("full", *SAVED_NAMES, *OFFLOADED):
+    raise ValueError(f"unknown remat_policy {name}")
+  saved = () if name == "full" else SAVED_NAMES[OFFLOADED.get(name, name)]
+  offloaded = list(saved) if name in OFFLOADED else []
+  on_device = [] if name in OFFLOADED else list(saved)
+  if offload_input:
+    offloaded.append(LAYER_INPUT)
+  if not offloaded:
+    return jax.checkpoint_policies.save_only_these_names(*on_device) if on_device else None
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=on_device,
+    names_which_can_be_offloaded=offloaded,
+    offload_src="device",
+    offload_dst="pinned_host",
+  )
 
 
-def wrap(fn: Callable, name: str, prevent_cse: bool) -> Callable:
-  """fn rematerialised under the named policy ('none' returns fn unchanged)."""
+def wrap(fn: Callable, name: str, prevent_cse: bool, offload_input: bool = False) -> Callable:
+  """fn rematerialised under the named policy ('none' returns fn unchanged).
+
+  With offload_input, fn must name its input with `checkpoint_name(h, LAYER_INPUT)` before any other use of it: the
+  backward pass then recomputes from the host copy and the device keeps no copy of the input.
+  """
   if name == "none":
     return fn
-  return jax.checkpoint(fn, policy=policy(name), prevent_cse=prevent_cse)
+  return jax.checkpoint(fn, policy=policy(name, offload_input), prevent_cse=prevent_cse)
