@@ -23,7 +23,18 @@ TINY = dict(
   max_target_length=64,
 )
 TINY_ARGS = [f"{k}={v}" for k, v in TINY.items()]
-FIELDS = {"compile_seconds", "argument_bytes", "output_bytes", "temp_bytes", "host_temp_bytes", "total_bytes", "hbm_bytes", "fits", "tflops_per_step", "remat_policy"}
+FIELDS = {
+  "compile_seconds",
+  "argument_bytes",
+  "output_bytes",
+  "temp_bytes",
+  "host_temp_bytes",
+  "total_bytes",
+  "hbm_bytes",
+  "fits",
+  "tflops_per_step",
+  "remat_policy",
+}
 
 
 @pytest.mark.parametrize("name, slices", [("v5e-4", 1), ("v5p-8", 1), ("v6e-8", 1), ("v5p-8", 2)])
