@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 
+from maxtext import platform as platform_lib
 from maxtext.config import MaxTextConfig
 from maxtext.train import checkpointing, perf
 
@@ -72,6 +73,10 @@ class RunReport:
       f"batch: {c.global_batch_size_to_train_on} sequences x {c.max_target_length} tokens = {self.tokens_per_step:,} tokens per step"
       + (f" ({c.gradient_accumulation_steps} accumulated micro-batches)" if c.gradient_accumulation_steps > 1 else "")
     )
+    if c.remat_policy != "none":
+      offload = platform_lib.offload_layer_inputs(c, platform_lib.platform_of(self.mesh.devices.flat))
+      where = "pinned host memory" if offload else "device memory"
+      self.log(f"remat: {c.remat_policy}; each layer's saved input in {where} (decoder_layer_input={c.decoder_layer_input})")
     self.log(f"output: {run_dir(c)}; TensorBoard: {tensorboard}")
     self.log(f"training {c.run_name} from step {self.start} to {c.steps}; MFU against {self.yardstick.tflops:.3f} TFLOP/s/device ({self.yardstick.source})")
 
