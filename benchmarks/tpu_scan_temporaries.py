@@ -3,9 +3,11 @@
     python benchmarks/tpu_scan_temporaries.py --topology v5p-8 --layers 32 --tokens 4096 --width 4096
 
 Compiles (no TPU needed; libtpu required) `layers` float32 [width, width] layers applied to [tokens, width]
-bfloat16 activations, under `jax.checkpoint`, donated, in three forms: `scan` (w - 0.1 * grad, the layers in
-a scan), `grad` (the scan's gradients returned as outputs) and `unroll` (w - 0.1 * grad, layers unrolled).
-Prints each form's reported temporaries, the preallocated-temp heap from XLA's buffer dump, and the excess.
+bfloat16 activations, under `jax.checkpoint`, donated, in four forms: `scan` (w - 0.1 * grad, the layers in
+a scan), `grad` (the scan's gradients returned as outputs), `unroll` (w - 0.1 * grad, layers unrolled) and
+`offload` (`scan` with each layer's input named and offloaded to pinned host memory, as
+decoder_layer_input=offload does). Prints each form's reported temporaries, the preallocated-temp heap from
+XLA's buffer dump, the excess, and the host temporaries.
 Set LIBTPU_INIT_ARGS to try compiler flags.
 """
 
@@ -39,6 +41,7 @@ def main(argv: list[str]) -> None:
 
   import jax
   import jax.numpy as jnp
+  from jax.ad_checkpoint import checkpoint_name
 
   from maxtext import topology
   from maxtext.aot.devices import topology_devices
@@ -46,16 +49,21 @@ def main(argv: list[str]) -> None:
   device = topology_devices(topology.parse(args.topology))[0]
   sharding = jax.sharding.SingleDeviceSharding(device)
 
+  offload_input = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=["input"], offload_src="device", offload_dst="pinned_host"
+  )
+
   def body(h, w):
+    h = checkpoint_name(h, "input")
     return jnp.tanh(h @ w.astype(jnp.bfloat16)), None
 
-  def loss(ws, x, unroll):
+  def loss(ws, x, unroll, policy=None):
     h = x.astype(jnp.bfloat16)
     if unroll:
       for i in range(args.layers):
         h = jax.checkpoint(body)(h, ws[i])[0]
     else:
-      h = jax.lax.scan(jax.checkpoint(body), h, ws)[0]
+      h = jax.lax.scan(jax.checkpoint(body, policy=policy), h, ws)[0]
     return h.astype(jnp.float32).sum()
 
   def scan(ws, x):
@@ -67,17 +75,23 @@ def main(argv: list[str]) -> None:
   def unroll(ws, x):
     return ws - 0.1 * jax.grad(loss)(ws, x, True)
 
+  def offload(ws, x):
+    return ws - 0.1 * jax.grad(loss)(ws, x, False, offload_input)
+
   shapes = (
     jax.ShapeDtypeStruct((args.layers, args.width, args.width), jnp.float32, sharding=sharding),
     jax.ShapeDtypeStruct((args.tokens, args.width), jnp.float32, sharding=sharding),
   )
   saved = args.layers * args.tokens * args.width * 2
   print(f"{args.topology}: {args.layers} layers, saved-input stack {saved / 1e9:.3f} GB")
-  for fn in (scan, grad, unroll):
+  for fn in (scan, grad, unroll, offload):
     name = fn.__name__
-    compiled = jax.jit(fn, donate_argnums=0).lower(*shapes).compile()
-    temp, heap = compiled.memory_analysis().temp_size_in_bytes, heap_bytes(dump, name)
-    print(f"  {name:7s} temporaries {temp / 1e9:.3f} GB  heap {heap / 1e9:.3f} GB  excess {(temp - heap) / 1e9:.3f} GB")
+    memory = jax.jit(fn, donate_argnums=0).lower(*shapes).compile().memory_analysis()
+    temp, heap = memory.temp_size_in_bytes, heap_bytes(dump, name)
+    print(
+      f"  {name:7s} temporaries {temp / 1e9:.3f} GB  heap {heap / 1e9:.3f} GB  excess {(temp - heap) / 1e9:.3f} GB"
+      f"  host {memory.host_temp_size_in_bytes / 1e9:.3f} GB"
+    )
 
 
 if __name__ == "__main__":
