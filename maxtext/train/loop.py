@@ -252,7 +252,7 @@ def _loop(
   start: int,
 ) -> TrainResult:
   mesh, setup, step_fn, data_iter = checked.mesh, checked.setup, checked.step_fn, checked.data_iter
-  story = RunReport(config, mesh, start, writer.log)
+  story = RunReport(config, mesh, setup.policy, start, writer.log)
   story.banner()
   if config.compiled_trainstep_file:
     writer.log(f"loaded the compiled train step from {config.compiled_trainstep_file}")

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import jax
 
-from maxtext import platform as platform_lib
 from maxtext.config import MaxTextConfig
+from maxtext.platform import Policy
 from maxtext.train import checkpointing, perf
 
 
@@ -44,10 +44,10 @@ def run_dir(config: MaxTextConfig) -> str:
 class RunReport:
   """Prints the banner, the progress lines and the summary of one call of maxtext.train.loop.train."""
 
-  def __init__(self, config: MaxTextConfig, mesh: jax.sharding.Mesh, start_step: int, log: Callable[[str], None]):
+  def __init__(self, config: MaxTextConfig, mesh: jax.sharding.Mesh, policy: Policy, start_step: int, log: Callable[[str], None]):
     from maxtext.models import counting
 
-    self.config, self.mesh, self.start, self.log = config, mesh, start_step, log
+    self.config, self.mesh, self.policy, self.start, self.log = config, mesh, policy, start_step, log
     self.began = time.perf_counter()
     self.flops = counting.flops_per_device_per_step(config) / 1e12  # TFLOPs per device per step
     self.tokens_per_step = config.global_batch_size_to_train_on * config.max_target_length
@@ -74,8 +74,7 @@ class RunReport:
       + (f" ({c.gradient_accumulation_steps} accumulated micro-batches)" if c.gradient_accumulation_steps > 1 else "")
     )
     if c.remat_policy != "none":
-      offload = platform_lib.offload_layer_inputs(c, platform_lib.platform_of(self.mesh.devices.flat))
-      where = "pinned host memory" if offload else "device memory"
+      where = "pinned host memory" if self.policy.offload_layer_inputs else "device memory"
       self.log(f"remat: {c.remat_policy}; each layer's saved input in {where} (decoder_layer_input={c.decoder_layer_input})")
     self.log(f"output: {run_dir(c)}; TensorBoard: {tensorboard}")
     self.log(f"training {c.run_name} from step {self.start} to {c.steps}; MFU against {self.yardstick.tflops:.3f} TFLOP/s/device ({self.yardstick.source})")

@@ -48,6 +48,7 @@ class TrainSetup:
   jit_step: Any  # jax.jit(train_step), donates the state; under compiler_state_layouts only .lower().compile() runs it
   jit_eval: Any  # jax.jit(eval_step)
   init_fn: Callable[[], state_lib.TrainState]
+  policy: platform.Policy  # the platform policy the model and step were built with
 
   @functools.cached_property
   def jit_init(self) -> Any:
@@ -100,4 +101,4 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
   eval_step = step_lib.make_eval_step(config, graphdef, mesh)
   eval_in = (state_shardings["params"], state_shardings.get("other", nnx.State({})), batch_shardings)
   jit_eval = jax.jit(eval_step, in_shardings=eval_in, out_shardings=replicated)
-  return TrainSetup(config, mesh, graphdef, abstract_state, abstract_batch, state_shardings, batch_shardings, jit_step, jit_eval, init_fn)
+  return TrainSetup(config, mesh, graphdef, abstract_state, abstract_batch, state_shardings, batch_shardings, jit_step, jit_eval, init_fn, policy)
