@@ -29,6 +29,30 @@ _HARDWARE_PLATFORM = {"cpu": "cpu", "gpu": "gpu", "gpu_multiprocess": "gpu", "tp
 CPU_CHUNKED_ATTENTION_FROM = 2048
 CPU_ATTENTION_KEY_BLOCK = 512
 
+MOE_DISPATCHES = ("megablox", "tokamax", "ragged_dot", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEDefault:
+  """What MaxText's default keys (sparse_matmul=true, megablox=true) run on one platform, by shape class: the shape
+  class is num_experts / num_experts_per_tok, the FLOPs multiple of computing every expert for every token."""
+
+  grouped: str  # the grouped-matmul path: megablox (TPU Pallas kernel) | ragged_dot
+  dense_up_to: float = 0.0  # run the dense dispatch instead when num_experts / num_experts_per_tok <= this
+
+
+MOE_DEFAULTS = {
+  # TPU: the Pallas grouped matmul (MaxText's default); dense dispatch spends E/k times the FLOPs and [E, T] buffers.
+  "tpu": MoEDefault("megablox"),
+  # GPU: not yet measured on a GPU with this path. The one GPU figure (before this path, shared/gpu/README.md): a
+  # Mixtral-shaped step (8 experts, top 2) took 0.700 s with ragged_dot and 0.443 s with a dense per-expert dispatch,
+  # so dense where it costs at most 4x the routed FLOPs, ragged_dot beyond. To be replaced by the GPU issue's figures.
+  "gpu": MoEDefault("ragged_dot", dense_up_to=4.0),
+  # CPU: measured with benchmarks/moe_paths.py (benchmarks/README.md, "MoE dispatch paths on CPU").
+  "cpu": MoEDefault("ragged_dot", dense_up_to=4.0),
+}
+TOKAMAX_IMPLEMENTATION = {"tpu": "mosaic_tpu", "gpu": None, "cpu": "xla"}  # tokamax on CPU has only its XLA path
+
 
 @dataclasses.dataclass(frozen=True)
 class SplashBlocks:
@@ -61,6 +85,9 @@ class Policy:
   unstacked_decode: bool = False  # decode with per-layer arrays: XLA:CPU copies a scan's slices of stacked weights and caches
   compiler_state_layouts: bool = False  # XLA picks the train state's device layouts (TPU: no per-step relayout of stacked kernels)
   offload_layer_inputs: bool = False  # keep each decoder layer's saved input in pinned host memory (config.decoder_layer_input)
+  moe_dispatch: str = "ragged_dot"  # how MoE layers run their experts: megablox | tokamax | ragged_dot | dense (moe_dispatch())
+  tokamax_implementation: str | None = None  # use_tokamax_gmm: tokamax's ragged_dot implementation; None lets tokamax choose
+  ragged_all_to_all: bool = True  # expert-parallel dropless exchange by ragged_all_to_all (XLA:CPU lacks it: a padded all_to_all)
 
 
 def splash_blocks(config: MaxTextConfig) -> SplashBlocks:
@@ -95,7 +122,26 @@ def for_platform(config: MaxTextConfig, platform: str, interpret: bool = False) 
     unstacked_decode=cpu,
     compiler_state_layouts=platform == "tpu",
     offload_layer_inputs=offload_layer_inputs(config, platform),
+    moe_dispatch=moe_dispatch(config, platform),
+    tokamax_implementation=TOKAMAX_IMPLEMENTATION[platform],
+    ragged_all_to_all=not cpu,
   )
+
+
+def moe_dispatch(config: MaxTextConfig, platform: str) -> str:
+  """MaxText's keys pick the path: sparse_matmul=false -> dense; megablox=false -> ragged_dot; use_tokamax_gmm ->
+  tokamax. MaxText's defaults (both true) pick this platform's measured choice (MOE_DEFAULTS), by shape class."""
+  c = config
+  if not c.sparse_matmul:
+    return "dense"
+  if not c.megablox:
+    return "ragged_dot"
+  if c.use_tokamax_gmm:
+    return "tokamax"
+  default = MOE_DEFAULTS[platform]
+  if c.num_experts > 1 and c.num_experts / c.num_experts_per_tok <= default.dense_up_to:
+    return "dense"
+  return default.grouped
 
 
 def offload_layer_inputs(config: MaxTextConfig, platform: str) -> bool:

@@ -30,9 +30,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
+from maxtext.layers import grouped_matmul as gmm
+from maxtext.layers import moe_dispatch
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
-from maxtext.layers.mlp import MLP, activation
+from maxtext.layers.mlp import MLP
 from maxtext.mesh import logical_to_spec
 from maxtext.platform import Policy
 
@@ -104,51 +106,74 @@ def update_routing_biases(other: nnx.State, load: jax.Array, config: MaxTextConf
   return nnx.from_flat_state(leaves)
 
 
-def expert_capacity(tokens: int, config: MaxTextConfig) -> int:
-  """Slots per expert: ceil(capacity_factor x tokens x k / experts) (at least 1)."""
+def expert_capacity(seq_len: int, config: MaxTextConfig) -> int:
+  """Slots per expert in each sequence: ceil(capacity_factor x seq_len x k / experts) (at least 1)."""
   c = config
-  return max(1, math.ceil(c.capacity_factor * tokens * c.num_experts_per_tok / c.num_experts))
+  return max(1, math.ceil(c.capacity_factor * seq_len * c.num_experts_per_tok / c.num_experts))
 
 
 def capacity_positions(experts: jax.Array, num_experts: int) -> jax.Array:
-  """[T, k] experts -> each pair's arrival index at its expert, earlier tokens first (a token's k picks in order)."""
-  flat = jax.nn.one_hot(experts.reshape(-1), num_experts, dtype=jnp.int32)  # [T*k, E]
-  before = jnp.cumsum(flat, axis=0) - flat
-  return jnp.sum(before * flat, axis=-1).reshape(experts.shape)
+  """experts [..., S, k] -> each pair's arrival index at its expert within its sequence, earlier tokens first."""
+  return moe_dispatch.sequence_positions(experts, num_experts)
 
 
-def sort_by_expert(tokens: jax.Array, experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Dropless dispatch: tokens [T, E], experts [T, k] -> (pairs sorted by expert [T*k, E], their order, group sizes)."""
-  k = experts.shape[-1]
-  flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  return tokens[order // k], order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+def grouped_tiles(config: MaxTextConfig) -> tuple[gmm.Tiles, gmm.Tiles]:
+  """Megablox blocks (rows, contracted, produced) of wi_0/wi_1 and of wo, from MaxText's wi_tile_*/wo_tile_* keys."""
+  c = config
+  wi = gmm.Tiles(
+    fwd=(c.wi_tile_fwd_batch_seq, c.wi_tile_fwd_embed_dim, c.wi_tile_fwd_mlp_dim),
+    dlhs=(c.wi_tile_dlhs_batch_seq, c.wi_tile_dlhs_mlp_dim, c.wi_tile_dlhs_embed_dim),
+    drhs=(c.wi_tile_drhs_batch_seq, c.wi_tile_drhs_embed_dim, c.wi_tile_drhs_mlp_dim),
+  )
+  wo = gmm.Tiles(
+    fwd=(c.wo_tile_fwd_batch_seq, c.wo_tile_fwd_mlp_dim, c.wo_tile_fwd_embed_dim),
+    dlhs=(c.wo_tile_dlhs_batch_seq, c.wo_tile_dlhs_embed_dim, c.wo_tile_dlhs_mlp_dim),
+    drhs=(c.wo_tile_drhs_batch_seq, c.wo_tile_drhs_mlp_dim, c.wo_tile_drhs_embed_dim),
+  )
+  return wi, wo
 
 
-def unsort_combine(out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
-  """Dropless combine: expert outputs [T*k, E] in sorted order -> weighted sum per token [T, E] (float32)."""
-  t, k = weights.shape
-  slots = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
-  return jnp.einsum("tke,tk->te", slots.astype(jnp.float32), weights)
+def dispatch_plan(config: MaxTextConfig, policy: Policy, seq_len: int) -> moe_dispatch.Plan:
+  """The static dispatch of a MoE layer: the policy's path (maxtext.platform.moe_dispatch), tiles, capacity per sequence."""
+  c = config
+  path = policy.moe_dispatch
+  kernel = gmm.Kernel("ragged_dot" if path == "dense" else path, interpret=policy.interpret_kernels, tokamax_implementation=policy.tokamax_implementation)
+  wi, wo = grouped_tiles(c)
+  return moe_dispatch.Plan(
+    num_experts=c.num_experts,
+    k=c.num_experts_per_tok,
+    sparse=path != "dense",
+    kernel=kernel,
+    wi_tiles=wi,
+    wo_tiles=wo,
+    capacity=expert_capacity(seq_len, c) if c.capacity_factor > 0 else 0,
+    activations=tuple(c.mlp_activations),
+    dtype=dtype(c.dtype),
+    integer_rounding=policy.integer_bf16_rounding,
+    ragged_all_to_all=policy.ragged_all_to_all,
+  )
 
 
-def pack(tokens: jax.Array, experts: jax.Array, kept: jax.Array, position: jax.Array, capacity: int, num_experts: int) -> tuple[jax.Array, jax.Array]:
-  """Capacity dispatch: kept (token, expert) pairs into [experts, capacity, E] buffers; returns (buffers, slot of each pair).
+def dispatch_layout(batch: int, seq_len: int, rules, mesh: jax.sharding.AbstractMesh) -> moe_dispatch.Layout:
+  """Mesh axes of the dispatch: tokens split as `activation_batch` x `activation_length` (the longest prefix of each
+  rule's axes that divides the dimension), weights as stored; experts exchanged over their axes when those split tokens."""
 
-  Dropped pairs point at one extra overflow row that is cut off (and reads zeros in unpack_combine).
-  """
-  k = experts.shape[-1]
-  slot = jnp.where(kept, experts * capacity + position, num_experts * capacity)
-  buffer = jnp.zeros((num_experts * capacity + 1, tokens.shape[-1]), tokens.dtype)
-  buffer = buffer.at[slot.reshape(-1)].set(jnp.repeat(tokens, k, axis=0))[:-1]
-  return buffer.reshape(num_experts, capacity, -1), slot
+  def axes(part) -> tuple[str, ...]:
+    return (part,) if isinstance(part, str) else tuple(part or ())
 
+  def dividing(names: tuple[str, ...], size: int) -> tuple[str, ...]:
+    while names and size % math.prod(mesh.shape[a] for a in names):
+      names = names[:-1]
+    return names
 
-def unpack_combine(out: jax.Array, slot: jax.Array, weights: jax.Array) -> jax.Array:
-  """Capacity combine: expert outputs [experts, capacity, E] -> weighted sum per token [T, E] (float32); dropped pairs add 0."""
-  flat = out.reshape(-1, out.shape[-1])
-  gathered = jnp.concatenate([flat, jnp.zeros((1, flat.shape[-1]), flat.dtype)])[slot]  # [T, k, E]
-  return jnp.einsum("tke,tk->te", gathered.astype(jnp.float32), weights)
+  tokens = logical_to_spec(("activation_batch", "activation_length"), rules, mesh)
+  batch_axes, length_axes = dividing(axes(tokens[0]), batch), dividing(axes(tokens[1]), seq_len)
+  wi = tuple(axes(p) for p in logical_to_spec(("exp", "embed", "mlp"), rules, mesh))
+  wo = tuple(axes(p) for p in logical_to_spec(("exp", "mlp", "embed"), rules, mesh))
+  wi += ((),) * (3 - len(wi))
+  wo += ((),) * (3 - len(wo))
+  experts = wi[0] if wi[0] and set(wi[0]) <= set(batch_axes + length_axes) else ()
+  return moe_dispatch.Layout(batch_axes, length_axes, experts, wi, wo, tuple(mesh.shape.items()))
 
 
 def empty_stats(num_experts: int) -> dict[str, jax.Array]:
@@ -163,6 +188,7 @@ class MoE(nnx.Module):
   def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs):
     c = config
     self.config = c
+    self.policy = policy
     self.dtype = dtype(c.dtype)
     self.precision = precision(c.matmul_precision)
     wdt = dtype(c.weight_dtype)
@@ -175,72 +201,6 @@ class MoE(nnx.Module):
     self.wo = nnx.Param(variance_scaling_init(rngs.params(), (n, m, e), m, wdt), logical_axes=("exp", "mlp", "embed"))
     self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias else None
     self.shared_experts = MLP(c, policy=policy, rngs=rngs, width=c.shared_experts * m) if c.shared_experts else None
-
-  def _act(self, h0: jax.Array, h1: jax.Array) -> jax.Array:
-    acts = self.config.mlp_activations
-    return activation(acts[0])(h0) * activation(acts[-1])(h1)
-
-  def _dropless(self, tokens: jax.Array, r: Routing) -> jax.Array:
-    """Every (token, expert) pair computed: sort by expert, grouped matmuls, unsort, weighted sum."""
-    routed, order, group_sizes = sort_by_expert(tokens, r.experts, self.config.num_experts)
-
-    def grouped(lhs: jax.Array, w: nnx.Param) -> jax.Array:
-      return jax.lax.ragged_dot(lhs, w[...].astype(self.dtype), group_sizes, precision=self.precision)
-
-    h = self._act(checkpoint_name(grouped(routed, self.wi_0), "mlpwi_0"), checkpoint_name(grouped(routed, self.wi_1), "mlpwi_1"))
-    return unsort_combine(grouped(h, self.wo), order, r.weights)
-
-  def _with_capacity(self, tokens: jax.Array, r: Routing, kept: jax.Array, position: jax.Array, capacity: int) -> jax.Array:
-    """Kept pairs scattered into [experts, capacity] buffers, one batched matmul per projection, gathered back."""
-    c = self.config
-    buffer, slot = pack(tokens, r.experts, kept, position, capacity, c.num_experts)
-
-    def batched(lhs: jax.Array, w: nnx.Param) -> jax.Array:
-      return jnp.einsum("ecd,edf->ecf", lhs, w[...].astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
-
-    h = self._act(checkpoint_name(batched(buffer, self.wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, self.wi_1), "mlpwi_1"))
-    return unpack_combine(batched(h, self.wo), slot, r.weights)
-
-  def _expert_parallel(self, x: jax.Array, r: Routing, valid: jax.Array, mesh: jax.sharding.AbstractMesh) -> tuple[jax.Array, jax.Array]:
-    """Dispatch by all-to-all over the `expert` mesh axis (see the module docstring) -> (y [B,S,E] float32, dropped)."""
-    c = self.config
-    b, s, e = x.shape
-    k, n, ep = c.num_experts_per_tok, c.num_experts, mesh.shape["expert"]
-    if n % ep:
-      raise ValueError(f"num_experts {n} is not divisible by the expert mesh axis {ep}")
-    x_spec = logical_to_spec(("activation_batch", "activation_length", "activation_embed"), c.logical_axis_rules, mesh)
-    routed_spec = jax.sharding.PartitionSpec(*x_spec[:2], None)
-    token_axes = tuple(a for part in x_spec for a in ((part,) if isinstance(part, str) else (part or ())))
-    w_spec = jax.sharding.PartitionSpec("expert", None, None)
-
-    def batched(lhs: jax.Array, w: jax.Array) -> jax.Array:
-      return jnp.einsum("ecd,edf->ecf", lhs, w.astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
-
-    def local(x, weights, experts, valid, wi_0, wi_1, wo):
-      lb, ls, _ = x.shape
-      t = lb * ls
-      tokens, experts, weights = x.reshape(t, e), experts.reshape(t, k), weights.reshape(t, k)
-      capacity = expert_capacity(t, c) if c.capacity_factor > 0 else t
-      position = capacity_positions(experts, n)
-      kept = position < capacity
-      buffer, slot = pack(tokens.astype(self.dtype), experts, kept, position, capacity, n)
-      buffer = jax.lax.all_to_all(buffer, "expert", 0, 0, tiled=True)  # [source x local experts, C, E]
-      buffer = buffer.reshape(ep, n // ep, capacity, e).swapaxes(0, 1).reshape(n // ep, ep * capacity, e)
-      h = self._act(checkpoint_name(batched(buffer, wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, wi_1), "mlpwi_1"))
-      out = batched(h, wo).reshape(n // ep, ep, capacity, e).swapaxes(0, 1).reshape(n, capacity, e)
-      out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
-      y = unpack_combine(out, slot, weights).reshape(lb, ls, e)
-      dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid.reshape(t, 1))
-      return y, jax.lax.psum(dropped, token_axes) if token_axes else dropped
-
-    fn = jax.shard_map(
-      local,
-      mesh=mesh,
-      in_specs=(x_spec, routed_spec, routed_spec, jax.sharding.PartitionSpec(*x_spec[:2]), w_spec, w_spec, w_spec),
-      out_specs=(x_spec, jax.sharding.PartitionSpec()),
-    )
-    routed = (r.weights.reshape(b, s, k), r.experts.reshape(b, s, k))
-    return fn(x.astype(self.dtype), *routed, valid.reshape(b, s), self.wi_0[...], self.wi_1[...], self.wo[...])
 
   def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics).
@@ -256,18 +216,13 @@ class MoE(nnx.Module):
     chosen = jax.nn.one_hot(r.experts, c.num_experts, dtype=jnp.float32)  # [T,k,E]
     load = jnp.einsum("tke,t->e", chosen, valid.astype(jnp.float32))
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.shape.get("expert", 1) > 1:
-      y, dropped = self._expert_parallel(x, r, valid, mesh)
-    elif c.capacity_factor > 0:
-      capacity = expert_capacity(b * s, c)
-      position = capacity_positions(r.experts, c.num_experts)
-      kept = position < capacity
-      y = self._with_capacity(tokens, r, kept, position, capacity)
-      dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid[:, None])
-    else:
-      y = self._dropless(tokens, r)
-      dropped = jnp.zeros((), jnp.float32)
-    y = y.astype(self.dtype).reshape(b, s, e)
+    single = mesh.empty or mesh.size == 1
+    layout = moe_dispatch.Layout() if single else dispatch_layout(b, s, c.logical_axis_rules, mesh)
+    weights = moe_dispatch.ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])
+    routed = (r.weights.reshape(b, s, -1), r.experts.reshape(b, s, -1))
+    plan = dispatch_plan(c, self.policy, s)
+    y, dropped = moe_dispatch.dispatch(x.astype(self.dtype), *routed, valid.reshape(b, s), weights, layout, plan, None if single else mesh)
+    y = y.astype(self.dtype)
     if self.shared_experts is not None:
       y = y + self.shared_experts(x)
     stats = {"lb_loss": load_balance_loss(r.probs, r.experts, valid), "dropped": dropped, "load": load}

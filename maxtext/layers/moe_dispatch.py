@@ -1,0 +1,472 @@
+"""How routed tokens reach their experts and come back: per-device dispatch inside one shard_map.
+
+Every device dispatches its own tokens (`activation_batch` x `activation_length` shard) and runs the expert
+weights gathered over every mesh axis except the expert axis; nothing of the global batch is materialised on one
+device. With T tokens on a device, k experts per token, E experts and width d:
+
+- **sparse** (`sparse_matmul=true`): the T·k (token, expert) pairs are sorted by expert, the tokens gathered in
+  that order ([T·k, d], no k-fold copy beforehand), the experts run as grouped matmuls (maxtext.layers.grouped_matmul:
+  `megablox`, `tokamax` or `ragged_dot`), and the outputs are gathered back to (token, choice) order and summed with
+  the routing weights in float32. Both gathers have gather backward passes (custom VJPs of the permutation).
+- **dense** (`sparse_matmul=false`): experts run as one batched matmul over [E, slots, d] buffers: without
+  capacity and expert parallelism, every expert over every token (E/k times the FLOPs of the routed pairs),
+  combined with a [T, E] weight matrix that is zero off the chosen experts; otherwise the chosen pairs are
+  scattered into per-expert slots.
+
+Capacity (`capacity_factor` > 0) is per sequence: expert e takes at most C = ceil(capacity_factor · S · k / E)
+of a sequence's pairs, earlier tokens first (a token's k choices in order), counted across sequence shards.
+Dropped pairs are sorted past the last expert (sparse) or get no slot (dense), add nothing, and are counted.
+
+Expert parallelism: when the expert weights are split over mesh axes that also split the tokens (`expert`),
+the sparse path sends each expert's rows to the device owning it with one `ragged_all_to_all` (no padding to a
+capacity: a device receives at most ep · T · min(k, E/ep) rows, fewer with capacity), the owner runs its experts on
+rows that arrive already grouped by expert, and a second `ragged_all_to_all` returns them. XLA:CPU has no
+ragged-all-to-all; there (the platform policy's `ragged_all_to_all=False`) the same exchange runs as a padded
+`all_to_all`. The dense path exchanges [E, slots] buffers with `all_to_all` (slots = the device's tokens when
+dropless).
+
+Weights enter the shard_map as stored (float32, sharded); each expert matmul gathers its weight in the compute
+dtype and returns a float32 weight gradient, summed over the devices that shared the weight and reduce-scattered
+back to the stored sharding (`expert_matmul`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from maxtext.layers import grouped_matmul as gmm
+from maxtext.layers.dtypes import cast
+from maxtext.layers.matmul import product
+
+P = jax.sharding.PartitionSpec
+Axes = tuple[str, ...]
+
+
+class ExpertWeights(NamedTuple):
+  """Stacked expert weights, [E, emb, mlp] for wi_0/wi_1 and [E, mlp, emb] for wo (the local experts inside the dispatch)."""
+
+  wi_0: jax.Array
+  wi_1: jax.Array
+  wo: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything static about one MoE layer's dispatch (hashable)."""
+
+  num_experts: int
+  k: int
+  sparse: bool  # grouped matmuls over sorted pairs; False: batched over [E, slots] buffers
+  kernel: gmm.Kernel
+  wi_tiles: gmm.Tiles
+  wo_tiles: gmm.Tiles
+  capacity: int  # slots per expert per sequence; 0: dropless
+  activations: tuple[str, ...]  # mlp_activations: act0(x wi_0) * act1(x wi_1)
+  dtype: Any  # compute dtype
+  integer_rounding: bool = False  # float32 -> bfloat16 by integer ops (CPU policy)
+  ragged_all_to_all: bool = True  # False: the exchange runs as a padded all_to_all (XLA:CPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Which mesh axes split the tokens and the weights inside the shard_map."""
+
+  batch: Axes = ()  # split the batch dimension of the tokens
+  length: Axes = ()  # split the sequence dimension
+  experts: Axes = ()  # split the experts and exchange tokens (expert parallelism); () -> every device has all experts
+  wi: tuple[Axes, Axes, Axes] = ((), (), ())  # stored sharding of wi_0/wi_1 [E, emb, mlp]
+  wo: tuple[Axes, Axes, Axes] = ((), (), ())  # stored sharding of wo [E, mlp, emb]
+  sizes: tuple[tuple[str, int], ...] = ()  # mesh axis sizes
+
+  @property
+  def tokens(self) -> Axes:
+    return self.batch + self.length
+
+  def size(self, axes: Axes) -> int:
+    table = dict(self.sizes)
+    return math.prod(table[a] for a in axes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert matmuls: gathered weights, float32 weight gradients
+
+
+@dataclasses.dataclass(frozen=True)
+class Batched:
+  """An einsum "x,w->y" (float32 accumulation); its gradients are the two transposed einsums."""
+
+  spec: str
+
+  def fwd(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array | None, out_dtype: Any) -> jax.Array:
+    del group_sizes, out_dtype
+    return product(self.spec, x, w)
+
+  def dx(self, g: jax.Array, w: jax.Array, group_sizes: jax.Array | None, out_dtype: Any) -> jax.Array:
+    del group_sizes, out_dtype
+    x, w_, y = _spec_parts(self.spec)
+    return product(f"{y},{w_}->{x}", g, w)
+
+  def dw(self, x: jax.Array, g: jax.Array, group_sizes: jax.Array | None) -> jax.Array:
+    del group_sizes
+    x_, w, y = _spec_parts(self.spec)
+    return product(f"{x_},{y}->{w}", x, g)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+  """A grouped matmul rows [m, k] x weights [E, k, n] (maxtext.layers.grouped_matmul) with its blocks."""
+
+  kernel: gmm.Kernel
+  tiles: gmm.Tiles
+
+  def fwd(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+    return self.kernel.fwd(x, w, group_sizes, self.tiles.fwd, self._out(out_dtype))
+
+  def dx(self, g: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+    return self.kernel.dlhs(g, w, group_sizes, self.tiles.dlhs, self._out(out_dtype))
+
+  def dw(self, x: jax.Array, g: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return self.kernel.drhs(x, g, group_sizes, self.tiles.drhs, jnp.float32)
+
+  def _out(self, dtype: Any) -> Any:
+    # megablox writes the compute dtype from its float32 accumulator; XLA fuses the cast of a float32 result.
+    return dtype if self.kernel.name == "megablox" else jnp.float32
+
+
+def _spec_parts(spec: str) -> tuple[str, str, str]:
+  inputs, out = spec.split("->")
+  x, w = inputs.split(",")
+  return x, w, out
+
+
+def expert_matmul(
+  x: jax.Array, w: jax.Array, group_sizes: jax.Array | None, op: Batched | Grouped, stored: tuple[Axes, ...], layout: Layout, plan: Plan
+) -> jax.Array:
+  """x times the expert weight w, which arrives as stored (sharded `stored` per dimension, beyond the expert axes).
+
+  Forward: w is cast to the compute dtype, then gathered over its sharded dimensions (minor axis first). Backward:
+  the weight gradient comes out of a float32 accumulator and each gathered dimension is reduce-scattered (major axis
+  first). The shard_map (check_vma=False) sums it over the token axes that do not split the weight. Returns plan.dtype.
+  """
+  dt = plan.dtype
+
+  def gather(w_c: jax.Array) -> jax.Array:
+    for dim, axes in enumerate(stored):
+      for axis in reversed(axes):
+        w_c = jax.lax.all_gather(w_c, axis, axis=dim, tiled=True)
+    return w_c
+
+  def reduce(dw: jax.Array) -> jax.Array:
+    for dim, axes in reversed(list(enumerate(stored))):
+      for axis in axes:
+        dw = jax.lax.psum_scatter(dw, axis, scatter_dimension=dim, tiled=True)
+    return dw
+
+  def forward(x, w, group_sizes):
+    x_c, w_c = x.astype(dt), gather(w.astype(dt))
+    return cast(op.fwd(x_c, w_c, group_sizes, dt), dt, plan.integer_rounding), (x_c, w_c, group_sizes)
+
+  def backward(residuals, g):
+    x_c, w_c, group_sizes = residuals
+    g = g.astype(dt)
+    dx = cast(op.dx(g, w_c, group_sizes, x.dtype), x.dtype, plan.integer_rounding)
+    return dx, reduce(op.dw(x_c, g, group_sizes)).astype(w.dtype), None
+
+  fn = jax.custom_vjp(lambda x, w, group_sizes: forward(x, w, group_sizes)[0])
+  fn.defvjp(forward, backward)
+  return fn(x, w, group_sizes)
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+  from maxtext.layers.mlp import activation as mlp_activation
+
+  return mlp_activation(name)
+
+
+def expert_mlp(x: jax.Array, w: ExpertWeights, matmul: Callable[[jax.Array, jax.Array, str], jax.Array], activations: tuple[str, ...]) -> jax.Array:
+  """The experts' gated MLP on rows x: wo(act0(x wi_0) * act1(x wi_1)); matmul(x, weight, 'wi' | 'wo') applies one
+  projection to each row with its own expert's weight (grouped or batched)."""
+  h0 = checkpoint_name(matmul(x, w.wi_0, "wi"), "mlpwi_0")
+  h1 = checkpoint_name(matmul(x, w.wi_1, "wi"), "mlpwi_1")
+  h = activation(activations[0])(h0) * activation(activations[-1])(h1)
+  return matmul(h, w.wo, "wo")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Permutations with gather backward passes
+
+
+def _permute_impl(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
+  return x[perm]
+
+
+@jax.custom_vjp
+def permute(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
+  """x[perm] for a permutation perm whose inverse is `inverse`; the gradient is g[inverse] (a gather, not a scatter-add)."""
+  return _permute_impl(x, perm, inverse)
+
+
+permute.defvjp(lambda x, perm, inverse: (x[perm], inverse), lambda inverse, g: (g[inverse], None, None))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def take_pairs(tokens: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
+  """tokens [T, d] -> rows [T·k, d] in pair order `order` (pair p is token p // k; `inverse` undoes order); the
+  gradient puts the rows back in pair order and sums each token's k rows (gathers, no scatter-add)."""
+  return tokens[order // k]
+
+
+def _take_pairs_fwd(tokens, order, inverse, k):
+  return tokens[order // k], inverse
+
+
+def _take_pairs_bwd(k, inverse, g):
+  per_pair = g[inverse].reshape(-1, k, g.shape[-1])
+  return jnp.sum(per_pair, axis=1, dtype=jnp.float32).astype(g.dtype), None, None
+
+
+take_pairs.defvjp(_take_pairs_fwd, _take_pairs_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Capacity
+
+
+def sequence_positions(experts: jax.Array, num_experts: int, length_axes: Axes = ()) -> jax.Array:
+  """experts [..., S, k] -> each pair's arrival index at its expert within its sequence, earlier tokens first
+  (a token's k picks in order); with the sequence split over length_axes, earlier shards' pairs count first."""
+  *lead, s, k = experts.shape
+  one_hot = jax.nn.one_hot(experts.reshape(*lead, s * k), num_experts, dtype=jnp.int32)  # [..., S·k, E]
+  before = jnp.cumsum(one_hot, axis=-2) - one_hot
+  positions = jnp.sum(before * one_hot, axis=-1).reshape(experts.shape)
+  if length_axes:
+    counts = jnp.sum(one_hot, axis=-2)  # [..., E]
+    every = jax.lax.all_gather(counts, length_axes)  # [shards, ..., E]
+    earlier = jnp.arange(every.shape[0]) < jax.lax.axis_index(length_axes)
+    offset = jnp.sum(jnp.where(earlier.reshape(-1, *([1] * counts.ndim)), every, 0), axis=0)  # [..., E]
+    positions = positions + jnp.take_along_axis(offset, experts.reshape(*lead, s * k), axis=-1).reshape(experts.shape)
+  return positions
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ragged exchange
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
+  return jnp.cumsum(x, axis=axis) - x
+
+
+def ragged_all_to_all(
+  operand: jax.Array,
+  output: jax.Array,
+  input_offsets: jax.Array,
+  send_sizes: jax.Array,
+  output_offsets: jax.Array,
+  recv_sizes: jax.Array,
+  axes: Axes,
+  native: bool,
+) -> jax.Array:
+  """jax.lax.ragged_all_to_all, or (native=False, for XLA:CPU) the same exchange through a padded all_to_all:
+  every slice travels in a buffer as long as the operand, and is written at its offset on arrival."""
+  if native:
+    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axes)
+  n = operand.shape[0]
+  rows = jnp.arange(n)
+  source = jnp.minimum(input_offsets[:, None] + rows, n - 1)  # [slices, n]
+  chunks = jnp.where((rows < send_sizes[:, None])[..., None], operand[source], 0)
+  chunks = jax.lax.all_to_all(chunks, axes, 0, 0, tiled=True)  # slice i now comes from device i // (slices / devices)
+  offsets = jax.lax.all_to_all(output_offsets, axes, 0, 0, tiled=True)
+  target = jnp.where(rows < recv_sizes[:, None], offsets[:, None] + rows, output.shape[0])  # out of range: dropped
+  return output.at[target.reshape(-1)].set(chunks.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+def exchange(
+  rows: jax.Array, counts: jax.Array, buffer_rows: int, axes: Axes, ep: int, native: bool
+) -> tuple[jax.Array, jax.Array, Callable[[jax.Array], jax.Array]]:
+  """Send rows (grouped by expert, counts [E]) to the devices owning their experts (split evenly over the ep devices
+  of axes).
+
+  Returns (received rows [buffer_rows, d] grouped by local expert, local group sizes [E/ep], the return trip that
+  takes the owner's outputs in that layout back to the senders' row order).
+  """
+  e = counts.shape[0]
+  local = e // ep
+  me = jax.lax.axis_index(axes)
+  every = jax.lax.all_gather(counts, axes)  # [source, E]
+  by_dest = every.reshape(ep, ep, local)  # [source, destination, local expert]
+  totals = jnp.sum(by_dest, axis=0)  # [destination, local expert]
+  group_start = _exclusive_cumsum(totals, axis=1)
+  before = _exclusive_cumsum(by_dest, axis=0)  # rows from earlier sources
+  send_offsets = _exclusive_cumsum(counts)
+  to_offsets = (group_start + before[me]).reshape(e)
+  from_sizes = jax.lax.dynamic_index_in_dim(by_dest, me, axis=1, keepdims=False).reshape(e)  # [source x local]
+  out = jnp.zeros((buffer_rows, *rows.shape[1:]), rows.dtype)
+  received = ragged_all_to_all(rows, out, send_offsets, counts, to_offsets, from_sizes, axes, native)
+
+  def back(results: jax.Array) -> jax.Array:
+    mine = jax.lax.dynamic_index_in_dim(before, me, axis=1, keepdims=False)  # [source, local]
+    offsets = (group_start[me][None, :] + mine).reshape(e)
+    senders = _exclusive_cumsum(every, axis=1).reshape(ep, ep, local)
+    to_sender = jax.lax.dynamic_index_in_dim(senders, me, axis=1, keepdims=False).reshape(e)
+    home = jnp.zeros((rows.shape[0], *results.shape[1:]), results.dtype)
+    return ragged_all_to_all(results, home, offsets, from_sizes, to_sender, counts, axes, native)
+
+  return received, totals[me], back
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The per-device dispatch
+
+
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+  return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
+def _row_count(rows: int, plan: Plan) -> int:
+  """Rows the grouped kernel runs on: megablox needs a multiple of its row tiles."""
+  if plan.kernel.name != "megablox":
+    return rows
+  return max(plan.wi_tiles.padded_rows(rows), plan.wo_tiles.padded_rows(rows))
+
+
+def _sparse(tokens, experts, weights, kept, w: ExpertWeights, layout: Layout, plan: Plan, rows_per_sequence: int) -> jax.Array:
+  """Sorted pairs, grouped matmuls, gathered back: tokens [T, d] -> y [T, d] float32."""
+  t, k = experts.shape
+  e = plan.num_experts
+  key = experts if kept is None else jnp.where(kept, experts, e)  # dropped pairs sort past the last expert
+  flat = key.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  inverse = jnp.argsort(order)
+  counts = jnp.bincount(flat, length=e).astype(jnp.int32)  # dropped pairs (key e) are not counted
+  rows = take_pairs(tokens, order, inverse, k)
+  if layout.experts:
+    ep = layout.size(layout.experts)
+    bound = ep * t * min(k, e // ep)
+    if plan.capacity:
+      bound = min(bound, ep * (t // rows_per_sequence) * plan.capacity * (e // ep))
+    received, sizes, back = exchange(rows, counts, _row_count(bound, plan), layout.experts, ep, plan.ragged_all_to_all)
+    out = back(_grouped_mlp(received, sizes, w, layout, plan))
+  else:
+    if kept is not None:  # rows of dropped pairs belong to no group: a kernel may leave them unwritten, both ways
+      grouped = (jnp.arange(t * k) < jnp.sum(counts))[:, None]
+      rows = jnp.where(grouped, rows, 0)
+    out = _grouped_mlp(_pad_rows(rows, _row_count(t * k, plan)), counts, w, layout, plan)[: t * k]
+    if kept is not None:
+      out = jnp.where(grouped, out, 0)
+  per_choice = permute(out, inverse, order).reshape(t, k, -1)
+  if kept is not None:
+    weights = jnp.where(kept, weights, 0.0)
+  return jnp.einsum("tkd,tk->td", per_choice, weights, preferred_element_type=jnp.float32)
+
+
+def _grouped_mlp(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, layout: Layout, plan: Plan) -> jax.Array:
+  tiles = {"wi": plan.wi_tiles, "wo": plan.wo_tiles}
+  stored = {"wi": layout.wi[1:], "wo": layout.wo[1:]}
+
+  def matmul(x: jax.Array, weight: jax.Array, which: str) -> jax.Array:
+    return expert_matmul(x, weight, group_sizes, Grouped(plan.kernel, tiles[which]), _with_experts(stored[which], layout), layout, plan)
+
+  return expert_mlp(rows, w, matmul, plan.activations)
+
+
+def _with_experts(stored: tuple[Axes, Axes], layout: Layout) -> tuple[Axes, Axes, Axes]:
+  """The sharded dimensions expert_matmul gathers: the expert dimension too when tokens are not exchanged (wi and wo
+  split their experts alike)."""
+  return ((() if layout.experts else layout.wi[0]), *stored)
+
+
+def _dense(tokens, experts, weights, kept, positions, w: ExpertWeights, layout: Layout, plan: Plan, rows_per_sequence: int) -> jax.Array:
+  """Batched matmuls over [E, slots, d] buffers: tokens [T, d] -> y [T, d] float32."""
+  t, k = experts.shape
+  e = plan.num_experts
+  stored_wi, stored_wo = _with_experts(layout.wi[1:], layout), _with_experts(layout.wo[1:], layout)
+
+  def matmul(spec: str, stored):
+    return lambda x, weight, which: expert_matmul(x, weight, None, Batched(spec), stored, layout, plan)
+
+  if not plan.capacity and not layout.experts:  # every expert over every token
+    combine = jnp.einsum("tke,tk->te", jax.nn.one_hot(experts, e, dtype=jnp.float32), weights)
+
+    def every_expert(x, weight, which):
+      spec = "td,edf->etf" if which == "wi" and x.ndim == 2 else "etd,edf->etf"
+      return matmul(spec, stored_wi if which == "wi" else stored_wo)(x, weight, which)
+
+    out = expert_mlp(tokens, w, every_expert, plan.activations)
+    return jnp.einsum("etd,te->td", out, combine, preferred_element_type=jnp.float32)
+  if plan.capacity:
+    slots = (t // rows_per_sequence) * plan.capacity
+    slot = experts * slots + jnp.arange(t // rows_per_sequence).repeat(rows_per_sequence)[:, None] * plan.capacity + positions
+    kept_ = kept
+  else:  # expert parallel, dropless: a slot for every token of this device at every expert
+    slots = t
+    slot = experts * slots + sequence_positions(experts, e)
+    kept_ = jnp.ones_like(experts, dtype=bool)
+  slot = jnp.where(kept_, slot, e * slots)
+  buffer = jnp.zeros((e * slots + 1, tokens.shape[-1]), tokens.dtype).at[slot.reshape(-1)].set(jnp.repeat(tokens, k, axis=0))[:-1]
+  buffer = buffer.reshape(e, slots, -1)
+  batched = matmul("ecd,edf->ecf", stored_wi)
+  batched_wo = matmul("ecf,efd->ecd", stored_wo)
+  mm = lambda x, weight, which: (batched if which == "wi" else batched_wo)(x, weight, which)  # noqa: E731
+  if layout.experts:
+    ep = layout.size(layout.experts)
+    local = e // ep
+    buffer = jax.lax.all_to_all(buffer, layout.experts, 0, 0, tiled=True)  # [source x local experts, slots, d]
+    buffer = buffer.reshape(ep, local, slots, -1).swapaxes(0, 1).reshape(local, ep * slots, -1)
+    out = expert_mlp(buffer, w, mm, plan.activations)
+    out = out.reshape(local, ep, slots, -1).swapaxes(0, 1).reshape(e, slots, -1)
+    out = jax.lax.all_to_all(out, layout.experts, 0, 0, tiled=True)
+  else:
+    out = expert_mlp(buffer, w, mm, plan.activations)
+  flat = jnp.concatenate([out.reshape(e * slots, -1), jnp.zeros((1, out.shape[-1]), out.dtype)])
+  return jnp.einsum("tkd,tk->td", flat[slot], weights, preferred_element_type=jnp.float32)
+
+
+def local_dispatch(
+  x: jax.Array, weights: jax.Array, experts: jax.Array, valid: jax.Array, w: ExpertWeights, layout: Layout, plan: Plan
+) -> tuple[jax.Array, jax.Array]:
+  """One device's tokens x [b, s, d] with their routing (weights, experts [b, s, k]) -> (y [b, s, d] float32, dropped
+  valid pairs summed over the token axes)."""
+  b, s, d = x.shape
+  k = plan.k
+  tokens = x.reshape(b * s, d).astype(plan.dtype)
+  experts = experts.reshape(b, s, k)
+  positions = kept = None
+  dropped = jnp.zeros((), jnp.float32)
+  if plan.capacity:
+    positions = sequence_positions(experts, plan.num_experts, layout.length).reshape(b * s, k)
+    kept = positions < plan.capacity
+    dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid.reshape(b * s, 1))
+    if layout.tokens:
+      dropped = jax.lax.psum(dropped, layout.tokens)
+  experts, weights = experts.reshape(b * s, k), weights.reshape(b * s, k)
+  if plan.sparse:
+    y = _sparse(tokens, experts, weights, kept, w, layout, plan, s)
+  else:
+    y = _dense(tokens, experts, weights, kept, positions, w, layout, plan, s)
+  return y.reshape(b, s, d), dropped
+
+
+def dispatch(
+  x: jax.Array, weights: jax.Array, experts: jax.Array, valid: jax.Array, w: ExpertWeights, layout: Layout, plan: Plan, mesh: Any
+) -> tuple[jax.Array, jax.Array]:
+  """local_dispatch on every device's shard of the tokens (shard_map over mesh; mesh None: one device, no collectives)."""
+  if mesh is None:
+    return local_dispatch(x, weights, experts, valid, w, layout, plan)
+  tokens = P(layout.batch or None, layout.length or None)
+  spec = lambda axes: P(*(a or None for a in axes))  # noqa: E731
+  fn = jax.shard_map(
+    lambda *args: local_dispatch(*args[:4], ExpertWeights(*args[4:]), layout, plan),
+    mesh=mesh,
+    in_specs=(P(*tokens, None), P(*tokens, None), P(*tokens, None), tokens, spec(layout.wi), spec(layout.wi), spec(layout.wo)),
+    out_specs=(P(*tokens, None), P()),
+    check_vma=False,  # jax's megablox kernels declare no varying axes; cotangents follow shard_map's unchecked rules
+  )
+  return fn(x, weights, experts, valid, *w)
