@@ -26,8 +26,8 @@ ragged-all-to-all; there (the platform policy's `ragged_all_to_all=False`) the s
 dropless).
 
 Weights enter the shard_map as stored (float32, sharded); each expert matmul gathers its weight in the compute
-dtype and returns a float32 weight gradient, summed over the devices that shared the weight and reduce-scattered
-back to the stored sharding (`expert_matmul`).
+dtype, and its weight gradient (float32 accumulation, written in the compute dtype) is summed over the devices that
+shared the weight and reduce-scattered back to the stored sharding (`expert_matmul`).
 """
 
 from __future__ import annotations
@@ -114,10 +114,10 @@ class Batched:
     x, w_, y = _spec_parts(self.spec)
     return product(f"{y},{w_}->{x}", g, w)
 
-  def dw(self, x: jax.Array, g: jax.Array, group_sizes: jax.Array | None) -> jax.Array:
+  def dw(self, x: jax.Array, g: jax.Array, group_sizes: jax.Array | None, out_dtype: Any) -> jax.Array:
     del group_sizes
     x_, w, y = _spec_parts(self.spec)
-    return product(f"{x_},{y}->{w}", x, g)
+    return product(f"{x_},{y}->{w}", x, g).astype(out_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +133,8 @@ class Grouped:
   def dx(self, g: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
     return self.kernel.dlhs(g, w, group_sizes, self.tiles.dlhs, self._out(out_dtype))
 
-  def dw(self, x: jax.Array, g: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return self.kernel.drhs(x, g, group_sizes, self.tiles.drhs, jnp.float32)
+  def dw(self, x: jax.Array, g: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+    return self.kernel.drhs(x, g, group_sizes, self.tiles.drhs, out_dtype)
 
   def _out(self, dtype: Any) -> Any:
     # megablox writes the compute dtype from its float32 accumulator; XLA fuses the cast of a float32 result.
@@ -153,8 +153,11 @@ def expert_matmul(
   """x times the expert weight w, which arrives as stored (sharded `stored` per dimension, beyond the expert axes).
 
   Forward: w is cast to the compute dtype, then gathered over its sharded dimensions (minor axis first). Backward:
-  the weight gradient comes out of a float32 accumulator and each gathered dimension is reduce-scattered (major axis
-  first). The shard_map (check_vma=False) sums it over the token axes that do not split the weight. Returns plan.dtype.
+  the weight gradient is accumulated in float32 over this device's rows, written in the compute dtype (as MaxText's
+  megablox gmm does: half the memory of the layer's unsharded gradient, and megablox's float32 weight-gradient block
+  would not fit its 16 MiB of scoped VMEM at the default tiles), reduce-scattered over each gathered dimension (major
+  axis first), then returned in the weight's dtype. The shard_map (check_vma=False) sums it over the token axes that
+  do not split the weight. Returns plan.dtype.
   """
   dt = plan.dtype
 
@@ -178,7 +181,7 @@ def expert_matmul(
     x_c, w_c, group_sizes = residuals
     g = g.astype(dt)
     dx = cast(op.dx(g, w_c, group_sizes, x.dtype), x.dtype, plan.integer_rounding)
-    return dx, reduce(op.dw(x_c, g, group_sizes)).astype(w.dtype), None
+    return dx, reduce(op.dw(x_c, g, group_sizes, dt)).astype(w.dtype), None
 
   fn = jax.custom_vjp(lambda x, w, group_sizes: forward(x, w, group_sizes)[0])
   fn.defvjp(forward, backward)
