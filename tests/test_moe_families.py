@@ -204,39 +204,6 @@ def test_deepseek_round_trips_through_hf_names_with_mtp_and_experts(deepseek_mod
   assert isinstance(model_from_flat(config, back), models.Transformer)
 
 
-EP_TINY = dict(QWEN3_MOE, num_experts=8, num_experts_per_tok=2, base_emb_dim=32, base_num_kv_heads=2, base_num_decoder_layers=2)
-
-
-def test_expert_parallel_all_to_all_equals_one_device(capacity_factor: float = 4.0):
-  """ep4 x fsdp2 on 8 devices: tokens reach experts by all-to-all in shard_map; the loss equals one device's.
-
-  With capacity (no token dropped at this factor); the dropless all-to-all path is checked by
-  tests/test_models.py (mixtral, fsdp4 x ep2, logits against one device).
-  """
-  from maxtext import mesh as mesh_lib
-
-  base = dict(EP_TINY, dtype="float32", capacity_factor=capacity_factor)
-  single = from_overrides(**base)
-  model = _build(single)
-  flat = {k: np.asarray(v) for k, v in flat_params(model).items()}
-  batch = _batch(b=8, s=8)
-  ref = _jit_loss(model, single)(batch)
-  config = from_overrides(**dict(base, num_devices=8, ici_fsdp_parallelism=2, ici_expert_parallelism=4))
-  mesh = mesh_lib.create(config)
-  sharded = model_from_flat(config, flat, mesh)
-  assert sharded.layers.mlp.wi_0[...].sharding.spec[1] == "expert"
-  graphdef, state = nnx.split(sharded)
-  fn = jax.jit(lambda st, bt: loss_lib.loss_sums(nnx.merge(graphdef, st), bt, config))
-  with jax.set_mesh(mesh):
-    lowered = fn.lower(state, batch)
-    out = lowered.compile()(state, batch)
-  assert "all-to-all" in lowered.compile().as_text()
-  np.testing.assert_allclose(out.xent, ref.xent, rtol=1e-6)
-  np.testing.assert_allclose(out.aux, ref.aux, atol=1e-6)
-  np.testing.assert_array_equal(out.load, ref.load)
-  assert float(out.dropped) == float(ref.dropped) == 0
-
-
 MLA_AND_SHARED = r".*(attention/(wq_a|wq_b|wq|wkv_a|wkv_b|out)|mlp/shared_experts/(wi_0|wi_1|wo)|mlp/gate)$"
 
 

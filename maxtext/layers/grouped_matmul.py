@@ -91,9 +91,7 @@ class Kernel:
   def _general(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, dims: jax.lax.RaggedDotDimensionNumbers, out_dtype: Any) -> jax.Array:
     """ragged_dot_general with float32 accumulation, by XLA or by tokamax."""
     if self.name == "tokamax":
-      import tokamax  # only this path needs it (pyproject: the `tpu` and `test` extras)
-
-      out = tokamax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32, implementation=self.tokamax_implementation)
+      out = _tokamax().ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32, implementation=self.tokamax_implementation)
     else:
       out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
@@ -106,6 +104,16 @@ def _clip(tile: Tile, m: int, k: int, n: int) -> Tile:
 
 def _round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple
+
+
+def _tokamax():
+  """tokamax (only this path needs it; pyproject's `tpu` and `test` extras). It reads its options from absl flags,
+  parsing sys.argv on first use; maxtext's command line is not absl's, so the flags keep their defaults."""
+  from absl import flags
+
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  return importlib.import_module("tokamax")
 
 
 def _megablox():

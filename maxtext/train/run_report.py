@@ -73,6 +73,9 @@ class RunReport:
       f"batch: {c.global_batch_size_to_train_on} sequences x {c.max_target_length} tokens = {self.tokens_per_step:,} tokens per step"
       + (f" ({c.gradient_accumulation_steps} accumulated micro-batches)" if c.gradient_accumulation_steps > 1 else "")
     )
+    if c.num_experts > 1:
+      capacity = f"capacity_factor {c.capacity_factor}" if c.capacity_factor > 0 else "dropless"
+      self.log(f"experts: {c.num_experts}, top {c.num_experts_per_tok}, {capacity}; dispatch {self.policy.moe_dispatch} (docs/models.md, MoE dispatch)")
     if c.remat_policy != "none":
       where = "pinned host memory" if self.policy.offload_layer_inputs else "device memory"
       self.log(f"remat: {c.remat_policy}; each layer's saved input in {where} (decoder_layer_input={c.decoder_layer_input})")
