@@ -340,34 +340,51 @@ def _row_count(rows: int, plan: Plan) -> int:
   return max(plan.wi_tiles.padded_rows(rows), plan.wo_tiles.padded_rows(rows))
 
 
+class SortedPairs(NamedTuple):
+  """A device's (token, choice) pairs sorted by expert; dropped pairs (capacity) sort past the last expert."""
+
+  order: jax.Array  # [T·k]: the pair at each sorted position (pair p is token p // k, choice p % k)
+  inverse: jax.Array  # [T·k]: the sorted position of each pair
+  counts: jax.Array  # [E] int32: kept pairs per expert
+
+
+def sort_pairs(experts: jax.Array, kept: jax.Array | None, num_experts: int) -> SortedPairs:
+  """experts [T, k] (and kept [T, k] with capacity) -> the pairs sorted by expert, stably (earlier tokens first)."""
+  key = (experts if kept is None else jnp.where(kept, experts, num_experts)).reshape(-1)
+  order = jnp.argsort(key, stable=True)
+  return SortedPairs(order, jnp.argsort(order), jnp.bincount(key, length=num_experts).astype(jnp.int32))
+
+
+def combine_sorted(out: jax.Array, pairs: SortedPairs, weights: jax.Array, kept: jax.Array | None) -> jax.Array:
+  """Expert outputs in sorted order [T·k, d] -> the routing-weighted sum per token [T, d], float32."""
+  t, k = weights.shape
+  per_choice = permute(out, pairs.inverse, pairs.order).reshape(t, k, -1)
+  if kept is not None:
+    weights = jnp.where(kept, weights, 0.0)
+  return jnp.einsum("tkd,tk->td", per_choice, weights, preferred_element_type=jnp.float32)
+
+
 def _sparse(tokens, experts, weights, kept, w: ExpertWeights, layout: Layout, plan: Plan, rows_per_sequence: int) -> jax.Array:
   """Sorted pairs, grouped matmuls, gathered back: tokens [T, d] -> y [T, d] float32."""
   t, k = experts.shape
   e = plan.num_experts
-  key = experts if kept is None else jnp.where(kept, experts, e)  # dropped pairs sort past the last expert
-  flat = key.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  inverse = jnp.argsort(order)
-  counts = jnp.bincount(flat, length=e).astype(jnp.int32)  # dropped pairs (key e) are not counted
-  rows = take_pairs(tokens, order, inverse, k)
+  pairs = sort_pairs(experts, kept, e)
+  rows = take_pairs(tokens, pairs.order, pairs.inverse, k)
   if layout.experts:
     ep = layout.size(layout.experts)
     bound = ep * t * min(k, e // ep)
     if plan.capacity:
       bound = min(bound, ep * (t // rows_per_sequence) * plan.capacity * (e // ep))
-    received, sizes, back = exchange(rows, counts, _row_count(bound, plan), layout.experts, ep, plan.ragged_all_to_all)
+    received, sizes, back = exchange(rows, pairs.counts, _row_count(bound, plan), layout.experts, ep, plan.ragged_all_to_all)
     out = back(_grouped_mlp(received, sizes, w, layout, plan))
   else:
     if kept is not None:  # rows of dropped pairs belong to no group: a kernel may leave them unwritten, both ways
-      grouped = (jnp.arange(t * k) < jnp.sum(counts))[:, None]
+      grouped = (jnp.arange(t * k) < jnp.sum(pairs.counts))[:, None]
       rows = jnp.where(grouped, rows, 0)
-    out = _grouped_mlp(_pad_rows(rows, _row_count(t * k, plan)), counts, w, layout, plan)[: t * k]
+    out = _grouped_mlp(_pad_rows(rows, _row_count(t * k, plan)), pairs.counts, w, layout, plan)[: t * k]
     if kept is not None:
       out = jnp.where(grouped, out, 0)
-  per_choice = permute(out, inverse, order).reshape(t, k, -1)
-  if kept is not None:
-    weights = jnp.where(kept, weights, 0.0)
-  return jnp.einsum("tkd,tk->td", per_choice, weights, preferred_element_type=jnp.float32)
+  return combine_sorted(out, pairs, weights, kept)
 
 
 def _grouped_mlp(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, layout: Layout, plan: Plan) -> jax.Array:
@@ -386,49 +403,58 @@ def _with_experts(stored: tuple[Axes, Axes], layout: Layout) -> tuple[Axes, Axes
   return ((() if layout.experts else layout.wi[0]), *stored)
 
 
-def _dense(tokens, experts, weights, kept, positions, w: ExpertWeights, layout: Layout, plan: Plan, rows_per_sequence: int) -> jax.Array:
-  """Batched matmuls over [E, slots, d] buffers: tokens [T, d] -> y [T, d] float32."""
-  t, k = experts.shape
+def _dense(tokens, experts, weights, positions, w: ExpertWeights, layout: Layout, plan: Plan, rows_per_sequence: int) -> jax.Array:
+  """Batched matmuls over [E, slots, d] buffers (or every expert over every token): tokens [T, d] -> y [T, d] float32."""
   e = plan.num_experts
-  stored_wi, stored_wo = _with_experts(layout.wi[1:], layout), _with_experts(layout.wo[1:], layout)
+  stored = {"wi": _with_experts(layout.wi[1:], layout), "wo": _with_experts(layout.wo[1:], layout)}
 
-  def matmul(spec: str, stored):
-    return lambda x, weight, which: expert_matmul(x, weight, None, Batched(spec), stored, layout, plan)
+  def batched(specs: dict[str, str]) -> Callable[[jax.Array, jax.Array, str], jax.Array]:
+    return lambda x, weight, which: expert_matmul(x, weight, None, Batched(specs[which]), stored[which], layout, plan)
 
-  if not plan.capacity and not layout.experts:  # every expert over every token
+  if not plan.capacity and not layout.experts:  # every expert over every token, weighted by zero off the chosen ones
+    out = expert_mlp(tokens, w, batched({"wi": "td,edf->etf", "wo": "etf,efd->etd"}), plan.activations)
     combine = jnp.einsum("tke,tk->te", jax.nn.one_hot(experts, e, dtype=jnp.float32), weights)
-
-    def every_expert(x, weight, which):
-      spec = "td,edf->etf" if which == "wi" and x.ndim == 2 else "etd,edf->etf"
-      return matmul(spec, stored_wi if which == "wi" else stored_wo)(x, weight, which)
-
-    out = expert_mlp(tokens, w, every_expert, plan.activations)
     return jnp.einsum("etd,te->td", out, combine, preferred_element_type=jnp.float32)
-  if plan.capacity:
-    slots = (t // rows_per_sequence) * plan.capacity
-    slot = experts * slots + jnp.arange(t // rows_per_sequence).repeat(rows_per_sequence)[:, None] * plan.capacity + positions
-    kept_ = kept
-  else:  # expert parallel, dropless: a slot for every token of this device at every expert
-    slots = t
-    slot = experts * slots + sequence_positions(experts, e)
-    kept_ = jnp.ones_like(experts, dtype=bool)
-  slot = jnp.where(kept_, slot, e * slots)
-  buffer = jnp.zeros((e * slots + 1, tokens.shape[-1]), tokens.dtype).at[slot.reshape(-1)].set(jnp.repeat(tokens, k, axis=0))[:-1]
-  buffer = buffer.reshape(e, slots, -1)
-  batched = matmul("ecd,edf->ecf", stored_wi)
-  batched_wo = matmul("ecf,efd->ecd", stored_wo)
-  mm = lambda x, weight, which: (batched if which == "wi" else batched_wo)(x, weight, which)  # noqa: E731
+  slot, slots = expert_slots(experts, positions, rows_per_sequence, plan.capacity, e)
+  buffer = pack(tokens, slot, slots, e)
+  matmul = batched({"wi": "ecd,edf->ecf", "wo": "ecf,efd->ecd"})
   if layout.experts:
     ep = layout.size(layout.experts)
     local = e // ep
     buffer = jax.lax.all_to_all(buffer, layout.experts, 0, 0, tiled=True)  # [source x local experts, slots, d]
     buffer = buffer.reshape(ep, local, slots, -1).swapaxes(0, 1).reshape(local, ep * slots, -1)
-    out = expert_mlp(buffer, w, mm, plan.activations)
+    out = expert_mlp(buffer, w, matmul, plan.activations)
     out = out.reshape(local, ep, slots, -1).swapaxes(0, 1).reshape(e, slots, -1)
     out = jax.lax.all_to_all(out, layout.experts, 0, 0, tiled=True)
   else:
-    out = expert_mlp(buffer, w, mm, plan.activations)
-  flat = jnp.concatenate([out.reshape(e * slots, -1), jnp.zeros((1, out.shape[-1]), out.dtype)])
+    out = expert_mlp(buffer, w, matmul, plan.activations)
+  return unpack_combine(out, slot, weights)
+
+
+def expert_slots(experts: jax.Array, positions: jax.Array | None, rows_per_sequence: int, capacity: int, num_experts: int) -> tuple[jax.Array, int]:
+  """Each pair's slot in [E, slots] buffers -> (slot [T, k], slots per expert); E·slots marks a dropped pair.
+
+  With capacity, each sequence of the device has `capacity` slots per expert, filled by arrival order (positions);
+  without, every expert has a slot for every token of the device (dropless, for expert parallelism)."""
+  t, _ = experts.shape
+  if capacity:
+    slots = (t // rows_per_sequence) * capacity
+    sequence = jnp.arange(t // rows_per_sequence).repeat(rows_per_sequence)[:, None]
+    slot = jnp.where(positions < capacity, experts * slots + sequence * capacity + positions, num_experts * slots)
+    return slot, slots
+  return experts * t + sequence_positions(experts, num_experts), t
+
+
+def pack(tokens: jax.Array, slot: jax.Array, slots: int, num_experts: int) -> jax.Array:
+  """tokens [T, d] into [E, slots, d] buffers at their pairs' slots (empty slots are zero; dropped pairs go nowhere)."""
+  k = slot.shape[-1]
+  buffer = jnp.zeros((num_experts * slots + 1, tokens.shape[-1]), tokens.dtype)
+  return buffer.at[slot.reshape(-1)].set(jnp.repeat(tokens, k, axis=0))[:-1].reshape(num_experts, slots, -1)
+
+
+def unpack_combine(out: jax.Array, slot: jax.Array, weights: jax.Array) -> jax.Array:
+  """Expert outputs [E, slots, d] -> the routing-weighted sum per token [T, d], float32 (dropped pairs add zero)."""
+  flat = jnp.concatenate([out.reshape(-1, out.shape[-1]), jnp.zeros((1, out.shape[-1]), out.dtype)])
   return jnp.einsum("tkd,tk->td", flat[slot], weights, preferred_element_type=jnp.float32)
 
 
@@ -453,7 +479,7 @@ def local_dispatch(
   if plan.sparse:
     y = _sparse(tokens, experts, weights, kept, w, layout, plan, s)
   else:
-    y = _dense(tokens, experts, weights, kept, positions, w, layout, plan, s)
+    y = _dense(tokens, experts, weights, positions, w, layout, plan, s)
   return y.reshape(b, s, d), dropped
 
 
