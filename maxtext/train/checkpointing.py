@@ -14,6 +14,7 @@ load_parameters_path (params only; fresh optimizer, step 0) or load_full_state_p
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections.abc import Callable
@@ -96,6 +97,8 @@ class Checkpointer:
             problem = f"its state is at step {int(restored['step'])}"
         except Exception as e:  # noqa: BLE001 - any failure to read this step's arrays means the step is damaged
           problem = f"its arrays do not restore: {_first_line(e).split(' See full')[0]}"
+        if problem is not None:
+          gc.collect()  # finalize the reads Orbax abandoned (the error held them) now (maxtext.errors.ABANDONED_READ_NOISE)
       if problem is None:
         f = self._data_file(step)
         if not f.exists():  # saved by fewer processes: process 0's state (global for synthetic data; grain refuses a different count)
