@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -73,7 +75,8 @@ def _quiet_unraisable(previous: Callable) -> Callable:
 
 
 def cli_main(fn: F) -> F:
-  """Wrap an entry point: a UserError prints `error: ...` on stderr and exits with its code; library warnings are muted."""
+  """Wrap an entry point: a UserError prints `error: ...` on stderr and exits with its code, a KeyboardInterrupt one line
+  and exit 130; library warnings are muted."""
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
@@ -83,5 +86,13 @@ def cli_main(fn: F) -> F:
     except UserError as e:
       print(f"error: {one_line(str(e))}", file=sys.stderr, flush=True)
       sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C where nothing waits for it, or a second Ctrl-C during training: stop at once
+      print(
+        "error: interrupted by Ctrl-C; stopped at once (finished checkpoints and outputs are intact); rerun the same command to continue",
+        file=sys.stderr,
+        flush=True,
+      )
+      sys.stdout.flush()
+      os._exit(EXIT_INTERRUPTED)  # not sys.exit: shutdown would wait for background writers, and a further Ctrl-C there prints a traceback
 
   return wrapper  # type: ignore[return-value]

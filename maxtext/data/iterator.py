@@ -85,9 +85,11 @@ class DataIterator:
     }
 
   def set_state(self, state: dict[str, Any]) -> None:
-    """Continue from a get_state() dict: the following batches equal those the saved iterator would have given."""
-    if state.get("version") != STATE_VERSION or state.get("split") != self.split:
-      raise DataError(f"data iterator state is from another version or split ({state.get('split')}); resume with the same data config")
+    """Continue from a get_state() dict: the following batches equal those the saved iterator would have given.
+
+    A dict this iterator did not write raises ValueError (or grain's own error); another process layout, DataError."""
+    if state.get("version") != STATE_VERSION or state.get("split") != self.split:  # not a state this iterator wrote: damaged
+      raise ValueError(f"data iterator state has version {state.get('version')!r} and split {state.get('split')!r}, not {STATE_VERSION} and {self.split!r}")
     if (state.get("process_index"), state.get("process_count")) != (self.process_index, self.process_count):
       raise DataError(
         f"data iterator state was saved by process {state.get('process_index')} of {state.get('process_count')}, "
