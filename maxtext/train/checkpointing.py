@@ -119,7 +119,7 @@ class Checkpointer:
       if problem is None:
         restored, problem = self._arrays(step, abstract_state)
       if problem is None and data_iter is not None:
-        problem = _moved_to(data_iter, data_state, self._data_file(step))
+        problem = _moved_to(data_iter, data_state, self.directory / str(step))
       if not all_processes_agree(problem is None) and problem is None:
         problem = "another process cannot use it"
       if problem is None:
@@ -209,14 +209,18 @@ def _record_value(text: str) -> int | None:
   return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _moved_to(data_iter: Any, state: dict[str, Any], path: epath.Path) -> str | None:
-  """Move data_iter to a saved state; None, or why the state does not fit (a UserError, e.g. another process count, is raised)."""
+def _moved_to(data_iter: Any, state: dict[str, Any], step_dir: epath.Path) -> str | None:
+  """Move data_iter to a step's saved state: None, or why the state is damaged (ValueError and the like). A state of
+  another pipeline (the iterator's UserError: other data settings or process count) is a one-line ConfigError."""
   try:
     data_iter.set_state(state)
-  except UserError:
-    raise
-  except Exception as e:  # noqa: BLE001 - a state the pipeline cannot take is a damaged state
-    return f"its data-iterator state {path} does not fit this data pipeline ({type(e).__name__}: {_first_line(e)})"
+  except UserError as e:
+    raise ConfigError(
+      f"checkpoint {step_dir}: {e}; or, to continue without its data position, start a new run from its state "
+      f"(run_name=<new name> load_full_state_path={step_dir / ITEM}; the data then starts from its beginning)"
+    ) from None
+  except Exception as e:  # noqa: BLE001 - a state the iterator did not write is a damaged state
+    return f"its data-iterator state is damaged ({type(e).__name__}: {_first_line(e)})"
   return None
 
 

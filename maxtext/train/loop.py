@@ -34,7 +34,7 @@ class TrainResult:
   steps_done: int  # optimizer steps in the final state
   losses: dict[int, float]  # step index -> train loss, for the steps this process ran
   eval_losses: dict[int, float]
-  stop_reason: str  # 'completed', 'target_eval_loss', 'sigterm', 'sigint', 'nothing_to_train'
+  stop_reason: str  # 'completed', 'target_eval_loss', 'data_used_up', 'sigterm', 'sigint', 'nothing_to_train'
   state: Any = None
 
 
@@ -148,7 +148,8 @@ def train(
   on_step: Callable[[int], None] | None = None,
   ends_process: bool = False,
 ) -> TrainResult:
-  """Train to config.steps (or an early stop).
+  """Train to config.steps, or until num_epoch passes over the training data are used up (a normal end: the last
+  step is saved), or an early stop.
 
   mesh defaults to all devices. setup: a TrainSetup built for an equivalent config (same model,
   optimizer, schedule and batch) whose compiled step is reused. on_step(step) runs after each step is logged.
@@ -258,7 +259,10 @@ def _loop(
   with jax.set_mesh(mesh):
     for step in range(start, config.steps):
       profiler.before_step(step, state)
-      batch = next(data_iter)
+      batch = next(data_iter, None)
+      if batch is None:  # num_epoch passes over the data are done: a normal end, the last step is saved below
+        result.stop_reason = "data_used_up"
+        break
       state, metrics = step_fn(state, batch)
       report()
       pending.append((step, metrics))
@@ -287,7 +291,8 @@ def _loop(
     report(state)
     profiler.stop(state)
     if ckpt is not None:
-      if preemption.requested and saved[0] != result.steps_done:
+      data_end = result.stop_reason == "data_used_up" and config.save_checkpoint_on_completion
+      if (preemption.requested or data_end) and saved[0] != result.steps_done:
         save(result.steps_done)
       ckpt.wait()  # a signal now waits for the final save to finish
   writer.flush()
