@@ -34,6 +34,14 @@ def shorten(names: list[str], limit: int = 5) -> str:
   return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
+def gib(n: float) -> str:
+  """A size for messages: '1.50 GiB (1610612736 bytes)', '338 KiB (345992 bytes)'."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= scale:
+      return f"{n / scale:.2f} {unit} ({int(n)} bytes)" if unit == "GiB" else f"{n / scale:.0f} {unit} ({int(n)} bytes)"
+  return f"{int(n)} bytes"
+
+
 def one_line(message: str) -> str:
   return " ".join(str(message).split())
 

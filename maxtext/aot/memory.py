@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from maxtext.errors import UserError
+from maxtext.memory_limit import is_out_of_memory  # noqa: F401 - callers use memory.is_out_of_memory
 
 EXIT_DOES_NOT_FIT = 3
 GIB = 1024**3
@@ -99,11 +100,6 @@ def shard_bytes(tree: Any) -> int:
     shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
     total += math.prod(shape) * jax.numpy.dtype(leaf.dtype).itemsize
   return total
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-  text = str(error)
-  return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
 
 
 def from_oom_error(error: BaseException, argument_bytes: int, hbm_bytes: int) -> MemoryReport:

@@ -10,11 +10,11 @@ own memory check reports the shortfall.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import jax
 
+from maxtext import memory_limit
 from maxtext.aot import memory
 from maxtext.config import MaxTextConfig
 
@@ -32,16 +32,6 @@ class Choice:
   def line(self) -> str:
     tried = ", ".join(f"{p} {memory.gib(b)} GiB" for p, b in self.tried.items())
     return f"remat_policy=auto chose {self.policy} (budget {memory.gib(self.budget_bytes)} GiB per device; compiled: {tried})"
-
-
-def device_memory_bytes(devices: list[jax.Device]) -> int:
-  """Memory of one device: the allocator's limit on GPU/TPU, else this host's RAM shared by its local devices."""
-  stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"])
-  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  local = sum(1 for d in devices if d.process_index == devices[0].process_index)
-  return ram // max(local, 1)
 
 
 def choose(config: MaxTextConfig, hbm_bytes: int, compiled_bytes: Callable[[MaxTextConfig], int | None]) -> Choice:
@@ -87,7 +77,7 @@ def resolve(config: MaxTextConfig, mesh: jax.sharding.Mesh, hbm_bytes: int | Non
   """config with remat_policy=auto replaced by the chosen policy (unchanged otherwise); logs the choice."""
   if config.remat_policy != "auto":
     return config
-  hbm = hbm_bytes if hbm_bytes is not None else device_memory_bytes(list(mesh.devices.flat))
+  hbm = hbm_bytes if hbm_bytes is not None else memory_limit.limit_per_device(list(mesh.devices.flat)).bytes
   choice = choose(config, hbm, lambda c: step_bytes(c, mesh))
   if log is not None:
     log(choice.line())

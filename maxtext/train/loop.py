@@ -11,6 +11,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from maxtext import memory_limit
 from maxtext.config import MaxTextConfig
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
@@ -166,14 +167,16 @@ def train(
     if done and done[0] >= config.steps:  # a rerun of a finished run: say so, touch nothing
       log_main(f"checkpoint at step {done[0]} in {config.checkpoint_dir} already reaches steps={config.steps}; nothing to train (raise steps to train further)")
       return TrainResult(done[0], {}, {}, "nothing_to_train")
-    checked = preflight.run_checks(config, mesh, setup, log_main)
+    with memory_limit.one_line("compiling the train step", preflight.memory_remedy(config)):
+      checked = preflight.run_checks(config, mesh, setup, log_main)
     config = checked.config  # remat_policy=auto resolved
     if preemption.requested:
       log_main(f"received {preemption.signal_name} before the first step: stopped, nothing was written; rerun the same command to start")
       return TrainResult(0, {}, {}, preemption.signal_name.lower())
     with run_lock.hold(run_lock.run_dir(config.checkpoint_dir), log_main):
       try:
-        return _run(config, checked, preemption, on_step)
+        with memory_limit.one_line("before the first train step (restoring or initialising the state)", preflight.memory_remedy(config)):
+          return _run(config, checked, preemption, on_step)
       except Exception as e:
         error = outputs.as_user_error(e, config.checkpoint_dir, checked.checkpoint_bytes, "a checkpoint or metrics")
         if error is None:
@@ -256,7 +259,7 @@ def _loop(
       ckpt.save(steps_done, state_lib.checkpointed(state, config), data_iter.get_state())
       saved[0] = steps_done
 
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), memory_limit.one_line(lambda: f"in train step {start + len(result.losses)}", preflight.memory_remedy(config)):
     for step in range(start, config.steps):
       profiler.before_step(step, state)
       batch = next(data_iter, None)
@@ -275,7 +278,8 @@ def _loop(
         save(done)
       if config.eval_interval > 0 and done % config.eval_interval == 0:
         report(state)
-        ev = _evaluate(config, setup, state, lambda: preemption.requested)
+        with memory_limit.one_line(f"in the eval after step {step}", preflight.memory_remedy(config)):
+          ev = _evaluate(config, setup, state, lambda: preemption.requested)
         if ev is None:
           break  # preempted during the eval
         result.eval_losses[step] = ev["eval_loss"]

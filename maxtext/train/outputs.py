@@ -11,7 +11,7 @@ import errno
 import os
 import shutil
 
-from maxtext.errors import UserError
+from maxtext.errors import UserError, gib
 
 FULL = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its disk quota"}
 NOT_WRITABLE = {errno.EROFS: "is read-only", errno.EACCES: "is not writable (permission denied)", errno.EPERM: "is not writable (operation not permitted)"}
@@ -31,14 +31,6 @@ class OutputError(UserError):
 
 def is_remote(path: str) -> bool:
   return "://" in path
-
-
-def gib(n: float) -> str:
-  """A size for messages: '1.50 GiB (1610612736 bytes)', '338 KiB (345992 bytes)'."""
-  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if n >= scale:
-      return f"{n / scale:.2f} {unit} ({int(n)} bytes)" if unit == "GiB" else f"{n / scale:.0f} {unit} ({int(n)} bytes)"
-  return f"{int(n)} bytes"
 
 
 def _existing_ancestor(path: str) -> str:

@@ -55,10 +55,12 @@ class RunLock:
     self.path = os.path.join(directory, LOCK_NAME)
     self.log = log
     self._fd: int | None = None
+    self._made_directory = False
     self._stop = threading.Event()
     self._heartbeat: threading.Thread | None = None
 
   def acquire(self) -> None:
+    self._made_directory = not os.path.isdir(self.directory)
     os.makedirs(self.directory, exist_ok=True)
     while True:
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -127,6 +129,9 @@ class RunLock:
       os.unlink(self.path)
     os.close(self._fd)
     self._fd = None
+    if self._made_directory:  # a run that wrote nothing else (e.g. failed before its first save) leaves no directory behind
+      with contextlib.suppress(OSError):
+        os.rmdir(self.directory)
 
 
 @contextlib.contextmanager
