@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
+EXIT_GRACE_SECONDS = 10.0  # after an error, the most the interpreter's shutdown may take before the process ends anyway
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -82,6 +84,14 @@ def _quiet_unraisable(previous: Callable) -> Callable:
   return hook
 
 
+def exit_within(seconds: float, code: int) -> None:
+  """End the process with `code` if it is still running `seconds` from now: after a failure, a library's background
+  thread (e.g. Orbax waiting for a directory that was never made) must not keep the interpreter from exiting."""
+  timer = threading.Timer(seconds, os._exit, (code,))
+  timer.daemon = True
+  timer.start()
+
+
 def cli_main(fn: F) -> F:
   """Wrap an entry point: a UserError prints `error: ...` on stderr and exits with its code, a KeyboardInterrupt one line
   and exit 130; library warnings are muted."""
@@ -93,6 +103,7 @@ def cli_main(fn: F) -> F:
       return fn(*args, **kwargs)
     except UserError as e:
       print(f"error: {one_line(str(e))}", file=sys.stderr, flush=True)
+      exit_within(EXIT_GRACE_SECONDS, e.exit_code)
       sys.exit(e.exit_code)
     except KeyboardInterrupt:  # Ctrl-C where nothing waits for it, or a second Ctrl-C during training: stop at once
       print(
@@ -102,5 +113,8 @@ def cli_main(fn: F) -> F:
       )
       sys.stdout.flush()
       os._exit(EXIT_INTERRUPTED)  # not sys.exit: shutdown would wait for background writers, and a further Ctrl-C there prints a traceback
+    except Exception:  # a bug: Python prints the traceback; the process still ends
+      exit_within(EXIT_GRACE_SECONDS, 1)
+      raise
 
   return wrapper  # type: ignore[return-value]

@@ -43,7 +43,7 @@ def test_existing_output_is_refused_with_one_line(converted):
   before = sorted(p.name for p in (converted / "mt").iterdir())
   result = run("hf-to-maxtext", "--hf-dir", str(converted / "hf"), "--out", str(converted / "mt"))
   assert result.returncode == 2
-  assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: output") and "Traceback" not in result.stderr
+  assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: --out ") and "not empty" in result.stderr and "Traceback" not in result.stderr
   assert sorted(p.name for p in (converted / "mt").iterdir()) == before
 
 
