@@ -44,8 +44,20 @@ def gib(n: float) -> str:
   return f"{int(n)} bytes"
 
 
+ECHO_CHARS = 200  # the most of a user's value an error message repeats
+LINE_CHARS = 2000  # the most an error line may hold at all
+
+
+def echo(value: object, limit: int = ECHO_CHARS) -> str:
+  """repr(value) for an error message, cut to about `limit` characters: "'aaaa...' (52428800 characters)"."""
+  text = repr(value)
+  return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def one_line(message: str) -> str:
-  return " ".join(str(message).split())
+  """message on one line, at most LINE_CHARS long (a value a message repeats in full is cut)."""
+  line = " ".join(str(message).split())
+  return line if len(line) <= LINE_CHARS else f"{line[:LINE_CHARS]}... (cut: {len(line)} characters)"
 
 
 def quiet_libraries() -> None:

@@ -6,9 +6,10 @@ import datetime
 import math
 import os
 import re
+import unicodedata
 from typing import TYPE_CHECKING, Any
 
-from maxtext.errors import ConfigError
+from maxtext.errors import ConfigError, echo
 
 if TYPE_CHECKING:
   from maxtext.config.maxtext_config import MaxTextConfig
@@ -39,21 +40,45 @@ def absolute_path(path: str) -> str:
   return absolute + os.sep if path.endswith(("/", os.sep)) and not absolute.endswith(os.sep) else absolute
 
 
+MAX_RUN_NAME_BYTES = 200  # a directory name (file systems allow 255 bytes), leaving room for what tools append
+
+
+def check_run_name(name: str) -> None:
+  """A run name is one directory name: not '.' or '..', no '/', no control characters, at most MAX_RUN_NAME_BYTES."""
+  size = len(name.encode("utf-8", "surrogatepass"))
+  if size > MAX_RUN_NAME_BYTES:
+    raise ConfigError(f"invalid value for 'run_name': {echo(name, 60)} is {size} bytes long; use a name of at most {MAX_RUN_NAME_BYTES} bytes")
+  bad = next((ch for ch in name if ch == os.sep or unicodedata.category(ch) == "Cc"), None)
+  if bad is not None or name in (".", ".."):
+    what = f"contains {bad!r}" if bad is not None else "is not a name"
+    raise ConfigError(f"invalid value for 'run_name': {echo(name)} {what}; use a plain name without '/' or control characters (newline, tab, NUL)")
+
+
+def _check_path(key: str, value: str) -> None:
+  bad = next((ch for ch in value if unicodedata.category(ch) == "Cc"), None)
+  if bad is not None:
+    raise ConfigError(f"invalid value for '{key}': {echo(value)} contains the control character {bad!r}; remove it")
+
+
 def resolve_paths(c: MaxTextConfig) -> dict[str, Any]:
-  """Updates that make every local path key absolute (only the keys whose value changes)."""
+  """Updates that make every local path key absolute (only the keys whose value changes); a control character
+  (NUL, newline, ...) in a path is a ConfigError."""
   updates: dict[str, Any] = {}
   for key in PATH_KEYS:
     value = getattr(c, key)
+    _check_path(key, value)
     if absolute_path(value) != value:
       updates[key] = absolute_path(value)
   for key in GLOB_KEYS:
     value = getattr(c, key)
+    _check_path(key, value)
     resolved = ",".join(absolute_path(part.strip()) for part in value.split(",")) if value else value
     if resolved != value:
       updates[key] = resolved
   for section, key in NESTED_PATH_KEYS:
     sub = getattr(c, section)
     value = getattr(sub, key)
+    _check_path(f"{section}.{key}", value)
     if absolute_path(value) != value:
       updates[section] = sub.model_copy(update={key: absolute_path(value)})
   return updates
@@ -199,8 +224,7 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
   micro = int(micro)
 
   run_name = c.run_name or f"{c.model_name}_{datetime.datetime.now():%Y-%m-%d-%H-%M}"
-  if os.sep in run_name or run_name in (".", ".."):
-    raise ConfigError(f"invalid value for 'run_name': {run_name!r}; use a plain name without '/'")
+  check_run_name(run_name)
   paths = resolve_paths(c)
   run_dir = absolute_path(os.path.join(paths.get("base_output_directory", c.base_output_directory), run_name))  # '' -> the working directory
 
