@@ -192,7 +192,7 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
   """YAML typing for command-line values; 'none' (any case) is None.
 
   For a string-typed key a value that YAML reads as a number or bool stays the
-  text the user typed (`run_name=2024` is the name '2024', not an int), and a
+  text the user typed (`run_name=2024` is the name '2024', not an int; a line break or tab is kept, not folded), and a
   value spelled like one of a Literal key's choices is that choice.
   """
   field = _field(key) if key else None
@@ -204,8 +204,8 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
     value = _yaml_load(text, f"the value of '{key}'" if key else "a command-line value") if text.strip() else text
   except yaml.YAMLError:
     return text
-  if field is not None and field.annotation is str and isinstance(value, bool | int | float):
-    return text
+  if field is not None and field.annotation is str and (isinstance(value, bool | int | float) or any(c in text for c in "\n\r\t\0")):
+    return text  # a number stays the text typed; so does a line break, which YAML would fold into a space
   return value
 
 

@@ -33,6 +33,7 @@ from etils import epath
 from maxtext.config import MaxTextConfig
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import ConfigError, UserError
+from maxtext.train import outputs
 
 ITEM = "items"
 SCHEDULE = "schedule"  # Orbax JSON item of each step: {"learning_rate_schedule_steps": N}
@@ -259,6 +260,7 @@ def restore_full_state(path: str, abstract_state: Any) -> Any:
 
 def save_params(path: str, params: Any) -> None:
   """Write a params-only checkpoint that load_parameters_path accepts (e.g. from a converter)."""
+  outputs.check_can_make(path, "the checkpoint")  # Orbax's writer waits forever for a directory it failed to make
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(epath.Path(path), {"params": params})
     ckptr.wait_until_finished()

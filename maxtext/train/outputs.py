@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 
 from maxtext.errors import UserError, gib
 
@@ -74,6 +75,18 @@ def check_new_directory(path: str, what: str) -> None:
   if os.path.isdir(path) and os.listdir(path):
     raise OutputError(f"{what} '{path}' already exists and is not empty; name a new directory (nothing was overwritten)")
   check_writable(path, 0, what)
+
+
+def check_can_make(path: str, what: str) -> None:
+  """A directory can be made where path will be (permissions do not tell for root, nor for a special file system such
+  as /proc): one is made there and removed, else a one-line OutputError. Call it right before writing path."""
+  if is_remote(path):
+    return
+  anchor = _existing_ancestor(path)
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix=".maxtext-probe-", dir=anchor))
+  except OSError as e:
+    raise OutputError(f"{what} '{path}' cannot be made: creating a directory in {anchor} fails ({e.strerror}); choose a writable location") from None
 
 
 def _read_only(path: str) -> bool:
