@@ -42,7 +42,9 @@ SWEEP_POINTS = [
   ("checkpoint: ", (0.0, 0.01, 0.05), False),
 ]
 BIG = dict(base_emb_dim=128, base_num_query_heads=4, base_num_kv_heads=2, base_mlp_dim=256, base_num_decoder_layers=2, head_dim=32)
-OUT_OF_MEMORY = dict(BIG, per_device_batch_size=2, vocab_size=512, dataset_type="synthetic", max_target_length=32768, steps=2, device_peak_tflops=1)
+OUT_OF_MEMORY = dict(
+  BIG, per_device_batch_size=2, vocab_size=512, dataset_type="synthetic", max_target_length=32768, steps=2, device_peak_tflops=1, run_name="r"
+)
 ADDRESS_SPACE_EXTRA = 3 * 2**30  # what the limit leaves above the address space mapped when the process starts
 DATA_ROWS = 12
 
