@@ -60,19 +60,20 @@ def _stat_value(path: Path, key: str) -> int:
   return 0
 
 
-def _cgroup_dirs() -> list[tuple[Path, str, str, str]]:
-  """(directory, limit file, usage file, reclaimable key of memory.stat) for this process's memory cgroup and each parent."""
+def _cgroup_dirs(membership: Path, root: Path) -> list[tuple[Path, str, str, str]]:
+  """(directory, limit file, usage file, reclaimable key of memory.stat) for the memory cgroup that `membership`
+  (/proc/self/cgroup) names under `root`, and each of its parents."""
   try:
-    entries = Path("/proc/self/cgroup").read_text().splitlines()
+    entries = membership.read_text().splitlines()
   except OSError:
     return []
   out = []
   for entry in entries:
     hierarchy, controllers, path = (entry.split(":", 2) + ["", ""])[:3]
     if hierarchy == "0" and controllers == "":  # cgroup v2
-      base, files = CGROUP_ROOT, ("memory.max", "memory.current", "inactive_file")
+      base, files = root, ("memory.max", "memory.current", "inactive_file")
     elif "memory" in controllers.split(","):  # cgroup v1
-      base, files = CGROUP_ROOT / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+      base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
     else:
       continue
     d = base / path.lstrip("/")
@@ -84,10 +85,10 @@ def _cgroup_dirs() -> list[tuple[Path, str, str, str]]:
   return out
 
 
-def host_limits() -> list[Limit]:
+def host_limits(membership: Path = Path("/proc/self/cgroup"), cgroup_root: Path = CGROUP_ROOT) -> list[Limit]:
   """Every limit on this process's memory that applies (at least the host's available memory)."""
   limits = [Limit(_meminfo_available(), "the host's available memory (MemAvailable)")]
-  for d, limit_file, usage_file, reclaimable in _cgroup_dirs():
+  for d, limit_file, usage_file, reclaimable in _cgroup_dirs(membership, cgroup_root):
     limit = _read_int(d / limit_file)
     if limit is None or limit >= UNLIMITED:
       continue

@@ -241,6 +241,44 @@ def test_a_step_that_does_not_fit_is_refused_with_the_numbers(shared_setup, monk
     preflight.check_memory_fit(config, shared_setup.compiled_step)
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_cgroup_memory_limit_counts_at_every_level(tmp_path, version):
+  """The tightest limit of the process's cgroup and its parents, less what is used (page cache that can be reclaimed
+  counts as free). (RLIMIT_AS, which a process can set on itself, is tested for real in tests/test_run_ends.py.)"""
+  files = {"v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"), "v2": ("memory.max", "memory.current", "inactive_file")}
+  limit, usage, reclaimable = files[version]
+  base = tmp_path / ("memory" if version == "v1" else "")
+  leaf, parent = base / "jobs" / "job7", base / "jobs"
+  leaf.mkdir(parents=True)
+  (leaf / limit).write_text("max\n" if version == "v2" else f"{2**62}\n")  # no limit of its own
+  (parent / limit).write_text(f"{8 * 2**30}\n")
+  (parent / usage).write_text(f"{3 * 2**30}\n")
+  (parent / "memory.stat").write_text(f"anon 1\n{reclaimable} {2**30}\n")
+  membership = tmp_path / "cgroup"
+  membership.write_text("4:memory:/jobs/job7\n" if version == "v1" else "0::/jobs/job7\n")
+  limits = memory_limit.host_limits(membership, tmp_path)
+  cgroup = [x for x in limits if "cgroup" in x.what]
+  assert len(cgroup) == 1 and cgroup[0].bytes == 6 * 2**30 and str(parent / limit) in cgroup[0].what
+
+
+def test_out_of_memory_errors_name_the_bytes_asked():
+  cases = {
+    "RESOURCE_EXHAUSTED: Out of memory allocating 19626823392 bytes.": 19626823392,  # XLA:CPU
+    "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1073741824 bytes.": 2**30,  # XLA:GPU
+    "RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 12.00G. That was not possible.": 12 * 2**30,  # TPU
+    "Ran out of memory in memory space hbm. Used 120.50G of 95.74G hbm.": int(120.5 * 2**30),  # TPU compile
+  }
+  for text, asked in cases.items():
+    assert memory_limit.asked_bytes(RuntimeError(text)) == asked, text
+  error = memory_limit.out_of_memory(RuntimeError(next(iter(cases))), "in train step 3", "lower x")
+  assert error is not None and error.exit_code == 1
+  assert str(error).startswith("out of memory in train step 3: it asked for 18.28 GiB (19626823392 bytes), and ") and str(error).endswith("; lower x")
+  assert memory_limit.out_of_memory(RuntimeError("INVALID_ARGUMENT: shapes differ"), "x", "y") is None
+  with pytest.raises(memory_limit.OutOfMemory, match="out of memory in the eval: an allocation failed"):
+    with memory_limit.one_line("in the eval", "lower y"):
+      raise MemoryError()
+
+
 # --- signals ----------------------------------------------------------------------------------------------------------
 
 
