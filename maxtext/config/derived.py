@@ -8,6 +8,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
+from maxtext.config.adapters import adapter_specs
 from maxtext.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -105,9 +106,7 @@ def _device_counts(config: MaxTextConfig, num_devices: int | None, num_slices: i
 
 def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
   if c.lora.max_lora_adapters > 1 or c.lora.lora_adapters:
-    from maxtext.layers.lora import adapter_specs  # validates names, ranks and their count
-
-    adapter_specs(c)
+    adapter_specs(c)  # validates names, ranks and their count
   if c.lora.adapter_column:
     if not (c.lora.enable_lora and c.lora.max_lora_adapters > 1):
       raise ConfigError(
