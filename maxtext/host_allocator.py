@@ -6,8 +6,8 @@ hold it, so every step maps fresh pages and unmaps them afterwards: about 100k p
 zero-filling per step. Three `mallopt` settings stop that: one arena (the main heap, which can
 grow), no mmap for large blocks, and no trimming of freed memory, so the pages are reused.
 
-They must be set before JAX creates its thread pool (`maxtext.config.load`'s `before_devices`),
-and only for CPU runs: accelerator hosts keep glibc's defaults.
+They must be set before JAX creates its thread pool (`maxtext.process.prepare` does it before counting
+devices), and only for CPU runs: accelerator hosts keep glibc's defaults.
 """
 
 from __future__ import annotations

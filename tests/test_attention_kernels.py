@@ -14,7 +14,7 @@ import pytest
 from maxtext import models, platform
 from maxtext.config import ConfigError, from_overrides
 from maxtext.layers import attention_ops as ops
-from maxtext.platform import Policy, SplashBlocks
+from maxtext.platform import FUSED_ATTENTION, Policy, SplashBlocks
 
 SCALE = 0.3
 SMALL_BLOCKS = SplashBlocks(128, 128, 128, 128, 128, 128, 128, 128)
@@ -124,7 +124,7 @@ def test_packed_offsets_mask_equals_segment_causal_mask(batch):
 
 
 def policy(platform_name, attention="autoselected", **kw):
-  return Policy(platform=platform_name, attention=attention, **kw)
+  return Policy(platform=platform_name, attention=attention, fused_attention=FUSED_ATTENTION[platform_name], **kw)
 
 
 FACTS = dict(dtype=jnp.bfloat16, head_dim=64, q_len=2048, kv_len=2048, soft_cap=None)

@@ -42,7 +42,6 @@ _RUN_ONLY_KEYS = {
   "profiler_steps",
   "skip_first_n_steps_for_profiler",
   "checkpoint_dir",
-  "metrics_dir",
   "tensorboard_dir",
 }
 for _section in (AOT, Checkpointing, DatasetGeneral, Distributed, Tokenizer):

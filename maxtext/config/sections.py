@@ -390,5 +390,4 @@ class DerivedValues(Section):
   micro_batch_size_to_train_on: int = Field(0, description="Sequences per micro-batch over all devices.")
   global_batch_size_to_train_on: int = Field(0, description="Sequences per optimizer step (micro x gradient_accumulation_steps).")
   checkpoint_dir: str = Field("", description="<base_output_directory>/<run_name>/checkpoints/")
-  metrics_dir: str = Field("", description="<base_output_directory>/<run_name>/metrics/")
   tensorboard_dir: str = Field("", description="<base_output_directory>/<run_name>/tensorboard/")

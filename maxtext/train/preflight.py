@@ -16,10 +16,11 @@ from typing import Any
 import jax
 
 from maxtext import mesh as mesh_lib
+from maxtext import platform
 from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
-from maxtext.train import checkpointing, outputs, perf
+from maxtext.train import checkpointing, outputs
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 
@@ -39,7 +40,7 @@ class Checked:
 def run_checks(
   config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None, setup: setup_lib.TrainSetup | None = None, log: Callable[[str], None] | None = None
 ) -> Checked:
-  perf.check_hardware(config)
+  platform.check_hardware(config)
   if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
     raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
   if config.remat_policy == "auto" and config.compiled_trainstep_file:

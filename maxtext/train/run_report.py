@@ -65,10 +65,9 @@ class RunReport:
     model = c.model_name if c.model_name != "default" else f"{c.decoder_block} (configured in YAML)"
     params = counting.param_count(c)
     mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh.shape.items())
-    platform = self.mesh.devices.flat[0].platform
     tensorboard = f"tensorboard --logdir {c.tensorboard_dir}" if c.enable_tensorboard else "off (enable_tensorboard=false)"
     self.log(f"model: {model}, {count(params)} parameters ({c.num_decoder_layers} layers, emb {c.emb_dim}, {c.num_query_heads} heads, vocab {c.vocab_size})")
-    self.log(f"mesh: {mesh} over {self.mesh.devices.size} {platform} device(s) in {jax.process_count()} process(es)")
+    self.log(f"mesh: {mesh} over {self.mesh.devices.size} {self.policy.platform} device(s) in {jax.process_count()} process(es)")
     self.log(
       f"batch: {c.global_batch_size_to_train_on} sequences x {c.max_target_length} tokens = {self.tokens_per_step:,} tokens per step"
       + (f" ({c.gradient_accumulation_steps} accumulated micro-batches)" if c.gradient_accumulation_steps > 1 else "")
