@@ -127,8 +127,7 @@ def peak_tflops(config: MaxTextConfig) -> tuple[float, str]:
   if table is not None:
     return table, "chip table"
   tflops, cached = cached_matmul_tflops()
-  how = "cached" if cached else "measured now and cached"
-  return tflops, f"{MEASURED}, {how} in {cache_path()}; device_peak_tflops=X overrides"
+  return tflops, f"{MEASURED}, {'from this host' if cached else 'now'}"
 
 
 @dataclasses.dataclass
@@ -145,6 +144,10 @@ class Yardstick:
     tflops, source = peak_tflops(config)
     measured = source.startswith(MEASURED)
     return cls(tflops, source, measured=measured, cache=cache_path() if measured else "")
+
+  def described(self) -> str:
+    """The source, with the cache file and the key that overrides it for a measured figure (the banner's words)."""
+    return f"{self.source}; cached in {self.cache}, device_peak_tflops=X overrides" if self.cache else self.source
 
   def mfu(self, achieved_tflops: float) -> float:
     """achieved / peak; a step faster than a measured peak becomes the peak (the device just showed it can)."""

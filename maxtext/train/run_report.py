@@ -76,7 +76,9 @@ class RunReport:
       where = "pinned host memory" if self.policy.offload_layer_inputs else "device memory"
       self.log(f"remat: {c.remat_policy}; each layer's saved input in {where} (decoder_layer_input={c.decoder_layer_input})")
     self.log(f"output: {run_dir(c)}; TensorBoard: {tensorboard}")
-    self.log(f"training {c.run_name} from step {self.start} to {c.steps}; MFU against {self.yardstick.tflops:.3f} TFLOP/s/device ({self.yardstick.source})")
+    self.log(
+      f"training {c.run_name} from step {self.start} to {c.steps}; MFU against {self.yardstick.tflops:.3f} TFLOP/s/device ({self.yardstick.described()})"
+    )
 
   def step_metrics(self, seconds: float) -> dict[str, float]:
     """Throughput and MFU of a step that took `seconds` (measured once its results were ready)."""
