@@ -110,7 +110,7 @@ def for_platform(config: PolicyKeys, platform: str, interpret: bool = False) -> 
 
 def offload_layer_inputs(config: PolicyKeys, platform: str) -> bool:
   """decoder_layer_input: offload, or auto on TPU with scanned layers (there the scanned loop keeps a [layers, B, S, E]
-  stack of inputs in HBM; unrolled TPU layers measured no better offloaded, benchmarks/README.md)."""
+  stack of inputs in HBM; unrolled TPU layers gain nothing offloaded: benchmarks/README.md, figures behind code comments)."""
   where = config.decoder_layer_input
   return where == "offload" or (where == "auto" and platform == "tpu" and config.scan_layers)
 

@@ -62,7 +62,7 @@ def _measure(n: int, min_repeats: int = 30, min_seconds: float = 1.5) -> float:
   a = jnp.ones((n, n), jnp.bfloat16)  # on the default device
   b = jnp.full((n, n), 0.5, jnp.bfloat16)
   # float32 accumulation, as the model's matmuls (maxtext.layers.matmul); on XLA:CPU a bf16-output matmul
-  # takes a float32 upcast path several times slower than the machine's bf16 units.
+  # takes a float32 upcast path, far slower than the machine's bf16 units (benchmarks/README.md, figures behind code comments).
   matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
   matmul(a, b).block_until_ready()
   best, spent, repeats = float("inf"), 0.0, 0
