@@ -45,7 +45,6 @@ class PolicyKeys(Protocol):
   attention: str
   max_segments_per_seq: int
   decoder_layer_input: str
-  scan_layers: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +78,8 @@ class Policy:
   max_segments_per_seq: int = -1  # documents per packed row (data pipeline bound); > 0 enables cuDNN packed offsets
   unstacked_decode: bool = False  # decode with per-layer arrays: XLA:CPU copies a scan's slices of stacked weights and caches
   compiler_state_layouts: bool = False  # XLA picks the train state's device layouts (TPU: no per-step relayout of stacked kernels)
-  offload_layer_inputs: bool = False  # keep each decoder layer's saved input in pinned host memory (config.decoder_layer_input)
+  offload_layer_inputs: bool = False  # keep each decoder layer's saved input in pinned host memory (decoder_layer_input=offload)
+  host_offload: bool = False  # pinned host memory may hold activations: decoder_layer_input=auto tries it when HBM is short (TPU)
 
 
 def splash_blocks(config: PolicyKeys) -> SplashBlocks:
@@ -104,15 +104,9 @@ def for_platform(config: PolicyKeys, platform: str, interpret: bool = False) -> 
     max_segments_per_seq=config.max_segments_per_seq,
     unstacked_decode=cpu,
     compiler_state_layouts=platform == "tpu",
-    offload_layer_inputs=offload_layer_inputs(config, platform),
+    offload_layer_inputs=config.decoder_layer_input == "offload",  # auto is resolved by compiling (maxtext.aot.remat_auto)
+    host_offload=platform == "tpu",
   )
-
-
-def offload_layer_inputs(config: PolicyKeys, platform: str) -> bool:
-  """decoder_layer_input: offload, or auto on TPU with scanned layers (there the scanned loop keeps a [layers, B, S, E]
-  stack of inputs in HBM; unrolled TPU layers gain nothing offloaded: benchmarks/README.md, figures behind code comments)."""
-  where = config.decoder_layer_input
-  return where == "offload" or (where == "auto" and platform == "tpu" and config.scan_layers)
 
 
 def platform_of(devices: Iterable[jax.Device]) -> str:

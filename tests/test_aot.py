@@ -34,6 +34,7 @@ FIELDS = {
   "fits",
   "tflops_per_step",
   "remat_policy",
+  "decoder_layer_input",
 }
 
 

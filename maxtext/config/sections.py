@@ -242,7 +242,8 @@ class RematAndOffload(Section):
   decoder_layer_input: Literal["auto", "device", "offload"] = Field(
     "auto",
     description="Where each decoder layer's input, saved for the backward pass, is kept: device (HBM), offload (pinned host memory: "
-    "copied out in the forward pass, back in the backward pass), auto: offload on TPU with scan_layers, device elsewhere. Unused with remat_policy=none.",
+    "copied out in the forward pass, back in the backward pass), auto: device unless the compiled step fits only offloaded (TPU, scan_layers). "
+    "Unused with remat_policy=none.",
   )
   scan_layers: bool = Field(True, description="Stack layers and run them with jax.lax.scan (flat compile time in depth).")
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 
+from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.platform import Policy
 from maxtext.train import checkpointing, perf
@@ -44,10 +45,19 @@ def run_dir(config: MaxTextConfig) -> str:
 class RunReport:
   """Prints the banner, the progress lines and the summary of one call of maxtext.train.loop.train."""
 
-  def __init__(self, config: MaxTextConfig, mesh: jax.sharding.Mesh, policy: Policy, start_step: int, log: Callable[[str], None]):
+  def __init__(
+    self,
+    config: MaxTextConfig,
+    mesh: jax.sharding.Mesh,
+    policy: Policy,
+    start_step: int,
+    log: Callable[[str], None],
+    choice: remat_auto.Choice | None = None,
+  ):
     from maxtext.models import counting
 
     self.config, self.mesh, self.policy, self.start, self.log = config, mesh, policy, start_step, log
+    self.choice = choice  # how remat_policy=auto / decoder_layer_input=auto were resolved, if they were
     self.began = time.perf_counter()
     self.flops = counting.flops_per_device_per_step(config) / 1e12  # TFLOPs per device per step
     self.tokens_per_step = config.global_batch_size_to_train_on * config.max_target_length
@@ -74,7 +84,9 @@ class RunReport:
     )
     if c.remat_policy != "none":
       where = "pinned host memory" if self.policy.offload_layer_inputs else "device memory"
-      self.log(f"remat: {c.remat_policy}; each layer's saved input in {where} (decoder_layer_input={c.decoder_layer_input})")
+      why = self.choice.reason() if self.choice else f"decoder_layer_input={c.decoder_layer_input}"
+      remat = f"{c.remat_policy} (remat_policy=auto)" if self.choice and self.choice.auto_policy else c.remat_policy
+      self.log(f"remat: {remat}; each layer's saved input in {where} ({why})")
     self.log(f"output: {run_dir(c)}; TensorBoard: {tensorboard}")
     self.log(
       f"training {c.run_name} from step {self.start} to {c.steps}; MFU against {self.yardstick.tflops:.3f} TFLOP/s/device ({self.yardstick.described()})"
