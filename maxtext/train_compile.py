@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices need no local accelerator
   from maxtext import topology
   from maxtext.aot import compile as aot_compile
-  from maxtext.aot import executable, memory
+  from maxtext.aot import executable, memory, remat_auto
   from maxtext.config import ConfigError, load
 
   config = load(argv)
@@ -37,9 +37,7 @@ def main(argv: list[str]) -> None:
   print(f"compiling the train step of {config.model_name} for {where}: ici {config.ici_parallelism}, dcn {config.dcn_parallelism}", flush=True)
   result = aot_compile.compile_for_topology(config, log=lambda line: print(line, flush=True))
   print(f"remat_policy: {result.config.remat_policy}")
-  where = "pinned host memory" if result.config.decoder_layer_input == "offload" else "device memory"
-  why = result.choice.reason() if result.choice else f"decoder_layer_input={result.config.decoder_layer_input}"
-  print(f"each layer's saved input in {where} ({why})")
+  print(remat_auto.saved_input(result.config.decoder_layer_input == "offload", result.config.decoder_layer_input, result.choice))
   print(
     f"compiled in {result.compile_seconds:.1f}s; model TFLOPs per step {result.tflops_per_step:.2f} ({result.tflops_per_step / config.num_devices:.3f} per device)"
   )

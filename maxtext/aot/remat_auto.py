@@ -12,10 +12,10 @@ Among the candidates that fit, the choice has the least recomputation, then the 
   down the list recomputes more of every layer's forward pass, so an offload is preferred to more recomputation.
 
 Offloading is a candidate only where the platform policy keeps activations in pinned host memory (`host_offload`:
-TPU), with scanned layers (unrolled layers gain nothing from it), and not under `none`, which
-saves no layer input (figures: benchmarks/README.md, figures behind code comments). Unresolved (a model built outside train and train_compile), `auto` keeps the inputs in HBM.
-When nothing fits, the candidate that saves the most memory is chosen and the caller's memory check reports the
-shortfall.
+TPU), with scanned layers (unrolled layers gain nothing from it: benchmarks/README.md, figures behind code
+comments), and not under `none`, which saves no layer input. Unresolved (a model built outside train and
+train_compile), `auto` keeps the inputs in HBM. When nothing fits, the candidate that saves the most memory is
+chosen and the caller's memory check reports the shortfall.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ class Choice:
       return f"decoder_layer_input={self.layer_input}"
     if not self.offload_possible:
       return "decoder_layer_input=auto: offloading is tried only for scanned layers on TPU"
+    if self.policy == "none":
+      return "decoder_layer_input=auto: remat_policy=none saves no layer input"
     if self.layer_input == "device":
       return "decoder_layer_input=auto: the step fits with them in HBM"
     return "decoder_layer_input=auto: the step does not fit with them in HBM"
@@ -85,6 +87,12 @@ class Choice:
     budget = f"budget {memory.gib(self.budget_bytes)} GiB per device"
     compiled = f"; compiled: {self._compiled()}" if self.tried else ""
     return f"{keys} chose remat_policy={self.policy} with each layer's saved input in {where} ({'; '.join(why)}; {budget}{compiled})"
+
+
+def saved_input(offloaded: bool, configured: str, choice: Choice | None) -> str:
+  """Where each layer's saved input is kept and why, as the train banner and train_compile say it."""
+  where = "pinned host memory" if offloaded else "device memory"
+  return f"each layer's saved input in {where} ({choice.reason() if choice else f'decoder_layer_input={configured}'})"
 
 
 def places(config: MaxTextConfig, policy: str, offload_possible: bool) -> tuple[str, ...]:

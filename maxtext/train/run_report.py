@@ -83,10 +83,8 @@ class RunReport:
       + (f" ({c.gradient_accumulation_steps} accumulated micro-batches)" if c.gradient_accumulation_steps > 1 else "")
     )
     if c.remat_policy != "none":
-      where = "pinned host memory" if self.policy.offload_layer_inputs else "device memory"
-      why = self.choice.reason() if self.choice else f"decoder_layer_input={c.decoder_layer_input}"
       remat = f"{c.remat_policy} (remat_policy=auto)" if self.choice and self.choice.auto_policy else c.remat_policy
-      self.log(f"remat: {remat}; each layer's saved input in {where} ({why})")
+      self.log(f"remat: {remat}; {remat_auto.saved_input(self.policy.offload_layer_inputs, c.decoder_layer_input, self.choice)}")
     self.log(f"output: {run_dir(c)}; TensorBoard: {tensorboard}")
     self.log(
       f"training {c.run_name} from step {self.start} to {c.steps}; MFU against {self.yardstick.tflops:.3f} TFLOP/s/device ({self.yardstick.described()})"
