@@ -104,9 +104,17 @@ def exit_within(seconds: float, code: int) -> None:
   timer.start()
 
 
+def runs_as_program(fn: Callable) -> bool:
+  """Whether fn belongs to the module Python runs as the program (`python -m maxtext.train`): the process then ends
+  when fn returns. Called from another program (a test, a notebook), it must not end that process."""
+  return getattr(fn, "__module__", None) == "__main__"
+
+
 def cli_main(fn: F) -> F:
   """Wrap an entry point: a UserError prints `error: ...` on stderr and exits with its code, a KeyboardInterrupt one line
-  and exit 130; library warnings are muted."""
+  and exit 130; library warnings are muted. Run as the program, the process also ends within EXIT_GRACE_SECONDS of an
+  error, and at once on the Ctrl-C, whatever library threads are left."""
+  program = runs_as_program(fn)
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
@@ -115,7 +123,8 @@ def cli_main(fn: F) -> F:
       return fn(*args, **kwargs)
     except UserError as e:
       print(f"error: {one_line(str(e))}", file=sys.stderr, flush=True)
-      exit_within(EXIT_GRACE_SECONDS, e.exit_code)
+      if program:
+        exit_within(EXIT_GRACE_SECONDS, e.exit_code)
       sys.exit(e.exit_code)
     except KeyboardInterrupt:  # Ctrl-C where nothing waits for it, or a second Ctrl-C during training: stop at once
       print(
@@ -123,10 +132,13 @@ def cli_main(fn: F) -> F:
         file=sys.stderr,
         flush=True,
       )
+      if not program:
+        sys.exit(EXIT_INTERRUPTED)
       sys.stdout.flush()
       os._exit(EXIT_INTERRUPTED)  # not sys.exit: shutdown would wait for background writers, and a further Ctrl-C there prints a traceback
     except Exception:  # a bug: Python prints the traceback; the process still ends
-      exit_within(EXIT_GRACE_SECONDS, 1)
+      if program:
+        exit_within(EXIT_GRACE_SECONDS, 1)
       raise
 
   return wrapper  # type: ignore[return-value]

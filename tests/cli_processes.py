@@ -2,8 +2,8 @@
 
 `python -m tests.cli_processes < jobs.json > results.json`. The parent imports JAX, Flax, Orbax, grain, TensorBoard
 and matplotlib once (no JAX backend is started, no thread runs), then forks a child per job, two at a time. Each
-child is a process of its own: it sets its limits, takes stdout and stderr to files, calls the entry point's `main`
-as `python -m maxtext.train` would, and ends through the interpreter's normal shutdown (its atexit handlers and
+child is a process of its own: it sets its limits, takes stdout and stderr to files, runs `maxtext.train` as the
+`__main__` module as `python -m maxtext.train` does, and ends through the interpreter's normal shutdown (its atexit handlers and
 thread joins included), so its exit code is the CLI's. What a child skips is only the ~3 s of imports.
 
 A job (JSON): {"argv": [...], "stdout": path, "stderr": path, "cwd": dir, "phase": n (jobs run phase by phase, in
@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import resource
+import runpy
 import shutil
 import signal
 import sys
@@ -62,7 +63,7 @@ def _vm_size() -> int:
   return 0
 
 
-def _run_child(job: dict[str, Any]) -> Any:
+def _run_child(job: dict[str, Any]) -> None:
   os.chdir(job.get("cwd", "."))
   if job.get("address_space_extra"):
     limit = _vm_size() + int(job["address_space_extra"])
@@ -71,10 +72,8 @@ def _run_child(job: dict[str, Any]) -> Any:
     from maxtext.train import preflight
 
     preflight.check_memory_fit = lambda *args: None
-  from maxtext.train.__main__ import main
-
   sys.argv = ["maxtext.train", *job["argv"]]
-  return main(job["argv"])
+  runpy.run_module("maxtext.train", run_name="__main__", alter_sys=True)  # what `python -m maxtext.train` does
 
 
 def hashes(root: Path) -> dict[str, str]:
