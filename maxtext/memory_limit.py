@@ -121,11 +121,12 @@ def limit_per_device(devices: list | None = None) -> Limit:
   import jax
 
   devices = devices or jax.local_devices()
-  device = devices[0]
+  mine = [d for d in devices if d.process_index == jax.process_index()] or jax.local_devices()
+  device = mine[0]  # another process's device has no memory_stats here
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   if stats and stats.get("bytes_limit"):
     return Limit(int(stats["bytes_limit"]), f"{device.device_kind} memory")
-  local = sum(1 for d in devices if d.process_index == device.process_index)
+  local = len(mine)
   tightest = min(host_limits(), key=lambda limit: limit.bytes)
   shared = f", shared by {local} CPU devices" if local > 1 else ""
   return Limit(tightest.bytes // max(1, local), f"{tightest.what}{shared}")

@@ -49,10 +49,10 @@ def _preimport() -> None:
   import matplotlib.pyplot  # noqa: F401
   import tensorboardX  # noqa: F401
 
+  import maxtext.cli  # noqa: F401 - not maxtext.train.__main__: the child runs that module as __main__
   import maxtext.data.pipeline  # noqa: F401
   import maxtext.models  # noqa: F401
   import maxtext.plot  # noqa: F401
-  import maxtext.train.__main__  # noqa: F401
   import maxtext.train.loop  # noqa: F401
 
 
