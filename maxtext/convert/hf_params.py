@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from maxtext.config import MaxTextConfig
+from maxtext.convert import mxfp4
 from maxtext.errors import ConfigError, shorten
 from maxtext.models import registry
 
@@ -205,7 +206,7 @@ def text_decoder_tensors(tensors: dict[str, Array]) -> dict[str, Array]:
 def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str, Array]:
   """Flat HF tensors -> flat maxtext params. Every tensor must be consumed (else a one-line ConfigError)."""
   c = config
-  tensors = text_decoder_tensors(tensors)
+  tensors = mxfp4.dense_experts(text_decoder_tensors(tensors))
   used: set[str] = set()
 
   def take(name: str) -> Array:
