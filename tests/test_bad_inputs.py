@@ -66,6 +66,8 @@ CASES = [
   ("run_directory_locked_by_a_live_run", _train("base_output_directory={tmp}/locked"), "in use by another run"),
   ("convert_truncated_safetensors", [*CONVERT, "--hf-dir", "{tmp}/hf_truncated"], "not a readable safetensors file"),
   ("convert_hidden_size_disagrees", [*CONVERT, "--hf-dir", "{tmp}/hf_wrong_size"], "does not fit hidden_size"),
+  ("convert_config_contradicts_itself", [*CONVERT, "--hf-dir", "{tmp}/hf_contradiction"], "lists 3 layer_types for num_hidden_layers=2"),
+  ("attention_sink_without_sink_parameters", _train("attention_sink=true"), "has no sink parameters"),
 ]
 
 
@@ -107,6 +109,10 @@ def _make_inputs(tmp: Path) -> None:
   weights = tmp / "hf_truncated" / "model.safetensors"
   weights.write_bytes(weights.read_bytes()[:1000])
   _hf_dir(tmp / "hf_wrong_size", 24, 16)
+  (tmp / "hf_contradiction").mkdir()  # a Gemma 3 config.json whose layer_types do not count its layers
+  gemma3 = dict(model_type="gemma3_text", hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64)
+  gemma3.update(num_hidden_layers=2, sliding_window=4, layer_types=["sliding_attention"] * 3)
+  (tmp / "hf_contradiction" / "config.json").write_text(json.dumps(gemma3))
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from maxtext.config import from_overrides
-from maxtext.inference import cache_layout, forward
+from maxtext.inference import cache_layout
 from maxtext.inference.generate import Generator
-from tests.test_decode import full_logits, perturbed
+from tests.test_decode import assert_cached_logits_equal_full_forward, full_logits, perturbed
 
 TINY_MLA = dict(
   decoder_block="deepseek",
@@ -79,18 +76,4 @@ def test_cache_bytes_equal_the_formula():
 @pytest.mark.parametrize("naive, scan", [(False, True), (True, False)], ids=["latent-scanned", "naive-unscanned"])
 def test_cached_logits_equal_full_forward(naive, scan):
   config, gen, tokens, full = built(naive, scan)
-  lengths = np.array([5, 9], np.int32)
-  prompts = np.where(np.arange(16) < lengths[:, None], tokens[:, :16], 0)
-
-  @jax.jit
-  def prefill_all(state, prompts, lengths):
-    m = nnx.merge(gen.graphdef, state)
-    hidden, cache = forward.hidden_states(m, prompts, lengths, cache_layout.zeros(config, 2, gen.layout), gen.layout)
-    return m.logits(hidden), cache
-
-  logits, cache = prefill_all(gen.state, prompts, lengths)
-  for row, n in enumerate(lengths):
-    np.testing.assert_allclose(np.asarray(logits)[row, :n], full[row, :n], atol=1e-5, rtol=0)
-  for i in range(6):
-    cache, step_logits = gen.step(gen.state, cache, jnp.asarray(tokens[[0, 1], lengths + i]))
-    np.testing.assert_allclose(np.asarray(step_logits), full[[0, 1], lengths + i], atol=1e-5, rtol=0)
+  assert_cached_logits_equal_full_forward(config, gen, tokens, full, steps=6)

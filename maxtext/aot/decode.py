@@ -33,16 +33,10 @@ class DecodeCompileResult:
   cache_bytes_per_device: int  # this device's shard of the cache
 
   def summary(self) -> dict[str, Any]:
-    m = self.memory
     return {
       "compile_seconds": round(self.compile_seconds, 3),
       "batch": self.batch,
-      "argument_bytes": m.argument_bytes,
-      "output_bytes": m.output_bytes,
-      "temp_bytes": m.temp_bytes,
-      "total_bytes": m.total_bytes,
-      "hbm_bytes": m.hbm_bytes,
-      "fits": m.fits,
+      **self.memory.fields(),
       "kv_cache_bytes_per_device": self.cache_bytes_per_device,
     }
 

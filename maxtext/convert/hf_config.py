@@ -340,7 +340,7 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
   if c.decoder_block in ("mistral", "mixtral", "qwen3", "qwen3_moe"):
     hf["sliding_window"] = c.sliding_window_size or None
     hf["use_sliding_window"] = bool(c.sliding_window_size)
-  if c.decoder_block == "gemma2":
+  if c.decoder_block in ("gemma2", "gemma3"):
     hf.update(
       hidden_activation=TO_HF_ACTIVATIONS[c.mlp_activations[0]],
       sliding_window=c.sliding_window_size,
@@ -352,16 +352,8 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
   if c.decoder_block == "gemma3":
     if c.local_rope_max_timescale <= 0:
       raise ConfigError("gemma3 export needs local_rope_max_timescale (Gemma 3's sliding-window layers have their own rope base)")
-    hf.update(
-      hidden_activation=TO_HF_ACTIVATIONS[c.mlp_activations[0]],
-      sliding_window=c.sliding_window_size,
-      attn_logit_softcapping=c.attn_logits_soft_cap,
-      final_logit_softcapping=c.final_logits_soft_cap,
-      query_pre_attn_scalar=_int_if_whole(c.query_pre_attn_scalar or c.head_dim),
-      layer_types=layer_types,
-      rope_parameters={"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": c.local_rope_max_timescale}},
-      use_bidirectional_attention=False,
-    )
+    local = {"rope_type": "default", "rope_theta": c.local_rope_max_timescale}
+    hf.update(rope_parameters={"full_attention": rope, "sliding_attention": local}, use_bidirectional_attention=False)
     hf.pop("rope_scaling", None)
     hf.pop("rope_theta", None)
   if c.decoder_block == "gpt_oss":

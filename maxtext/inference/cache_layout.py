@@ -120,7 +120,7 @@ def logical_axes(cache: DecodeCache) -> DecodeCache:
 
 def shardings(config: MaxTextConfig, mesh: Mesh, cache: DecodeCache) -> DecodeCache:
   """NamedShardings of the cache under the config's logical_axis_rules."""
-  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)  # noqa: E731
+  is_axes = lambda x: isinstance(x, tuple) and len(x) > 0 and all(isinstance(a, str | None) for a in x)  # noqa: E731
   return jax.tree.map(lambda axes: NamedSharding(mesh, mesh_lib.logical_to_spec(axes, config.logical_axis_rules, mesh)), logical_axes(cache), is_leaf=is_axes)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -10,7 +12,12 @@ from maxtext.inference.cache_layout import DecodeCache, Layout, Stack
 from maxtext.inference.kv_cache import LayerCache
 from maxtext.layers import lora
 from maxtext.layers.residual import collapse_streams
-from maxtext.models.decoder import Transformer, group_layers
+from maxtext.models.decoder import Transformer
+
+
+def group_layers(state: Any, p: int, n: int) -> Any:
+  """Stacked layer arrays [L, ...] -> their first n groups of p consecutive layers [n, p, ...] (what a grouped scan steps over)."""
+  return jax.tree.map(lambda a: (a if a.shape[0] == n * p else a[: n * p]).reshape(n, p, *a.shape[1:]), state)
 
 
 def _layer(graphdef: nnx.GraphDef, state: nnx.State, index) -> nnx.Module:

@@ -21,7 +21,6 @@ from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.layers.sharding import constrain
 from maxtext.models import registry, remat
 from maxtext.models.decoder_layer import DecoderLayer
-from maxtext.models.family import period
 from maxtext.models.mtp import MTPBlock
 from maxtext.platform import Policy
 
@@ -41,11 +40,6 @@ def stacked_layers(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs, count:
   state = jax.vmap(lambda k: nnx.state(DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(k), dense=dense)))(keys)
   state = jax.tree.map(_prepend_layers_axis, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
   return nnx.merge(graphdef, state)
-
-
-def group_layers(state: Any, p: int, n: int) -> Any:
-  """Stacked layer arrays [L, ...] -> their first n groups of p consecutive layers [n, p, ...] (what a grouped scan steps over)."""
-  return jax.tree.map(lambda a: (a if a.shape[0] == n * p else a[: n * p]).reshape(n, p, *a.shape[1:]), state)
 
 
 def tied_to_carry(weights: Any, carry: jax.Array, compute_dtype: Any) -> Any:
@@ -112,50 +106,37 @@ class Transformer(nnx.Module):
   def _run_layers(self, layers: nnx.Module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, windows: list[int]):
     """A stack (scanned) or list of layers over x -> (x, per-layer MoE statistics stacked on a leading axis).
 
-    Scanned layers run in groups of p consecutive layers, p the period of the per-layer windows (1 for uniform
-    models, 2 for gemma2 and gpt_oss, 6 for gemma3): the scan steps over whole groups, so every layer's window is
-    a Python int (one attention kernel per layer, no switch between kernels). Layers after the last whole group run
-    unscanned. The stored parameters keep their [layers, ...] stack either way.
+    Scanned layers take their window as a scan input when windows differ (gemma2, gemma3, gpt_oss): attention then
+    switches between one kernel per window (attention_ops.attend). Scanning over groups of the windows' period
+    instead (decoding does, for its per-layer caches) measured far more TPU memory in training: XLA copied each
+    group position's slice of every stacked weight out of the loop (benchmarks/README.md).
     """
     c = self.config
+
     offload = self.policy.offload_layer_inputs
 
-    def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int):
+    def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int | jax.Array):
       h = checkpoint_name(h, remat.LAYER_INPUT)  # before any other use of h, so an offloaded input is the only copy kept
       layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, dtype(c.dtype)) if c.scan_layers else layer_state)
       return layer(h, positions, segment_ids, window)
 
-    def rematted(graphdef: nnx.GraphDef, window: int, prevent_cse: bool):
-      return remat.wrap(lambda h, st: layer_fn(graphdef, st, h, window), c.remat_policy, prevent_cse=prevent_cse, offload_input=offload)
-
-    per_layer = []
     if c.scan_layers:
       graphdef, state = nnx.split(layers)
-      p = period(windows)
-      n = len(windows) // p
-      steps = [rematted(graphdef, windows[j], prevent_cse=False) for j in range(p)]
+      static_window = windows[0] if len(set(windows)) == 1 else None
 
-      def body(h, group_state):
-        stats = []
-        for j in range(p):
-          h, s = steps[j](h, jax.tree.map(lambda a, j=j: a[j], group_state))
-          stats.append(s)
-        return h, jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
+      def body(h, xs):
+        layer_state, window = xs
+        return layer_fn(graphdef, layer_state, h, static_window if static_window is not None else window)
 
-      x, stats = jax.lax.scan(body, x, group_layers(state, p, n))
-      per_layer.append(jax.tree.map(lambda a: a.reshape(n * p, *a.shape[2:]), stats))
-      tail = [(jax.tree.map(lambda a, i=i: a[i], state), windows[i]) for i in range(n * p, len(windows))]
-    else:
-      graphdef = None
-      tail = [(layer, w) for layer, w in zip(layers, windows)]
-    for layer_or_state, window in tail:
-      if graphdef is None:
-        g, st = nnx.split(layer_or_state)
-      else:
-        g, st = graphdef, layer_or_state
-      x, stats = rematted(g, window, prevent_cse=True)(x, st)
-      per_layer.append(jax.tree.map(lambda a: a[None], stats))
-    return x, jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_layer)
+      body = remat.wrap(body, c.remat_policy, prevent_cse=False, offload_input=offload)
+      return jax.lax.scan(body, x, (state, jnp.asarray(windows, jnp.int32)))
+    per_layer = []
+    for layer, window in zip(layers, windows):
+      graphdef, state = nnx.split(layer)
+      step = remat.wrap(lambda h, st, w=window, g=graphdef: layer_fn(g, st, h, w), c.remat_policy, prevent_cse=True, offload_input=offload)
+      x, stats = step(x, state)
+      per_layer.append(stats)
+    return x, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
   def forward_hidden(
     self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
