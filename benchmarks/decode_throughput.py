@@ -70,8 +70,8 @@ def main(argv: list[str]) -> list[dict]:
     tokens, lengths = gen.pad(prompts)
     prefill, _ = gen._executables_for(tokens, lengths)
     with jax.set_mesh(mesh):
-      prefill_s = median_seconds(prefill, gen.state, tokens, lengths, repeats=5)
-      cache, logits = prefill(gen.state, tokens, lengths)
+      prefill_s = median_seconds(prefill, gen.state, tokens, lengths, None, repeats=5)
+      cache, logits = prefill(gen.state, tokens, lengths, None)
       next_tokens = jnp.argmax(logits, -1).astype(jnp.int32)
       cache, logits = gen.step(gen.state, cache, next_tokens)  # compiles the step for this batch size
       compiles = gen.step._cache_size()
