@@ -86,6 +86,8 @@ CASES = [
   ("run_name_300_characters", _train("run_name=" + "a" * 300), "300 bytes long"),
   ("run_name_with_nul", _train_yml("nul_run_name.yml"), "contains '\\x00'"),
   ("run_name_with_newline", _train("run_name=a\nb"), "contains '\\n'"),
+  ("convert_config_contradicts_itself", [*CONVERT, "--hf-dir", "{tmp}/hf_contradiction"], "lists 3 layer_types for num_hidden_layers=2"),
+  ("attention_sink_without_sink_parameters", _train("attention_sink=true"), "has no sink parameters"),
 ]
 
 
@@ -150,6 +152,10 @@ def _make_inputs(tmp: Path) -> None:
   _hf_dir(tmp / "hf", 16, 16)
   _hf_dir(tmp / "hf_list_config", 16, 16)
   (tmp / "hf_list_config" / "config.json").write_text("[1, 2]")
+  (tmp / "hf_contradiction").mkdir()  # a Gemma 3 config.json whose layer_types do not count its layers
+  gemma3 = dict(model_type="gemma3_text", hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64)
+  gemma3.update(num_hidden_layers=2, sliding_window=4, layer_types=["sliding_attention"] * 3)
+  (tmp / "hf_contradiction" / "config.json").write_text(json.dumps(gemma3))
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:

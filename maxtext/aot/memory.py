@@ -54,6 +54,18 @@ class MemoryReport:
   def fits(self) -> bool:
     return not self.out_of_memory and self.total_bytes <= self.hbm_bytes
 
+  def fields(self) -> dict[str, Any]:
+    """The machine-readable memory figures (part of the JSON line the compile commands print)."""
+    return {
+      "argument_bytes": self.argument_bytes,
+      "output_bytes": self.output_bytes,
+      "temp_bytes": self.temp_bytes,
+      "host_temp_bytes": self.host_temp_bytes,
+      "total_bytes": self.total_bytes,
+      "hbm_bytes": self.hbm_bytes,
+      "fits": self.fits,
+    }
+
   def lines(self) -> list[str]:
     if self.out_of_memory:
       return [

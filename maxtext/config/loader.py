@@ -253,7 +253,16 @@ def _model_file(model_name: str, config_path: Path) -> Path:
     if c.is_file():
       return c
   names = sorted({p.stem for d in candidates for p in d.parent.glob("*.yml")})
-  raise ConfigError(f"unknown model_name '{model_name}'; available: {', '.join(names) or 'none'} (files in configs/models/)")
+  raise ConfigError(f"unknown model_name '{model_name}'; available: {_grouped(names) or 'none'} (files in configs/models/)")
+
+
+def _grouped(names: list[str]) -> str:
+  """Model names grouped by family prefix, one line: 'gemma2-{27b,2b,9b}, mistral-7b, ...'."""
+  groups: dict[str, list[str]] = {}
+  for name in names:
+    prefix, _, size = name.rpartition("-")
+    groups.setdefault(prefix or size, []).append(size if prefix else "")
+  return ", ".join(p if sizes == [""] else f"{p}-{sizes[0]}" if len(sizes) == 1 else f"{p}-{{{','.join(sizes)}}}" for p, sizes in groups.items())
 
 
 def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:

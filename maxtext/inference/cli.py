@@ -9,7 +9,7 @@ from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
 from maxtext.config.adapters import adapter_names
 from maxtext.errors import ConfigError
-from maxtext.inference import unstack
+from maxtext.inference import cache_layout, unstack
 from maxtext.inference.generate import Generator
 from maxtext.inference.loading import hf_config, load_decode_tokenizer, load_model
 from maxtext.inference.sampling import SamplingParams
@@ -52,6 +52,7 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
     generator = Generator(model, sampling, mesh=mesh, **generator_args)
     seconds = generator.compile(batch=1, prompt_length=len(prompt), adapters=adapter_ids is not None)
   log(f"compiled prefill and decode in {seconds:.1f}s")
+  log(cache_layout.describe(config, 1, generator.layout))
   with memory_limit.one_line("while decoding", remedy):
     result = generator.generate([prompt], seed=config.decode_sampling_seed, adapter_ids=adapter_ids)
   completion = tokenizer.decode([t for t in result.tokens[0] if t != tokenizer.eos_id])
