@@ -45,7 +45,7 @@ def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) 
   ckpt = checkpointing.Checkpointer(config) if has_own else None
   try:
     with jax.set_mesh(mesh):
-      state = loop.restore_or_init(setup, ckpt, _NoDataState(), log)
+      state = loop.restore_or_init(setup, ckpt, None, log)  # eval reads its own split from the start
       began = time.perf_counter()
       result = loop._evaluate(config, setup, state)
   finally:
@@ -54,19 +54,12 @@ def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) 
   return {**result, "perplexity": math.exp(min(result["eval_loss"], 700.0)), "seconds": time.perf_counter() - began}
 
 
-class _NoDataState:
-  """Stands in for the train iterator when restoring a run's checkpoint: eval reads its own split from the start."""
-
-  def set_state(self, state: Any) -> None:
-    del state
-
-
 @entry(USAGE)
 def main(argv: list[str]) -> None:
   from maxtext.config import load
   from maxtext.process import prepare
 
-  config = load(argv, before_devices=prepare)
+  config = load(argv, devices=prepare)
   r = evaluate(config)
   batches = f"{config.eval_steps} batches" if config.eval_steps > 0 else "the whole eval split"
   print(

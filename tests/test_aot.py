@@ -34,6 +34,7 @@ FIELDS = {
   "fits",
   "tflops_per_step",
   "remat_policy",
+  "decoder_layer_input",
 }
 
 
@@ -77,6 +78,7 @@ def test_cli_prints_report_and_json_last_line(capsys):
 
 def test_too_big_exits_3_with_one_line(capsys):
   big = {**TINY, "vocab_size": 32000, "per_device_batch_size": 64, "max_target_length": 8192}  # 130 GiB of logits per device
+  big["decoder_layer_input"] = "device"  # one compile: offloading the layer inputs could not save that much
   code, out, err = run_cli(["compile_topology=v5e-4", *(f"{k}={v}" for k, v in big.items())], capsys)
   assert code == 3
   assert json.loads(out.strip().splitlines()[-1])["fits"] is False
@@ -126,3 +128,19 @@ def test_out_of_memory_messages(message, need_gib, largest):
     assert r.total_bytes == pytest.approx(need_gib * memory.GIB, rel=1e-3)
   else:
     assert "needs more than 95.00 GiB" in line
+
+
+def test_mla_decode_step_compiles_for_topology_with_its_compressed_cache():
+  """maxtext.decode_compile's core: one decode step of a tiny MLA model for v5p-8, the latent cache sharded over the batch
+  and donated; its per-device bytes are the formula's batch share."""
+  from maxtext.aot.decode import compile_decode_step
+  from maxtext.inference import cache_layout
+
+  mla = dict(decoder_block="deepseek", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=0)
+  config = from_overrides(compile_topology="v5p-8", **{**TINY, **mla, "max_target_length": 128, "max_prefill_predict_length": 64})
+  result = compile_decode_step(config)
+  assert result.batch == 4 and result.memory.fits and result.memory.alias_bytes >= result.cache_bytes_per_device
+  total = cache_layout.theoretical_bytes(config, 4, cache_layout.layout(config))
+  assert total == 4 * config.num_decoder_layers * 128 * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
+  assert result.cache_bytes_per_device == total // 4 + 4  # one row per device, plus its length
+  assert "per-head keys and values (mla_naive_kvcache=true) would take" in result.cache_line

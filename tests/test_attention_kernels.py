@@ -14,7 +14,7 @@ import pytest
 from maxtext import models, platform
 from maxtext.config import ConfigError, from_overrides
 from maxtext.layers import attention_ops as ops
-from maxtext.platform import Policy, SplashBlocks
+from maxtext.platform import FUSED_ATTENTION, Policy, SplashBlocks
 
 SCALE = 0.3
 SMALL_BLOCKS = SplashBlocks(128, 128, 128, 128, 128, 128, 128, 128)
@@ -90,6 +90,41 @@ def test_splash_interpret_equals_reference(batch, window, cap):
   assert_same(forward_and_grads(run, q, k, v), expected)
 
 
+SINKS = jnp.asarray([0.7, -0.4], jnp.float32)  # one sink logit per query head (gpt-oss)
+
+
+def test_sinks_in_chunked_and_splash_equal_reference(batch):
+  """Sinks join every softmax row in the XLA reference, the chunked kernel (its hand-written backward gives the sinks'
+  gradient too) and splash (interpret mode): outputs and gradients for q, k, v and the sinks agree."""
+  q, k, v, seg, pos = batch
+  window = 37
+
+  def with_grads(fn):
+    out = fn(q, k, v, SINKS)
+    return out, jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), (0, 1, 2, 3))(q, k, v, SINKS)
+
+  mask = ops.attention_mask(pos, pos, seg, window)
+  ref = with_grads(jax.jit(lambda q, k, v, s: ops.xla_attention(q, k, v, mask, SCALE, None, jax.lax.Precision.HIGHEST, sinks=s)))
+  chunked = with_grads(jax.jit(lambda q, k, v, s: ops.chunked_attention(q, k, v, pos, pos, seg, window, SCALE, None, 48, s)))
+  splash = with_grads(lambda q, k, v, s: ops.splash_attention(q, k, v, seg, s, window=window, scale=SCALE, soft_cap=None, blocks=SMALL_BLOCKS, interpret=True))
+  assert float(jnp.abs(ref[0] - expected_for(batch, window, None)[0]).max()) > 0.05  # the sinks change the output
+  assert float(jnp.abs(ref[1][3]).min()) > 1e-3  # and get a gradient
+  for actual in (chunked, splash):
+    np.testing.assert_allclose(actual[0], ref[0], atol=2e-5, rtol=0)
+    for name, a, e in zip(("q", "k", "v", "sinks"), actual[1], ref[1]):
+      np.testing.assert_allclose(a, e, atol=2e-4 if name == "sinks" else 2e-5, rtol=0, err_msg=f"d{name}")
+
+
+def test_sinks_fall_back_from_cudnn_with_a_logged_reason(caplog):
+  ops._logged.clear()
+  with caplog.at_level(logging.WARNING, logger="maxtext.attention"):
+    assert ops.select(policy("gpu"), **FACTS, sinks=True) == "xla"
+  assert any("(cuDNN attention has no attention sinks); falling back to XLA" in r.getMessage() for r in caplog.records)
+  assert ops.select(policy("tpu"), **FACTS, sinks=True) == "splash"
+  with pytest.raises(ConfigError, match="attention=cudnn cannot run this model: cuDNN attention has no attention sinks"):
+    ops.select(policy("gpu", attention="cudnn"), **FACTS, sinks=True)
+
+
 def test_attend_with_narrower_values_pads_them_for_fused_kernels(batch):
   """MLA's values are narrower than its queries and keys: attend pads them for a fused kernel and cuts the output."""
   q, k, v, seg, pos = batch
@@ -124,7 +159,7 @@ def test_packed_offsets_mask_equals_segment_causal_mask(batch):
 
 
 def policy(platform_name, attention="autoselected", **kw):
-  return Policy(platform=platform_name, attention=attention, **kw)
+  return Policy(platform=platform_name, attention=attention, fused_attention=FUSED_ATTENTION[platform_name], **kw)
 
 
 FACTS = dict(dtype=jnp.bfloat16, head_dim=64, q_len=2048, kv_len=2048, soft_cap=None)
@@ -195,7 +230,7 @@ MODEL = dict(
 @pytest.mark.parametrize("family, extra", [("llama2", dict(base_num_decoder_layers=1)), ("gemma2", dict(sliding_window_size=24, attn_logits_soft_cap=20.0))])
 def test_model_with_tpu_policy_matches_cpu_policy(batch, family, extra):
   """A model built with the TPU policy runs splash (interpret mode) in every layer; gemma2's scanned layers alternate
-  a local and a global window, which the traced window switches between."""
+  a local and a global window, one kernel each (the scan steps over (local, global) pairs)."""
   _, _, _, seg, pos = batch
   config = from_overrides(num_devices=1, decoder_block=family, **{**MODEL, **extra})
   tokens = jnp.asarray(np.random.default_rng(1).integers(1, 64, size=seg.shape), jnp.int32)
@@ -212,10 +247,9 @@ def test_policies_per_platform():
   assert cpu.integer_bf16_rounding and cpu.tune_host_allocator and cpu.chunked_attention_from > 0
   assert not (gpu.integer_bf16_rounding or gpu.tune_host_allocator or tpu.integer_bf16_rounding or tpu.chunked_attention_from)
   assert tpu.attention == "flash" and tpu.splash.block_q == 256 and gpu.max_segments_per_seq == 8
-  assert tpu.offload_layer_inputs and not (cpu.offload_layer_inputs or gpu.offload_layer_inputs)  # decoder_layer_input=auto
-  assert not platform.for_platform(from_overrides(num_devices=1, decoder_layer_input="device"), "tpu").offload_layer_inputs
+  assert tpu.host_offload and not (cpu.host_offload or gpu.host_offload)  # where decoder_layer_input=auto may offload
+  assert not tpu.offload_layer_inputs  # decoder_layer_input=auto, unresolved: the inputs stay in HBM
   assert platform.for_platform(from_overrides(num_devices=1, decoder_layer_input="offload"), "cpu").offload_layer_inputs
-  assert not platform.for_platform(from_overrides(num_devices=1, scan_layers=False), "tpu").offload_layer_inputs
   assert platform.resolve(config).platform == "cpu"  # the tests' devices
   assert platform.predict(config, platforms="cuda") == "gpu" and platform.predict(config, platforms="", accelerator_nodes=True) == "tpu"
   assert platform.predict(from_overrides(num_devices=1, hardware="gpu_multiprocess"), platforms="cpu") == "gpu"
@@ -232,10 +266,42 @@ def test_remat_auto_binary_search_picks_least_recomputation_that_fits():
     compiled.append(c.remat_policy)
     return sizes[c.remat_policy] if c.remat_policy != "none" else None  # 'none': XLA runs out of memory
 
-  choice = remat_auto.choose(config, 70, fake)  # budget 63 with the 10% margin
+  choice = remat_auto.choose(config, 70, fake, offload_possible=False)  # budget 63 with the 10% margin
   assert choice.policy == "save_dot_except_mlp" and len(compiled) <= 3 and "save_dot_except_mlp" in choice.line()
-  assert remat_auto.choose(config, 10, fake).policy == "full"  # nothing fits: full, and the caller reports it
-  assert remat_auto.choose(config, 1000, fake).policy == "minimal"
+  assert remat_auto.choose(config, 10, fake, offload_possible=False).policy == "full"  # nothing fits: full, and the caller reports it
+  assert remat_auto.choose(config, 1000, fake, offload_possible=False).policy == "minimal"
+
+
+def test_auto_offloads_layer_inputs_only_when_the_step_does_not_fit_otherwise():
+  """decoder_layer_input=auto: layer inputs in HBM when that fits, offloaded when only that fits; with remat_policy=auto
+  the least recomputation first, then the least host traffic."""
+  from maxtext.aot import remat_auto
+
+  device = dict(zip(remat_auto.CANDIDATES, (100, 80, 70, 60, 50, 40)))
+  compiled = []
+
+  def fake(c):
+    compiled.append((c.remat_policy, c.decoder_layer_input))
+    return device[c.remat_policy] - (15 if c.decoder_layer_input == "offload" else 0)
+
+  full = from_overrides(num_devices=1)  # remat_policy=full, decoder_layer_input=auto
+  choice = remat_auto.choose(full, 50, fake, offload_possible=True)  # budget 45: full fits in HBM
+  assert (choice.policy, choice.layer_input, compiled) == ("full", "device", [("full", "device")])
+  assert "fits with them in HBM" in choice.reason() and "compiled: full/device" in choice.line()
+  compiled.clear()
+  choice = remat_auto.choose(full, 40, fake, offload_possible=True)  # budget 36: only offloaded
+  assert (choice.policy, choice.layer_input, compiled) == ("full", "offload", [("full", "device"), ("full", "offload")])
+  assert "does not fit with them in HBM" in choice.reason()
+  compiled.clear()
+  assert remat_auto.choose(full, 40, fake, offload_possible=False).layer_input == "device" and compiled == []  # CPU, GPU: nothing to decide
+
+  both = full.model_copy(update={"remat_policy": "auto"})
+  choice = remat_auto.choose(both, 70, fake, offload_possible=True)  # budget 63: save_dot_except_mlp on device, or one policy earlier offloaded
+  assert (choice.policy, choice.layer_input) == ("save_dot_except_mlpwi", "offload")
+  assert ("none", "offload") not in compiled  # remat_policy=none saves no layer input
+  line = choice.line()
+  assert line.startswith("remat_policy=auto and decoder_layer_input=auto chose remat_policy=save_dot_except_mlpwi")
+  assert "pinned host memory" in line and "the least recomputation that fits" in line
 
 
 def test_remat_auto_resolves_from_compiled_memory_and_logs():
@@ -245,10 +311,11 @@ def test_remat_auto_resolves_from_compiled_memory_and_logs():
   config = from_overrides(num_devices=1, remat_policy="auto", **{**MODEL, "max_target_length": 16, "base_num_decoder_layers": 1})
   mesh = mesh_lib.create(config, jax.devices()[:1])
   lines = []
-  resolved = remat_auto.resolve(config, mesh, hbm_bytes=1024, log=lines.append)  # nothing fits in 1 KiB: two compiles, then full
-  assert resolved.remat_policy == "full" and len(lines) == 1
-  assert lines[0].startswith("remat_policy=auto chose full") and "save_dot_except_mlpwi" in lines[0] and "save_qkv_proj" in lines[0]
-  assert remat_auto.resolve(resolved, mesh) is resolved  # a named policy stays
+  resolved, choice = remat_auto.resolve(config, mesh, hbm_bytes=1024, log=lines.append)  # nothing fits in 1 KiB: two compiles, then full
+  assert resolved.remat_policy == "full" and resolved.decoder_layer_input == "device" and len(lines) == 1 and not choice.fits
+  assert lines[0].startswith("remat_policy=auto and decoder_layer_input=auto chose remat_policy=full") and "no policy that saves more fits" in lines[0]
+  assert "save_dot_except_mlpwi/device" in lines[0] and "save_qkv_proj/device" in lines[0]
+  assert remat_auto.resolve(resolved, mesh) == (resolved, None)  # named values stay
 
 
 def test_queries_against_a_longer_cache_run_xla_under_every_request():

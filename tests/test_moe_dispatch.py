@@ -1,5 +1,5 @@
 """MoE dispatch paths: every path gives the loss and gradients of a plain reference, on one device and with expert
-parallelism, dropless and with capacity, on mixtral-, qwen3-moe- and deepseek-shaped tiny layers.
+parallelism, dropless and with capacity, on mixtral-, qwen3-moe-, deepseek- and gpt-oss-shaped tiny layers.
 
 The paths (maxtext.platform.moe_dispatch): dense, ragged_dot, megablox (Pallas TPU kernels in interpret mode),
 tokamax (its XLA implementation on CPU). The reference routes with the same `moe.route` and computes every
@@ -9,7 +9,8 @@ sequence's capacity by a numpy count.
 Coverage, within the CI budget (each variant is a compile): on one device every path, dropless and with capacity
 (mixtral-shaped); with expert parallelism, ep4 x fsdp2 (qwen3-moe-shaped) and ep2 x fsdp2 x sequence2
 (deepseek-shaped, capacity counted across sequence shards), each path at least once and the sorted and dense
-paths both dropless and with capacity. The sorted paths share all dispatch code and differ only in the grouped
+paths both dropless and with capacity; gpt-oss-shaped (nonzero expert and router biases, clamped SwiGLU) with ep4 x
+fsdp2, sorted and dense. The sorted paths share all dispatch code and differ only in the grouped
 matmul, which test_grouped_kernels_compute_the_grouped_products checks kernel by kernel. Each test compiles its
 variants in one jitted function, without XLA's backend optimisations (compile time is most of the cost).
 """
@@ -31,6 +32,7 @@ from maxtext import platform
 from maxtext.config import from_overrides
 from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers import moe
+from maxtext.layers.mlp import glu, glu_limit
 
 BASE = dict(vocab_size=64, base_num_query_heads=2, base_num_kv_heads=2, head_dim=8, base_num_decoder_layers=1, dtype="float32")
 SHAPES = {
@@ -55,6 +57,19 @@ SHAPES = {
     qk_nope_head_dim=4,
     qk_rope_head_dim=4,
     v_head_dim=6,
+  ),
+  "gpt_oss": dict(  # expert biases, a router bias and the clamped SwiGLU
+    decoder_block="gpt_oss",
+    base_emb_dim=16,
+    base_mlp_dim=24,
+    base_moe_mlp_dim=8,
+    num_experts=8,
+    num_experts_per_tok=2,
+    routed_bias=True,
+    mlp_bias=True,
+    norm_topk_prob=True,
+    mlp_activations=["sigmoid", "linear"],
+    mlp_activations_limit=0.5,
   ),
 }
 PATHS = ("dense", "ragged_dot", "megablox", "tokamax")
@@ -107,8 +122,14 @@ def _reference(layer: moe.MoE, x: jax.Array, kept: np.ndarray) -> jax.Array:
   """y [B, S, E] of the layer with plain jnp: every pair through its expert, weighted, the pairs not kept dropped."""
   tokens = x.reshape(B * S, -1)
   r = _route(layer, x)
-  h = jax.nn.silu(jnp.einsum("td,edf->tef", tokens, layer.wi_0[...])) * jnp.einsum("td,edf->tef", tokens, layer.wi_1[...])
-  out = jnp.einsum("tef,efd->ted", h, layer.wo[...])  # [T, E, d]
+  c = layer.config
+
+  def project(x: jax.Array, name: str, spec: str) -> jax.Array:
+    y = jnp.einsum(spec, x, getattr(layer, name)[...])
+    return y if getattr(layer, name + "_bias") is None else y + getattr(layer, name + "_bias")[...]
+
+  h = glu(c.mlp_activations, glu_limit(c))(project(tokens, "wi_0", "td,edf->tef"), project(tokens, "wi_1", "td,edf->tef"))
+  out = project(h, "wo", "tef,efd->ted")  # [T, E, d]
   chosen = jnp.take_along_axis(out, r.experts[:, :, None], axis=1)  # [T, k, d]
   y = jnp.einsum("tkd,tk->td", chosen, r.weights * kept.reshape(B * S, -1)).reshape(x.shape)
   return y if layer.shared_experts is None else y + layer.shared_experts(x)
@@ -119,7 +140,10 @@ def _loss_fns(shape: str, variants: list[tuple[str, float]], mesh_keys: dict):
   x, cotangent, valid = _inputs(shape)
   layers = [_layer(_config(shape, cf, **mesh_keys), path) for path, cf in variants]
   graphdefs = [nnx.graphdef(layer) for layer in layers]
-  state = nnx.state(layers[0])
+  rng = np.random.default_rng(5)  # biases start at zero: make them count
+  state = jax.tree.map_with_path(
+    lambda path, v: v + rng.normal(0.0, 0.5, v.shape).astype(v.dtype) if "bias" in jax.tree_util.keystr(path) else v, nnx.state(layers[0])
+  )
 
   def run(st, x):
     out = []
@@ -140,8 +164,8 @@ def _references(shape: str, state, x, variants):
   _, cotangent, valid = _inputs(shape)
   out = {}
   for cf in sorted({cf for _, cf in variants}):
-    layer = _layer(_config(shape, cf), "ragged_dot")
-    graphdef, kept = nnx.graphdef(layer), _kept(layer, x)
+    graphdef = nnx.graphdef(_layer(_config(shape, cf), "ragged_dot"))
+    kept = _kept(nnx.merge(graphdef, state), x)
     dropped = jnp.asarray(np.sum(~kept * np.asarray(valid)[..., None]), jnp.float32)
 
     def loss(st, x, graphdef=graphdef, kept=kept):
@@ -174,6 +198,7 @@ EXPERT_PARALLEL = {
     [("dense", CAPACITY), ("tokamax", DROPLESS), ("megablox", CAPACITY)],
     dict(ici_fsdp_parallelism=2, ici_sequence_parallelism=2, ici_expert_parallelism=2),
   ),
+  "gpt_oss": ([("ragged_dot", DROPLESS), ("megablox", CAPACITY), ("dense", DROPLESS)], dict(ici_fsdp_parallelism=2, ici_expert_parallelism=4)),
 }
 
 
@@ -182,7 +207,7 @@ def test_every_path_matches_the_reference_on_one_device():
   _check(fn(state, x), _references("mixtral", state, x, ONE_DEVICE), ONE_DEVICE)
 
 
-@pytest.mark.parametrize("shape", list(EXPERT_PARALLEL), ids=["qwen3_moe-ep4-fsdp2", "deepseek-ep2-fsdp2-sp2"])
+@pytest.mark.parametrize("shape", list(EXPERT_PARALLEL), ids=["qwen3_moe-ep4-fsdp2", "deepseek-ep2-fsdp2-sp2", "gpt_oss-ep4-fsdp2"])
 def test_every_path_matches_the_reference_with_expert_parallelism(shape):
   """On the 8 simulated devices tokens reach their experts' devices (ragged exchange, emulated on CPU, or
   all_to_all of [E, slots] buffers for dense), weights are gathered over fsdp and their gradients reduce-scattered."""

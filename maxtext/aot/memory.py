@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from typing import Any
 
 import jax
 
 from maxtext.errors import UserError
+from maxtext.memory_limit import is_out_of_memory  # noqa: F401 - callers use memory.is_out_of_memory
 
 EXIT_DOES_NOT_FIT = 3
 GIB = 1024**3
@@ -51,6 +53,18 @@ class MemoryReport:
   @property
   def fits(self) -> bool:
     return not self.out_of_memory and self.total_bytes <= self.hbm_bytes
+
+  def fields(self) -> dict[str, Any]:
+    """The machine-readable memory figures (part of the JSON line the compile commands print)."""
+    return {
+      "argument_bytes": self.argument_bytes,
+      "output_bytes": self.output_bytes,
+      "temp_bytes": self.temp_bytes,
+      "host_temp_bytes": self.host_temp_bytes,
+      "total_bytes": self.total_bytes,
+      "hbm_bytes": self.hbm_bytes,
+      "fits": self.fits,
+    }
 
   def lines(self) -> list[str]:
     if self.out_of_memory:
@@ -101,11 +115,6 @@ def shard_bytes(tree: Any) -> int:
   return total
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-  text = str(error)
-  return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
-
-
 def from_oom_error(error: BaseException, argument_bytes: int, hbm_bytes: int) -> MemoryReport:
   """Best estimate of what a step that failed to compile with an out-of-memory error needs per device.
 
@@ -125,3 +134,27 @@ def from_oom_error(error: BaseException, argument_bytes: int, hbm_bytes: int) ->
   if m:
     largest = f"{m.group(3).strip()[:120]} {gib(_bytes(m.group(1), m.group(2)))} GiB"
   return MemoryReport(argument_bytes, 0, temp, 0, hbm_bytes, largest=largest, out_of_memory=True)
+
+
+@dataclasses.dataclass
+class CompiledStep:
+  """A train step compiled to learn what it needs: its setup (whose compiled_step is now cached), the executable
+  (None: XLA ran out of memory), the per-device memory and the compile seconds."""
+
+  setup: Any  # maxtext.train.setup.TrainSetup
+  compiled: jax.stages.Compiled | None
+  memory: MemoryReport
+  seconds: float
+
+
+def compile_step(setup: Any, hbm_bytes: int) -> CompiledStep:
+  """Compile setup's train step against its abstract state and batch; an out-of-memory refusal becomes a report."""
+  start = time.perf_counter()
+  try:
+    compiled = setup.compiled_step  # cached on the setup: the run or train_compile that picks this setup reuses it
+  except Exception as e:  # XLA reports exhausted memory as a runtime error at compile time
+    if not is_out_of_memory(e):
+      raise
+    args = shard_bytes((setup.abstract_state, setup.abstract_batch))
+    return CompiledStep(setup, None, from_oom_error(e, args, hbm_bytes), time.perf_counter() - start)
+  return CompiledStep(setup, compiled, from_compiled(compiled, hbm_bytes), time.perf_counter() - start)

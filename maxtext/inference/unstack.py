@@ -18,8 +18,8 @@ def unstack_layers(model: Transformer) -> Transformer:
   stacked = dict(nnx.to_flat_state(nnx.state(model)))
   leaves = {}
   for path, var in nnx.to_flat_state(abstract):
-    if path[0] == "layers":
-      value = stacked[("layers", *path[2:])][...][int(path[1])]
+    if path[0] in ("layers", "dense_layers"):
+      value = stacked[(path[0], *path[2:])][...][int(path[1])]
     else:
       value = stacked[path][...]
     leaves[path] = var.replace(value)
@@ -28,6 +28,7 @@ def unstack_layers(model: Transformer) -> Transformer:
 
 def for_decoding(model: Transformer) -> Transformer:
   """The layer arrangement decoding runs fastest with on the model's platform (`Policy.unstacked_decode`): per-layer
-  arrays on CPU, where a scan's slices of stacked weights and caches are copies (5x the weight-streaming bound at
-  batch 1, benchmarks/README.md); as trained elsewhere."""
+  arrays on CPU, where a scan's slices of stacked weights and caches are copies that keep a batch-1 step several
+  times above the weight-streaming bound (figure: benchmarks/README.md, figures behind code comments); as trained
+  elsewhere."""
   return unstack_layers(model) if model.policy.unstacked_decode else model

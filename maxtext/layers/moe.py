@@ -1,22 +1,23 @@
-"""Mixture of experts: routing (Mixtral, Qwen3-MoE, DeepSeek V3), dropless or capacity-limited dispatch, shared experts.
+"""Mixture of experts: routing (Mixtral, Qwen3-MoE, DeepSeek V3, gpt-oss), dropless or capacity-limited dispatch, shared experts.
 
-Routing (float32): scores are softmax or sigmoid (routed_score_func) of the router logits. Experts are chosen by
-top-k of the scores plus an optional score-correction bias (routed_bias, DeepSeek's aux-loss-free balancing),
+Routing (float32): scores are softmax or sigmoid (routed_score_func) of the router logits (with routed_bias and
+softmax scores, the router has a trained bias on its logits: gpt-oss). Experts are chosen by top-k of the scores
+plus, with sigmoid scores, an optional score-correction bias (routed_bias, DeepSeek's aux-loss-free balancing),
 optionally only inside the best topk_routing_group of n_routing_groups groups (each group scored by the sum of
 its two best biased scores). The chosen experts' weights are the unbiased scores, renormalised to sum to one
-with norm_topk_prob (always for mixtral), times routed_scaling_factor.
+with norm_topk_prob (always for mixtral; with softmax scores that is a softmax over the chosen experts' logits,
+as gpt-oss computes it), times routed_scaling_factor.
 
-Dispatch: dropless (capacity_factor = -1) sorts the (token, expert) pairs by expert and runs grouped matmuls
-(jax.lax.ragged_dot); with capacity_factor > 0 every expert takes at most
-ceil(capacity_factor x tokens x k / experts) tokens (earlier tokens first), the rest are dropped (counted in
-the metrics), and experts run as one batched matmul over [experts, capacity] buffers.
+Experts: gated MLPs act0(x wi_0) * act1(x wi_1) -> wo, or gpt-oss's clamped SwiGLU (maxtext.layers.mlp.glu);
+with mlp_bias every projection adds a per-expert bias.
 
-Expert parallelism: when the active mesh has an `expert` axis of size ep > 1, each device owns
-num_experts / ep experts. Routing runs on the global (sharded) arrays; then, in shard_map, every device
-packs its own tokens into [experts, capacity] buffers, an all-to-all over `expert` sends each expert's
-slots to the device that owns it, the owner runs its experts, and a second all-to-all brings the results
-back. Capacity then applies per data shard; without capacity_factor it is the shard's token count, which
-no expert can exceed (dropless, at the price of buffers num_experts / k times the routed pairs).
+Dispatch (maxtext.layers.moe_dispatch): every device dispatches its own tokens in one shard_map, by the platform
+policy's path (maxtext.platform.moe_dispatch, from MaxText's sparse_matmul / megablox / use_tokamax_gmm keys):
+grouped matmuls over the (token, expert) pairs sorted by expert, or batched matmuls over [experts, slots] buffers.
+Dropless by default (capacity_factor = -1); with capacity_factor > 0 each expert takes at most
+ceil(capacity_factor x seq_len x k / experts) pairs of each sequence (earlier tokens first), the rest are dropped
+and counted. With the experts split over a mesh axis that also splits the tokens (`expert`), rows travel to their
+experts' devices by ragged_all_to_all (no capacity padding).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers import moe_dispatch
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
-from maxtext.layers.mlp import MLP
+from maxtext.layers.mlp import MLP, glu_limit
 from maxtext.mesh import logical_to_spec
 from maxtext.platform import Policy
 
@@ -148,6 +149,7 @@ def dispatch_plan(config: MaxTextConfig, policy: Policy, seq_len: int) -> moe_di
     wo_tiles=wo,
     capacity=expert_capacity(seq_len, c) if c.capacity_factor > 0 else 0,
     activations=tuple(c.mlp_activations),
+    glu_limit=glu_limit(c),
     dtype=dtype(c.dtype),
     integer_rounding=policy.integer_bf16_rounding,
     ragged_all_to_all=policy.ragged_all_to_all,
@@ -168,12 +170,14 @@ def dispatch_layout(batch: int, seq_len: int, rules, mesh: jax.sharding.Abstract
 
   tokens = logical_to_spec(("activation_batch", "activation_length"), rules, mesh)
   batch_axes, length_axes = dividing(axes(tokens[0]), batch), dividing(axes(tokens[1]), seq_len)
-  wi = tuple(axes(p) for p in logical_to_spec(("exp", "embed", "mlp"), rules, mesh))
-  wo = tuple(axes(p) for p in logical_to_spec(("exp", "mlp", "embed"), rules, mesh))
-  wi += ((),) * (3 - len(wi))
-  wo += ((),) * (3 - len(wo))
+  def stored(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    spec = tuple(axes(p) for p in logical_to_spec(names, rules, mesh))
+    return spec + ((),) * (len(names) - len(spec))
+
+  wi, wo = stored(("exp", "embed", "mlp")), stored(("exp", "mlp", "embed"))
+  wi_bias, wo_bias = stored(("exp", "mlp")), stored(("exp", "embed"))
   experts = wi[0] if wi[0] and set(wi[0]) <= set(batch_axes + length_axes) else ()
-  return moe_dispatch.Layout(batch_axes, length_axes, experts, wi, wo, tuple(mesh.shape.items()))
+  return moe_dispatch.Layout(batch_axes, length_axes, experts, wi, wo, wi_bias, wo_bias, tuple(mesh.shape.items()))
 
 
 def empty_stats(num_experts: int) -> dict[str, jax.Array]:
@@ -193,13 +197,28 @@ class MoE(nnx.Module):
     self.precision = precision(c.matmul_precision)
     wdt = dtype(c.weight_dtype)
     e, m, n = c.emb_dim, c.moe_mlp_dim, c.num_experts
+    logit_bias = c.routed_bias and c.routed_score_func != "sigmoid"  # gpt-oss: the router's own bias; deepseek: a score correction
     self.gate = DenseGeneral(
-      (e,), (n,), ("embed", None), dtype=jnp.float32, weight_dtype=wdt, precision=self.precision, rngs=rngs, integer_rounding=policy.integer_bf16_rounding
+      (e,),
+      (n,),
+      ("embed", None),
+      dtype=jnp.float32,
+      weight_dtype=wdt,
+      precision=self.precision,
+      rngs=rngs,
+      integer_rounding=policy.integer_bf16_rounding,
+      use_bias=logit_bias,
     )
     self.wi_0 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
     self.wi_1 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
     self.wo = nnx.Param(variance_scaling_init(rngs.params(), (n, m, e), m, wdt), logical_axes=("exp", "mlp", "embed"))
-    self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias else None
+    if c.mlp_bias:
+      self.wi_0_bias = nnx.Param(jnp.zeros((n, m), wdt), logical_axes=("exp", "mlp"))
+      self.wi_1_bias = nnx.Param(jnp.zeros((n, m), wdt), logical_axes=("exp", "mlp"))
+      self.wo_bias = nnx.Param(jnp.zeros((n, e), wdt), logical_axes=("exp", "embed"))
+    else:
+      self.wi_0_bias = self.wi_1_bias = self.wo_bias = None
+    self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias and not logit_bias else None
     self.shared_experts = MLP(c, policy=policy, rngs=rngs, width=c.shared_experts * m) if c.shared_experts else None
 
   def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -218,7 +237,7 @@ class MoE(nnx.Module):
     mesh = jax.sharding.get_abstract_mesh()
     single = mesh.empty or mesh.size == 1
     layout = moe_dispatch.Layout() if single else dispatch_layout(b, s, c.logical_axis_rules, mesh)
-    weights = moe_dispatch.ExpertWeights(self.wi_0[...], self.wi_1[...], self.wo[...])
+    weights = moe_dispatch.ExpertWeights(*(None if p is None else p[...] for p in (self.wi_0, self.wi_1, self.wo, self.wi_0_bias, self.wi_1_bias, self.wo_bias)))
     routed = (r.weights.reshape(b, s, -1), r.experts.reshape(b, s, -1))
     plan = dispatch_plan(c, self.policy, s)
     y, dropped = moe_dispatch.dispatch(x.astype(self.dtype), *routed, valid.reshape(b, s), weights, layout, plan, None if single else mesh)

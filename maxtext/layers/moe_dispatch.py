@@ -51,11 +51,15 @@ Axes = tuple[str, ...]
 
 
 class ExpertWeights(NamedTuple):
-  """Stacked expert weights, [E, emb, mlp] for wi_0/wi_1 and [E, mlp, emb] for wo (the local experts inside the dispatch)."""
+  """Stacked expert weights, [E, emb, mlp] for wi_0/wi_1 and [E, mlp, emb] for wo (the local experts inside the
+  dispatch), and with mlp_bias their per-expert biases, [E, mlp] and [E, emb]."""
 
   wi_0: jax.Array
   wi_1: jax.Array
   wo: jax.Array
+  wi_0_bias: jax.Array | None = None
+  wi_1_bias: jax.Array | None = None
+  wo_bias: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,7 @@ class Plan:
   capacity: int  # slots per expert per sequence; 0: dropless
   activations: tuple[str, ...]  # mlp_activations: act0(x wi_0) * act1(x wi_1)
   dtype: Any  # compute dtype
+  glu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU (maxtext.layers.mlp.glu)
   integer_rounding: bool = False  # float32 -> bfloat16 by integer ops (CPU policy)
   ragged_all_to_all: bool = True  # False: the exchange runs as a padded all_to_all (XLA:CPU)
 
@@ -84,6 +89,8 @@ class Layout:
   experts: Axes = ()  # split the experts and exchange tokens (expert parallelism); () -> every device has all experts
   wi: tuple[Axes, Axes, Axes] = ((), (), ())  # stored sharding of wi_0/wi_1 [E, emb, mlp]
   wo: tuple[Axes, Axes, Axes] = ((), (), ())  # stored sharding of wo [E, mlp, emb]
+  wi_bias: tuple[Axes, Axes] = ((), ())  # stored sharding of wi_0_bias/wi_1_bias [E, mlp]
+  wo_bias: tuple[Axes, Axes] = ((), ())  # stored sharding of wo_bias [E, emb]
   sizes: tuple[tuple[str, int], ...] = ()  # mesh axis sizes
 
   @property
@@ -161,12 +168,6 @@ def expert_matmul(
   """
   dt = plan.dtype
 
-  def gather(w_c: jax.Array) -> jax.Array:
-    for dim, axes in enumerate(stored):
-      for axis in reversed(axes):
-        w_c = jax.lax.all_gather(w_c, axis, axis=dim, tiled=True)
-    return w_c
-
   def reduce(dw: jax.Array) -> jax.Array:
     for dim, axes in reversed(list(enumerate(stored))):
       for axis in axes:
@@ -174,7 +175,7 @@ def expert_matmul(
     return dw
 
   def forward(x, w, group_sizes):
-    x_c, w_c = x.astype(dt), gather(w.astype(dt))
+    x_c, w_c = x.astype(dt), gather(w.astype(dt), stored)
     return cast(op.fwd(x_c, w_c, group_sizes, dt), dt, plan.integer_rounding), (x_c, w_c, group_sizes)
 
   def backward(residuals, g):
@@ -188,19 +189,31 @@ def expert_matmul(
   return fn(x, w, group_sizes)
 
 
-def activation(name: str) -> Callable[[jax.Array], jax.Array]:
-  from maxtext.layers.mlp import activation as mlp_activation
+def gather(w: jax.Array, stored: tuple[Axes, ...]) -> jax.Array:
+  """w gathered over the mesh axes that split each of its dimensions (minor axis first)."""
+  for dim, axes in enumerate(stored):
+    for axis in reversed(axes):
+      w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+  return w
 
-  return mlp_activation(name)
+
+Matmul = Callable[[jax.Array, jax.Array, str], jax.Array]  # (rows, stored kernel, 'wi' | 'wo') -> projected rows
+BiasRows = Callable[[jax.Array, str], jax.Array]  # (stored bias [E, out], 'wi' | 'wo') -> a bias per row, broadcastable
 
 
-def expert_mlp(x: jax.Array, w: ExpertWeights, matmul: Callable[[jax.Array, jax.Array, str], jax.Array], activations: tuple[str, ...]) -> jax.Array:
-  """The experts' gated MLP on rows x: wo(act0(x wi_0) * act1(x wi_1)); matmul(x, weight, 'wi' | 'wo') applies one
-  projection to each row with its own expert's weight (grouped or batched)."""
-  h0 = checkpoint_name(matmul(x, w.wi_0, "wi"), "mlpwi_0")
-  h1 = checkpoint_name(matmul(x, w.wi_1, "wi"), "mlpwi_1")
-  h = activation(activations[0])(h0) * activation(activations[-1])(h1)
-  return matmul(h, w.wo, "wo")
+def expert_mlp(x: jax.Array, w: ExpertWeights, matmul: Matmul, bias_rows: BiasRows, plan: Plan) -> jax.Array:
+  """The experts' gated MLP on rows x: wo(glu(x wi_0 + b_0, x wi_1 + b_1)) + b_o (biases with mlp_bias; glu is
+  maxtext.layers.mlp.glu). matmul applies one projection to each row with its own expert's kernel (grouped or batched),
+  bias_rows gives each row its own expert's bias. Every expert projection of every dispatch path is made here."""
+  from maxtext.layers.mlp import glu  # moe_dispatch is imported by maxtext.layers.moe, which imports mlp
+
+  def project(h: jax.Array, kernel: jax.Array, bias: jax.Array | None, which: str) -> jax.Array:
+    y = matmul(h, kernel, which)
+    return y if bias is None else y + bias_rows(bias.astype(y.dtype), which)
+
+  h0 = checkpoint_name(project(x, w.wi_0, w.wi_0_bias, "wi"), "mlpwi_0")
+  h1 = checkpoint_name(project(x, w.wi_1, w.wi_1_bias, "wi"), "mlpwi_1")
+  return project(glu(plan.activations, plan.glu_limit)(h0, h1), w.wo, w.wo_bias, "wo")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -389,30 +402,43 @@ def _sparse(tokens, experts, weights, kept, w: ExpertWeights, layout: Layout, pl
 
 def _grouped_mlp(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, layout: Layout, plan: Plan) -> jax.Array:
   tiles = {"wi": plan.wi_tiles, "wo": plan.wo_tiles}
-  stored = {"wi": layout.wi[1:], "wo": layout.wo[1:]}
+  stored = {"wi": layout.wi, "wo": layout.wo}
+  bias_stored = {"wi": layout.wi_bias, "wo": layout.wo_bias}
 
   def matmul(x: jax.Array, weight: jax.Array, which: str) -> jax.Array:
     return expert_matmul(x, weight, group_sizes, Grouped(plan.kernel, tiles[which]), _with_experts(stored[which], layout), layout, plan)
 
-  return expert_mlp(rows, w, matmul, plan.activations)
+  ends = jnp.cumsum(group_sizes)
+  group = jnp.searchsorted(ends, jnp.arange(rows.shape[0]), side="right")  # each row's expert; len(group_sizes) past them
+
+  def bias_rows(bias: jax.Array, which: str) -> jax.Array:
+    per_row = gather(bias, _with_experts(bias_stored[which], layout))[jnp.minimum(group, group_sizes.shape[0] - 1)]
+    # rows past the groups hold whatever the kernel left there: zero bias and no gradient from them
+    return jnp.where((group < group_sizes.shape[0])[:, None], per_row, 0)
+
+  return expert_mlp(rows, w, matmul, bias_rows, plan)
 
 
-def _with_experts(stored: tuple[Axes, Axes], layout: Layout) -> tuple[Axes, Axes, Axes]:
-  """The sharded dimensions expert_matmul gathers: the expert dimension too when tokens are not exchanged (wi and wo
-  split their experts alike)."""
-  return ((() if layout.experts else layout.wi[0]), *stored)
+def _with_experts(stored: tuple[Axes, ...], layout: Layout) -> tuple[Axes, ...]:
+  """The sharded dimensions of a stored expert weight ([E, ...]) that the dispatch gathers: all but the expert
+  dimension when tokens are exchanged (each device runs its own experts), all of them otherwise."""
+  return ((() if layout.experts else stored[0]), *stored[1:])
 
 
 def _dense(tokens, experts, weights, positions, w: ExpertWeights, layout: Layout, plan: Plan, rows_per_sequence: int) -> jax.Array:
   """Batched matmuls over [E, slots, d] buffers (or every expert over every token): tokens [T, d] -> y [T, d] float32."""
   e = plan.num_experts
-  stored = {"wi": _with_experts(layout.wi[1:], layout), "wo": _with_experts(layout.wo[1:], layout)}
+  stored = {"wi": _with_experts(layout.wi, layout), "wo": _with_experts(layout.wo, layout)}
+  bias_stored = {"wi": _with_experts(layout.wi_bias, layout), "wo": _with_experts(layout.wo_bias, layout)}
 
-  def batched(specs: dict[str, str]) -> Callable[[jax.Array, jax.Array, str], jax.Array]:
+  def batched(specs: dict[str, str]) -> Matmul:
     return lambda x, weight, which: expert_matmul(x, weight, None, Batched(specs[which]), stored[which], layout, plan)
 
+  def bias_rows(bias: jax.Array, which: str) -> jax.Array:
+    return gather(bias, bias_stored[which])[:, None, :]  # [E, 1, out]: every slot of an expert
+
   if not plan.capacity and not layout.experts:  # every expert over every token, weighted by zero off the chosen ones
-    out = expert_mlp(tokens, w, batched({"wi": "td,edf->etf", "wo": "etf,efd->etd"}), plan.activations)
+    out = expert_mlp(tokens, w, batched({"wi": "td,edf->etf", "wo": "etf,efd->etd"}), bias_rows, plan)
     combine = jnp.einsum("tke,tk->te", jax.nn.one_hot(experts, e, dtype=jnp.float32), weights)
     return jnp.einsum("etd,te->td", out, combine, preferred_element_type=jnp.float32)
   slot, slots = expert_slots(experts, positions, rows_per_sequence, plan.capacity, e)
@@ -423,11 +449,11 @@ def _dense(tokens, experts, weights, positions, w: ExpertWeights, layout: Layout
     local = e // ep
     buffer = jax.lax.all_to_all(buffer, layout.experts, 0, 0, tiled=True)  # [source x local experts, slots, d]
     buffer = buffer.reshape(ep, local, slots, -1).swapaxes(0, 1).reshape(local, ep * slots, -1)
-    out = expert_mlp(buffer, w, matmul, plan.activations)
+    out = expert_mlp(buffer, w, matmul, bias_rows, plan)
     out = out.reshape(local, ep, slots, -1).swapaxes(0, 1).reshape(e, slots, -1)
     out = jax.lax.all_to_all(out, layout.experts, 0, 0, tiled=True)
   else:
-    out = expert_mlp(buffer, w, matmul, plan.activations)
+    out = expert_mlp(buffer, w, matmul, bias_rows, plan)
   return unpack_combine(out, slot, weights)
 
 
@@ -491,11 +517,12 @@ def dispatch(
     return local_dispatch(x, weights, experts, valid, w, layout, plan)
   tokens = P(layout.batch or None, layout.length or None)
   spec = lambda axes: P(*(a or None for a in axes))  # noqa: E731
+  w_specs = ExpertWeights(*(spec(a) for a in (layout.wi, layout.wi, layout.wo, layout.wi_bias, layout.wi_bias, layout.wo_bias)))
   fn = jax.shard_map(
-    lambda *args: local_dispatch(*args[:4], ExpertWeights(*args[4:]), layout, plan),
+    lambda x, weights, experts, valid, w: local_dispatch(x, weights, experts, valid, w, layout, plan),
     mesh=mesh,
-    in_specs=(P(*tokens, None), P(*tokens, None), P(*tokens, None), tokens, spec(layout.wi), spec(layout.wi), spec(layout.wo)),
+    in_specs=(P(*tokens, None), P(*tokens, None), P(*tokens, None), tokens, w_specs),
     out_specs=(P(*tokens, None), P()),
     check_vma=False,  # jax's megablox kernels declare no varying axes; cotangents follow shard_map's unchecked rules
   )
-  return fn(x, weights, experts, valid, *w)
+  return fn(x, weights, experts, valid, w)

@@ -15,11 +15,12 @@ from typing import Any
 
 import jax
 
+from maxtext import memory_limit, platform
 from maxtext import mesh as mesh_lib
 from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
-from maxtext.train import checkpointing, outputs, perf
+from maxtext.train import checkpointing, outputs
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 
@@ -28,25 +29,30 @@ MEMORY_HEADROOM = 0.95  # share of a device's memory the compiled step may plan 
 
 @dataclasses.dataclass
 class Checked:
-  config: MaxTextConfig  # remat_policy=auto replaced by the policy the compiled memory chose
+  config: MaxTextConfig  # remat_policy=auto and decoder_layer_input=auto replaced by what the compiled memory chose
   mesh: jax.sharding.Mesh
   setup: setup_lib.TrainSetup
   step_fn: Any  # the compiled train step
   data_iter: Any  # the train iterator, at its start
   checkpoint_bytes: int  # size of one checkpoint of the train state
+  choice: remat_auto.Choice | None = None  # how the auto keys were resolved here (None: not auto, or by train_compile)
 
 
 def run_checks(
   config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None, setup: setup_lib.TrainSetup | None = None, log: Callable[[str], None] | None = None
 ) -> Checked:
-  perf.check_hardware(config)
+  platform.check_hardware(config)
   if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
     raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
-  if config.remat_policy == "auto" and config.compiled_trainstep_file:
-    raise ConfigError("remat_policy=auto cannot load compiled_trainstep_file; pass the remat_policy train_compile printed for it")
   mesh = setup.mesh if setup is not None else mesh or mesh_lib.create(config)
-  if setup is None:
-    config = remat_auto.resolve(config, mesh, log=log)  # remat_policy=auto: the compiled memory picks the policy
+  choice = None
+  if config.compiled_trainstep_file:  # the auto keys take what train_compile chose; the stamp check compares the rest
+    from maxtext.aot import executable
+
+    config = executable.with_compiled_choices(config.compiled_trainstep_file, config)
+  elif setup is None:
+    config, choice = remat_auto.resolve(config, mesh, log=log)  # the compiled memory picks the policy and the place
+    setup = choice.step.setup if choice is not None and choice.step is not None else None  # compiled while choosing
   setup = setup or setup_lib.build(config, mesh)
   checkpointed = state_lib.checkpointed(setup.abstract_state, config)
   check_restore_paths(config, setup, checkpointed)
@@ -63,7 +69,7 @@ def run_checks(
   with jax.set_mesh(mesh):  # traced as the loop would run it
     step_fn = compiled_step(config, setup, mesh)
   check_memory_fit(config, step_fn)
-  return Checked(config, mesh, setup, step_fn, data_iter, checkpoint_bytes)
+  return Checked(config, mesh, setup, step_fn, data_iter, checkpoint_bytes, choice)
 
 
 def check_outputs(config: MaxTextConfig, checkpoint_bytes: int) -> None:
@@ -121,28 +127,6 @@ def state_bytes(tree: Any) -> int:
   return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def device_memory() -> tuple[int, str]:
-  """(bytes one device may use, what that figure is): the accelerator's limit, or on CPU the host's available memory per device."""
-  device = jax.local_devices()[0]
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"]), f"{device.device_kind} memory"
-  available = host_available_bytes()
-  per_device = available // max(1, jax.local_device_count())
-  return per_device, f"the host's available memory ({available / 2**30:.2f} GiB) shared by {jax.local_device_count()} CPU devices"
-
-
-def host_available_bytes() -> int:
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def step_bytes(compiled: Any) -> tuple[int, int] | None:
   """(bytes one device needs to run the compiled step, of which temporaries), from XLA's memory analysis."""
   try:
@@ -155,15 +139,22 @@ def step_bytes(compiled: Any) -> tuple[int, int] | None:
   return int(need), int(m.temp_size_in_bytes)
 
 
+def memory_remedy(config: MaxTextConfig) -> str:
+  """The keys that lower a train step's memory, as a clause of a one-line error."""
+  remat = "" if config.remat_policy == "full" else "use remat_policy=full, "
+  return f"lower per_device_batch_size ({config.per_device_batch_size}) or max_target_length ({config.max_target_length}), {remat}or shard over more devices"
+
+
 def check_memory_fit(config: MaxTextConfig, compiled: Any) -> None:
+  """The compiled step's memory within MEMORY_HEADROOM of what a device may use (maxtext.memory_limit: on CPU the
+  smallest of the host's available memory, the cgroup limit, RLIMIT_AS and RLIMIT_DATA)."""
   sizes = step_bytes(compiled)
   if sizes is None:
     return
   need, temp = sizes
-  limit, what = device_memory()
-  if need > MEMORY_HEADROOM * limit:
+  limit = memory_limit.limit_per_device()
+  if need > MEMORY_HEADROOM * limit.bytes:
     raise ConfigError(
-      f"the compiled train step needs {need / 2**30:.2f} GiB per device ({temp / 2**30:.2f} GiB of it temporaries) but {what} allows {limit / 2**30:.2f} GiB; "
-      f"lower per_device_batch_size ({config.per_device_batch_size}) or max_target_length ({config.max_target_length}), "
-      "use remat_policy=full, or shard over more devices"
+      f"the compiled train step needs {need / 2**30:.2f} GiB per device ({temp / 2**30:.2f} GiB of it temporaries) but {limit.what} "
+      f"leaves {limit.bytes / 2**30:.2f} GiB per device; {memory_remedy(config)}"
     )
