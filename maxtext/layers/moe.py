@@ -170,6 +170,7 @@ def dispatch_layout(batch: int, seq_len: int, rules, mesh: jax.sharding.Abstract
 
   tokens = logical_to_spec(("activation_batch", "activation_length"), rules, mesh)
   batch_axes, length_axes = dividing(axes(tokens[0]), batch), dividing(axes(tokens[1]), seq_len)
+
   def stored(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     spec = tuple(axes(p) for p in logical_to_spec(names, rules, mesh))
     return spec + ((),) * (len(names) - len(spec))
@@ -237,7 +238,9 @@ class MoE(nnx.Module):
     mesh = jax.sharding.get_abstract_mesh()
     single = mesh.empty or mesh.size == 1
     layout = moe_dispatch.Layout() if single else dispatch_layout(b, s, c.logical_axis_rules, mesh)
-    weights = moe_dispatch.ExpertWeights(*(None if p is None else p[...] for p in (self.wi_0, self.wi_1, self.wo, self.wi_0_bias, self.wi_1_bias, self.wo_bias)))
+    weights = moe_dispatch.ExpertWeights(
+      *(None if p is None else p[...] for p in (self.wi_0, self.wi_1, self.wo, self.wi_0_bias, self.wi_1_bias, self.wo_bias))
+    )
     routed = (r.weights.reshape(b, s, -1), r.experts.reshape(b, s, -1))
     plan = dispatch_plan(c, self.policy, s)
     y, dropped = moe_dispatch.dispatch(x.astype(self.dtype), *routed, valid.reshape(b, s), weights, layout, plan, None if single else mesh)
