@@ -37,7 +37,7 @@ def main(argv: list[str]) -> dict:
 
   steps, states, data = {}, {}, {}
   for name, keys in PATHS.items():
-    config = load([*args.config, *keys], before_devices=prepare)
+    config = load([*args.config, *keys], devices=prepare)
     steps[name] = compile_train_step(config)
     with jax.set_mesh(steps[name].mesh):
       states[name] = steps[name].init_state()
