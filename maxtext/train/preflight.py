@@ -34,6 +34,7 @@ class Checked:
   step_fn: Any  # the compiled train step
   data_iter: Any  # the train iterator, at its start
   checkpoint_bytes: int  # size of one checkpoint of the train state
+  trainer: Any = None  # GRPO: the rollout-score-update driver (maxtext.train.grpo.Trainer) that runs each step
 
 
 def run_checks(
@@ -63,7 +64,12 @@ def run_checks(
   with jax.set_mesh(mesh):  # traced as the loop would run it
     step_fn = compiled_step(config, setup, mesh)
   check_memory_fit(config, step_fn)
-  return Checked(config, mesh, setup, step_fn, data_iter, checkpoint_bytes)
+  trainer = None
+  if config.use_grpo:  # reward functions imported, tokenizer loaded, rollout decoder built
+    from maxtext.train import grpo
+
+    trainer = grpo.prepare(config, setup, step_fn, data_iter)
+  return Checked(config, mesh, setup, step_fn, data_iter, checkpoint_bytes, trainer)
 
 
 def check_outputs(config: MaxTextConfig, checkpoint_bytes: int) -> None:
