@@ -17,6 +17,7 @@ import numpy as np
 
 from maxtext.data.features import ADAPTER_KEY, DocumentEncoder, finalize_packed, pad_row, shift
 from maxtext.data.records import text_field
+from maxtext.errors import DataError
 
 HALF_KEY = "pair_half"  # 1 on the chosen sequence, 2 on the rejected one
 POSITION_KEY = "pair_positions"  # position within its own sequence
@@ -41,6 +42,13 @@ class PairEncoder(DocumentEncoder):
 
   def sequences(self, record: dict[str, Any], where: str) -> tuple[list[int], list[int], list[int], list[int]] | None:
     """(chosen tokens, their response mask, rejected tokens, mask) before truncation; None when the responses are equal."""
+    missing = [c for c in self.columns if c not in record]
+    if missing:
+      keys = ", ".join(sorted(map(str, record))[:8]) or "none"
+      raise DataError(
+        f"{where}: no column '{missing[0]}' (columns: {keys}); use_dpo reads train_data_columns {self.columns} as "
+        f"{'[prompt, chosen, rejected]' if len(self.columns) == 3 else '[chosen, rejected]'}, name your pairs' columns"
+      )
     texts = [text_field(record, c, where) for c in self.columns]
     bos = [self.bos] if self.bos is not None else []
     eos = [self.eos] if self.eos is not None else []

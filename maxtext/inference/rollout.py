@@ -40,9 +40,7 @@ class Rollout:
     """The generator's view of the parameters: the same arrays, arranged as one model state."""
     return nnx.split(nnx.merge(self.graphdef, params, other))[1]
 
-  def sample(
-    self, params: nnx.State, other: nnx.State, prompts: Sequence[Sequence[int]], key: jax.Array, adapter_ids: np.ndarray | None
-  ) -> list[list[int]]:
+  def sample(self, params: nnx.State, other: nnx.State, prompts: Sequence[Sequence[int]], key: jax.Array, adapter_ids: np.ndarray | None) -> list[list[int]]:
     """The completion of each prompt row (EOS included when emitted), sampled with `key`."""
     slots = None if adapter_ids is None else adapter_ids.tolist()
     return self.generator.generate(prompts, adapter_ids=slots, state=self.decode_state(params, other), key=key).tokens

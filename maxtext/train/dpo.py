@@ -49,9 +49,7 @@ def pair_mask(targets_segmentation: jax.Array) -> jax.Array:
   return ((chosen > 0) & (rejected > 0)).astype(jnp.float32)
 
 
-def dpo_terms(
-  policy_lp: jax.Array, reference_lp: jax.Array, targets_segmentation: jax.Array, beta: float, label_smoothing: float
-) -> dict[str, jax.Array]:
+def dpo_terms(policy_lp: jax.Array, reference_lp: jax.Array, targets_segmentation: jax.Array, beta: float, label_smoothing: float) -> dict[str, jax.Array]:
   """Sums over the batch's pairs of the DPO loss and its reward statistics, from per-token log-probabilities [B, S]."""
   mask = targets_segmentation != 0
   ratio = jnp.where(mask, policy_lp - reference_lp, 0.0)

@@ -293,13 +293,15 @@ def _loop(
   with jax.set_mesh(mesh):
     for step in range(start, config.steps):
       profiler.before_step(step, state)
-      if checked.trainer is not None:  # GRPO: rollout, scoring and update of one step (maxtext.train.grpo)
+      if checked.trainer is not None:  # GRPO: rollout, scoring and update (maxtext.train.grpo); done when it returns
         state, metrics = checked.trainer.step(state, step)
+        pending.append((step, metrics))
+        report()
       else:
         batch = next(data_iter)
         state, metrics = step_fn(state, batch)
-      report()
-      pending.append((step, metrics))
+        report()
+        pending.append((step, metrics))
       done = step + 1
       result.steps_done = done
       if preemption.requested:

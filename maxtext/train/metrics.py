@@ -14,7 +14,6 @@ from etils import epath
 from maxtext.config import MaxTextConfig
 from maxtext.train import outputs
 
-
 # Metrics of the DPO and GRPO objectives that the step line shows when a step reports them (TensorBoard and the
 # metrics file get every metric).
 OBJECTIVE_LINE_KEYS = (

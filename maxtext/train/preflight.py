@@ -45,6 +45,10 @@ def run_checks(
     raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
   if config.remat_policy == "auto" and config.compiled_trainstep_file:
     raise ConfigError("remat_policy=auto cannot load compiled_trainstep_file; pass the remat_policy train_compile printed for it")
+  if config.use_grpo:  # a reward function that does not import fails before anything is built
+    from maxtext.train import rewards
+
+    rewards.load(config.grpo_reward_functions, config.grpo_reward_weights)
   mesh = setup.mesh if setup is not None else mesh or mesh_lib.create(config)
   if setup is None:
     config = remat_auto.resolve(config, mesh, log=log)  # remat_policy=auto: the compiled memory picks the policy

@@ -114,6 +114,4 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
   eval_step = step_lib.make_eval_step(config, graphdef, mesh, objective)
   eval_in = (state_shardings["params"], state_shardings.get("other", nnx.State({})), state_shardings.get(reference.KEY, nnx.State({})), batch_shardings)
   jit_eval = jax.jit(eval_step, in_shardings=eval_in, out_shardings=replicated)
-  return TrainSetup(
-    config, mesh, graphdef, abstract_state, abstract_batch, state_shardings, batch_shardings, jit_step, jit_eval, init_fn, policy, objective
-  )
+  return TrainSetup(config, mesh, graphdef, abstract_state, abstract_batch, state_shardings, batch_shardings, jit_step, jit_eval, init_fn, policy, objective)

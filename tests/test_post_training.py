@@ -1,0 +1,321 @@
+"""DPO and GRPO: the losses against hand computations (float32), preference pairs packed whole, GRPO rows and
+advantages, the config's one-line errors. Runs on CPU in seconds; the learning figures are in benchmarks/post_training.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxtext.config import ConfigError
+from maxtext.train import dpo, grpo
+from maxtext.train import setup as setup_lib
+from tests.test_data_common import sp_model, write_jsonl
+from tests.test_train_helpers import mesh_for, tiny_config
+
+DPO_KEYS = dict(use_dpo=True, dataset_type="grain", train_data_columns=["chosen", "rejected"], dtype="float32", matmul_precision="highest")
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+  x = x - x.max(axis=-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _fixed_pair_batch() -> dict[str, np.ndarray]:
+  """Two rows of 16 tokens: row 0 holds two pairs (segments 1-2 and 3-4), row 1 one pair then padding; the
+  response targets are a few tokens at the end of each segment."""
+  rng = np.random.default_rng(7)
+  inputs = rng.integers(1, 128, size=(2, 16)).astype(np.int32)
+  segments = np.array([[1] * 4 + [2] * 4 + [3] * 4 + [4] * 4, [1] * 6 + [2] * 5 + [0] * 5], np.int32)
+  positions = np.zeros_like(segments)
+  targets = np.zeros_like(inputs)
+  scored = np.zeros_like(segments)
+  for b in range(2):
+    for seg in range(1, segments[b].max() + 1):
+      idx = np.flatnonzero(segments[b] == seg)
+      positions[b, idx] = np.arange(len(idx))
+      targets[b, idx[:-1]] = inputs[b, idx[1:]]  # next token within the segment; the last has no target
+      scored[b, idx[-3:-1]] = seg  # the response: the last two targets of the segment
+  return {
+    "inputs": inputs,
+    "inputs_position": positions,
+    "inputs_segmentation": segments,
+    "targets": targets,
+    "targets_position": positions,
+    "targets_segmentation": scored,
+  }
+
+
+def _hand_dpo(policy_logits, reference_logits, batch, beta, eps) -> dict[str, float]:
+  """The DPO loss and rewards in float64 numpy, pair by pair."""
+  t = batch["targets"]
+  lp = np.take_along_axis(_log_softmax(np.asarray(policy_logits, np.float64)), t[..., None], -1)[..., 0]
+  rp = np.take_along_axis(_log_softmax(np.asarray(reference_logits, np.float64)), t[..., None], -1)[..., 0]
+  losses, r_w, r_l = [], [], []
+  seg = batch["targets_segmentation"]
+  for b in range(seg.shape[0]):
+    for k in range(1, seg[b].max() // 2 + 1):
+      c, r = seg[b] == 2 * k - 1, seg[b] == 2 * k
+      rw, rl = beta * (lp[b, c].sum() - rp[b, c].sum()), beta * (lp[b, r].sum() - rp[b, r].sum())
+      d = rw - rl
+      losses.append(-(1 - eps) * np.log(1 / (1 + np.exp(-d))) - eps * np.log(1 / (1 + np.exp(d))))
+      r_w.append(rw)
+      r_l.append(rl)
+  r_w, r_l = np.array(r_w), np.array(r_l)
+  return {
+    "loss": float(np.mean(losses)),
+    "rewards/chosen": float(r_w.mean()),
+    "rewards/rejected": float(r_l.mean()),
+    "rewards/margin": float((r_w - r_l).mean()),
+    "rewards/accuracy": float(np.mean(r_w > r_l)),
+    "pairs": len(losses),
+  }
+
+
+def test_dpo_step_loss_equals_a_hand_computation():
+  """The compiled train step on a fixed batch of packed pairs, policy = initial parameters + noise, reference = the
+  frozen initial copy in the state: loss and rewards equal a float64 hand computation from the models' logits."""
+  beta, eps = 0.3, 0.1
+  config = tiny_config(num_devices=1, dpo_beta=beta, dpo_label_smoothing=eps, **DPO_KEYS)
+  mesh = mesh_for(config)
+  setup = setup_lib.build(config, mesh)
+  batch = _fixed_pair_batch()
+  with jax.set_mesh(mesh):
+    state = setup.init_state()
+    initial = jax.tree.map(np.asarray, state["params"])
+    assert set(state) >= {"reference"} and all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(state["reference"])))
+    keys = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(state["params"]))))
+    state["params"] = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(next(keys), p.shape, p.dtype), state["params"])
+    other = state.get("other", nnx.State({}))
+    logits = jax.jit(lambda params: nnx.merge(setup.graphdef, params, other)(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]))
+    expected = _hand_dpo(logits(state["params"]), logits(state["reference"]), batch, beta, eps)
+    _, metrics = setup.jit_step(state, jax.device_put(batch, setup.batch_shardings))
+  m = {k: float(v) for k, v in metrics.items()}
+  assert m["total_weights"] == expected.pop("pairs") == 3
+  for key, value in expected.items():
+    np.testing.assert_allclose(m[key], value, rtol=2e-5, atol=1e-6, err_msg=key)
+  assert 0 < m["rewards/accuracy"] < 1  # the noise made some pairs right and some wrong
+
+
+def test_token_log_probs_with_vocab_tiling_equal_the_untiled_ones_and_their_gradient():
+  from maxtext.layers.output_head import OutputHead
+
+  rng = np.random.default_rng(0)
+  hidden = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
+  kernel = jnp.asarray(rng.normal(size=(8, 12)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 12, size=(2, 5)), jnp.int32)
+  heads = [OutputHead(kernel, jnp.float32, jax.lax.Precision.HIGHEST, soft_cap=3.0, vocab_tiles=t) for t in (1, 4)]
+  values = [jax.jit(h.token_log_probs, static_argnums=2)(hidden, targets, 0.7) for h in heads]
+  hand = np.take_along_axis(_log_softmax(np.asarray(3.0 * np.tanh(np.asarray(hidden @ kernel) / 3.0) / 0.7, np.float64)), np.asarray(targets)[..., None], -1)
+  np.testing.assert_allclose(values[0], hand[..., 0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(values[1], values[0], rtol=1e-5, atol=1e-6)
+  grads = [
+    jax.jit(jax.grad(lambda h, k, head=head: jnp.sum(dataclasses.replace(head, kernel=k).token_log_probs(h, targets)), argnums=(0, 1)))(hidden, kernel)
+    for head in heads
+  ]
+  for a, b in zip(grads[0], grads[1]):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_pairs_are_packed_whole_with_responses_scored(tmp_path):
+  """grain JSONL pairs through the real pipeline: both responses of a pair in one row (segments 2k - 1, 2k),
+  positions restarting at each response, only response tokens (and EOS) scored; [chosen, rejected] without a
+  prompt column scores the tokens after the longest common prefix."""
+  from maxtext.data.pipeline import local_batches
+  from maxtext.tokenizer import load_tokenizer
+
+  rows = [{"prompt": f"question {i}", "chosen": " good" * (1 + i % 3), "rejected": " bad bad" * (1 + i % 2)} for i in range(24)]
+  files = write_jsonl(tmp_path / "pairs.jsonl", rows)
+  common = dict(
+    dataset_type="grain",
+    grain_file_type="jsonl",
+    grain_train_files=files,
+    tokenizer_type="sentencepiece",
+    tokenizer_path=sp_model(),
+    vocab_size=320,
+    max_target_length=96,
+    grain_worker_count=0,
+    use_dpo=True,
+  )
+  tok = load_tokenizer("sentencepiece", sp_model())
+  config = tiny_config(num_devices=1, per_device_batch_size=2, train_data_columns=["prompt", "chosen", "rejected"], **common)
+  ds, _ = local_batches(config, "train", 0, 1, 2)
+  batch = next(iter(ds))
+  seg, tseg, pos = batch["inputs_segmentation"], batch["targets_segmentation"], batch["inputs_position"]
+  for b in range(seg.shape[0]):
+    ids = sorted(set(seg[b].tolist()) - {0})
+    assert ids == list(range(1, len(ids) + 1)) and len(ids) % 2 == 0, ids  # whole pairs only
+    for s in ids:
+      idx = np.flatnonzero(seg[b] == s)
+      assert np.array_equal(pos[b, idx], np.arange(len(idx)))
+      scored = np.flatnonzero(tseg[b] == s)
+      text = tok.decode(batch["targets"][b, scored].tolist())
+      assert text.replace(" ", "") in ("good" * 3, "good" * 2, "good", "badbad", "badbad" * 2), text  # response tokens (EOS decodes to '')
+      assert tok.eos_id in batch["targets"][b, scored].tolist()
+  implicit = [{"chosen": f"the answer to {i} is yes", "rejected": f"the answer to {i} is no"} for i in range(16)]
+  config = tiny_config(
+    num_devices=1,
+    per_device_batch_size=2,
+    train_data_columns=["chosen", "rejected"],
+    **{**common, "grain_train_files": write_jsonl(tmp_path / "implicit.jsonl", implicit)},
+  )
+  batch = next(iter(local_batches(config, "train", 0, 1, 2)[0]))
+  for b in range(2):
+    for s in sorted(set(batch["targets_segmentation"][b].tolist()) - {0}):
+      scored = batch["targets"][b, batch["targets_segmentation"][b] == s].tolist()
+      assert tok.decode(scored).strip() in ("yes", "no") and scored[-1] == tok.eos_id
+
+
+def test_grpo_terms_and_advantages_equal_a_hand_computation():
+  rng = np.random.default_rng(1)
+  rewards = rng.normal(size=(3, 4))
+  adv = grpo.group_advantages(rewards)
+  hand = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-4)
+  np.testing.assert_allclose(adv, hand, rtol=1e-6)
+  assert np.all(grpo.group_advantages(np.ones((2, 3))) == 0)  # a group of equal rewards teaches nothing
+
+  b, s, eps, beta = 4, 6, 0.2, 0.05
+  lp = rng.normal(-2.0, 0.5, size=(b, s))
+  old = lp + rng.normal(0.0, 0.3, size=(b, s))  # ratios spread beyond 1 +- eps
+  ref = lp + rng.normal(0.0, 0.2, size=(b, s))
+  a = np.array([1.5, -0.7, 0.3, -2.0])
+  mask = rng.random((b, s)) < 0.7
+  out = {k: float(v) for k, v in grpo.grpo_terms(*(jnp.asarray(x, jnp.float32) for x in (lp, old, ref, a)), jnp.asarray(mask), eps, beta).items()}
+  ratio = np.exp(lp - old)
+  obj = np.minimum(ratio * a[:, None], np.clip(ratio, 1 - eps, 1 + eps) * a[:, None])
+  kl = np.exp(ref - lp) - (ref - lp) - 1
+  clipped = ((ratio < 1 - eps) & (a[:, None] < 0)) | ((ratio > 1 + eps) & (a[:, None] > 0))
+  np.testing.assert_allclose(out["loss"], np.sum(-(obj - beta * kl) * mask), rtol=1e-5)
+  np.testing.assert_allclose(out["kl"], np.sum(kl * mask), rtol=1e-5)
+  assert out["clipped"] == np.sum(clipped * mask) > 0 and out["tokens"] == mask.sum()
+
+  # the gradient: with old = policy (rho = 1) it is -A d log pi + beta d kl, token by token
+  def loss(x):
+    return grpo.grpo_terms(x, jax.lax.stop_gradient(x), jnp.asarray(ref, jnp.float32), jnp.asarray(a, jnp.float32), jnp.asarray(mask), eps, beta)["loss"]
+
+  grad = np.asarray(jax.grad(loss)(jnp.asarray(lp, jnp.float32)))
+  np.testing.assert_allclose(grad, (-a[:, None] + beta * (1 - np.exp(ref - lp))) * mask, rtol=1e-4, atol=1e-6)
+
+
+def test_rollout_rows_score_the_completion_tokens():
+  rows = grpo.rollout_rows([np.array([5, 6, 7]), np.array([9])], [[11, 12, 2], [13]], 8)
+  assert rows["inputs"].tolist() == [[5, 6, 7, 11, 12, 2, 0, 0], [9, 13, 0, 0, 0, 0, 0, 0]]
+  assert rows["targets"].tolist() == [[6, 7, 11, 12, 2, 0, 0, 0], [13, 0, 0, 0, 0, 0, 0, 0]]
+  assert rows["targets_segmentation"].tolist() == [[0, 0, 1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]]
+  assert rows["inputs_position"][0].tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
+
+
+def test_config_errors_are_one_line():
+  grpo_ok = dict(
+    use_grpo=True,
+    dataset_type="grain",
+    train_data_columns=["prompt"],
+    decode_sampling_strategy="weighted",
+    grpo_reward_functions=["maxtext.train.rewards:contains_target"],
+    max_prefill_predict_length=8,
+    per_device_batch_size=2,
+  )
+  tiny_config(num_devices=1, **grpo_ok)
+  cases = [
+    (dict(use_dpo=True, **grpo_ok), "use_dpo and use_grpo are both true"),
+    (dict(use_dpo=True, dataset_type="grain", train_data_columns=["text"]), "[chosen, rejected]"),
+    (dict(use_dpo=True, dataset_type="synthetic"), "use_dpo reads preference pairs"),
+    (dict(use_dpo=True, dataset_type="grain", train_data_columns=["a", "b"], use_truncation=False), "use_truncation=true"),
+    ({**grpo_ok, "num_generations": 1}, "num_generations=1"),
+    ({**grpo_ok, "decode_sampling_strategy": "greedy"}, "greedy"),
+    ({**grpo_ok, "grpo_reward_functions": []}, "grpo_reward_functions"),
+    ({**grpo_ok, "grpo_reward_weights": [1.0, 2.0]}, "grpo_reward_weights"),
+    ({**grpo_ok, "num_generations": 3}, "multiple of num_generations"),
+    ({**grpo_ok, "z_loss_multiplier": 1e-4}, "z_loss_multiplier"),
+  ]
+  for overrides, mention in cases:
+    with pytest.raises(ConfigError) as e:
+      tiny_config(num_devices=1, **overrides)
+    assert mention in str(e.value) and "\n" not in str(e.value), (overrides, str(e.value))
+
+
+def test_reward_functions_load_and_fail_with_one_line_naming_function_and_row():
+  from maxtext.errors import DataError
+  from maxtext.train import rewards
+
+  with pytest.raises(ConfigError, match="module 'no_such_module' does not import"):
+    rewards.load(["no_such_module:fn"])
+  with pytest.raises(ConfigError, match="has no function 'nope'"):
+    rewards.load(["maxtext.train.rewards:nope"])
+  with pytest.raises(ConfigError, match="is not 'module:function'"):
+    rewards.load(["maxtext.train.rewards"])
+  (r,) = rewards.load(["maxtext.train.rewards:contains_target"], [2.0])
+  assert r.weight == 2.0 and r.short_name == "contains_target"
+  where = ["data.jsonl line 1", "data.jsonl line 2"]
+  assert rewards.score(r, ["p", "p"], ["a cat", "a dog"], {"target": ["cat", "cat"]}, where).tolist() == [1.0, 0.0]
+  picky = rewards.Reward("m:picky", lambda prompts, completions, **_: [1.0 / (len(c) - 5) for c in completions], 1.0)
+  with pytest.raises(DataError) as e:  # divides by zero on the second row's completion only
+    rewards.score(picky, ["p", "p"], ["a cat!", "a dog"], {}, where)
+  assert "'m:picky' raised ZeroDivisionError" in str(e.value) and "line 2" in str(e.value) and "\n" not in str(e.value)
+  nan = rewards.Reward("m:nan_reward", lambda prompts, completions, **_: [0.0, float("nan")], 1.0)
+  with pytest.raises(DataError, match=r"'m:nan_reward' returned nan for data.jsonl line 2"):
+    rewards.score(nan, ["p", "p"], ["a", "b"], {}, where)
+
+
+def test_prompt_records_carry_their_columns(tmp_path):
+  from maxtext.data.prompts import create_prompt_iterator
+
+  rows = [{"prompt": f"say {i}", "target": str(i), "extra": i} for i in range(8)]
+  config = tiny_config(
+    num_devices=1,
+    use_grpo=True,
+    dataset_type="grain",
+    grain_file_type="jsonl",
+    grain_train_files=write_jsonl(tmp_path / "p.jsonl", rows),
+    tokenizer_type="sentencepiece",
+    tokenizer_path=sp_model(),
+    vocab_size=320,
+    train_data_columns=["prompt"],
+    decode_sampling_strategy="weighted",
+    grpo_reward_functions=["maxtext.train.rewards:contains_target"],
+    max_prefill_predict_length=4,
+    per_device_batch_size=4,
+    enable_data_shuffling=False,
+    grain_worker_count=0,
+  )
+  it = create_prompt_iterator(config, mesh_for(config), "train", 0, 1)
+  first = next(it)
+  assert len(first) == 2 and [p["fields"]["target"] for p in first] == ["0", "1"] and first[0]["fields"]["extra"] == 0
+  assert len(first[0]["tokens"]) <= 4 and "line 1" in first[0]["where"]
+  state = it.get_state()
+  second = next(it)
+  it.set_state(state)
+  assert [p["text"] for p in next(it)] == [p["text"] for p in second]
+  it.close()
+
+
+def test_pair_data_without_its_columns_is_one_line(tmp_path):
+  from maxtext.data.pipeline import local_batches
+  from maxtext.errors import DataError
+
+  config = tiny_config(
+    num_devices=1,
+    dataset_type="grain",
+    grain_file_type="jsonl",
+    grain_train_files=write_jsonl(tmp_path / "p.jsonl", [{"chosen": "a b"}] * 4),
+    tokenizer_type="sentencepiece",
+    tokenizer_path=sp_model(),
+    vocab_size=320,
+    use_dpo=True,
+    train_data_columns=["chosen", "rejected"],
+    grain_worker_count=0,
+  )
+  with pytest.raises(DataError, match="no column 'rejected'") as e:
+    next(iter(local_batches(config, "train", 0, 1, 1)[0]))
+  assert "\n" not in str(e.value)
+
+
+def test_dpo_pair_metrics_ignore_padding_and_lonely_segments():
+  seg = jnp.asarray([[1, 1, 2, 2, 3, 3, 0, 0]])  # segment 3 has no rejected partner
+  assert dpo.pair_mask(seg).tolist() == [[1.0, 0.0, 0.0, 0.0]]
+  terms = dpo.dpo_terms(jnp.zeros((1, 8)), jnp.zeros((1, 8)), seg, 0.1, 0.0)  # policy = reference: every pair a tie
+  assert float(terms["pairs"]) == 1 and float(terms["correct"]) == 0.5 and float(terms["loss"]) == pytest.approx(np.log(2))
