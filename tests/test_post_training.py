@@ -4,6 +4,7 @@ advantages, the config's one-line errors. Runs on CPU in seconds; the learning f
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -319,3 +320,96 @@ def test_dpo_pair_metrics_ignore_padding_and_lonely_segments():
   assert dpo.pair_mask(seg).tolist() == [[1.0, 0.0, 0.0, 0.0]]
   terms = dpo.dpo_terms(jnp.zeros((1, 8)), jnp.zeros((1, 8)), seg, 0.1, 0.0)  # policy = reference: every pair a tie
   assert float(terms["pairs"]) == 1 and float(terms["correct"]) == 0.5 and float(terms["loss"]) == pytest.approx(np.log(2))
+
+
+def reward_a(prompts, completions, adapter, **_):
+  """Adapter a's task: completions with many letters 'a' (other adapters' rows score 0)."""
+  return [c.count("a") / max(len(c), 1) if ad == "a" else 0.0 for c, ad in zip(completions, adapter)]
+
+
+def reward_b(prompts, completions, adapter, **_):
+  """Adapter b's task: completions with many letters 'b'."""
+  return [c.count("b") / max(len(c), 1) if ad == "b" else 0.0 for c, ad in zip(completions, adapter)]
+
+
+TWO_ADAPTERS = {"enable_lora": True, "lora_rank": 2, "max_lora_adapters": 2, "lora_adapters": ["a", "b"], "adapter_column": "adapter"}
+
+
+def _grpo_config(out, run: str, steps: int, **extra):
+  """Tiny GRPO on two adapters: prompts alternate two of adapter a, two of adapter b; a step holds two prompts."""
+  rows = [{"prompt": p, "adapter": ad} for p, ad in [("x y", "a"), ("x z", "a"), ("y y", "b"), ("z z", "b")]] * 4
+  return tiny_config(
+    num_devices=1,
+    use_grpo=True,
+    dataset_type="grain",
+    grain_file_type="jsonl",
+    grain_train_files=write_jsonl(out / "prompts.jsonl", rows),
+    tokenizer_type="sentencepiece",
+    tokenizer_path=sp_model(),
+    vocab_size=320,
+    train_data_columns=["prompt"],
+    decode_sampling_strategy="weighted",
+    grpo_reward_functions=["tests.test_post_training:reward_a", "tests.test_post_training:reward_b"],
+    max_prefill_predict_length=8,
+    per_device_batch_size=4,
+    num_generations=2,
+    num_iterations=2,
+    enable_data_shuffling=False,
+    grain_worker_count=0,
+    steps=steps,
+    learning_rate_schedule_steps=2,
+    base_output_directory=str(out),
+    run_name=run,
+    lora=TWO_ADAPTERS,
+    **extra,
+  )
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory):
+  """One step (adapter a's prompts), the same run resumed for a second (adapter b's), and two steps uninterrupted
+  in another run directory; all three share one compiled setup (train step, rollout decoder, scoring forward)."""
+  from maxtext.train.loop import train
+
+  out = tmp_path_factory.mktemp("grpo")
+  config = _grpo_config(out, "straight", 2, metrics_file=str(out / "metrics.jsonl"))
+  setup = setup_lib.build(config, mesh_for(config))
+  with jax.set_mesh(setup.mesh):
+    initial = _flat(setup.init_params())
+  first = train(_grpo_config(out, "resumed", 1), setup=setup).state
+  resumed = train(_grpo_config(out, "resumed", 2), setup=setup).state
+  straight = train(config, setup=setup).state
+  lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  return config, initial, _flat(first["params"]), _flat(resumed["params"]), _flat(straight["params"]), lines
+
+
+def _flat(params) -> dict[str, np.ndarray]:
+  return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+
+
+def _slot(value: np.ndarray, config, slot: int) -> np.ndarray:
+  from maxtext.layers.lora import slot_axis
+
+  return np.take(value, slot, axis=slot_axis(config))
+
+
+def test_grpo_trains_only_the_adapters_of_its_prompts_and_never_the_base(grpo_runs):
+  config, initial, first, resumed, _, _ = grpo_runs
+  adapters = [k for k in initial if k.endswith(("lora_a", "lora_b"))]
+  assert adapters and all(np.array_equal(first[k], initial[k]) and np.array_equal(resumed[k], initial[k]) for k in initial if k not in adapters)
+  b_untouched = all(np.array_equal(_slot(first[k], config, 1), _slot(initial[k], config, 1)) for k in adapters)
+  a_kept = all(np.array_equal(_slot(resumed[k], config, 0), _slot(first[k], config, 0)) for k in adapters)
+  assert b_untouched and a_kept  # step 0 holds only adapter a's prompts, step 1 only adapter b's
+  assert any(not np.array_equal(_slot(first[k], config, 0), _slot(initial[k], config, 0)) for k in adapters)
+  assert any(not np.array_equal(_slot(resumed[k], config, 1), _slot(initial[k], config, 1)) for k in adapters)
+
+
+def test_grpo_resume_is_bitwise_and_reports_its_metrics(grpo_runs):
+  """Preempted after a step and resumed (sampling key and prompt iterator from the checkpoint) = uninterrupted."""
+  _, _, _, resumed, straight, lines = grpo_runs
+  assert resumed.keys() == straight.keys() and all(np.array_equal(resumed[k], straight[k]) for k in straight)
+  assert [m["step"] for m in lines] == [0, 1]
+  for key in ("reward", "reward/reward_a/mean", "reward/reward_b/std", "kl", "clip_fraction", "completion_length", "rollout_share", "update_share"):
+    assert all(np.isfinite(m[key]) for m in lines), key
+  assert lines[0]["reward/reward_b/mean"] == 0 and lines[1]["reward/reward_a/mean"] == 0  # each step scores its own adapter's task
+  assert abs(sum(lines[0][f"{k}_share"] for k in ("rollout", "scoring", "update")) - 1) < 1e-6

@@ -183,15 +183,12 @@ class Trainer:
 
   def __init__(self, config: MaxTextConfig, setup: Any, step_fn: Any, data_iter: Any):
     from maxtext.data.pipeline import resolve_tokenizer
-    from maxtext.inference.rollout import Rollout
 
     self.config, self.setup, self.step_fn, self.data_iter = config, setup, step_fn, data_iter
     self.rewards = rewards_lib.load(config.grpo_reward_functions, config.grpo_reward_weights)
     self.tokenizer = resolve_tokenizer(config)
     self.eos_id = self.tokenizer.eos_id
-    abstract = setup.abstract_state
-    self.rollout = Rollout(config, setup.graphdef, abstract["params"], abstract.get("other", nnx.State({})), setup.mesh, self.eos_id)
-    self.score_fn = make_score_fn(config, setup)
+    self.rollout, self.score_fn = setup.rollout, setup.score_fn  # compiled once per setup
     self.multi_adapter = config.lora.enable_lora and config.lora.max_lora_adapters > 1
     self.base_key = jax.random.key(config.decode_sampling_seed)
 

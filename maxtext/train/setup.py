@@ -60,6 +60,22 @@ class TrainSetup:
     """jit_step compiled for abstract_state and abstract_batch (its memory_analysis() is what a step needs)."""
     return self.jit_step.lower(self.abstract_state, self.abstract_batch).compile()
 
+  @functools.cached_property
+  def rollout(self) -> Any:
+    """GRPO: the rollout decoder over this setup's parameters (maxtext.inference.rollout), compiled per prompt bucket on first use."""
+    from maxtext.data.pipeline import resolve_tokenizer
+    from maxtext.inference.rollout import Rollout
+
+    other = self.abstract_state.get("other", nnx.State({}))
+    return Rollout(self.config, self.graphdef, self.abstract_state["params"], other, self.mesh, resolve_tokenizer(self.config).eos_id)
+
+  @functools.cached_property
+  def score_fn(self) -> Any:
+    """GRPO: the jitted forward giving a rollout batch's old and reference log-probabilities (None when it needs neither)."""
+    from maxtext.train.grpo import make_score_fn
+
+    return make_score_fn(self.config, self)
+
   def init_state(self, formats: Any = None) -> state_lib.TrainState:
     """The fresh initial state, born sharded (parameters never exist unsharded); given formats (a compiled
     step's `state_lib.compiled_formats`), born in that step's device layouts too."""
