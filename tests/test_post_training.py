@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from maxtext.train import setup as setup_lib
 from tests.test_data_common import sp_model, write_jsonl
 from tests.test_train_helpers import mesh_for, tiny_config
 
+ROOT = Path(__file__).resolve().parents[1]
 DPO_KEYS = dict(use_dpo=True, dataset_type="grain", train_data_columns=["chosen", "rejected"], dtype="float32", matmul_precision="highest")
 
 
@@ -26,38 +28,13 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
   return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def _fixed_pair_batch() -> dict[str, np.ndarray]:
-  """Two rows of 16 tokens: row 0 holds two pairs (segments 1-2 and 3-4), row 1 one pair then padding; the
-  response targets are a few tokens at the end of each segment."""
-  rng = np.random.default_rng(7)
-  inputs = rng.integers(1, 128, size=(2, 16)).astype(np.int32)
-  segments = np.array([[1] * 4 + [2] * 4 + [3] * 4 + [4] * 4, [1] * 6 + [2] * 5 + [0] * 5], np.int32)
-  positions = np.zeros_like(segments)
-  targets = np.zeros_like(inputs)
-  scored = np.zeros_like(segments)
-  for b in range(2):
-    for seg in range(1, segments[b].max() + 1):
-      idx = np.flatnonzero(segments[b] == seg)
-      positions[b, idx] = np.arange(len(idx))
-      targets[b, idx[:-1]] = inputs[b, idx[1:]]  # next token within the segment; the last has no target
-      scored[b, idx[-3:-1]] = seg  # the response: the last two targets of the segment
-  return {
-    "inputs": inputs,
-    "inputs_position": positions,
-    "inputs_segmentation": segments,
-    "targets": targets,
-    "targets_position": positions,
-    "targets_segmentation": scored,
-  }
-
-
 def _hand_dpo(policy_logits, reference_logits, batch, beta, eps) -> dict[str, float]:
-  """The DPO loss and rewards in float64 numpy, pair by pair."""
-  t = batch["targets"]
+  """The DPO loss and rewards in float64 numpy, pair by pair (pair k of a row: segments 2k - 1 and 2k)."""
+  t = np.asarray(batch["targets"])
   lp = np.take_along_axis(_log_softmax(np.asarray(policy_logits, np.float64)), t[..., None], -1)[..., 0]
   rp = np.take_along_axis(_log_softmax(np.asarray(reference_logits, np.float64)), t[..., None], -1)[..., 0]
   losses, r_w, r_l = [], [], []
-  seg = batch["targets_segmentation"]
+  seg = np.asarray(batch["targets_segmentation"])
   for b in range(seg.shape[0]):
     for k in range(1, seg[b].max() // 2 + 1):
       c, r = seg[b] == 2 * k - 1, seg[b] == 2 * k
@@ -72,34 +49,87 @@ def _hand_dpo(policy_logits, reference_logits, batch, beta, eps) -> dict[str, fl
     "rewards/chosen": float(r_w.mean()),
     "rewards/rejected": float(r_l.mean()),
     "rewards/margin": float((r_w - r_l).mean()),
-    "rewards/accuracy": float(np.mean(r_w > r_l)),
+    "rewards/accuracy": float(np.mean(np.where(np.abs(r_w - r_l) < 1e-6, 0.5, r_w > r_l))),  # a float32 tie counts one half
     "pairs": len(losses),
   }
 
 
-def test_dpo_step_loss_equals_a_hand_computation():
-  """The compiled train step on a fixed batch of packed pairs, policy = initial parameters + noise, reference = the
+def _benchmark():
+  """benchmarks/post_training.py as a module (its marker-pair task and configs)."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("post_training_benchmark", ROOT / "benchmarks" / "post_training.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory):
+  """The benchmark's marker-pair DPO task (tiny model, full finetuning), 4 steps: its setup, first batch and metrics."""
+  from maxtext.train.loop import create_data_iterator, train
+
+  bench = _benchmark()
+  out = tmp_path_factory.mktemp("dpo")
+  extra = ["eval_interval=-1", "dpo_beta=0.3", "dpo_label_smoothing=0.1", "enable_tensorboard=false", "device_peak_tflops=1"]
+  config = bench.dpo_config(out, "ci", 4, False, extra)
+  setup = setup_lib.build(config, mesh_for(config))
+  it = create_data_iterator(config, setup.mesh, "train")
+  batch = next(it)
+  it.close()
+  train(config, setup=setup)
+  return config, setup, batch, bench.read_metrics(config.metrics_file)
+
+
+def test_dpo_step_loss_equals_a_hand_computation(dpo_run):
+  """The compiled train step on a batch of packed marker pairs, policy = initial parameters + noise, reference = the
   frozen initial copy in the state: loss and rewards equal a float64 hand computation from the models' logits."""
-  beta, eps = 0.3, 0.1
-  config = tiny_config(num_devices=1, dpo_beta=beta, dpo_label_smoothing=eps, **DPO_KEYS)
-  mesh = mesh_for(config)
-  setup = setup_lib.build(config, mesh)
-  batch = _fixed_pair_batch()
-  with jax.set_mesh(mesh):
+  config, setup, batch, _ = dpo_run
+  with jax.set_mesh(setup.mesh):
     state = setup.init_state()
-    initial = jax.tree.map(np.asarray, state["params"])
-    assert set(state) >= {"reference"} and all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(state["reference"])))
-    keys = iter(jax.random.split(jax.random.key(3), len(jax.tree.leaves(state["params"]))))
+    initial = jax.tree.leaves(jax.tree.map(np.asarray, state["params"]))
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(initial, jax.tree.leaves(state["reference"])))
+    keys = iter(jax.random.split(jax.random.key(3), len(initial)))
     state["params"] = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(next(keys), p.shape, p.dtype), state["params"])
     other = state.get("other", nnx.State({}))
     logits = jax.jit(lambda params: nnx.merge(setup.graphdef, params, other)(batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]))
-    expected = _hand_dpo(logits(state["params"]), logits(state["reference"]), batch, beta, eps)
-    _, metrics = setup.jit_step(state, jax.device_put(batch, setup.batch_shardings))
+    expected = _hand_dpo(logits(state["params"]), logits(state["reference"]), batch, config.dpo_beta, config.dpo_label_smoothing)
+    _, metrics = setup.compiled_step(state, batch)
   m = {k: float(v) for k, v in metrics.items()}
-  assert m["total_weights"] == expected.pop("pairs") == 3
+  assert m["total_weights"] == expected.pop("pairs") > 8  # several pairs per row
   for key, value in expected.items():
     np.testing.assert_allclose(m[key], value, rtol=2e-5, atol=1e-6, err_msg=key)
-  assert 0 < m["rewards/accuracy"] < 1  # the noise made some pairs right and some wrong
+
+
+def test_dpo_learns_the_marker_preference(dpo_run):
+  """4 steps of the benchmark's task (40 in benchmarks/README.md): rewards/accuracy from about 0.5 to >= 0.95."""
+  lines = dpo_run[3]
+  assert [m["step"] for m in lines] == [0, 1, 2, 3]
+  # policy = reference at the first step: every margin 0 up to rounding (the two forwards compile differently)
+  assert lines[0]["rewards/accuracy"] == pytest.approx(0.5, abs=0.1) and lines[0]["loss"] == pytest.approx(np.log(2), rel=1e-4)
+  assert lines[-1]["rewards/accuracy"] >= 0.95 and lines[-1]["rewards/margin"] > 0
+
+
+def test_lora_reference_is_the_base_model_with_adapters_off():
+  """With LoRA the reference shares the base parameters: its logits equal those of the same model built without LoRA."""
+  from maxtext import models
+  from maxtext.layers.lora import LoRAParam
+  from maxtext.train import reference
+  from maxtext.train.state import split_params
+
+  lora = tiny_config(num_devices=1, lora={"enable_lora": True, "lora_rank": 2}, **DPO_KEYS)
+  plain = tiny_config(num_devices=1, **DPO_KEYS)
+  model = models.build(lora)
+  graphdef, params, other = nnx.split(model, nnx.Param, ...)
+  params = nnx.from_flat_state([(k, v.replace(v.get_value() + 0.1) if isinstance(v, LoRAParam) else v) for k, v in nnx.to_flat_state(params)])  # B != 0
+  trainable, frozen = split_params(params, lora)
+  assert not reference.stores_copy(lora, params)  # no second copy of anything
+  tokens = jnp.asarray(np.arange(16).reshape(2, 8) % 100, jnp.int32)
+  lora_logits = jax.jit(lambda t, f: nnx.merge(graphdef, t, f, other)(tokens))
+  b_graph, _, b_other = nnx.split(models.build(plain), nnx.Param, ...)
+  expected = jax.jit(lambda f: nnx.merge(b_graph, f, b_other)(tokens))(frozen)
+  np.testing.assert_array_equal(lora_logits(reference.reference_trainable(lora, {}, trainable), frozen), expected)
+  assert not np.array_equal(lora_logits(trainable, frozen), expected)
 
 
 def test_token_log_probs_with_vocab_tiling_equal_the_untiled_ones_and_their_gradient():

@@ -46,7 +46,9 @@ class Checkpointing(Section):
   checkpoint_period: int = Field(10_000, gt=0, description="Save a checkpoint every this many steps.")
   max_num_checkpoints_to_keep: int | None = Field(None, description="Keep at most this many checkpoints (at least 1); None keeps all.")
   save_checkpoint_on_completion: bool = Field(True, description="Save a checkpoint after the last step.")
-  load_parameters_path: str = Field("", description="Orbax params checkpoint to start from (fresh optimizer, step 0).")
+  load_parameters_path: str = Field(
+    "", description="Orbax params checkpoint to start from (fresh optimizer, step 0): a step directory, or a run's checkpoints/ (its newest step)."
+  )
   load_full_state_path: str = Field("", description="Orbax full-state checkpoint to start from (params, optimizer, step).")
 
 

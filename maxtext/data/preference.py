@@ -80,6 +80,8 @@ class PairEncoder(DocumentEncoder):
       if len(tokens) < 2 or not row["weights"].any():
         return None  # truncation left this response without a scored token
       halves.append(row)
+    if np.array_equal(halves[0]["inputs"], halves[1]["inputs"]):
+      return None  # truncation cut where the responses differ: nothing to compare
     out = {k: np.concatenate([h[k] for h in halves]) for k in ("inputs", "targets", "weights")}
     out[HALF_KEY] = np.concatenate([np.full(len(h["inputs"]), i + 1, np.int32) for i, h in enumerate(halves)])
     out[POSITION_KEY] = np.concatenate([np.arange(len(h["inputs"]), dtype=np.int32) for h in halves])

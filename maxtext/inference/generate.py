@@ -65,7 +65,9 @@ class Generator:
     max_prefill_length: int | None = None,
     eos_id: int | None = None,
     mesh: Mesh | None = None,
+    fixed_bucket: bool = False,
   ):
+    """fixed_bucket: pad every prompt batch to max_prefill_length (one prefill compile for all prompt lengths)."""
     c = model.config
     check_decodable(c)
     self.config = c
@@ -75,6 +77,7 @@ class Generator:
     self.check_lengths(self.max_target_length, self.max_prefill_length)
     self.eos_id = -1 if eos_id is None else int(eos_id)
     self.mesh = mesh
+    self.fixed_bucket = fixed_bucket
     self.layout = cache_layout.layout(c, self.max_target_length)
     self.graphdef, self.state = nnx.split(model)
     self.prefill = jax.jit(self._prefill)
@@ -199,7 +202,8 @@ class Generator:
     for p in prompts:
       self.check_prompt(p, self.max_prefill_length, self.config.vocab_size)
     rows = -(-len(prompts) // self.batch_multiple()) * self.batch_multiple()
-    tokens = np.zeros((rows, prefill_bucket(max(len(p) for p in prompts), self.max_prefill_length)), np.int32)
+    width = self.max_prefill_length if self.fixed_bucket else prefill_bucket(max(len(p) for p in prompts), self.max_prefill_length)
+    tokens = np.zeros((rows, width), np.int32)
     lengths = np.ones((rows,), np.int32)
     for i, p in enumerate(prompts):
       tokens[i, : len(p)] = p

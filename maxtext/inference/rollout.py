@@ -1,8 +1,8 @@
 """GRPO rollouts: completions sampled by the compiled KV-cache decoder from the train state's live parameters.
 
-The decoder (maxtext.inference.generate.Generator) is compiled once per prompt bucket against the train state's
-abstract parameters, and each call runs it on the parameter arrays the train step has just updated: no copy
-of the weights and no second model exist. The layers stay stacked as the train state holds them (decode's
+The decoder (maxtext.inference.generate.Generator) is compiled once, for prompts padded to
+max_prefill_predict_length, against the train state's abstract parameters; each call runs it on the parameter
+arrays the train step has just updated: no copy of the weights and no second model exist. The layers stay stacked as the train state holds them (decode's
 per-layer copy for CPU, `unstack.for_decoding`, is not made). Sampling follows the decode_sampling_* keys; each
 row's adapter slot (lora.max_lora_adapters > 1) selects the adapter its completions are sampled with.
 """
@@ -34,7 +34,13 @@ class Rollout:
       max_prefill_length=config.max_prefill_predict_length,
       eos_id=eos_id,
       mesh=mesh,
+      fixed_bucket=True,  # one compile, made by the preflight checks; no recompilation mid-run
     )
+
+  def compile(self, rows: int, adapters: bool) -> list[object]:
+    """Compile prefill and the decode loop for `rows` prompt rows now; returns the two executables."""
+    tokens, lengths = self.generator.pad([[0]] * rows)
+    return list(self.generator._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None))
 
   def decode_state(self, params: nnx.State, other: nnx.State) -> nnx.State:
     """The generator's view of the parameters: the same arrays, arranged as one model state."""

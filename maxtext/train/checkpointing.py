@@ -32,8 +32,12 @@ SCHEDULE_FILE = "schedule.json"  # the learning_rate_schedule_steps the saved st
 
 
 def item_path(path: str) -> epath.Path:
-  """Accept either a step directory (<ckpt>/<step>) or its item directory (<ckpt>/<step>/items)."""
+  """Accept a step directory (<ckpt>/<step>), its item directory (<ckpt>/<step>/items), or a run's checkpoint
+  directory (<run>/checkpoints: its newest saved step)."""
   p = epath.Path(path)
+  newest = latest_saved_step(str(p)) if p.is_dir() and not (p / ITEM).is_dir() else None
+  if newest is not None:
+    p = epath.Path(newest)
   if (p / ITEM).is_dir():
     p = p / ITEM
   if not p.is_dir():

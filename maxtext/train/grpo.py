@@ -251,4 +251,27 @@ def prepare(config: MaxTextConfig, setup: Any, step_fn: Any, data_iter: Any) -> 
   from maxtext.inference.generate import check_decodable
 
   check_decodable(config)
-  return Trainer(config, setup, step_fn, data_iter)
+  trainer = Trainer(config, setup, step_fn, data_iter)
+  check_rollout_fit(config, setup, trainer.multi_adapter)
+  return trainer
+
+
+def check_rollout_fit(config: MaxTextConfig, setup: Any, adapters: bool) -> None:
+  """Compile the rollout decoder for the step's rows and check that it fits beside the rest of the train state
+  (optimizer state and reference stay resident while it runs)."""
+  from maxtext.train import preflight
+
+  executables = setup.rollout.compile(config.global_batch_size_to_train_on, adapters)
+  sizes = [preflight.step_bytes(e) for e in executables]
+  if any(s is None for s in sizes):
+    return
+  params = preflight.state_bytes(setup.abstract_state["params"]) // config.num_devices
+  resident = preflight.state_bytes(setup.abstract_state) // config.num_devices - params  # beside the decoder's own arguments (params, cache)
+  need = max(s[0] for s in sizes) + resident
+  limit, what = preflight.device_memory()
+  if need > preflight.MEMORY_HEADROOM * limit:
+    raise ConfigError(
+      f"the GRPO rollout needs about {need / 2**30:.2f} GiB per device (KV cache for {config.global_batch_size_to_train_on} rows of "
+      f"{config.max_target_length} tokens, beside the optimizer state) but {what} allows {limit / 2**30:.2f} GiB; "
+      "lower per_device_batch_size or max_target_length, or shard over more devices"
+    )
