@@ -149,7 +149,7 @@ def grpo_config(out: Path, run: str, args: argparse.Namespace, extra: list[str],
     "per_device_batch_size": 64,
     "max_prefill_predict_length": 16,
     "max_target_length": 48,
-    "learning_rate": 3e-5,
+    "learning_rate": 2e-4,
     "warmup_steps_fraction": 0.0,
     "steps": args.steps,
     "eval_interval": -1,
@@ -159,13 +159,14 @@ def grpo_config(out: Path, run: str, args: argparse.Namespace, extra: list[str],
   if adapters:
     keys.update(
       {
-        "grpo_reward_functions": "[benchmarks.post_training:target_for_a,benchmarks.post_training:target_for_b]",
+        "grpo_reward_functions": "[" + ",".join(f"benchmarks.post_training:{f}" for f in ("target_for_a", "target_for_b", "other_for_a", "other_for_b")) + "]",
+        "grpo_reward_weights": "[1,1,0,0]",  # the last two only watch: each adapter's rate of the other adapter's target
         "lora.enable_lora": "true",
         "lora.max_lora_adapters": 2,
         "lora.lora_adapters": "[a,b]",
         "lora.adapter_column": "adapter",
         "lora.lora_rank": 8,
-        "learning_rate": 1e-3,
+        "learning_rate": 2e-3,
       }
     )
   keys.update(e.split("=", 1) for e in extra)  # key=value arguments override the task's values
@@ -186,6 +187,16 @@ def target_for_a(prompts, completions, adapter, target, **_):
 def target_for_b(prompts, completions, adapter, target_b, **_):
   """Adapter b's task: the completion contains the row's `target_b`."""
   return [float(ad == "b" and t in c) for c, ad, t in zip(completions, adapter, target_b)]
+
+
+def other_for_a(prompts, completions, adapter, target_b, **_):
+  """Watch only (weight 0): adapter a's completions that contain adapter b's target."""
+  return [float(ad == "a" and t in c) for c, ad, t in zip(completions, adapter, target_b)]
+
+
+def other_for_b(prompts, completions, adapter, target, **_):
+  """Watch only (weight 0): adapter b's completions that contain adapter a's target."""
+  return [float(ad == "b" and t in c) for c, ad, t in zip(completions, adapter, target)]
 
 
 def _window(lines: list[dict], key: str, first: bool) -> float:
@@ -238,8 +249,11 @@ def run_adapters(args: argparse.Namespace, extra: list[str]) -> dict:
   return {
     "task": "grpo_adapters",
     "steps": len(lines),
-    **{f"adapter_{s}_reward_first_5": _window(lines, f"reward/target_for_{s}/mean", True) * 2 for s in "ab"},
-    **{f"adapter_{s}_reward_last_5": _window(lines, f"reward/target_for_{s}/mean", False) * 2 for s in "ab"},
+    # each function scores half of the rows (its adapter's): x2 is the rate on that adapter's completions
+    **{f"adapter_{s}_own_target_first_5": _window(lines, f"reward/target_for_{s}/mean", True) * 2 for s in "ab"},
+    **{f"adapter_{s}_own_target_last_5": _window(lines, f"reward/target_for_{s}/mean", False) * 2 for s in "ab"},
+    **{f"adapter_{s}_other_target_first_5": _window(lines, f"reward/other_for_{s}/mean", True) * 2 for s in "ab"},
+    **{f"adapter_{s}_other_target_last_5": _window(lines, f"reward/other_for_{s}/mean", False) * 2 for s in "ab"},
     "base_bitwise_unchanged": base_now.keys() == base_then.keys() and all(np.array_equal(base_now[k], base_then[k]) for k in base_now),
   }
 
