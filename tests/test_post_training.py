@@ -112,22 +112,20 @@ def test_dpo_learns_the_marker_preference(dpo_run):
 
 def test_lora_reference_is_the_base_model_with_adapters_off():
   """With LoRA the reference shares the base parameters: its logits equal those of the same model built without LoRA."""
-  from maxtext import models
   from maxtext.layers.lora import LoRAParam
   from maxtext.train import reference
   from maxtext.train.state import split_params
 
   lora = tiny_config(num_devices=1, lora={"enable_lora": True, "lora_rank": 2}, **DPO_KEYS)
-  plain = tiny_config(num_devices=1, **DPO_KEYS)
-  model = models.build(lora)
-  graphdef, params, other = nnx.split(model, nnx.Param, ...)
+  lora_setup, base_setup = (setup_lib.build(c, mesh_for(c)) for c in (lora, tiny_config(num_devices=1, **DPO_KEYS)))
+  with jax.set_mesh(lora_setup.mesh):
+    params = lora_setup.init_params()
   params = nnx.from_flat_state([(k, v.replace(v.get_value() + 0.1) if isinstance(v, LoRAParam) else v) for k, v in nnx.to_flat_state(params)])  # B != 0
   trainable, frozen = split_params(params, lora)
   assert not reference.stores_copy(lora, params)  # no second copy of anything
   tokens = jnp.asarray(np.arange(16).reshape(2, 8) % 100, jnp.int32)
-  lora_logits = jax.jit(lambda t, f: nnx.merge(graphdef, t, f, other)(tokens))
-  b_graph, _, b_other = nnx.split(models.build(plain), nnx.Param, ...)
-  expected = jax.jit(lambda f: nnx.merge(b_graph, f, b_other)(tokens))(frozen)
+  lora_logits = jax.jit(lambda t, f: nnx.merge(lora_setup.graphdef, t, f)(tokens))
+  expected = jax.jit(lambda f: nnx.merge(base_setup.graphdef, f)(tokens))(frozen)  # the base model's own graph, LoRA's frozen weights
   np.testing.assert_array_equal(lora_logits(reference.reference_trainable(lora, {}, trainable), frozen), expected)
   assert not np.array_equal(lora_logits(trainable, frozen), expected)
 

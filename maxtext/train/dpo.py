@@ -22,8 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxtext.config import MaxTextConfig
 from maxtext.train.loss import token_log_probs
+from maxtext.train.step import SummedTerms
 
 Batch = dict[str, jax.Array]
 
@@ -68,16 +68,13 @@ def dpo_terms(policy_lp: jax.Array, reference_lp: jax.Array, targets_segmentatio
   }
 
 
-class DPO:
+class DPO(SummedTerms):
   """The DPO objective (see the module docstring): loss = sum of pair losses / pairs of the batch + mean MoE aux."""
 
+  TERMS = ("loss", "pairs", "chosen", "rejected", "correct", "margin")
   uses_reference = True
   iterations = 1
   extra_batch: dict[str, tuple[bool, Any]] = {}
-
-  def __init__(self, config: MaxTextConfig):
-    self.config = config
-    self.moe_layers = config.num_decoder_layers - config.first_num_dense_layers
 
   def weight(self, batch: Batch) -> jax.Array:
     return jnp.maximum(jnp.sum(pair_mask(batch["targets_segmentation"])), 1.0)
@@ -85,29 +82,16 @@ class DPO:
   def sums(self, policy: Any, reference: Any, batch: Batch, training: bool) -> dict[str, jax.Array]:
     policy_lp, stats = token_log_probs(policy, batch)
     reference_lp, _ = token_log_probs(reference, batch)
-    terms = dpo_terms(policy_lp, jax.lax.stop_gradient(reference_lp), batch["targets_segmentation"], self.config.dpo_beta, self.config.dpo_label_smoothing)
-    return {**terms, "aux": jnp.asarray(stats["lb_loss"], jnp.float32), "load": jnp.asarray(stats["load"], jnp.float32)}
-
-  def zero_sums(self) -> dict[str, jax.Array]:
-    zero = jnp.zeros((), jnp.float32)
-    return {
-      **{k: zero for k in ("loss", "pairs", "chosen", "rejected", "correct", "margin", "aux")},
-      "load": jnp.zeros((self.moe_layers, self.config.num_experts), jnp.float32),
-    }
-
-  def loss(self, sums: dict[str, jax.Array], weight: jax.Array) -> jax.Array:
-    return sums["loss"] / weight + sums["aux"] / self.config.gradient_accumulation_steps
+    c = self.config
+    return self.with_moe(dpo_terms(policy_lp, jax.lax.stop_gradient(reference_lp), batch["targets_segmentation"], c.dpo_beta, c.dpo_label_smoothing), stats)
 
   def metrics(self, sums: dict[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
     return {
       **{f"rewards/{k}": sums[k] / weight for k in ("chosen", "rejected", "margin")},
       "rewards/accuracy": sums["correct"] / weight,
-      "moe_lb_loss": sums["aux"] / self.config.gradient_accumulation_steps,
+      "moe_lb_loss": self.mean_aux(sums),
       "total_weights": sums["pairs"],
     }
-
-  def routing_load(self, sums: dict[str, jax.Array]) -> jax.Array:
-    return sums["load"]
 
   def combine_eval(self, sums: list[dict[str, Any]]) -> dict[str, float]:
     pairs = max(sum(float(s["pairs"]) for s in sums), 1.0)

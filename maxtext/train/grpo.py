@@ -41,6 +41,7 @@ from maxtext.train import reference as reference_lib
 from maxtext.train import rewards as rewards_lib
 from maxtext.train.loss import token_log_probs
 from maxtext.train.state import split_params
+from maxtext.train.step import SummedTerms
 
 ADVANTAGE_EPS = 1e-4
 OLD_KEY, REFERENCE_KEY = "old_log_probs", "reference_log_probs"
@@ -82,15 +83,15 @@ def grpo_terms(
   }
 
 
-class GRPO:
+class GRPO(SummedTerms):
   """The GRPO update objective (see the module docstring); its batch carries advantages and scored log-probabilities."""
 
+  TERMS = ("loss", "kl", "clipped", "tokens")
   uses_reference = False  # reference log-probabilities come with the batch, scored once per rollout batch
 
   def __init__(self, config: MaxTextConfig):
-    self.config = config
+    super().__init__(config)
     self.iterations = config.num_iterations
-    self.moe_layers = config.num_decoder_layers - config.first_num_dense_layers
     self.extra_batch: dict[str, tuple[bool, Any]] = {"advantages": (False, jnp.float32)}
     if config.num_iterations > 1:
       self.extra_batch[OLD_KEY] = (True, jnp.float32)
@@ -105,25 +106,10 @@ class GRPO:
     log_probs, stats = token_log_probs(policy, batch, c.decode_sampling_temperature)
     old = batch[OLD_KEY] if OLD_KEY in batch else jax.lax.stop_gradient(log_probs)
     terms = grpo_terms(log_probs, old, batch.get(REFERENCE_KEY), batch["advantages"], batch["targets_segmentation"] != 0, c.grpo_epsilon, c.grpo_beta)
-    return {**terms, "aux": jnp.asarray(stats["lb_loss"], jnp.float32), "load": jnp.asarray(stats["load"], jnp.float32)}
-
-  def zero_sums(self) -> dict[str, jax.Array]:
-    zero = jnp.zeros((), jnp.float32)
-    return {**{k: zero for k in ("loss", "kl", "clipped", "tokens", "aux")}, "load": jnp.zeros((self.moe_layers, self.config.num_experts), jnp.float32)}
-
-  def loss(self, sums: dict[str, jax.Array], weight: jax.Array) -> jax.Array:
-    return sums["loss"] / weight + sums["aux"] / self.config.gradient_accumulation_steps
+    return self.with_moe(terms, stats)
 
   def metrics(self, sums: dict[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
-    return {
-      "kl": sums["kl"] / weight,
-      "clip_fraction": sums["clipped"] / weight,
-      "moe_lb_loss": sums["aux"] / self.config.gradient_accumulation_steps,
-      "total_weights": sums["tokens"],
-    }
-
-  def routing_load(self, sums: dict[str, jax.Array]) -> jax.Array:
-    return sums["load"]
+    return {"kl": sums["kl"] / weight, "clip_fraction": sums["clipped"] / weight, "moe_lb_loss": self.mean_aux(sums), "total_weights": sums["tokens"]}
 
   def combine_eval(self, sums: list[dict[str, Any]]) -> dict[str, float]:
     raise ConfigError("use_grpo has no eval split loss (its rows are sampled); set eval_interval=-1")

@@ -96,6 +96,33 @@ class LanguageModel:
     return combine_eval(sums)
 
 
+class SummedTerms:
+  """Base of the post-training objectives: sums are a dict of float32 terms (their `loss` term summed over the
+  batch) plus the policy forward's MoE load-balance loss `aux` and routing `load`; loss = loss / weight + mean aux."""
+
+  TERMS: tuple[str, ...] = ("loss",)  # the objective's summed terms
+
+  def __init__(self, config: MaxTextConfig):
+    self.config = config
+
+  def with_moe(self, terms: dict[str, jax.Array], stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {**terms, "aux": jnp.asarray(stats["lb_loss"], jnp.float32), "load": jnp.asarray(stats["load"], jnp.float32)}
+
+  def zero_sums(self) -> dict[str, jax.Array]:
+    c = self.config
+    zero = jnp.zeros((), jnp.float32)
+    return {**{k: zero for k in (*self.TERMS, "aux")}, "load": jnp.zeros((c.num_decoder_layers - c.first_num_dense_layers, c.num_experts), jnp.float32)}
+
+  def loss(self, sums: dict[str, jax.Array], weight: jax.Array) -> jax.Array:
+    return sums["loss"] / weight + self.mean_aux(sums)
+
+  def mean_aux(self, sums: dict[str, jax.Array]) -> jax.Array:
+    return sums["aux"] / self.config.gradient_accumulation_steps
+
+  def routing_load(self, sums: dict[str, jax.Array]) -> jax.Array:
+    return sums["load"]
+
+
 def objective_for(config: MaxTextConfig) -> Objective:
   """The objective config selects: DPO (use_dpo), GRPO (use_grpo) or next-token prediction."""
   if config.use_dpo:
