@@ -315,7 +315,7 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
     restored, lacking = restore_some_params(config.load_parameters_path, abstract_params, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
     params = overlay_params(params, restored)
     note = f" ({len(lacking)} adapter/connector arrays it lacks keep their init)" if lacking else ""
-    log(f"loaded parameters from {config.load_parameters_path}{note}")
+    log(f"loaded parameters from {item_path(config.load_parameters_path).parent}{note}")  # the step a checkpoints/ directory stood for
   if adapters and config.lora.lora_restore_path:
     if not config.lora.enable_lora:
       raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")
