@@ -122,6 +122,7 @@ def run_dpo(args: argparse.Namespace, extra: list[str]) -> dict:
     "steps": len(steps),
     "accuracy_first_step": steps[0]["rewards/accuracy"],
     "accuracy_last_5_steps": float(np.mean([m["rewards/accuracy"] for m in steps[-5:]])),
+    "first_step_at_0.95": next((m["step"] for m in steps if m["rewards/accuracy"] >= 0.95), None),
     "margin_last_step": steps[-1]["rewards/margin"],
     "eval_accuracy_after": evals[-1]["eval_rewards/accuracy"] if evals else None,
   }
@@ -137,7 +138,7 @@ def grpo_config(out: Path, run: str, args: argparse.Namespace, extra: list[str],
     "run_name": run,
     "base_output_directory": str(out),
     "load_parameters_path": args.base,
-    "tokenizer_path": str(Path(args.base).resolve().parents[1].parent / "tokenizers" / "pydoc_topics_sp4096.model"),
+    "tokenizer_path": quickstart_tokenizer(args.base),
     "dataset_type": "grain",
     "grain_file_type": "jsonl",
     "grain_train_files": write_jsonl(out / "prompts.jsonl", prompts),
@@ -171,6 +172,15 @@ def grpo_config(out: Path, run: str, args: argparse.Namespace, extra: list[str],
     )
   keys.update(e.split("=", 1) for e in extra)  # key=value arguments override the task's values
   return load([str(REPO / "configs" / "quickstart.yml"), *(f"{k}={v}" for k, v in keys.items())], before_devices=prepare)
+
+
+def quickstart_tokenizer(base: str) -> str:
+  """The tokenizer the quickstart run trained with: <base_output_directory>/tokenizers/, above its checkpoints."""
+  for parent in Path(base).resolve().parents:
+    candidate = parent / "tokenizers" / "pydoc_topics_sp4096.model"
+    if candidate.is_file():
+      return str(candidate)
+  raise SystemExit(f"no tokenizers/pydoc_topics_sp4096.model above {base}; pass --base <base_output_directory>/quickstart/checkpoints")
 
 
 def embedded_prompts() -> list[dict]:
@@ -244,7 +254,7 @@ def run_adapters(args: argparse.Namespace, extra: list[str]) -> dict:
   lines = read_metrics(config.metrics_file)
   base_now = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.filter_state(result.state["params"], nnx.Not(LoRAParam)))}
   abstract = nnx.filter_state(result.state["params"], nnx.Not(LoRAParam))
-  loaded = checkpointing.restore_some_params(checkpointing.latest_saved_step(args.base) or args.base, jax.tree.map(_abstract, abstract), "base")[0]
+  loaded = checkpointing.restore_some_params(args.base, jax.tree.map(_abstract, abstract), "base")[0]
   base_then = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(loaded)}
   return {
     "task": "grpo_adapters",
@@ -275,6 +285,7 @@ def main(argv: list[str]) -> None:
   parser.add_argument("--out", default="/tmp/maxtext_post_training")
   args, extra = parser.parse_known_args(argv)
   args.steps = args.steps or (40 if args.task == "dpo" else 50)
+  args.base = os.path.abspath(args.base)
   sys.path.insert(0, str(REPO))
   out = {"dpo": run_dpo, "grpo": run_grpo, "adapters": run_adapters}[args.task](args, extra)
   print(json.dumps(out), flush=True)
