@@ -416,7 +416,7 @@ def _flat(params) -> dict[str, np.ndarray]:
 
 
 def _slot(value: np.ndarray, config, slot: int) -> np.ndarray:
-  from maxtext.layers.lora import slot_axis
+  from maxtext.config.adapters import slot_axis
 
   return np.take(value, slot, axis=slot_axis(config))
 
