@@ -99,7 +99,7 @@ def dpo_config(out: Path, run: str, steps: int, lora: bool, extra: list[str]):
   if lora:
     keys.update({"lora.enable_lora": "true", "lora.lora_rank": 8, "lora.lora_alpha": 16})
   keys.update(e.split("=", 1) for e in extra)  # key=value arguments override the task's values
-  return load([str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in keys.items())], before_devices=prepare)
+  return load([str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in keys.items())], devices=prepare)
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -171,7 +171,7 @@ def grpo_config(out: Path, run: str, args: argparse.Namespace, extra: list[str],
       }
     )
   keys.update(e.split("=", 1) for e in extra)  # key=value arguments override the task's values
-  return load([str(REPO / "configs" / "quickstart.yml"), *(f"{k}={v}" for k, v in keys.items())], before_devices=prepare)
+  return load([str(REPO / "configs" / "quickstart.yml"), *(f"{k}={v}" for k, v in keys.items())], devices=prepare)
 
 
 def quickstart_tokenizer(base: str) -> str:
