@@ -71,20 +71,23 @@ def dpo_run(tmp_path_factory):
 
   bench = _benchmark()
   out = tmp_path_factory.mktemp("dpo")
-  extra = ["eval_interval=-1", "dpo_beta=0.3", "dpo_label_smoothing=0.1", "enable_tensorboard=false", "device_peak_tflops=1"]
+  extra = ["eval_interval=-1", "dpo_beta=0.3", "dpo_label_smoothing=0.1", "enable_tensorboard=false", "device_peak_tflops=1", "learning_rate_schedule_steps=4"]
   config = bench.dpo_config(out, "ci", 4, False, extra)
   setup = setup_lib.build(config, mesh_for(config))
   it = create_data_iterator(config, setup.mesh, "train")
   batch = next(it)
   it.close()
-  train(config, setup=setup)
-  return config, setup, batch, bench.read_metrics(config.metrics_file)
+  straight = train(config, setup=setup).state["params"]
+  resumable = [*extra, "enable_checkpointing=true", "async_checkpointing=false"]
+  train(bench.dpo_config(out, "resumed", 2, False, resumable), setup=setup)
+  resumed = train(bench.dpo_config(out, "resumed", 4, False, resumable), setup=setup).state["params"]
+  return config, setup, batch, bench.read_metrics(config.metrics_file), _flat(straight), _flat(resumed)
 
 
 def test_dpo_step_loss_equals_a_hand_computation(dpo_run):
   """The compiled train step on a batch of packed marker pairs, policy = initial parameters + noise, reference = the
   frozen initial copy in the state: loss and rewards equal a float64 hand computation from the models' logits."""
-  config, setup, batch, _ = dpo_run
+  config, setup, batch = dpo_run[:3]
   with jax.set_mesh(setup.mesh):
     state = setup.init_state()
     initial = jax.tree.leaves(jax.tree.map(np.asarray, state["params"]))
@@ -108,6 +111,13 @@ def test_dpo_learns_the_marker_preference(dpo_run):
   # policy = reference at the first step: every margin 0 up to rounding (the two forwards compile differently)
   assert lines[0]["rewards/accuracy"] == pytest.approx(0.5, abs=0.1) and lines[0]["loss"] == pytest.approx(np.log(2), rel=1e-4)
   assert lines[-1]["rewards/accuracy"] >= 0.95 and lines[-1]["rewards/margin"] > 0
+
+
+def test_dpo_resume_rebuilds_the_reference_and_is_bitwise(dpo_run):
+  """2 steps, then the run resumed to 4 (its reference rebuilt from the seeded init, the checkpoint holds none) =
+  4 steps uninterrupted, bitwise."""
+  straight, resumed = dpo_run[4], dpo_run[5]
+  assert straight.keys() == resumed.keys() and all(np.array_equal(straight[k], resumed[k]) for k in straight)
 
 
 def test_lora_reference_is_the_base_model_with_adapters_off():
@@ -213,7 +223,8 @@ def test_grpo_terms_and_advantages_equal_a_hand_computation():
   ref = lp + rng.normal(0.0, 0.2, size=(b, s))
   a = np.array([1.5, -0.7, 0.3, -2.0])
   mask = rng.random((b, s)) < 0.7
-  out = {k: float(v) for k, v in grpo.grpo_terms(*(jnp.asarray(x, jnp.float32) for x in (lp, old, ref, a)), jnp.asarray(mask), eps, beta).items()}
+  terms = jax.jit(grpo.grpo_terms, static_argnums=(5, 6))
+  out = {k: float(v) for k, v in terms(*(jnp.asarray(x, jnp.float32) for x in (lp, old, ref, a)), jnp.asarray(mask), eps, beta).items()}
   ratio = np.exp(lp - old)
   obj = np.minimum(ratio * a[:, None], np.clip(ratio, 1 - eps, 1 + eps) * a[:, None])
   kl = np.exp(ref - lp) - (ref - lp) - 1
@@ -226,7 +237,7 @@ def test_grpo_terms_and_advantages_equal_a_hand_computation():
   def loss(x):
     return grpo.grpo_terms(x, jax.lax.stop_gradient(x), jnp.asarray(ref, jnp.float32), jnp.asarray(a, jnp.float32), jnp.asarray(mask), eps, beta)["loss"]
 
-  grad = np.asarray(jax.grad(loss)(jnp.asarray(lp, jnp.float32)))
+  grad = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(lp, jnp.float32)))
   np.testing.assert_allclose(grad, (-a[:, None] + beta * (1 - np.exp(ref - lp))) * mask, rtol=1e-4, atol=1e-6)
 
 
@@ -346,7 +357,7 @@ def test_pair_data_without_its_columns_is_one_line(tmp_path):
 def test_dpo_pair_metrics_ignore_padding_and_lonely_segments():
   seg = jnp.asarray([[1, 1, 2, 2, 3, 3, 0, 0]])  # segment 3 has no rejected partner
   assert dpo.pair_mask(seg).tolist() == [[1.0, 0.0, 0.0, 0.0]]
-  terms = dpo.dpo_terms(jnp.zeros((1, 8)), jnp.zeros((1, 8)), seg, 0.1, 0.0)  # policy = reference: every pair a tie
+  terms = jax.jit(dpo.dpo_terms, static_argnums=(3, 4))(jnp.zeros((1, 8)), jnp.zeros((1, 8)), seg, 0.1, 0.0)  # policy = reference: every pair a tie
   assert float(terms["pairs"]) == 1 and float(terms["correct"]) == 0.5 and float(terms["loss"]) == pytest.approx(np.log(2))
 
 
@@ -400,7 +411,7 @@ def grpo_runs(tmp_path_factory):
   from maxtext.train.loop import train
 
   out = tmp_path_factory.mktemp("grpo")
-  config = _grpo_config(out, "straight", 2, metrics_file=str(out / "metrics.jsonl"))
+  config = _grpo_config(out, "straight", 2, metrics_file=str(out / "metrics.jsonl"), enable_checkpointing=False)
   setup = setup_lib.build(config, mesh_for(config))
   with jax.set_mesh(setup.mesh):
     initial = _flat(setup.init_params())

@@ -213,6 +213,10 @@ def _check_post_training(c: MaxTextConfig) -> None:
     )
   if c.eval_interval > 0:
     raise ConfigError("use_grpo has no eval split loss (its rows are sampled); set eval_interval=-1")
+  if c.lora.enable_lora and c.lora.max_lora_adapters > 1 and not c.lora.adapter_column:
+    raise ConfigError(
+      "use_grpo with lora.max_lora_adapters > 1 samples each prompt with its own adapter; set lora.adapter_column to the prompt column naming it"
+    )
   if c.max_prefill_predict_length >= c.max_target_length:
     raise ConfigError(
       f"use_grpo: prompts of up to max_prefill_predict_length={c.max_prefill_predict_length} tokens leave no room for completions within "
