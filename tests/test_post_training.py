@@ -452,3 +452,25 @@ def test_grpo_resume_is_bitwise_and_reports_its_metrics(grpo_runs):
     assert all(np.isfinite(m[key]) for m in lines), key
   assert lines[0]["reward/reward_b/mean"] == 0 and lines[1]["reward/reward_a/mean"] == 0  # each step scores its own adapter's task
   assert abs(sum(lines[0][f"{k}_share"] for k in ("rollout", "scoring", "update")) - 1) < 1e-6
+
+
+def test_step_flops_count_the_reference_and_scoring_forwards():
+  from maxtext.models import counting
+
+  plain = tiny_config(num_devices=1)
+  train, forward = counting.training_flops_per_step(plain), counting.forward_flops_per_step(plain)
+  assert forward * 3 == pytest.approx(train)  # full finetuning: 2 of the 6 FLOPs per parameter, 1 of the 3 attention passes
+  assert counting.step_flops(tiny_config(num_devices=1, **DPO_KEYS)) == pytest.approx(train + forward)
+  grpo_keys = dict(
+    use_grpo=True,
+    dataset_type="grain",
+    train_data_columns=["prompt"],
+    decode_sampling_strategy="weighted",
+    grpo_reward_functions=["maxtext.train.rewards:contains_target"],
+    max_prefill_predict_length=8,
+    per_device_batch_size=2,
+  )
+  grpo3 = tiny_config(num_devices=1, num_iterations=3, **grpo_keys)  # + old and reference log-probabilities
+  assert counting.step_flops(grpo3) == pytest.approx(3 * counting.training_flops_per_step(grpo3) + 2 * counting.forward_flops_per_step(grpo3))
+  no_kl = tiny_config(num_devices=1, grpo_beta=0.0, **grpo_keys)  # one update, no scoring forward
+  assert counting.step_flops(no_kl) == pytest.approx(counting.training_flops_per_step(no_kl)) == pytest.approx(2 * train)
