@@ -20,6 +20,15 @@ from tests.test_data_common import sp_model, write_jsonl
 from tests.test_train_helpers import mesh_for, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
+GRPO_KEYS = dict(
+  use_grpo=True,
+  dataset_type="grain",
+  train_data_columns=["prompt"],
+  decode_sampling_strategy="weighted",
+  grpo_reward_functions=["maxtext.train.rewards:contains_target"],
+  max_prefill_predict_length=8,
+  per_device_batch_size=2,
+)
 DPO_KEYS = dict(use_dpo=True, dataset_type="grain", train_data_columns=["chosen", "rejected"], dtype="float32", matmul_precision="highest")
 
 
@@ -160,10 +169,25 @@ def test_token_log_probs_with_vocab_tiling_equal_the_untiled_ones_and_their_grad
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def _pair_files(tmp_path: Path, rows: list[dict]) -> dict[str, str]:
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  from array_record.python.array_record_module import ArrayRecordWriter
+
+  from maxtext.data.records import encode_tf_example
+
+  pq.write_table(pa.table({k: [r[k] for r in rows] for k in rows[0]}), tmp_path / "pairs.parquet")
+  writer = ArrayRecordWriter(str(tmp_path / "pairs.array_record"), "group_size:1")
+  for r in rows:
+    writer.write(encode_tf_example(r))
+  writer.close()
+  return {"parquet": str(tmp_path / "pairs.parquet"), "arrayrecord": str(tmp_path / "pairs.array_record")}
+
+
 def test_pairs_are_packed_whole_with_responses_scored(tmp_path):
-  """grain JSONL pairs through the real pipeline: both responses of a pair in one row (segments 2k - 1, 2k),
-  positions restarting at each response, only response tokens (and EOS) scored; [chosen, rejected] without a
-  prompt column scores the tokens after the longest common prefix."""
+  """grain JSONL pairs through the real pipeline (parquet and ArrayRecord files give the same rows): both responses
+  of a pair in one row (segments 2k - 1, 2k), positions restarting at each response, only response tokens (and EOS)
+  scored; [chosen, rejected] without a prompt column scores the tokens after the longest common prefix."""
   from maxtext.data.pipeline import local_batches
   from maxtext.tokenizer import load_tokenizer
 
@@ -178,12 +202,16 @@ def test_pairs_are_packed_whole_with_responses_scored(tmp_path):
     vocab_size=320,
     max_target_length=96,
     grain_worker_count=0,
+    enable_data_shuffling=False,
     use_dpo=True,
   )
   tok = load_tokenizer("sentencepiece", sp_model())
   config = tiny_config(num_devices=1, per_device_batch_size=2, train_data_columns=["prompt", "chosen", "rejected"], **common)
   ds, _ = local_batches(config, "train", 0, 1, 2)
   batch = next(iter(ds))
+  for kind, path in _pair_files(tmp_path, rows).items():  # the same pairs from parquet and ArrayRecord (tf.Example) files
+    other = next(iter(local_batches(config.model_copy(update={"grain_file_type": kind, "grain_train_files": path}), "train", 0, 1, 2)[0]))
+    assert all(np.array_equal(batch[k], other[k]) for k in batch), kind
   seg, tseg, pos = batch["inputs_segmentation"], batch["targets_segmentation"], batch["inputs_position"]
   for b in range(seg.shape[0]):
     ids = sorted(set(seg[b].tolist()) - {0})
@@ -250,27 +278,18 @@ def test_rollout_rows_score_the_completion_tokens():
 
 
 def test_config_errors_are_one_line():
-  grpo_ok = dict(
-    use_grpo=True,
-    dataset_type="grain",
-    train_data_columns=["prompt"],
-    decode_sampling_strategy="weighted",
-    grpo_reward_functions=["maxtext.train.rewards:contains_target"],
-    max_prefill_predict_length=8,
-    per_device_batch_size=2,
-  )
-  tiny_config(num_devices=1, **grpo_ok)
+  tiny_config(num_devices=1, **GRPO_KEYS)
   cases = [
-    (dict(use_dpo=True, **grpo_ok), "use_dpo and use_grpo are both true"),
+    (dict(use_dpo=True, **GRPO_KEYS), "use_dpo and use_grpo are both true"),
     (dict(use_dpo=True, dataset_type="grain", train_data_columns=["text"]), "[chosen, rejected]"),
     (dict(use_dpo=True, dataset_type="synthetic"), "use_dpo reads preference pairs"),
     (dict(use_dpo=True, dataset_type="grain", train_data_columns=["a", "b"], use_truncation=False), "use_truncation=true"),
-    ({**grpo_ok, "num_generations": 1}, "num_generations=1"),
-    ({**grpo_ok, "decode_sampling_strategy": "greedy"}, "greedy"),
-    ({**grpo_ok, "grpo_reward_functions": []}, "grpo_reward_functions"),
-    ({**grpo_ok, "grpo_reward_weights": [1.0, 2.0]}, "grpo_reward_weights"),
-    ({**grpo_ok, "num_generations": 3}, "multiple of num_generations"),
-    ({**grpo_ok, "z_loss_multiplier": 1e-4}, "z_loss_multiplier"),
+    ({**GRPO_KEYS, "num_generations": 1}, "num_generations=1"),
+    ({**GRPO_KEYS, "decode_sampling_strategy": "greedy"}, "greedy"),
+    ({**GRPO_KEYS, "grpo_reward_functions": []}, "grpo_reward_functions"),
+    ({**GRPO_KEYS, "grpo_reward_weights": [1.0, 2.0]}, "grpo_reward_weights"),
+    ({**GRPO_KEYS, "num_generations": 3}, "multiple of num_generations"),
+    ({**GRPO_KEYS, "z_loss_multiplier": 1e-4}, "z_loss_multiplier"),
   ]
   for overrides, mention in cases:
     with pytest.raises(ConfigError) as e:
@@ -301,26 +320,25 @@ def test_reward_functions_load_and_fail_with_one_line_naming_function_and_row():
     rewards.score(nan, ["p", "p"], ["a", "b"], {}, where)
 
 
+def _prompt_data(files: str) -> dict:
+  """Prompts from JSONL files, read in order by the main process, tokenized by the tiny sentencepiece model."""
+  return dict(
+    grain_file_type="jsonl",
+    grain_train_files=files,
+    tokenizer_type="sentencepiece",
+    tokenizer_path=sp_model(),
+    vocab_size=320,
+    enable_data_shuffling=False,
+    grain_worker_count=0,
+  )
+
+
 def test_prompt_records_carry_their_columns(tmp_path):
   from maxtext.data.prompts import create_prompt_iterator
 
   rows = [{"prompt": f"say {i}", "target": str(i), "extra": i} for i in range(8)]
   config = tiny_config(
-    num_devices=1,
-    use_grpo=True,
-    dataset_type="grain",
-    grain_file_type="jsonl",
-    grain_train_files=write_jsonl(tmp_path / "p.jsonl", rows),
-    tokenizer_type="sentencepiece",
-    tokenizer_path=sp_model(),
-    vocab_size=320,
-    train_data_columns=["prompt"],
-    decode_sampling_strategy="weighted",
-    grpo_reward_functions=["maxtext.train.rewards:contains_target"],
-    max_prefill_predict_length=4,
-    per_device_batch_size=4,
-    enable_data_shuffling=False,
-    grain_worker_count=0,
+    num_devices=1, **_prompt_data(write_jsonl(tmp_path / "p.jsonl", rows)), **{**GRPO_KEYS, "max_prefill_predict_length": 4, "per_device_batch_size": 4}
   )
   it = create_prompt_iterator(config, mesh_for(config), "train", 0, 1)
   first = next(it)
@@ -377,31 +395,18 @@ TWO_ADAPTERS = {"enable_lora": True, "lora_rank": 2, "max_lora_adapters": 2, "lo
 def _grpo_config(out, run: str, steps: int, **extra):
   """Tiny GRPO on two adapters: prompts alternate two of adapter a, two of adapter b; a step holds two prompts."""
   rows = [{"prompt": p, "adapter": ad} for p, ad in [("x y", "a"), ("x z", "a"), ("y y", "b"), ("z z", "b")]] * 4
-  return tiny_config(
-    num_devices=1,
-    use_grpo=True,
-    dataset_type="grain",
-    grain_file_type="jsonl",
-    grain_train_files=write_jsonl(out / "prompts.jsonl", rows),
-    tokenizer_type="sentencepiece",
-    tokenizer_path=sp_model(),
-    vocab_size=320,
-    train_data_columns=["prompt"],
-    decode_sampling_strategy="weighted",
+  keys = dict(
     grpo_reward_functions=["tests.test_post_training:reward_a", "tests.test_post_training:reward_b"],
-    max_prefill_predict_length=8,
     per_device_batch_size=4,
     num_generations=2,
     num_iterations=2,
-    enable_data_shuffling=False,
-    grain_worker_count=0,
     steps=steps,
     learning_rate_schedule_steps=2,
     base_output_directory=str(out),
     run_name=run,
     lora=TWO_ADAPTERS,
-    **extra,
   )
+  return tiny_config(num_devices=1, **_prompt_data(write_jsonl(out / "prompts.jsonl", rows)), **{**GRPO_KEYS, **keys, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -461,16 +466,7 @@ def test_step_flops_count_the_reference_and_scoring_forwards():
   train, forward = counting.training_flops_per_step(plain), counting.forward_flops_per_step(plain)
   assert forward * 3 == pytest.approx(train)  # full finetuning: 2 of the 6 FLOPs per parameter, 1 of the 3 attention passes
   assert counting.step_flops(tiny_config(num_devices=1, **DPO_KEYS)) == pytest.approx(train + forward)
-  grpo_keys = dict(
-    use_grpo=True,
-    dataset_type="grain",
-    train_data_columns=["prompt"],
-    decode_sampling_strategy="weighted",
-    grpo_reward_functions=["maxtext.train.rewards:contains_target"],
-    max_prefill_predict_length=8,
-    per_device_batch_size=2,
-  )
-  grpo3 = tiny_config(num_devices=1, num_iterations=3, **grpo_keys)  # + old and reference log-probabilities
+  grpo3 = tiny_config(num_devices=1, num_iterations=3, **GRPO_KEYS)  # + old and reference log-probabilities
   assert counting.step_flops(grpo3) == pytest.approx(3 * counting.training_flops_per_step(grpo3) + 2 * counting.forward_flops_per_step(grpo3))
-  no_kl = tiny_config(num_devices=1, grpo_beta=0.0, **grpo_keys)  # one update, no scoring forward
+  no_kl = tiny_config(num_devices=1, grpo_beta=0.0, **GRPO_KEYS)  # one update, no scoring forward
   assert counting.step_flops(no_kl) == pytest.approx(counting.training_flops_per_step(no_kl)) == pytest.approx(2 * train)
