@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maxtext import memory_limit
 from maxtext.config import MaxTextConfig
 from maxtext.data.features import NO_ADAPTER
 from maxtext.errors import ConfigError
@@ -178,10 +179,13 @@ class Trainer:
     self.multi_adapter = config.lora.enable_lora and config.lora.max_lora_adapters > 1
     self.base_key = jax.random.key(config.decode_sampling_seed)
 
-  def step(self, state: dict[str, Any], step: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One GRPO step on the next prompts; returns the updated state (ready) and the step's metrics."""
+  def step(self, state: dict[str, Any], step: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """One GRPO step on the next prompts; returns the updated state (ready) and the step's metrics, or None when
+    num_epoch passes over the prompts are used up."""
     c, g = self.config, self.config.num_generations
-    prompts = next(self.data_iter)
+    prompts = next(self.data_iter, None)
+    if prompts is None:
+      return None
     began = time.perf_counter()
     rows = [p for p in prompts for _ in range(g)]  # prompt-major: prompt i's group is rows i*g .. i*g + g - 1
     tokens = [p["tokens"] for p in rows]
@@ -234,9 +238,6 @@ def prepare(config: MaxTextConfig, setup: Any, step_fn: Any, data_iter: Any) -> 
   ConfigError), the tokenizer loaded, the rollout decoder ready."""
   if jax.process_count() > 1:
     raise ConfigError("use_grpo runs in a single process for now (rollouts and rewards are host-local); run it on one host")
-  from maxtext.inference.generate import check_decodable
-
-  check_decodable(config)
   trainer = Trainer(config, setup, step_fn, data_iter)
   check_rollout_fit(config, setup, trainer.multi_adapter)
   return trainer
@@ -254,10 +255,10 @@ def check_rollout_fit(config: MaxTextConfig, setup: Any, adapters: bool) -> None
   params = preflight.state_bytes(setup.abstract_state["params"]) // config.num_devices
   resident = preflight.state_bytes(setup.abstract_state) // config.num_devices - params  # beside the decoder's own arguments (params, cache)
   need = max(s[0] for s in sizes) + resident
-  limit, what = preflight.device_memory()
-  if need > preflight.MEMORY_HEADROOM * limit:
+  limit = memory_limit.limit_per_device()
+  if need > preflight.MEMORY_HEADROOM * limit.bytes:
     raise ConfigError(
       f"the GRPO rollout needs about {need / 2**30:.2f} GiB per device (KV cache for {config.global_batch_size_to_train_on} rows of "
-      f"{config.max_target_length} tokens, beside the optimizer state) but {what} allows {limit / 2**30:.2f} GiB; "
+      f"{config.max_target_length} tokens, beside the optimizer state) but {limit.what} leaves {limit.bytes / 2**30:.2f} GiB per device; "
       "lower per_device_batch_size or max_target_length, or shard over more devices"
     )
