@@ -406,7 +406,7 @@ def _grpo_config(out, run: str, steps: int, **extra):
     run_name=run,
     lora=TWO_ADAPTERS,
   )
-  return tiny_config(num_devices=1, **_prompt_data(write_jsonl(out / "prompts.jsonl", rows)), **{**GRPO_KEYS, **keys, **extra})
+  return tiny_config(num_devices=1, **{**_prompt_data(write_jsonl(out / "prompts.jsonl", rows)), **GRPO_KEYS, **keys, **extra})
 
 
 @pytest.fixture(scope="module")
