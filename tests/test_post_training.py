@@ -169,9 +169,11 @@ def test_token_log_probs_with_vocab_tiling_equal_the_untiled_ones_and_their_grad
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def _pair_files(tmp_path: Path, rows: list[dict]) -> dict[str, str]:
+def _pair_sources(tmp_path: Path, rows: list[dict], jsonl: str) -> dict[str, dict]:
+  """The same pairs as grain parquet and ArrayRecord files, a prepared tfds dataset and an HF json stream: config updates."""
   import pyarrow as pa
   import pyarrow.parquet as pq
+  import tensorflow_datasets as tfds
   from array_record.python.array_record_module import ArrayRecordWriter
 
   from maxtext.data.records import encode_tf_example
@@ -181,11 +183,32 @@ def _pair_files(tmp_path: Path, rows: list[dict]) -> dict[str, str]:
   for r in rows:
     writer.write(encode_tf_example(r))
   writer.close()
-  return {"parquet": str(tmp_path / "pairs.parquet"), "arrayrecord": str(tmp_path / "pairs.array_record")}
+
+  class MaxtextPairs(tfds.core.GeneratorBasedBuilder):
+    __module__ = "maxtext_pairs"  # a top-level module name keeps tfds from looking for package resources
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+      features = tfds.features.FeaturesDict({k: tfds.features.Text() for k in rows[0]})
+      return tfds.core.DatasetInfo(builder=self, features=features, disable_shuffling=True)  # records in the order written
+
+    def _split_generators(self, dl_manager):
+      return {"train": self._generate_examples()}
+
+    def _generate_examples(self):
+      yield from enumerate(rows)
+
+  MaxtextPairs(data_dir=str(tmp_path / "tfds"), file_format="array_record").download_and_prepare()
+  return {
+    "parquet": {"grain_file_type": "parquet", "grain_train_files": str(tmp_path / "pairs.parquet")},
+    "arrayrecord": {"grain_file_type": "arrayrecord", "grain_train_files": str(tmp_path / "pairs.array_record")},
+    "tfds": {"dataset_type": "tfds", "dataset_name": "maxtext_pairs", "dataset_path": str(tmp_path / "tfds")},
+    "hf": {"dataset_type": "hf", "hf_path": "json", "hf_train_files": jsonl},
+  }
 
 
 def test_pairs_are_packed_whole_with_responses_scored(tmp_path):
-  """grain JSONL pairs through the real pipeline (parquet and ArrayRecord files give the same rows): both responses
+  """grain JSONL pairs through the real pipeline (parquet and ArrayRecord files, tfds and HF datasets give the same rows): both responses
   of a pair in one row (segments 2k - 1, 2k), positions restarting at each response, only response tokens (and EOS)
   scored; [chosen, rejected] without a prompt column scores the tokens after the longest common prefix."""
   from maxtext.data.pipeline import local_batches
@@ -209,9 +232,9 @@ def test_pairs_are_packed_whole_with_responses_scored(tmp_path):
   config = tiny_config(num_devices=1, per_device_batch_size=2, train_data_columns=["prompt", "chosen", "rejected"], **common)
   ds, _ = local_batches(config, "train", 0, 1, 2)
   batch = next(iter(ds))
-  for kind, path in _pair_files(tmp_path, rows).items():  # the same pairs from parquet and ArrayRecord (tf.Example) files
-    other = next(iter(local_batches(config.model_copy(update={"grain_file_type": kind, "grain_train_files": path}), "train", 0, 1, 2)[0]))
-    assert all(np.array_equal(batch[k], other[k]) for k in batch), kind
+  for kind, update in _pair_sources(tmp_path, rows, files).items():  # the same pairs from every kind of source
+    other = next(iter(local_batches(config.model_copy(update=update), "train", 0, 1, 2)[0]))
+    assert batch.keys() == other.keys() and all(np.array_equal(batch[k], other[k]) for k in batch), kind
   seg, tseg, pos = batch["inputs_segmentation"], batch["targets_segmentation"], batch["inputs_position"]
   for b in range(seg.shape[0]):
     ids = sorted(set(seg[b].tolist()) - {0})
