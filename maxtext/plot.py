@@ -97,6 +97,11 @@ def read_run(path: str) -> Series:
   return series
 
 
+def panels_for(runs: Sequence[tuple[str, Series]]) -> tuple[tuple[str, str], ...]:
+  """(metric, title) of each panel: the four of every run, then the objective panels of metrics some run logged."""
+  return PANELS + tuple(p for p in OBJECTIVE_PANELS if any(series.get(p[0]) for _, series in runs))
+
+
 def render(runs: Sequence[tuple[str, Series]]) -> bytes:
   """PNG bytes of the four panels, one colour per run (eval loss dashed)."""
   import matplotlib
@@ -104,7 +109,7 @@ def render(runs: Sequence[tuple[str, Series]]) -> bytes:
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
 
-  panels = PANELS + tuple(p for p in OBJECTIVE_PANELS if any(series.get(p[0]) for _, series in runs))
+  panels = panels_for(runs)
   cols = 2 if len(panels) <= 4 else 3
   rows = -(-len(panels) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.5 * rows), dpi=110, squeeze=False)

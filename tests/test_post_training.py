@@ -80,14 +80,14 @@ def dpo_run(tmp_path_factory):
 
   bench = _benchmark()
   out = tmp_path_factory.mktemp("dpo")
-  extra = ["eval_interval=-1", "dpo_beta=0.3", "dpo_label_smoothing=0.1", "enable_tensorboard=false", "device_peak_tflops=1", "learning_rate_schedule_steps=4"]
-  config = bench.dpo_config(out, "ci", 4, False, extra)
+  extra = ["eval_interval=-1", "dpo_beta=0.3", "dpo_label_smoothing=0.1", "device_peak_tflops=1", "learning_rate_schedule_steps=4"]
+  config = bench.dpo_config(out, "ci", 4, False, [*extra, "enable_tensorboard=true"])
   setup = setup_lib.build(config, mesh_for(config))
   it = create_data_iterator(config, setup.mesh, "train")
   batch = next(it)
   it.close()
   straight = train(config, setup=setup).state["params"]
-  resumable = [*extra, "enable_checkpointing=true", "async_checkpointing=false"]
+  resumable = [*extra, "enable_tensorboard=false", "enable_checkpointing=true", "async_checkpointing=false"]
   train(bench.dpo_config(out, "resumed", 2, False, resumable), setup=setup)
   resumed = train(bench.dpo_config(out, "resumed", 4, False, resumable), setup=setup).state["params"]
   return config, setup, batch, bench.read_metrics(config.metrics_file), _flat(straight), _flat(resumed)
@@ -120,6 +120,26 @@ def test_dpo_learns_the_marker_preference(dpo_run):
   # policy = reference at the first step: every margin 0 up to rounding (the two forwards compile differently)
   assert lines[0]["rewards/accuracy"] == pytest.approx(0.5, abs=0.1) and lines[0]["loss"] == pytest.approx(np.log(2), rel=1e-4)
   assert lines[-1]["rewards/accuracy"] >= 0.95 and lines[-1]["rewards/margin"] > 0
+
+
+def test_rewards_reach_the_step_line_tensorboard_and_the_plot(dpo_run, grpo_runs):
+  """DPO's rewards and GRPO's reward, KL, clip fraction, completion length and time shares: in the step line, and
+  (DPO, read back from the run's TensorBoard events) in the plot's panels."""
+  from maxtext import plot
+  from maxtext.train.metrics import format_line
+
+  config, lines = dpo_run[0], dpo_run[3]
+  events = plot.read_run(str(Path(config.base_output_directory) / config.run_name))
+  assert all(sorted(events[k]) == [0, 1, 2, 3] for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin"))
+  titles = [t for _, t in plot.panels_for([("dpo", events)])]
+  assert "DPO reward accuracy" in titles and "DPO reward margin" in titles and "GRPO mean reward" not in titles
+  line = format_line(3, lines[3])
+  assert all(f"{k}: " in line for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")), line
+  grpo_lines = grpo_runs[-1]
+  series = {k: {m["step"]: m[k] for m in grpo_lines} for k in grpo_lines[0] if k != "step"}
+  assert [k for k, _ in plot.panels_for([("grpo", series)])][-2:] == ["reward", "kl"]
+  line = format_line(1, grpo_lines[1])
+  assert all(f"{k}: " in line for k in ("reward", "reward_std", "kl", "clip_fraction", "completion_length", "rollout_share", "update_share")), line
 
 
 def test_dpo_resume_rebuilds_the_reference_and_is_bitwise(dpo_run):
@@ -442,7 +462,7 @@ def grpo_runs(tmp_path_factory):
   config = _grpo_config(out, "straight", 2, metrics_file=str(out / "metrics.jsonl"), enable_checkpointing=False)
   setup = setup_lib.build(config, mesh_for(config))
   with jax.set_mesh(setup.mesh):
-    initial = _flat(setup.init_params())
+    initial = _flat(setup.init_state()["params"])  # the compiled init the runs use, not a second one
   first = train(_grpo_config(out, "resumed", 1), setup=setup).state
   resumed = train(_grpo_config(out, "resumed", 2), setup=setup).state
   straight = train(config, setup=setup).state
