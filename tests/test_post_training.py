@@ -135,7 +135,7 @@ def test_rewards_reach_the_step_line_tensorboard_and_the_plot(dpo_run, grpo_runs
   assert "DPO reward accuracy" in titles and "DPO reward margin" in titles and "GRPO mean reward" not in titles
   line = format_line(3, lines[3])
   assert all(f"{k}: " in line for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")), line
-  grpo_lines = grpo_runs[-1]
+  grpo_lines = grpo_runs[5]
   series = {k: {m["step"]: m[k] for m in grpo_lines} for k in grpo_lines[0] if k != "step"}
   assert [k for k, _ in plot.panels_for([("grpo", series)])][-2:] == ["reward", "kl"]
   line = format_line(1, grpo_lines[1])
@@ -467,7 +467,7 @@ def grpo_runs(tmp_path_factory):
   resumed = train(_grpo_config(out, "resumed", 2), setup=setup).state
   straight = train(config, setup=setup).state
   lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-  return config, initial, _flat(first["params"]), _flat(resumed["params"]), _flat(straight["params"]), lines
+  return config, initial, _flat(first["params"]), _flat(resumed["params"]), _flat(straight["params"]), lines, setup
 
 
 def _flat(params) -> dict[str, np.ndarray]:
@@ -481,7 +481,7 @@ def _slot(value: np.ndarray, config, slot: int) -> np.ndarray:
 
 
 def test_grpo_trains_only_the_adapters_of_its_prompts_and_never_the_base(grpo_runs):
-  config, initial, first, resumed, _, _ = grpo_runs
+  config, initial, first, resumed = grpo_runs[:4]
   adapters = [k for k in initial if k.endswith(("lora_a", "lora_b"))]
   assert adapters and all(np.array_equal(first[k], initial[k]) and np.array_equal(resumed[k], initial[k]) for k in initial if k not in adapters)
   b_untouched = all(np.array_equal(_slot(first[k], config, 1), _slot(initial[k], config, 1)) for k in adapters)
@@ -493,13 +493,36 @@ def test_grpo_trains_only_the_adapters_of_its_prompts_and_never_the_base(grpo_ru
 
 def test_grpo_resume_is_bitwise_and_reports_its_metrics(grpo_runs):
   """Preempted after a step and resumed (sampling key and prompt iterator from the checkpoint) = uninterrupted."""
-  _, _, _, resumed, straight, lines = grpo_runs
+  resumed, straight, lines = grpo_runs[3:6]
   assert resumed.keys() == straight.keys() and all(np.array_equal(resumed[k], straight[k]) for k in straight)
   assert [m["step"] for m in lines] == [0, 1]
   for key in ("reward", "reward/reward_a/mean", "reward/reward_b/std", "kl", "clip_fraction", "completion_length", "rollout_share", "update_share"):
     assert all(np.isfinite(m[key]) for m in lines), key
   assert lines[0]["reward/reward_b/mean"] == 0 and lines[1]["reward/reward_a/mean"] == 0  # each step scores its own adapter's task
   assert abs(sum(lines[0][f"{k}_share"] for k in ("rollout", "scoring", "update")) - 1) < 1e-6
+
+
+def test_grpo_updates_reuse_the_rollouts_old_log_probabilities(grpo_runs):
+  """num_iterations=2 on one rollout batch: the compiled step reads pi_old from the batch (scored once, by the
+  scoring forward at the rollout's parameters) for both updates. Scored at the step's parameters, the first
+  update's ratio is 1 (nothing clips) and the second's is against the rollout, which the first update moved away
+  from (had pi_old been rescored per update, nothing would clip). Old log-probabilities one nat higher make the
+  first update's ratio e^-1 < 1 - epsilon: exactly the tokens with a negative advantage clip there."""
+  config, setup = grpo_runs[0], grpo_runs[6]
+  rows = grpo.rollout_rows([np.array([5, 6, 7])] * 4, [[8, 9, 10, 11], [8, 12], [13, 14, 15], [9, 9, 9, 9, 2]], config.max_target_length)
+  rows["advantages"] = np.array([1.0, -1.0, 1.0, -1.0], np.float32)
+  rows["adapter_ids"] = np.where(rows["inputs_segmentation"] > 0, 0, -1).astype(np.int32)
+  batch = {k: jax.device_put(v, setup.batch_shardings[k]) for k, v in rows.items() if k in setup.abstract_batch}
+  negative_share = float(np.sum(rows["targets_segmentation"][1::2]) / np.sum(rows["targets_segmentation"]))
+  with jax.set_mesh(setup.mesh):
+    state = setup.init_state()
+    scored = setup.score_fn(state["params"], state.get("other", nnx.State({})), state.get("reference", nnx.State({})), batch)
+    assert np.allclose(np.asarray(scored[grpo.OLD_KEY]), np.asarray(scored[grpo.REFERENCE_KEY]))  # policy = reference at init
+    _, same = setup.compiled_step(state, {**batch, **scored})
+    shifted = {**scored, grpo.OLD_KEY: scored[grpo.OLD_KEY] + 1.0}
+    _, high = setup.compiled_step(setup.init_state(), {**batch, **shifted})
+  same, high = float(same["clip_fraction"]), float(high["clip_fraction"])  # means over the two updates
+  assert 0 < same <= 0.5 and high >= 0.5 * negative_share - 1e-6 and high != same
 
 
 def test_step_flops_count_the_reference_and_scoring_forwards():
