@@ -508,6 +508,17 @@ def test_grpo_resume_is_bitwise_and_reports_its_metrics(grpo_runs):
   assert abs(sum(lines[0][f"{k}_share"] for k in ("rollout", "scoring", "update")) - 1) < 1e-6
 
 
+def test_grpo_ends_normally_when_its_prompts_are_used_up(grpo_runs, tmp_path):
+  """4 prompts, 2 per step, num_epoch=1: two steps, then a normal end ('data_used_up') with the last step saved."""
+  from maxtext.train.loop import train
+
+  rows = [{"prompt": p, "adapter": ad} for p, ad in [("x y", "a"), ("x z", "a"), ("y y", "b"), ("z z", "b")]]
+  config = _grpo_config(tmp_path, "short", 5, grain_train_files=write_jsonl(tmp_path / "four.jsonl", rows), async_checkpointing=False)
+  result = train(config, setup=grpo_runs[6])
+  assert (result.stop_reason, result.steps_done) == ("data_used_up", 2)
+  assert (tmp_path / "short" / "checkpoints" / "2").is_dir()
+
+
 def test_grpo_updates_reuse_the_rollouts_old_log_probabilities(grpo_runs):
   """num_iterations=2 on one rollout batch: the compiled step reads pi_old from the batch (scored once, by the
   scoring forward at the rollout's parameters) for both updates. Scored at the step's parameters, the first
