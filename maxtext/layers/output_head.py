@@ -85,6 +85,38 @@ class OutputHead:
     fused.defvjp(forward, backward)
     return fused(hidden, self.kernel, targets, mask)
 
+  def token_log_probs(self, hidden: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """log softmax(logits / temperature)[target] per position: float32 [...], differentiable by autodiff.
+
+    With vocab_tiles > 1 the vocabulary is streamed in slices (an online log-sum-exp, each slice rematerialised in
+    the backward pass), so no [..., vocab] array is kept, as in loss_sums.
+    """
+    inv_t = 1.0 / temperature
+    if self.vocab_tiles == 1:
+      logits = self.logits(hidden) * inv_t
+      target_logit = jnp.sum(jnp.where(_is_target(logits, targets), logits, 0.0), axis=-1)
+      return target_logit - jax.nn.logsumexp(logits, axis=-1)
+    emb, vocab = self.kernel.shape
+    if vocab % self.vocab_tiles:
+      raise ConfigError(f"vocab_size {vocab} is not divisible by num_vocab_tiling {self.vocab_tiles}; pick a divisor")
+    width = vocab // self.vocab_tiles
+    k_slices = jnp.moveaxis(self.kernel.reshape(emb, self.vocab_tiles, width), 1, 0)
+    offsets = jnp.arange(self.vocab_tiles, dtype=jnp.int32) * width
+
+    @jax.checkpoint
+    def body(carry, xs):
+      peak, total, target_logit = carry
+      k_slice, offset = xs
+      logits = self._cap(self._raw_logits(hidden, k_slice)) * inv_t
+      new_peak = jax.lax.stop_gradient(jnp.maximum(peak, jnp.max(logits, axis=-1)))  # a shift only: lse's gradient is the softmax
+      total = total * jnp.exp(peak - new_peak) + jnp.sum(jnp.exp(logits - new_peak[..., None]), axis=-1)
+      target_logit = target_logit + jnp.sum(jnp.where(_is_target(logits, targets - offset), logits, 0.0), axis=-1)
+      return (new_peak, total, target_logit), None
+
+    start = (jnp.full(targets.shape, jnp.finfo(jnp.float32).min), jnp.zeros(targets.shape, jnp.float32), jnp.zeros(targets.shape, jnp.float32))
+    (peak, total, target_logit), _ = jax.lax.scan(body, start, (k_slices, offsets))
+    return target_logit - (peak + jnp.log(total))
+
   def _logit_grad(self, logits, lse, targets, mask, cotangents, z_loss_multiplier: float, offset: int | jax.Array = 0) -> jax.Array:
     """The loss gradient w.r.t. the raw (pre-cap, pre-scale) logits of one vocabulary slice starting at offset, in the compute dtype."""
     g_xent, g_z = cotangents
