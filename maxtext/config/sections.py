@@ -190,6 +190,9 @@ class Logits(Section):
   logits_via_embedding: bool = Field(False, description="Tie the output projection to the token embedding.")
   normalize_embedding_logits: bool = Field(False, description="With tied embeddings, divide logits by sqrt(emb_dim).")
   final_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on output logits; None -> off.")
+  logits_dot_in_fp32: bool = Field(
+    False, description="Output logits matmul on float32 operands with float32 logits; false -> dtype operands, logits rounded to dtype, then float32."
+  )
 
 
 class HardwareAndMesh(Section):
