@@ -79,7 +79,7 @@ class ModelArchitecture(Section):
   vocab_size: int = Field(32_000, gt=0, description="Vocabulary size of the embedding and output logits.")
   normalization_layer_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
   use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head before rotary embedding (qwen3, gemma3).")
-  attention_bias: bool = Field(False, description="Learned biases on the query, key, value and output projections (gpt_oss).")
+  attention_bias: bool = Field(False, description="q/k/v/o projection biases (gpt_oss; HF attention_bias of llama, qwen3, gemma).")
 
 
 class Attention(Section):
@@ -192,6 +192,9 @@ class Logits(Section):
   logits_via_embedding: bool = Field(False, description="Tie the output projection to the token embedding.")
   normalize_embedding_logits: bool = Field(False, description="With tied embeddings, divide logits by sqrt(emb_dim).")
   final_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on output logits; None -> off.")
+  logits_dot_in_fp32: bool = Field(
+    False, description="Output logits matmul on float32 operands with float32 logits; false -> dtype operands, logits rounded to dtype, then float32."
+  )
 
 
 class HardwareAndMesh(Section):
