@@ -25,6 +25,7 @@ from etils import epath
 
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
+from maxtext.models import pipeline
 
 ITEM = "items"
 DATA_DIR = "data_iterator"
@@ -62,11 +63,12 @@ class Checkpointer:
     return self.directory / DATA_DIR / str(step) / f"process_{jax.process_index() if process is None else process}.json"
 
   def save(self, step: int, state: Any, data_state: dict[str, Any] | None) -> None:
-    """Save the state after `step` optimizer steps (async when async_checkpointing)."""
+    """Save the state after `step` optimizer steps (async when async_checkpointing), its layers in plain order."""
     if data_state is not None:
       f = self._data_file(step)
       f.parent.mkdir(parents=True, exist_ok=True)
       f.write_text(json.dumps(data_state))
+    state = pipeline.to_storage(state, self.config)
     self.manager.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardSave(state)}), force=True)
     self._prune_data_states(keep={step, *self.manager.all_steps()})
 
@@ -100,7 +102,7 @@ class Checkpointer:
         f = self._data_file(step)
         if not f.exists():  # saved by fewer processes: process 0's state (global for synthetic data; grain refuses a different count)
           f = self._data_file(step, 0)
-        return restored, (json.loads(f.read_text()) if f.exists() else None)
+        return pipeline.from_storage(restored, self.config), (json.loads(f.read_text()) if f.exists() else None)
       self._set_aside(step, problem, log)
     return None
 
@@ -309,7 +311,7 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
 
   if config.load_parameters_path:
     restored, lacking = restore_some_params(config.load_parameters_path, abstract_params, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
-    params = overlay_params(params, restored)
+    params = overlay_params(params, pipeline.from_storage(restored, config))
     note = f" ({len(lacking)} adapter/connector arrays it lacks keep their init)" if lacking else ""
     log(f"loaded parameters from {config.load_parameters_path}{note}")
   if adapters and config.lora.lora_restore_path:
@@ -317,6 +319,6 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
       raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")
     wanted = nnx.filter_state(abstract_params, nnx.Any(LoRAParam, MHCParam))
     restored, _ = restore_some_params(config.lora.lora_restore_path, wanted, "lora.lora_restore_path", may_lack=MHCParam)
-    params = overlay_params(params, restored)
+    params = overlay_params(params, pipeline.from_storage(restored, config))
     log(f"loaded LoRA adapters from {config.lora.lora_restore_path}")
   return params

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import jax
 
 from maxtext.config import MaxTextConfig
+from maxtext.models import pipeline
 from maxtext.platform import Policy
 from maxtext.train import checkpointing, perf
 
@@ -73,6 +74,9 @@ class RunReport:
       f"batch: {c.global_batch_size_to_train_on} sequences x {c.max_target_length} tokens = {self.tokens_per_step:,} tokens per step"
       + (f" ({c.gradient_accumulation_steps} accumulated micro-batches)" if c.gradient_accumulation_steps > 1 else "")
     )
+    pipelined = pipeline.banner(c)
+    if pipelined:
+      self.log(pipelined)
     if c.remat_policy != "none":
       where = "pinned host memory" if self.policy.offload_layer_inputs else "device memory"
       self.log(f"remat: {c.remat_policy}; each layer's saved input in {where} (decoder_layer_input={c.decoder_layer_input})")
