@@ -10,7 +10,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
-from maxtext.layers import attention_ops, rope
+from maxtext.layers import attention_ops, context_parallel, rope
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
@@ -43,6 +43,7 @@ class Attention(nnx.Module):
     else:
       self.query_norm = self.key_norm = None
     self.scale = (c.query_pre_attn_scalar or d) ** -0.5
+    self.context = context_parallel.Layout.of(c)
     # An explicit kernel that cannot run this model fails here, at build time, as a one-line config error.
     attention_ops.select(policy, dtype=dtype(c.dtype), head_dim=d, q_len=c.max_target_length, kv_len=c.max_target_length, soft_cap=c.attn_logits_soft_cap)
 
@@ -86,6 +87,7 @@ class Attention(nnx.Module):
       precision=precision(c.matmul_precision),
       window_choices=self.window_choices,
       rules=rules,
+      context=self.context,
     )
     ctx = checkpoint_name(ctx, "context")
     return checkpoint_name(self.out(ctx), "out_proj")

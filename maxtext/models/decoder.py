@@ -13,7 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
-from maxtext.layers import lora
+from maxtext.layers import context_parallel, lora
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.embed import Embed
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
@@ -237,5 +237,14 @@ class Transformer(nnx.Module):
   def __call__(
     self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
   ) -> jax.Array:
-    hidden, _ = self.hidden_states(tokens, positions, segment_ids, adapter_ids)
-    return self.logits(hidden)
+    """tokens [B, S] -> logits [B, S, vocab]; under context parallelism with load balance the sequence runs in the
+    shards' order and the logits come back in natural order."""
+    layout = context_parallel.Layout.of(self.config)
+    if layout is None or not layout.load_balance:
+      hidden, _ = self.hidden_states(tokens, positions, segment_ids, adapter_ids)
+      return self.logits(hidden)
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    per_token = lambda x: layout.reorder(x) if x is not None and x.ndim == 2 else x  # noqa: E731
+    hidden, _ = self.hidden_states(layout.reorder(tokens), layout.reorder(positions), per_token(segment_ids), per_token(adapter_ids))
+    return layout.restore(self.logits(hidden))
