@@ -116,7 +116,7 @@ class Transformer(nnx.Module):
     hidden, _, stats = self.forward_hidden(tokens, positions, segment_ids, adapter_ids)
     return hidden, stats["lb_loss"]
 
-  def _pipelined_layers(
+  def pipelined_layers(
     self, plan: pipeline.Plan, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, adapter_ids: jax.Array | None, windows: list[int]
   ):
     """The main layer stack under the pipeline schedule -> (x, per-layer MoE statistics, train-state order)."""
@@ -205,7 +205,7 @@ class Transformer(nnx.Module):
     if plan is None:
       x, stats = self._run_layers(self.layers, x, positions, segment_ids, windows[n_dense:])
     else:
-      x, stats = self._pipelined_layers(plan, x, positions, segment_ids, adapter_ids, windows[n_dense:])
+      x, stats = self.pipelined_layers(plan, x, positions, segment_ids, adapter_ids, windows[n_dense:])
     x = collapse_streams(x, c)
     hidden = self.final_norm(x)
     lb = (lb + jnp.sum(stats["lb_loss"])) * (c.load_balance_loss_weight / c.num_decoder_layers)
