@@ -50,7 +50,7 @@ def main(argv: list[str]) -> list[dict]:
   from maxtext.inference.unstack import unstack_layers
   from maxtext.process import prepare
 
-  config = load(args.config, before_devices=prepare)
+  config = load(args.config, devices=prepare)
   mesh = mesh_lib.create(config)
   model = models.create_sharded(config, mesh)
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

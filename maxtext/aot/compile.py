@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +24,8 @@ class CompileResult:
   compile_seconds: float
   tflops_per_step: float  # model TFLOPs of one step over the global batch
   devices: list[jax.Device]
-  remat_policy: str = ""  # the policy compiled (remat_policy=auto resolved)
+  config: MaxTextConfig  # the config compiled: remat_policy=auto and decoder_layer_input=auto resolved
+  choice: remat_auto.Choice | None = None  # how they were resolved (None: neither was auto)
 
   def summary(self) -> dict[str, Any]:
     """The machine-readable report (the last line train_compile prints)."""
@@ -40,7 +40,8 @@ class CompileResult:
       "hbm_bytes": m.hbm_bytes,
       "fits": m.fits,
       "tflops_per_step": float(f"{self.tflops_per_step:.6g}"),
-      "remat_policy": self.remat_policy,
+      "remat_policy": self.config.remat_policy,
+      "decoder_layer_input": self.config.decoder_layer_input,
     }
 
 
@@ -52,28 +53,18 @@ def topology_mesh(config: MaxTextConfig) -> Mesh:
   return mesh_lib.create(config, devices=topology_devices(topo, config.compile_topology_num_slices))
 
 
-def compile_step(setup: Any, hbm_bytes: int) -> tuple[jax.stages.Compiled | None, memory.MemoryReport, float]:
-  """Compile setup.jit_step against its abstract state and batch; an out-of-memory refusal becomes a report."""
-  start = time.perf_counter()
-  try:
-    compiled = setup.jit_step.lower(setup.abstract_state, setup.abstract_batch).compile()
-  except Exception as e:  # XLA reports exhausted memory as a runtime error at compile time
-    if not memory.is_out_of_memory(e):
-      raise
-    args = memory.shard_bytes((setup.abstract_state, setup.abstract_batch))
-    return None, memory.from_oom_error(e, args, hbm_bytes), time.perf_counter() - start
-  return compiled, memory.from_compiled(compiled, hbm_bytes), time.perf_counter() - start
-
-
 def compile_for_topology(config: MaxTextConfig, log: Callable[[str], None] | None = None) -> CompileResult:
-  """Compile the train step for config's topology; remat_policy=auto is resolved first (its choice goes to log)."""
+  """Compile the train step for config's topology; remat_policy=auto and decoder_layer_input=auto are resolved first
+  (the choice goes to log)."""
   from maxtext.models.counting import training_flops_per_step
   from maxtext.train import setup as setup_lib
 
   mesh = topology_mesh(config)
   hbm = topology.parse(config.compile_topology).chip.hbm_bytes
-  config = remat_auto.resolve(config, mesh, hbm, log)
-  with jax.set_mesh(mesh):
-    setup = setup_lib.build(config, mesh)
-    compiled, report, seconds = compile_step(setup, hbm)
-  return CompileResult(compiled, report, seconds, training_flops_per_step(config) / 1e12, list(mesh.devices.flat), config.remat_policy)
+  config, choice = remat_auto.resolve(config, mesh, hbm, log)
+  step = choice.step if choice is not None else None  # the chosen candidate, compiled while choosing
+  if step is None:
+    with jax.set_mesh(mesh):
+      step = memory.compile_step(setup_lib.build(config, mesh), hbm)
+  flops = training_flops_per_step(config) / 1e12
+  return CompileResult(step.compiled, step.memory, step.seconds, flops, list(mesh.devices.flat), config, choice)
