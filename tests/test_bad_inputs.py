@@ -64,6 +64,7 @@ CASES = [
   ),
   ("restart_with_another_model_shape", _train("base_output_directory={run}", "base_mlp_dim=128"), "shape"),
   ("run_directory_locked_by_a_live_run", _train("base_output_directory={tmp}/locked"), "in use by another run"),
+  ("pipeline_stages_not_dividing_devices", _train("ici_pipeline_parallelism=2"), "'ici_pipeline_parallelism': 2"),
   ("convert_truncated_safetensors", [*CONVERT, "--hf-dir", "{tmp}/hf_truncated"], "not a readable safetensors file"),
   ("convert_hidden_size_disagrees", [*CONVERT, "--hf-dir", "{tmp}/hf_wrong_size"], "does not fit hidden_size"),
 ]

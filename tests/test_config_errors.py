@@ -160,7 +160,18 @@ CASES = [
   ("key_value_first", ["steps=5"], {}, "the first argument must be a YAML config file, got 'steps=5'"),
 ]
 
-CLI_CASES = ["unknown_key", "typo_in_yaml", "wrong_type_int", "bad_yaml", "missing_file", "base_config_cycle", "product_mismatch", "model_conflict"]
+CLI_CASES = [
+  "unknown_key",
+  "typo_in_yaml",
+  "wrong_type_int",
+  "bad_yaml",
+  "missing_file",
+  "base_config_cycle",
+  "product_mismatch",
+  "model_conflict",
+  "layers_not_dividing_stages",
+  "context_seq_not_divisible",
+]
 
 
 def _prepare(tmp_path: Path, argv: list[str]) -> tuple[list[str], Path]:

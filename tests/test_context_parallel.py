@@ -63,7 +63,7 @@ def test_splash_over_context_shards_equals_reference(strategy):
   layout = cp.Layout(2, strategy, True)
   q, k, v, seg, pos = (layout.reorder(x) for x in (q, k, v, seg, pos))
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("fsdp", "context", "tensor"))
-  policy = Policy("tpu", attention="flash", interpret_kernels=True, splash=SMALL_BLOCKS)
+  policy = Policy("tpu", attention="flash", fused_attention="splash", interpret_kernels=True, splash=SMALL_BLOCKS)
 
   def split(q, k, v):
     kw = dict(q_positions=pos, kv_positions=pos, segment_ids=seg, window=window, soft_cap=cap, scale=SCALE, policy=policy, rules=RULES)
