@@ -142,7 +142,10 @@ def main(argv: list[str]) -> None:
   for name, config in (("unpipelined", unpipelined), ("pipelined", pipelined), ("pipelined_fsdp_ag_once", gathered_once)):
     report = collective_report(config)
     total = sum(v for k, v in report.items() if k != "unknown_trip_loops")
-    print(json.dumps({"measure": "collectives_MiB_per_device_per_step", "step": name, "total": round(total, 2), **{k: round(v, 2) for k, v in report.items()}}), flush=True)
+    print(
+      json.dumps({"measure": "collectives_MiB_per_device_per_step", "step": name, "total": round(total, 2), **{k: round(v, 2) for k, v in report.items()}}),
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -130,23 +130,8 @@ def attend(
   context-parallel layout; self-attention over a `context`-sharded mesh then gathers or rings the keys and values
   (maxtext.layers.context_parallel).
   """
-  if context_parallel.is_active(context, q.shape[1], k.shape[1]):
-    return context_parallel.attend(
-      q,
-      k,
-      v,
-      q_positions=q_positions,
-      kv_positions=kv_positions,
-      segment_ids=segment_ids,
-      window=window,
-      soft_cap=soft_cap,
-      scale=scale,
-      policy=policy,
-      precision=precision,
-      window_choices=window_choices,
-      rules=rules,
-      layout=context,
-    )
+  if context_parallel.is_active(context, q.shape[1], k.shape[1]):  # self-attention: kv_positions are q_positions
+    return context_parallel.attend(q, k, v, q_positions, segment_ids, window, context, soft_cap, scale, policy, precision, window_choices, rules)
   kernel = select(policy, dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1], soft_cap=soft_cap)
   if kernel == "xla":
     mask = attention_mask(q_positions, kv_positions, segment_ids, window)

@@ -92,20 +92,19 @@ def attend(
   q: jax.Array,
   k: jax.Array,
   v: jax.Array,
-  *,
-  q_positions: jax.Array,
-  kv_positions: jax.Array,
+  positions: jax.Array,
   segment_ids: jax.Array | None,
   window: int | jax.Array,
+  layout: Layout,
   soft_cap: float | None,
   scale: float,
   policy: Policy,
   precision: jax.lax.Precision | None,
   window_choices: Sequence[int],
   rules: Sequence,
-  layout: Layout,
 ) -> jax.Array:
-  """attention_ops.attend's contract over a context-sharded sequence (see the module docstring)."""
+  """attention_ops.attend's self-attention (positions [B,S] shared by queries and keys) over a context-sharded
+  sequence (see the module docstring)."""
   from maxtext.layers import attention_ops as ops
 
   mesh = jax.sharding.get_abstract_mesh()
@@ -144,7 +143,7 @@ def attend(
       return ops.chunked_attention(q, k, v, qp, kp, seg, w, scale, soft_cap, policy.attention_key_block, kv_segment_ids=kv_seg)
 
   fn = jax.shard_map(local, mesh=mesh, in_specs=(qs, kvs, kvs, rows, rows, rows, PartitionSpec()), out_specs=qs, check_vma=False)
-  return fn(q, k, v, q_positions, kv_positions, segments, w)
+  return fn(q, k, v, positions, positions, segments, w)
 
 
 # ------------------------------------------------------------------------------------------------ ring (chunked)
