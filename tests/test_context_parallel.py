@@ -74,3 +74,36 @@ def test_splash_over_context_shards_equals_reference(strategy):
   expected = forward_and_grads(jax.jit(lambda q, k, v: reference(q, k, v, seg, pos, window, cap)), q, k, v)
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
     np.testing.assert_allclose(a, e, atol=2e-5, rtol=0)
+
+
+SINK_CASES = [("chunked", "all_gather"), ("chunked", "ring"), ("splash", "all_gather"), ("splash", "ring")]
+
+
+@pytest.mark.parametrize("kernel,strategy", SINK_CASES, ids=[f"{k}-{s}" for k, s in SINK_CASES])
+def test_sinks_over_context_shards_equal_reference(kernel, strategy):
+  """Attention sinks (gpt-oss) under context parallelism, load-balanced, packed rows, GQA, window and soft cap: the
+  output and the gradients of q, k, v and the sinks equal the XLA reference (the ring counts each row's sink once)."""
+  splash = kernel == "splash"
+  shards, seq = (2, 512) if splash else (4, 64)
+  q, k, v, seg, pos = packed_batch(batch=2, seq=seq, heads=4, kv_heads=2)
+  sinks = jnp.asarray([0.7, -0.4, 1.1, 0.2], jnp.float32)
+  layout = cp.Layout(shards, strategy, True)
+  q, k, v, seg, pos = (layout.reorder(x) for x in (q, k, v, seg, pos))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8 // shards // 2, shards, 2), ("fsdp", "context", "tensor"))
+  if splash:
+    policy = Policy("tpu", attention="flash", fused_attention="splash", interpret_kernels=True, splash=SMALL_BLOCKS)
+  else:
+    policy = Policy("cpu", attention="flash", attention_key_block=8)
+  kw = dict(q_positions=pos, kv_positions=pos, segment_ids=seg, window=37, soft_cap=5.0, scale=SCALE, policy=policy, rules=RULES)
+  mask = ops.attention_mask(pos, pos, seg, 37)
+
+  def with_grads(fn):
+    return fn(q, k, v, sinks), jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), (0, 1, 2, 3))(q, k, v, sinks)
+
+  with jax.set_mesh(mesh):
+    actual = with_grads(jax.jit(lambda q, k, v, s: ops.attend(q, k, v, **kw, sinks=s, context=layout)))
+  expected = with_grads(jax.jit(lambda q, k, v, s: ops.xla_attention(q, k, v, mask, SCALE, 5.0, jax.lax.Precision.HIGHEST, sinks=s)))
+  assert float(jnp.abs(expected[1][3]).min()) > 1e-3  # the sinks get a gradient
+  np.testing.assert_allclose(actual[0], expected[0], atol=2e-5, rtol=0)
+  for name, a, e in zip(("q", "k", "v", "sinks"), actual[1], expected[1], strict=True):
+    np.testing.assert_allclose(a, e, atol=2e-4 if name == "sinks" else 2e-5, rtol=0, err_msg=f"d{name}")

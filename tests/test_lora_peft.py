@@ -135,3 +135,25 @@ def test_cli_lora_to_peft_merge_and_peft_to_lora(adapted, toks, tmp_path, capsys
     err = out.err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0], (argv, out.err)
   assert not (tmp_path / "x3").exists() and not (tmp_path / "x4").exists()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_peft_adapters_of_gemma3_and_gpt_oss_round_trip_and_load_in_peft(tmp_path, toks, family):
+  """Adapters on every attention projection (and gemma3's MLP) export to PEFT bit for bit and back, and PEFT on the
+  transformers model gives our logits (gpt-oss: the q/k/v/o biases and sinks stay in the frozen base)."""
+  peft = pytest.importorskip("peft")
+
+  torch_model = save_tiny_model(family, tmp_path / "hf")
+  model, config = from_hf(tmp_path / "hf", lora=LORA, **KW)
+  for i, (_, var) in enumerate(nnx.to_flat_state(nnx.state(model, LoRAParam))):
+    var.set_value(0.3 * jax.random.normal(jax.random.key(i), var.shape))
+  adapters = _adapters({k: np.asarray(v) for k, v in flat_params(model).items()})
+  assert {k.split("/")[1] + "/" + k.split("/")[2] for k in adapters} >= {"attention/query", "attention/key", "attention/value", "attention/out"}
+  tensors, adapter_config = lora_peft.to_peft(adapters, config)
+  back = lora_peft.from_peft(tensors, config, {k: v.shape for k, v in adapters.items()})
+  assert sorted(back) == sorted(adapters) and all(np.array_equal(back[k], adapters[k]) for k in adapters)
+  lora_peft.write(tmp_path / "peft", tensors, adapter_config)
+  with torch.no_grad():
+    wrapped = peft.PeftModel.from_pretrained(torch_model, str(tmp_path / "peft")).eval()
+    theirs = wrapped(torch.as_tensor(toks, dtype=torch.long)).logits.float().numpy()
+  np.testing.assert_allclose(theirs, jit_logits(model, toks), atol=1e-4, rtol=0)

@@ -209,7 +209,7 @@ def test_checkpoint_round_trip_across_pipeline_degrees_is_bitwise(trained):
   Checkpointer(config).save(10, state, None)
   pp_ckpt = Checkpointer(pp_config.model_copy(update={"checkpoint_dir": config.checkpoint_dir}))
   with jax.set_mesh(pp_setup.mesh):
-    restored, _ = pp_ckpt.restore_latest(pp_setup.abstract_state)
+    restored = pp_ckpt.restore_latest(pp_setup.abstract_state).state
   order = pipeline.Plan.of(pp_config).order()
   kernel = np.asarray(dict(nnx.to_flat_state(restored["params"]))[("layers", "mlp", "wo", "kernel")].get_value())
   np.testing.assert_array_equal(kernel, np.asarray(state["params"]["layers"]["mlp"]["wo"]["kernel"].get_value())[order])
@@ -218,7 +218,7 @@ def test_checkpoint_round_trip_across_pipeline_degrees_is_bitwise(trained):
   pp_ckpt.save(10, restored, None)
   back = Checkpointer(config.model_copy(update={"checkpoint_dir": str(pp_ckpt.directory)}))
   with jax.set_mesh(setup.mesh):
-    again, _ = back.restore_latest(setup.abstract_state)
+    again = back.restore_latest(setup.abstract_state).state
   for (path, a), (_, b) in zip(nnx.to_flat_state(state["params"]), nnx.to_flat_state(again["params"]), strict=True):
     np.testing.assert_array_equal(np.asarray(b.get_value()), np.asarray(a.get_value()), err_msg=str(path))
   for a, b in zip(jax.tree.leaves(state["opt_state"]), jax.tree.leaves(again["opt_state"]), strict=True):

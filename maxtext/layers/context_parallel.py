@@ -11,6 +11,10 @@ along the sequence everywhere; weights are FSDP-sharded over it). Attention is t
   lse = logsumexp_t lse_t. The backward pass visits the blocks again, each block's dq, dk, dv computed from the
   merged output and log-sum-exp (flash attention's backward); dK and dV travel with their block back to its owner.
 
+Attention sinks (gpt-oss) are one more logit per head in every row's softmax: the all-gather path hands them to the
+kernel; the ring counts them once, with the shard's own block (chunked) or as a last block of one logit and no
+value (splash), and their gradient comes from the merged output and log-sum-exp.
+
 Load balance (context_parallel_load_balance, MaxText's dual-chunk swap): the sequence is cut into 2c chunks and shard i
 holds chunks i and 2c - 1 - i, so every shard has the same causal work. The train and eval steps reorder the batch's
 per-token arrays on entry (`reorder_batch`); the loss, a sum over tokens, is computed in that order, and per-token
@@ -102,48 +106,50 @@ def attend(
   precision: jax.lax.Precision | None,
   window_choices: Sequence[int],
   rules: Sequence,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
-  """attention_ops.attend's self-attention (positions [B,S] shared by queries and keys) over a context-sharded
-  sequence (see the module docstring)."""
+  """attention_ops.attend's self-attention (positions [B,S] shared by queries and keys; sinks [H] or None) over a
+  context-sharded sequence (see the module docstring)."""
   from maxtext.layers import attention_ops as ops
 
   mesh = jax.sharding.get_abstract_mesh()
   shards = mesh.shape[CONTEXT_AXIS]
   length = q.shape[1]
-  kernel = ops.select(policy, dtype=q.dtype, head_dim=q.shape[-1], q_len=length, kv_len=length, soft_cap=soft_cap)
+  kernel = ops.select(policy, dtype=q.dtype, head_dim=q.shape[-1], q_len=length, kv_len=length, soft_cap=soft_cap, sinks=sinks is not None)
   segments = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
   batch_axes = logical_to_spec(("activation_batch",), rules, mesh)[0]
   q_heads = logical_to_spec(("activation_heads",), rules, mesh)[0]
   kv_heads = logical_to_spec(("activation_kv_heads",), rules, mesh)[0]
   qs, kvs = PartitionSpec(batch_axes, CONTEXT_AXIS, q_heads, None), PartitionSpec(batch_axes, CONTEXT_AXIS, kv_heads, None)
   rows = PartitionSpec(batch_axes, CONTEXT_AXIS)
+  heads = None if sinks is None else PartitionSpec(q_heads)
   traced_window = not isinstance(window, int)
   w = jnp.asarray(window, jnp.int32)
 
   if kernel == "splash":
-    return _splash(q, k, v, segments, window, window_choices, scale, soft_cap, policy, layout, mesh, (qs, kvs, rows, q_heads))
+    return _splash(q, k, v, segments, sinks, window, window_choices, scale, soft_cap, policy, layout, mesh, (qs, kvs, rows, q_heads, heads))
 
   if layout.strategy == "ring":  # merging blocks needs each block's log-sum-exp: the chunked kernel (also on GPU)
 
-    def local(q, k, v, qp, kp, seg, w):
-      return _ring(q, k, v, qp, kp, seg, w, scale, soft_cap, policy.attention_key_block, shards)
+    def local(q, k, v, qp, kp, seg, sinks, w):
+      return _ring(q, k, v, qp, kp, seg, sinks, w, scale, soft_cap, policy.attention_key_block, shards)
 
   else:
 
-    def local(q, k, v, qp, kp, seg, w):
+    def local(q, k, v, qp, kp, seg, sinks, w):
       gather = functools.partial(jax.lax.all_gather, axis_name=CONTEXT_AXIS, axis=1, tiled=True)
       k, v, kp, kv_seg = gather(k), gather(v), gather(kp), gather(seg)
       w = w if traced_window else window
       if kernel == "xla":
         mask = ops.attention_mask(qp, kp, seg, w, kv_segment_ids=kv_seg)
-        return ops.xla_attention(q, k, v, mask, scale, soft_cap, precision, policy.integer_bf16_rounding)
-      if kernel == "cudnn":  # keys in shard order: the mask comes from positions and segment ids, window included
+        return ops.xla_attention(q, k, v, mask, scale, soft_cap, precision, policy.integer_bf16_rounding, sinks)
+      if kernel == "cudnn":  # keys in shard order: the mask comes from positions and segment ids, window included (no sinks: select)
         mask = ops.attention_mask(qp, kp, seg, w, kv_segment_ids=kv_seg)[:, 0]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
-      return ops.chunked_attention(q, k, v, qp, kp, seg, w, scale, soft_cap, policy.attention_key_block, kv_segment_ids=kv_seg)
+      return ops.chunked_attention(q, k, v, qp, kp, seg, w, scale, soft_cap, policy.attention_key_block, sinks, kv_segment_ids=kv_seg)
 
-  fn = jax.shard_map(local, mesh=mesh, in_specs=(qs, kvs, kvs, rows, rows, rows, PartitionSpec()), out_specs=qs, check_vma=False)
-  return fn(q, k, v, positions, positions, segments, w)
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(qs, kvs, kvs, rows, rows, rows, heads, PartitionSpec()), out_specs=qs, check_vma=False)
+  return fn(q, k, v, positions, positions, segments, sinks, w)
 
 
 # ------------------------------------------------------------------------------------------------ ring (chunked)
@@ -160,41 +166,48 @@ def _merge(out, lse, out_t, lse_t):
   return out * jnp.exp(lse - new)[..., None] + out_t * jnp.exp(lse_t - new)[..., None], new
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _ring(q, k, v, q_pos, kv_pos, seg, window, scale, soft_cap, block, shards):
-  return _ring_forward(q, k, v, q_pos, kv_pos, seg, window, scale, soft_cap, block, shards)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _ring(q, k, v, q_pos, kv_pos, seg, sinks, window, scale, soft_cap, block, shards):
+  return _ring_forward(q, k, v, q_pos, kv_pos, seg, sinks, window, scale, soft_cap, block, shards)[0]
 
 
-def _ring_forward(q, k, v, q_pos, kv_pos, seg, window, scale, soft_cap, block, shards):
+def _ring_blocks(q, blocks, q_pos, seg, sinks, block: int, t: int):
+  """Ring step t's chunked operands; the sinks join the first step's block only (they count once per row)."""
   from maxtext.layers.attention_ops import ChunkedBlocks
 
+  k, v, kv_pos, kv_seg = blocks
+  return ChunkedBlocks.of(q, k, v, q_pos, kv_pos, seg, kv_seg, block, sinks if t == 0 else None)
+
+
+def _ring_forward(q, k, v, q_pos, kv_pos, seg, sinks, window, scale, soft_cap, block, shards):
   out = lse = None
   blocks = (k, v, kv_pos, seg)
   for t in range(shards):
     incoming = jax.tree.map(lambda x: _rotate(x, shards), blocks) if t < shards - 1 else None  # issued before the block's attention
-    chunked = ChunkedBlocks.of(q, *blocks[:2], q_pos, blocks[2], seg, blocks[3], block)
+    chunked = _ring_blocks(q, blocks, q_pos, seg, sinks, block, t)
     out_t, lse_t = chunked.forward(window, scale, soft_cap)
     out, lse = (out_t, lse_t) if out is None else _merge(out, lse, out_t, lse_t)
     blocks = incoming
   result = chunked.from_heads(out).astype(q.dtype)
-  return result, (q, k, v, q_pos, kv_pos, seg, window, result, lse)
+  return result, (q, k, v, q_pos, kv_pos, seg, sinks, window, result, lse)
 
 
 def _ring_backward(scale, soft_cap, block, shards, residuals, g):
-  from maxtext.layers.attention_ops import ChunkedBlocks
-
-  q, k, v, q_pos, kv_pos, seg, window, out, lse = residuals
+  q, k, v, q_pos, kv_pos, seg, sinks, window, out, lse = residuals
   dq = jnp.zeros(q.shape, jnp.float32)
   blocks = (k, v, kv_pos, seg)
   dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+  dsinks = None
   for t in range(shards):
     incoming = jax.tree.map(lambda x: _rotate(x, shards), blocks) if t < shards - 1 else None
-    chunked = ChunkedBlocks.of(q, *blocks[:2], q_pos, blocks[2], seg, blocks[3], block)
-    dq_t, dk_t, dv_t = chunked.backward(window, scale, soft_cap, chunked.to_heads(out), lse, g)
+    chunked = _ring_blocks(q, blocks, q_pos, seg, sinks, block, t)
+    dq_t, dk_t, dv_t, dsinks_t = chunked.backward(window, scale, soft_cap, chunked.to_heads(out), lse, g)
+    if t == 0 and sinks is not None:
+      dsinks = dsinks_t.astype(sinks.dtype)
     dq = dq + dq_t.astype(jnp.float32)
     dk, dv = _rotate(dk + dk_t.astype(jnp.float32), shards), _rotate(dv + dv_t.astype(jnp.float32), shards)  # with its block
     blocks = incoming
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, dsinks, None
 
 
 _ring.defvjp(_ring_forward, _ring_backward)
@@ -273,11 +286,11 @@ def _ring_bases(layout: Layout, length: int, step: int) -> list[np.ndarray]:
   return [source * chunk, (2 * shards - 1 - source) * chunk]
 
 
-def _splash(q, k, v, segments, window, window_choices, scale, soft_cap, policy, layout, mesh, specs) -> jax.Array:
+def _splash(q, k, v, segments, sinks, window, window_choices, scale, soft_cap, policy, layout, mesh, specs) -> jax.Array:
   """Splash attention over the context-sharded sequence: all_gather or ring (see the section comment)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 
-  qs, kvs, rows, head_axes = specs
+  qs, kvs, rows, head_axes, sink_spec = specs
   length, heads = q.shape[1], q.shape[2]
   names = (head_axes,) if isinstance(head_axes, str) else tuple(head_axes or ())
   head_shards = int(np.prod([mesh.shape[a] for a in names])) if names else 1
@@ -302,33 +315,33 @@ def _splash(q, k, v, segments, window, window_choices, scale, soft_cap, policy, 
   head_major = lambda spec: PartitionSpec(spec[0], spec[2], spec[1], spec[3])  # noqa: E731
   restore = np.argsort(order)
 
-  def gathered(kernel, q, k, v, seg):
+  def gathered(kernel, q, k, v, seg, sinks):
     gather = functools.partial(jax.lax.all_gather, axis_name=CONTEXT_AXIS, tiled=True)
     k, v, kv_seg = gather(k, axis=2), gather(v, axis=2), gather(seg, axis=1)
     if layout.load_balance:  # back to natural order: the mask indexes keys by position
       k, v, kv_seg = jnp.take(k, restore, axis=2), jnp.take(v, restore, axis=2), jnp.take(kv_seg, restore, axis=1)
-    one = lambda q1, k1, v1, s1, kv1: kernel(q1, k1, v1, segment_ids=kernel_lib.SegmentIds(q=s1, kv=kv1))  # noqa: E731
+    one = lambda q1, k1, v1, s1, kv1: kernel(q1, k1, v1, segment_ids=kernel_lib.SegmentIds(q=s1, kv=kv1), sinks=sinks)  # noqa: E731
     return jax.vmap(one)(q, k, v, seg, kv_seg)
 
-  def ring(kernel_steps, q, k, v, seg):
-    return _splash_ring(kernel_steps, q, k, v, seg, layout.shards)
+  def ring(kernel_steps, q, k, v, seg, sinks):
+    return _splash_ring(kernel_steps, q, k, v, seg, sinks, layout.shards)
 
   run = ring if layout.strategy == "ring" else gathered
   w_index = jnp.int32(0) if isinstance(window, int) else sum(jnp.where(jnp.asarray(window) == w, i, 0) for i, w in enumerate(windows))
 
-  def local(kernels, q, k, v, seg, index):
+  def local(kernels, q, k, v, seg, sinks, index):
     if len(kernels) == 1:
-      return run(kernels[0], q, k, v, seg)
-    return jax.lax.switch(index, [functools.partial(run, kern) for kern in kernels], q, k, v, seg)
+      return run(kernels[0], q, k, v, seg, sinks)
+    return jax.lax.switch(index, [functools.partial(run, kern) for kern in kernels], q, k, v, seg, sinks)
 
   fn = jax.shard_map(
     local,
     mesh=mesh,
-    in_specs=(kernel_specs, head_major(qs), head_major(kvs), head_major(kvs), rows, PartitionSpec()),
+    in_specs=(kernel_specs, head_major(qs), head_major(kvs), head_major(kvs), rows, sink_spec, PartitionSpec()),
     out_specs=head_major(qs),
     check_vma=False,
   )
-  return jnp.swapaxes(fn(kernels, qh, kh, vh, segments, w_index), 1, 2)
+  return jnp.swapaxes(fn(kernels, qh, kh, vh, segments, sinks, w_index), 1, 2)
 
 
 def _splash_block(kernel, q, k, v, seg, kv_seg):
@@ -369,13 +382,14 @@ def _halves(x, parts: int, axis: int):
   return jnp.split(x, parts, axis=axis) if parts > 1 else [x]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _splash_ring(kernel_steps, q, k, v, seg, shards):
-  return _splash_ring_forward(kernel_steps, q, k, v, seg, shards)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _splash_ring(kernel_steps, q, k, v, seg, sinks, shards):
+  return _splash_ring_forward(kernel_steps, q, k, v, seg, sinks, shards)[0]
 
 
-def _splash_ring_forward(kernel_steps, q, k, v, seg, shards):
-  """q [B,H,s,D] (scaled), k/v [B,K,s,D], seg [B,s] local; kernel_steps[t][c]: step t's kernel for key chunk c."""
+def _splash_ring_forward(kernel_steps, q, k, v, seg, sinks, shards):
+  """q [B,H,s,D] (scaled), k/v [B,K,s,D], seg [B,s] local, sinks [H] or None; kernel_steps[t][c]: step t's kernel for
+  key chunk c. The sinks join the merge as one more block of one logit and no value."""
   out = lse = None
   blocks = (k, v, seg)
   for t in range(shards):
@@ -385,12 +399,14 @@ def _splash_ring_forward(kernel_steps, q, k, v, seg, shards):
       out_t, lse_t = _splash_block(kernel, q, kb, vb, seg, sb)
       out, lse = (out_t, lse_t) if out is None else _merge(out, lse, out_t, lse_t)
     blocks = incoming
+  if sinks is not None:
+    out, lse = _merge(out, lse, 0.0, jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], lse.shape))
   result = out.astype(q.dtype)
-  return result, (kernel_steps, q, k, v, seg, result, lse)
+  return result, (kernel_steps, q, k, v, seg, sinks, result, lse)
 
 
 def _splash_ring_backward(shards, residuals, g):
-  kernel_steps, q, k, v, seg, out, lse = residuals
+  kernel_steps, q, k, v, seg, sinks, out, lse = residuals
   dq = jnp.zeros(q.shape, jnp.float32)
   dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
   blocks = (k, v, seg)
@@ -405,7 +421,11 @@ def _splash_ring_backward(shards, residuals, g):
       dvs.append(dv_t.astype(jnp.float32))
     dk, dv = _rotate(dk + jnp.concatenate(dks, axis=2), shards), _rotate(dv + jnp.concatenate(dvs, axis=2), shards)
     blocks = incoming
-  return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  dsinks = None
+  if sinks is not None:  # d out / d sink = -p_sink out, p_sink = exp(sink - lse)
+    delta = jnp.sum(g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,H,s]
+    dsinks = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse) * delta, axis=(0, 2)).astype(sinks.dtype)
+  return None, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dsinks
 
 
 _splash_ring.defvjp(_splash_ring_forward, _splash_ring_backward)

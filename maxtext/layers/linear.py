@@ -38,8 +38,8 @@ def dense_kwargs(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs) -> dict[
 class DenseGeneral(nnx.Module):
   """y = x . kernel, contracting the last len(in_shape) axes of x.
 
-  kernel has shape in_shape + out_shape and logical axes `logical_axes`.
-  `lora` is an optional adapter module (see maxtext.layers.lora) added to the output.
+  kernel has shape in_shape + out_shape and logical axes `logical_axes`; use_bias adds a bias of out_shape
+  (zeros at init). `lora` is an optional adapter module (see maxtext.layers.lora) added to the output.
   """
 
   def __init__(
@@ -53,6 +53,7 @@ class DenseGeneral(nnx.Module):
     precision: jax.lax.Precision,
     rngs: nnx.Rngs,
     integer_rounding: bool = False,
+    use_bias: bool = False,
   ):
     self.in_shape = tuple(in_shape)
     self.out_shape = tuple(out_shape)
@@ -61,10 +62,14 @@ class DenseGeneral(nnx.Module):
     self.integer_rounding = integer_rounding  # the platform policy's bf16 rounding (maxtext.layers.dtypes.cast)
     shape = self.in_shape + self.out_shape
     self.kernel = nnx.Param(variance_scaling_init(rngs.params(), shape, math.prod(self.in_shape), weight_dtype), logical_axes=tuple(logical_axes))
+    out_axes = tuple(logical_axes)[len(self.in_shape) :]
+    self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype), logical_axes=out_axes) if use_bias else None
     self.lora: nnx.Module | None = None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = matmul.contract_trailing(x, self.kernel[...], len(self.in_shape), dtype=self.dtype, precision=self.precision, integer_rounding=self.integer_rounding)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(y.dtype)
     if self.lora is not None:
       y = y + self.lora(x).astype(y.dtype)
     return y

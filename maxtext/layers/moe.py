@@ -1,10 +1,15 @@
 """Mixture of experts: routing (Mixtral, Qwen3-MoE, DeepSeek V3), dropless or capacity-limited dispatch, shared experts.
 
-Routing (float32): scores are softmax or sigmoid (routed_score_func) of the router logits. Experts are chosen by
-top-k of the scores plus an optional score-correction bias (routed_bias, DeepSeek's aux-loss-free balancing),
+Routing (float32): scores are softmax or sigmoid (routed_score_func) of the router logits (with routed_bias and
+softmax scores, the router has a trained bias on its logits: gpt-oss). Experts are chosen by top-k of the scores
+plus, with sigmoid scores, an optional score-correction bias (routed_bias, DeepSeek's aux-loss-free balancing),
 optionally only inside the best topk_routing_group of n_routing_groups groups (each group scored by the sum of
 its two best biased scores). The chosen experts' weights are the unbiased scores, renormalised to sum to one
-with norm_topk_prob (always for mixtral), times routed_scaling_factor.
+with norm_topk_prob (always for mixtral; with softmax scores that is a softmax over the chosen experts' logits,
+as gpt-oss computes it), times routed_scaling_factor.
+
+Experts: gated MLPs act0(x wi_0) * act1(x wi_1) -> wo, or gpt-oss's clamped SwiGLU (maxtext.layers.mlp.gated);
+with mlp_bias every projection adds a per-expert bias.
 
 Dispatch: dropless (capacity_factor = -1) sorts the (token, expert) pairs by expert and runs grouped matmuls
 (jax.lax.ragged_dot); with capacity_factor > 0 every expert takes at most
@@ -32,7 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxtext.config import MaxTextConfig
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
-from maxtext.layers.mlp import MLP, activation
+from maxtext.layers.mlp import MLP, gated
 from maxtext.mesh import logical_to_spec
 from maxtext.platform import Policy
 
@@ -170,39 +175,65 @@ class MoE(nnx.Module):
     self.precision = precision(c.matmul_precision)
     wdt = dtype(c.weight_dtype)
     e, m, n = c.emb_dim, c.moe_mlp_dim, c.num_experts
+    logit_bias = c.routed_bias and c.routed_score_func != "sigmoid"  # gpt-oss: the router's own bias; deepseek: a score correction
     self.gate = DenseGeneral(
-      (e,), (n,), ("embed", None), dtype=jnp.float32, weight_dtype=wdt, precision=self.precision, rngs=rngs, integer_rounding=policy.integer_bf16_rounding
+      (e,),
+      (n,),
+      ("embed", None),
+      dtype=jnp.float32,
+      weight_dtype=wdt,
+      precision=self.precision,
+      rngs=rngs,
+      integer_rounding=policy.integer_bf16_rounding,
+      use_bias=logit_bias,
     )
     self.wi_0 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
     self.wi_1 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
     self.wo = nnx.Param(variance_scaling_init(rngs.params(), (n, m, e), m, wdt), logical_axes=("exp", "mlp", "embed"))
-    self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias else None
+    if c.mlp_bias:
+      self.wi_0_bias = nnx.Param(jnp.zeros((n, m), wdt), logical_axes=("exp", "mlp"))
+      self.wi_1_bias = nnx.Param(jnp.zeros((n, m), wdt), logical_axes=("exp", "mlp"))
+      self.wo_bias = nnx.Param(jnp.zeros((n, e), wdt), logical_axes=("exp", "embed"))
+    else:
+      self.wi_0_bias = self.wi_1_bias = self.wo_bias = None
+    self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias and not logit_bias else None
     self.shared_experts = MLP(c, policy=policy, rngs=rngs, width=c.shared_experts * m) if c.shared_experts else None
 
-  def _act(self, h0: jax.Array, h1: jax.Array) -> jax.Array:
-    acts = self.config.mlp_activations
-    return activation(acts[0])(h0) * activation(acts[-1])(h1)
+  def _weights(self) -> dict[str, jax.Array]:
+    """The experts' stacked kernels (and biases, with mlp_bias) by name."""
+    names = ("wi_0", "wi_1", "wo") + (("wi_0_bias", "wi_1_bias", "wo_bias") if self.wo_bias is not None else ())
+    return {name: getattr(self, name)[...] for name in names}
+
+  def _experts(self, lhs: jax.Array, w: dict[str, jax.Array], project, rows) -> jax.Array:
+    """The experts' gated MLP on dispatched rows: project(h, kernel) is the dispatch path's expert matmul and rows(bias [E, F])
+    gives each row of h its expert's bias."""
+
+    def proj(h: jax.Array, name: str) -> jax.Array:
+      y = project(h, w[name])
+      return y + rows(w[name + "_bias"]).astype(y.dtype) if name + "_bias" in w else y
+
+    h = gated(self.config)(checkpoint_name(proj(lhs, "wi_0"), "mlpwi_0"), checkpoint_name(proj(lhs, "wi_1"), "mlpwi_1"))
+    return proj(h, "wo")
 
   def _dropless(self, tokens: jax.Array, r: Routing) -> jax.Array:
     """Every (token, expert) pair computed: sort by expert, grouped matmuls, unsort, weighted sum."""
     routed, order, group_sizes = sort_by_expert(tokens, r.experts, self.config.num_experts)
+    row_expert = r.experts.reshape(-1)[order]
 
-    def grouped(lhs: jax.Array, w: nnx.Param) -> jax.Array:
-      return jax.lax.ragged_dot(lhs, w[...].astype(self.dtype), group_sizes, precision=self.precision)
+    def grouped(lhs: jax.Array, w: jax.Array) -> jax.Array:
+      return jax.lax.ragged_dot(lhs, w.astype(self.dtype), group_sizes, precision=self.precision)
 
-    h = self._act(checkpoint_name(grouped(routed, self.wi_0), "mlpwi_0"), checkpoint_name(grouped(routed, self.wi_1), "mlpwi_1"))
-    return unsort_combine(grouped(h, self.wo), order, r.weights)
+    return unsort_combine(self._experts(routed, self._weights(), grouped, lambda b: b[row_expert]), order, r.weights)
 
   def _with_capacity(self, tokens: jax.Array, r: Routing, kept: jax.Array, position: jax.Array, capacity: int) -> jax.Array:
     """Kept pairs scattered into [experts, capacity] buffers, one batched matmul per projection, gathered back."""
     c = self.config
     buffer, slot = pack(tokens, r.experts, kept, position, capacity, c.num_experts)
+    return unpack_combine(self._experts(buffer, self._weights(), self._batched, lambda b: b[:, None, :]), slot, r.weights)
 
-    def batched(lhs: jax.Array, w: nnx.Param) -> jax.Array:
-      return jnp.einsum("ecd,edf->ecf", lhs, w[...].astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
-
-    h = self._act(checkpoint_name(batched(buffer, self.wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, self.wi_1), "mlpwi_1"))
-    return unpack_combine(batched(h, self.wo), slot, r.weights)
+  def _batched(self, lhs: jax.Array, w: jax.Array) -> jax.Array:
+    """[experts, rows, in] x [experts, in, out] -> [experts, rows, out] in the compute dtype."""
+    return jnp.einsum("ecd,edf->ecf", lhs, w.astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
 
   def _expert_parallel(self, x: jax.Array, r: Routing, valid: jax.Array, mesh: jax.sharding.AbstractMesh) -> tuple[jax.Array, jax.Array]:
     """Dispatch by all-to-all over the `expert` mesh axis (see the module docstring) -> (y [B,S,E] float32, dropped)."""
@@ -214,12 +245,10 @@ class MoE(nnx.Module):
     x_spec = logical_to_spec(("activation_batch", "activation_length", "activation_embed"), c.logical_axis_rules, mesh)
     routed_spec = jax.sharding.PartitionSpec(*x_spec[:2], None)
     token_axes = tuple(a for part in x_spec for a in ((part,) if isinstance(part, str) else (part or ())))
-    w_spec = jax.sharding.PartitionSpec("expert", None, None)
+    weights_all = self._weights()
+    w_spec = {name: jax.sharding.PartitionSpec("expert", *([None] * (w.ndim - 1))) for name, w in weights_all.items()}
 
-    def batched(lhs: jax.Array, w: jax.Array) -> jax.Array:
-      return jnp.einsum("ecd,edf->ecf", lhs, w.astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
-
-    def local(x, weights, experts, valid, wi_0, wi_1, wo):
+    def local(x, weights, experts, valid, w):
       lb, ls, _ = x.shape
       t = lb * ls
       tokens, experts, weights = x.reshape(t, e), experts.reshape(t, k), weights.reshape(t, k)
@@ -229,8 +258,8 @@ class MoE(nnx.Module):
       buffer, slot = pack(tokens.astype(self.dtype), experts, kept, position, capacity, n)
       buffer = jax.lax.all_to_all(buffer, "expert", 0, 0, tiled=True)  # [source x local experts, C, E]
       buffer = buffer.reshape(ep, n // ep, capacity, e).swapaxes(0, 1).reshape(n // ep, ep * capacity, e)
-      h = self._act(checkpoint_name(batched(buffer, wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, wi_1), "mlpwi_1"))
-      out = batched(h, wo).reshape(n // ep, ep, capacity, e).swapaxes(0, 1).reshape(n, capacity, e)
+      out = self._experts(buffer, w, self._batched, lambda b: b[:, None, :])
+      out = out.reshape(n // ep, ep, capacity, e).swapaxes(0, 1).reshape(n, capacity, e)
       out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
       y = unpack_combine(out, slot, weights).reshape(lb, ls, e)
       dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid.reshape(t, 1))
@@ -239,11 +268,11 @@ class MoE(nnx.Module):
     fn = jax.shard_map(
       local,
       mesh=mesh,
-      in_specs=(x_spec, routed_spec, routed_spec, jax.sharding.PartitionSpec(*x_spec[:2]), w_spec, w_spec, w_spec),
+      in_specs=(x_spec, routed_spec, routed_spec, jax.sharding.PartitionSpec(*x_spec[:2]), w_spec),
       out_specs=(x_spec, jax.sharding.PartitionSpec()),
     )
     routed = (r.weights.reshape(b, s, k), r.experts.reshape(b, s, k))
-    return fn(x.astype(self.dtype), *routed, valid.reshape(b, s), self.wi_0[...], self.wi_1[...], self.wo[...])
+    return fn(x.astype(self.dtype), *routed, valid.reshape(b, s), weights_all)
 
   def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics).
