@@ -92,6 +92,7 @@ CASES = [
   ),
   ("grpo_num_generations_below_2", _train(*GRPO, "num_generations=1"), "num_generations=1"),
   ("grpo_reward_function_does_not_import", _train(*GRPO, "grpo_reward_functions=[no_such_module:score]"), "module 'no_such_module' does not import"),
+  ("pipeline_stages_not_dividing_devices", _train("ici_pipeline_parallelism=2"), "'ici_pipeline_parallelism': 2"),
   ("convert_truncated_safetensors", [*CONVERT, "--hf-dir", "{tmp}/hf_truncated"], "not a readable safetensors file"),
   ("convert_hidden_size_disagrees", [*CONVERT, "--hf-dir", "{tmp}/hf_wrong_size"], "does not fit hidden_size"),
   # convert: every bad --out is one line, and the process ends (a writer left waiting used to keep it alive)

@@ -25,6 +25,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   s.HardwareAndMesh,
   s.IciParallelism,
   s.DcnParallelism,
+  s.PipelineParallelism,
   s.LayoutAndSharding,
   s.RematAndOffload,
   s.Optimizer,

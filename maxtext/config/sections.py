@@ -198,44 +198,75 @@ class Logits(Section):
 
 
 class HardwareAndMesh(Section):
-  mesh_axes: list[str] = Field(["data", "fsdp", "sequence", "tensor", "expert"], min_length=1, description="Mesh axis names, outermost first.")
+  mesh_axes: list[str] = Field(
+    ["data", "stage", "fsdp", "sequence", "context", "tensor", "expert"], min_length=1, description="Mesh axis names, outermost first."
+  )
+  context_parallel_strategy: Literal["all_gather", "ring"] = Field(
+    "all_gather",
+    description="Attention over a context-sharded sequence: all_gather (keys and values gathered, queries stay sharded) or ring "
+    "(key/value blocks rotate with ppermute, merged by log-sum-exp).",
+  )
+  context_parallel_load_balance: bool = Field(
+    True, description="Reorder the sequence (dual-chunk swap) so every context shard gets equal causal work; undone for per-token outputs."
+  )
 
 
 class IciParallelism(Section):
   ici_data_parallelism: int = Field(1, description="Data parallelism within a slice; -1 fills.")
+  ici_pipeline_parallelism: int = Field(1, description="Pipeline stages within a slice (mesh axis 'stage'); -1 fills.")
   ici_fsdp_parallelism: int = Field(-1, description="Fully sharded data parallelism within a slice; -1 fills.")
   ici_sequence_parallelism: int = Field(1, description="Sequence parallelism within a slice; -1 fills.")
+  ici_context_parallelism: int = Field(1, description="Context parallelism within a slice (sequence split, attention gathers or rings K/V); -1 fills.")
   ici_tensor_parallelism: int = Field(1, description="Tensor parallelism within a slice; -1 fills.")
   ici_expert_parallelism: int = Field(1, description="Expert parallelism within a slice; -1 fills.")
 
 
 class DcnParallelism(Section):
   dcn_data_parallelism: int = Field(-1, description="Data parallelism across slices; -1 fills.")
+  dcn_pipeline_parallelism: int = Field(1, description="Pipeline stages across slices (mesh axis 'stage'); -1 fills.")
   dcn_fsdp_parallelism: int = Field(1, description="FSDP across slices; -1 fills.")
   dcn_sequence_parallelism: int = Field(1, description="Sequence parallelism across slices; -1 fills.")
+  dcn_context_parallelism: int = Field(1, description="Context parallelism across slices; -1 fills.")
   dcn_tensor_parallelism: int = Field(1, description="Tensor parallelism across slices; -1 fills.")
   dcn_expert_parallelism: int = Field(1, description="Expert parallelism across slices; -1 fills.")
 
 
+class PipelineParallelism(Section):
+  num_layers_per_pipeline_stage: int = Field(
+    1, gt=0, description="Consecutive layers a stage runs per visit; below layers/stages the schedule is circular (num_pipeline_repeats > 1)."
+  )
+  num_pipeline_repeats: int = Field(
+    -1, description="Visits of each microbatch to each stage: layers / (stages x num_layers_per_pipeline_stage); -1 -> that value (derived)."
+  )
+  num_pipeline_microbatches: int = Field(
+    -1, description="Microbatches the pipeline splits each batch into; a multiple of the stages; -1 -> stages (x2 with delayed forwarding)."
+  )
+  pipeline_fsdp_ag_once: bool = Field(False, description="All-gather a stage's FSDP-sharded weights once per step (held gathered), not once per microbatch.")
+  pipeline_delay_activation_forwarding: bool = Field(
+    False, description="Forward a stage's output one iteration late, so the transfer overlaps the next compute; doubles the bubble, microbatches >= 2 x stages."
+  )
+
+
 DEFAULT_LOGICAL_AXIS_RULES: list[list] = [
   ["activation_batch", ["data", "fsdp", "expert"]],
-  ["activation_length", ["sequence"]],
+  ["activation_length", ["sequence", "context"]],
   ["activation_embed", []],
   ["activation_heads", ["tensor"]],
   ["activation_kv_heads", ["tensor"]],
   ["activation_mlp", ["tensor"]],
   ["activation_vocab", ["tensor"]],
   ["activation_exp", ["expert"]],
-  ["embed", ["fsdp", "sequence", "expert"]],
-  ["q_lora", ["fsdp", "sequence", "expert"]],
-  ["kv_lora", ["fsdp", "sequence", "expert"]],
+  ["embed", ["fsdp", "sequence", "context", "expert"]],
+  ["q_lora", ["fsdp", "sequence", "context", "expert"]],
+  ["kv_lora", ["fsdp", "sequence", "context", "expert"]],
   ["vocab", ["tensor"]],
   ["heads", ["tensor"]],
   ["kv_heads", ["tensor"]],
   ["mlp", ["tensor"]],
   ["exp", ["expert"]],
   ["head_dim", []],
-  ["layers", []],
+  ["layers", ["stage"]],
+  ["dense_layers", []],
   ["norm", []],
   ["mhc", []],
   ["cache_batch", ["data", "fsdp", "expert"]],

@@ -14,6 +14,7 @@ from maxtext import memory_limit
 from maxtext.config import MaxTextConfig
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
+from maxtext.models import pipeline
 from maxtext.train import checkpointing, outputs, preflight, reference, run_lock
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
@@ -69,6 +70,7 @@ def _restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpoint
       return _with_frozen_base(setup, restored.state, log, formats)
   if config.load_full_state_path:
     state = checkpointing.restore_full_state(config.load_full_state_path, state_lib.checkpointed(setup.abstract_state, config))
+    state = pipeline.from_storage(state, config)
     log(f"loaded full state at step {int(state['step'])} from {config.load_full_state_path}")
     return _with_frozen_base(setup, state, log, formats)
   state = setup.init_state(formats)
