@@ -15,6 +15,7 @@ import jax
 
 from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
+from maxtext.models import pipeline
 from maxtext.platform import Policy
 from maxtext.train import checkpointing, perf
 
@@ -85,6 +86,9 @@ class RunReport:
     if c.num_experts > 1:
       capacity = f"capacity_factor {c.capacity_factor}" if c.capacity_factor > 0 else "dropless"
       self.log(f"experts: {c.num_experts}, top {c.num_experts_per_tok}, {capacity}; dispatch {self.policy.moe_dispatch} (docs/models.md, MoE dispatch)")
+    pipelined = pipeline.banner(c)
+    if pipelined:
+      self.log(pipelined)
     if c.remat_policy != "none":
       remat = f"{c.remat_policy} (remat_policy=auto)" if self.choice and self.choice.auto_policy else c.remat_policy
       self.log(f"remat: {remat}; {remat_auto.saved_input(self.policy.offload_layer_inputs, c.decoder_layer_input, self.choice)}")
