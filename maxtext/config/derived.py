@@ -146,6 +146,7 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
   if c.num_experts_per_tok > c.num_experts:
     raise ConfigError(f"num_experts_per_tok {c.num_experts_per_tok} > num_experts {c.num_experts}; lower num_experts_per_tok")
   _check_moe_fields(c)
+  _check_post_training(c)
   _check_family_fields(c)
   if c.load_parameters_path and c.load_full_state_path:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one")
@@ -206,6 +207,56 @@ def _check_moe_fields(c: MaxTextConfig) -> None:
     raise ConfigError("mlp_bias adds biases to routed experts, but num_experts is 1 (dense MLPs have none here); set num_experts > 1 or mlp_bias=false")
   if c.decoder_block == "deepseek" and (c.kv_lora_rank < 1 or c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2 or c.v_head_dim < 1):
     raise ConfigError("deepseek MLA needs kv_lora_rank >= 1, an even qk_rope_head_dim >= 2 and v_head_dim >= 1; fix the MLA keys")
+
+
+def _check_post_training(c: MaxTextConfig) -> None:
+  """DPO and GRPO keys (docs/post_training.md); reward functions are imported by the preflight checks."""
+  if c.use_dpo and c.use_grpo:
+    raise ConfigError("use_dpo and use_grpo are both true; a run optimises one objective, set only one")
+  method = "use_dpo" if c.use_dpo else "use_grpo" if c.use_grpo else ""
+  if not method:
+    return
+  if c.use_sft:
+    raise ConfigError(f"use_sft and {method} are both true; {method} builds its own rows from the data, set use_sft=false")
+  off = {k: v for k, v in {"mtp_num_layers": c.mtp_num_layers, "z_loss_multiplier": c.z_loss_multiplier}.items() if v}
+  if off:
+    raise ConfigError(f"{', '.join(off)} add next-token losses that {method} does not use; set them to 0 (override_model_config=true for a model file's)")
+  if c.dataset_type == "synthetic":
+    raise ConfigError(f"{method} reads {'preference pairs' if c.use_dpo else 'prompts'} from data records; use dataset_type grain, tfds, hf or embedded")
+  if c.use_dpo:
+    if len(c.train_data_columns) not in (2, 3):
+      raise ConfigError(
+        f"use_dpo reads train_data_columns [chosen, rejected] or [prompt, chosen, rejected], got {c.train_data_columns}; name the columns of your pairs"
+      )
+    if not c.use_truncation:
+      raise ConfigError("use_dpo keeps both responses of a pair in one row, truncating them to fit; set use_truncation=true")
+    return
+  if len(c.train_data_columns) != 1:
+    raise ConfigError(f"use_grpo reads one prompt column, train_data_columns [prompt], got {c.train_data_columns}; name the prompt column")
+  if c.num_generations < 2:
+    raise ConfigError(f"num_generations={c.num_generations}: GRPO compares completions within a group of one prompt; set num_generations >= 2")
+  if c.decode_sampling_strategy == "greedy":
+    raise ConfigError(
+      "use_grpo samples num_generations different completions per prompt, but decode_sampling_strategy=greedy makes them identical; "
+      "set decode_sampling_strategy=weighted (or topk, nucleus)"
+    )
+  if not c.grpo_reward_functions:
+    raise ConfigError("use_grpo needs rewards: set grpo_reward_functions=[module:function, ...] (see docs/post_training.md)")
+  if c.grpo_reward_weights and len(c.grpo_reward_weights) != len(c.grpo_reward_functions):
+    raise ConfigError(
+      f"grpo_reward_weights has {len(c.grpo_reward_weights)} weights for {len(c.grpo_reward_functions)} grpo_reward_functions; give one weight per function or none"
+    )
+  if c.eval_interval > 0:
+    raise ConfigError("use_grpo has no eval split loss (its rows are sampled); set eval_interval=-1")
+  if c.lora.enable_lora and c.lora.max_lora_adapters > 1 and not c.lora.adapter_column:
+    raise ConfigError(
+      "use_grpo with lora.max_lora_adapters > 1 samples each prompt with its own adapter; set lora.adapter_column to the prompt column naming it"
+    )
+  if c.max_prefill_predict_length >= c.max_target_length:
+    raise ConfigError(
+      f"use_grpo: prompts of up to max_prefill_predict_length={c.max_prefill_predict_length} tokens leave no room for completions within "
+      f"max_target_length={c.max_target_length}; lower the first or raise the second"
+    )
 
 
 def axis_size(ici: list[int], dcn: list[int], mesh_axes: list[str], axis: str) -> int:
@@ -334,6 +385,11 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
       f"per_device_batch_size {c.per_device_batch_size} x {devices} devices = {micro} sequences is not a positive whole number; change per_device_batch_size"
     )
   micro = int(micro)
+  if c.use_grpo and (micro * c.gradient_accumulation_steps) % c.num_generations:
+    raise ConfigError(
+      f"use_grpo: a batch of {micro * c.gradient_accumulation_steps} rows does not hold whole groups of num_generations={c.num_generations} completions; "
+      "make the global batch a multiple of num_generations"
+    )
   layers = c.base_num_decoder_layers * mult["layers"]
   batch_shards = math.prod(axis_size(ici, dcn, axes, a) for a in set(c.data_sharding))
   pipeline = _pipeline_values(c, axis_size(ici, dcn, axes, "stage"), layers, micro, batch_shards)

@@ -32,6 +32,8 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   s.AdamW,
   s.TrainingLoop,
   s.DatasetGeneral,
+  s.FineTuning,
+  s.RL,
   s.Tokenizer,
   s.Decoding,
   s.AOT,

@@ -46,7 +46,9 @@ class Checkpointing(Section):
   checkpoint_period: int = Field(10_000, gt=0, description="Save a checkpoint every this many steps.")
   max_num_checkpoints_to_keep: int | None = Field(None, description="Keep at most this many checkpoints (at least 1); None keeps all.")
   save_checkpoint_on_completion: bool = Field(True, description="Save a checkpoint after the last step.")
-  load_parameters_path: str = Field("", description="Orbax params checkpoint to start from (fresh optimizer, step 0).")
+  load_parameters_path: str = Field(
+    "", description="Orbax params checkpoint to start from (fresh optimizer, step 0): a step directory, or a run's checkpoints/ (its newest step)."
+  )
   load_full_state_path: str = Field("", description="Orbax full-state checkpoint to start from (params, optimizer, step).")
 
 
@@ -77,7 +79,7 @@ class ModelArchitecture(Section):
   vocab_size: int = Field(32_000, gt=0, description="Vocabulary size of the embedding and output logits.")
   normalization_layer_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
   use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head before rotary embedding (qwen3, gemma3).")
-  attention_bias: bool = Field(False, description="Learned biases on the query, key, value and output projections (gpt_oss).")
+  attention_bias: bool = Field(False, description="q/k/v/o projection biases (gpt_oss; HF attention_bias of llama, qwen3, gemma).")
 
 
 class Attention(Section):
@@ -190,6 +192,9 @@ class Logits(Section):
   logits_via_embedding: bool = Field(False, description="Tie the output projection to the token embedding.")
   normalize_embedding_logits: bool = Field(False, description="With tied embeddings, divide logits by sqrt(emb_dim).")
   final_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on output logits; None -> off.")
+  logits_dot_in_fp32: bool = Field(
+    False, description="Output logits matmul on float32 operands with float32 logits; false -> dtype operands, logits rounded to dtype, then float32."
+  )
 
 
 class HardwareAndMesh(Section):
@@ -379,6 +384,26 @@ class DatasetGeneral(Section):
   sft_train_on_completion_only: bool = Field(True, description="SFT: train only on assistant tokens.")
   chat_template: str = Field("", description="SFT: Jinja chat template; empty -> the tokenizer's own.")
   chat_template_path: str = Field("", description="SFT: file holding a Jinja chat template.")
+
+
+class FineTuning(Section):
+  use_dpo: bool = Field(
+    False, description="Direct preference optimisation on train_data_columns [chosen, rejected] or [prompt, chosen, rejected] (docs/post_training.md)."
+  )
+  dpo_beta: float = Field(0.1, gt=0, description="DPO: beta, the strength of the implicit KL to the reference model.")
+  dpo_label_smoothing: float = Field(0.0, ge=0, le=1, description="DPO: label smoothing eps, the assumed share of flipped preference labels.")
+  use_grpo: bool = Field(False, description="GRPO: sample num_generations completions per prompt, score them, update (docs/post_training.md).")
+
+
+class RL(Section):
+  num_generations: int = Field(2, description="GRPO: completions sampled per prompt (a group); at least 2.")
+  num_iterations: int = Field(1, gt=0, description="GRPO: optimizer updates per rollout batch, reusing its old log-probabilities.")
+  grpo_beta: float = Field(0.08, ge=0, description="GRPO: weight of the KL to the reference model; 0 -> no reference.")
+  grpo_epsilon: float = Field(0.2, gt=0, lt=1, description="GRPO: the probability ratio is clipped to [1 - epsilon, 1 + epsilon].")
+  grpo_reward_functions: list[str] = Field(
+    [], description="GRPO: reward functions 'module:function', each (prompts, completions, **row columns) -> one float per completion."
+  )
+  grpo_reward_weights: list[float] = Field([], description="GRPO: weight of each reward function in the total reward; [] -> all 1.")
 
 
 class Tokenizer(Section):

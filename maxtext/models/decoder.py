@@ -234,6 +234,7 @@ class Transformer(nnx.Module):
       c.logical_axis_rules,
       self.policy.integer_bf16_rounding,
       c.num_vocab_tiling,
+      c.logits_dot_in_fp32,
     )
 
   def logits(self, hidden: jax.Array) -> jax.Array:

@@ -50,8 +50,12 @@ class Restored:
 
 
 def item_path(path: str) -> epath.Path:
-  """Accept either a step directory (<ckpt>/<step>) or its item directory (<ckpt>/<step>/items)."""
+  """Accept a step directory (<ckpt>/<step>), its item directory (<ckpt>/<step>/items), or a run's checkpoint
+  directory (<run>/checkpoints: its newest saved step)."""
   p = epath.Path(path)
+  newest = latest_saved_step(str(p)) if p.is_dir() and not (p / ITEM).is_dir() else None
+  if newest is not None:
+    p = epath.Path(newest)
   if (p / ITEM).is_dir():
     p = p / ITEM
   if not p.is_dir():
@@ -417,7 +421,7 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
     restored, lacking = restore_some_params(config.load_parameters_path, abstract_params, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
     params = overlay_params(params, pipeline.from_storage(restored, config))
     note = f" ({len(lacking)} adapter/connector arrays it lacks keep their init)" if lacking else ""
-    log(f"loaded parameters from {config.load_parameters_path}{note}")
+    log(f"loaded parameters from {item_path(config.load_parameters_path).parent}{note}")  # the step a checkpoints/ directory stood for
   if adapters and config.lora.lora_restore_path:
     if not config.lora.enable_lora:
       raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")

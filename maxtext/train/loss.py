@@ -50,3 +50,11 @@ def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, tr
   mtp = mtp_xent_sum(model, pre_norm, natural, config, layout) if training and config.mtp_num_layers else jnp.zeros((), jnp.float32)
   lb, dropped = jnp.asarray(stats["lb_loss"], jnp.float32), jnp.asarray(stats["dropped"], jnp.float32)
   return LossSums(xent, z, jnp.sum(mask), lb, mtp, dropped, jnp.asarray(stats["load"], jnp.float32))
+
+
+def token_log_probs(model: Any, batch: dict[str, jax.Array], temperature: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """(log p(target) per position [B, S] in float32 under softmax(logits / temperature), the forward's MoE statistics)."""
+  hidden, _, stats = model.forward_hidden(
+    batch["inputs"], positions=batch["inputs_position"], segment_ids=batch["inputs_segmentation"], adapter_ids=batch.get("adapter_ids")
+  )
+  return model.output_head().token_log_probs(hidden, batch["targets"], temperature), stats
