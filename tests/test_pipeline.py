@@ -2,7 +2,10 @@
 unpipelined model's.
 
 Each model's parameters are initialised and perturbed once, on the host, and placed into every layout; its unpipelined
-reference is computed once and serves its cases (tests/test_context_parallel.py's too).
+reference is computed once and serves its cases (tests/test_context_parallel.py's too). The llama-like model's pipeline
+case is its training run (test_ten_training_steps_...): the first step's loss and gradient norm, and the parameters
+after 10 steps. The tests' own programs compile with XLA's backend optimisations off (FAST_COMPILE): the same HLO,
+compiled in about two thirds of the time.
 """
 
 from __future__ import annotations
@@ -57,11 +60,24 @@ MODELS = {
     "remat_policy": "none",
   },
 }
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 # (model, pipeline and mesh keys): 2 and 4 stages, 1 and 2 repeats, 4 and 8 microbatches, with fsdp, tensor and expert
-# axes (test_ten_training_steps_... adds 4 stages x 2 repeats x 8 microbatches with fsdp and pipeline_fsdp_ag_once).
+# axes (the llama-like model's training run, PIPELINED below, adds 2 stages x 2 repeats x 4 microbatches with fsdp,
+# tensor and pipeline_fsdp_ag_once).
 CASES = [
-  ("llama", dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2, num_layers_per_pipeline_stage=2, num_pipeline_microbatches=4)),
-  ("mixtral", dict(ici_pipeline_parallelism=2, ici_expert_parallelism=2, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=4, num_pipeline_microbatches=4)),
+  (  # with context parallelism too: tests/test_context_parallel.py's 2 shards, ring, natural order, sliding window
+    "mixtral",
+    dict(
+      ici_pipeline_parallelism=2,
+      ici_expert_parallelism=2,
+      ici_context_parallelism=2,
+      ici_fsdp_parallelism=1,
+      context_parallel_strategy="ring",
+      context_parallel_load_balance=False,
+      num_layers_per_pipeline_stage=4,
+      num_pipeline_microbatches=4,
+    ),
+  ),
   (
     "gemma2_mhc_lora",
     dict(
@@ -99,7 +115,7 @@ def packed_batch(config, seed: int = 0) -> dict[str, np.ndarray]:
 def initial_params(model: str) -> dict[str, np.ndarray]:
   """The model's parameters in plain layer order, by path, perturbed from their init (so that every gradient, mHC
   connectors' and LoRA's included, is far from zero); made once per model, laid out for each config by `placed`."""
-  state = nnx.state(models.build(config_for(model)), nnx.Param)  # eager: cheaper than compiling the init
+  state = jax.jit(lambda: nnx.state(models.build(config_for(model)), nnx.Param), compiler_options=FAST_COMPILE)()  # cheaper than eager
   rng = np.random.default_rng(0)
   return {"/".join(map(str, k)): np.asarray(v.get_value()) + 0.05 * rng.standard_normal(v.shape).astype(np.float32) for k, v in nnx.to_flat_state(state)}
 
@@ -130,7 +146,7 @@ def loss_and_grads(model: str, config) -> tuple[float, dict[str, np.ndarray]]:
       sums = loss_lib.loss_sums(nnx.merge(graphdef, params), batch, config)
       return (sums.xent + sums.z_loss) / sums.weights + sums.aux
 
-    loss, grads = jax.jit(jax.value_and_grad(objective))(params)
+    loss, grads = jax.jit(jax.value_and_grad(objective), compiler_options=FAST_COMPILE)(params)
   grads = pipeline.to_storage(grads, config)
   return float(loss), {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(grads)}
 
@@ -140,7 +156,12 @@ def reference(model: str) -> tuple[float, dict[str, np.ndarray]]:
   return loss_and_grads(model, config_for(model))
 
 
-@pytest.mark.parametrize("model,keys", CASES, ids=[f"{m}-{k['ici_pipeline_parallelism']}stages-{k['num_pipeline_microbatches']}mb" for m, k in CASES])
+def case_id(model: str, keys: dict) -> str:
+  context = keys.get("ici_context_parallelism", 1)
+  return f"{model}-{keys['ici_pipeline_parallelism']}stages-{keys['num_pipeline_microbatches']}mb" + (f"-{context}context" if context > 1 else "")
+
+
+@pytest.mark.parametrize("model,keys", CASES, ids=[case_id(*c) for c in CASES])
 def test_pipelined_loss_and_gradients_equal_unpipelined(model, keys):
   config = config_for(model, **keys)
   plan = pipeline.Plan.of(config)
@@ -166,24 +187,44 @@ def assert_gradients_close(grads: dict[str, np.ndarray], ref: dict[str, np.ndarr
 
 
 TRAIN = dict(learning_rate=1e-3, warmup_steps_fraction=0.0, enable_tensorboard=False, async_checkpointing=False, run_name="r")
-PIPELINED = dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1, num_pipeline_microbatches=8, pipeline_fsdp_ag_once=True)
+PIPELINED = dict(
+  ici_pipeline_parallelism=2,
+  ici_fsdp_parallelism=2,
+  ici_tensor_parallelism=2,
+  num_layers_per_pipeline_stage=2,
+  num_pipeline_microbatches=4,
+  pipeline_fsdp_ag_once=True,
+)
+CIRCULAR_4 = dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1, num_pipeline_microbatches=8)
+
+
+def train_config(tmp_path_factory, name: str, **keys):
+  return config_for("llama", base_output_directory=str(tmp_path_factory.mktemp(name)), **TRAIN, **keys)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  """(config, setup, state after 10 steps) without and with a circular 4-stage pipeline, from the same init and batches."""
+  """(config, setup, first step's metrics, state after 10 steps) without and with a circular 2-stage pipeline, from the
+  same initial state (the plain one, put in the pipeline's layer order and shardings) and batches."""
   from maxtext.train import setup as setup_lib
 
-  runs = {}
+  runs, initial = {}, None
   for name, keys in (("plain", {}), ("pipelined", PIPELINED)):
-    config = config_for("llama", base_output_directory=str(tmp_path_factory.mktemp(name)), **TRAIN, **keys)
+    config = train_config(tmp_path_factory, name, **keys)
     mesh = mesh_lib.create(config, jax.devices()[: config.num_devices])
     with jax.set_mesh(mesh):
       setup = setup_lib.build(config, mesh)
-      state = setup.init_state()
-      for step in range(10):
-        state, metrics = setup.jit_step(state, packed_batch(config, seed=step))
-    runs[name] = (config, setup, jax.block_until_ready(state))
+      if initial is None:
+        state = jax.jit(setup.init_fn, out_shardings=setup.state_shardings, compiler_options=FAST_COMPILE)()  # setup.init_state()
+        initial = jax.tree.map(np.asarray, state)  # a host copy: the plain run donates its state
+      else:
+        state = pipeline.from_storage(jax.device_put(initial, setup.state_shardings), config)
+      batches = [packed_batch(config, seed=step) for step in range(10)]
+      train_step, metrics = setup.jit_step.lower(state, batches[0]).compile(FAST_COMPILE), []
+      for batch in batches:
+        state, m = train_step(state, batch)
+        metrics.append(m)
+    runs[name] = (config, setup, jax.device_get(metrics[0]), jax.block_until_ready(state))
   return runs
 
 
@@ -192,25 +233,31 @@ def plain_params(state, config) -> dict[str, np.ndarray]:
 
 
 def test_ten_training_steps_give_the_unpipelined_parameters(trained):
-  (config, _, state), (pp_config, _, pp_state) = trained["plain"], trained["pipelined"]
+  (config, _, first, state), (pp_config, _, pp_first, pp_state) = trained["plain"], trained["pipelined"]
   assert pipeline.Plan.of(pp_config).repeats == 2
+  for key in ("loss", "grad_norm"):
+    assert float(pp_first[key]) == pytest.approx(float(first[key]), rel=1e-5), key
   ref, got = plain_params(state, config), plain_params(pp_state, pp_config)
   for name, value in ref.items():  # Adam's normalised steps turn float32 noise in near-zero gradients into single-element
     assert np.linalg.norm(got[name] - value) <= 1e-5 * np.linalg.norm(value), name  # differences: compare whole parameters
-  assert "pipeline: circular (2 repeats of 1 layers per stage), 4 stages, 8 microbatches, 19 iterations, bubble 15.8%" in pipeline.banner(pp_config)
+  assert "pipeline: circular (2 repeats of 2 layers per stage), 2 stages, 4 microbatches, 9 iterations, bubble 11.1%" in pipeline.banner(pp_config)
 
 
-def test_checkpoint_round_trip_across_pipeline_degrees_is_bitwise(trained):
+def test_checkpoint_round_trip_across_pipeline_degrees_is_bitwise(trained, tmp_path_factory):
   """Saved without a pipeline, restored under 4 stages (circular), saved again and restored without: the same bits;
   the checkpoint on disk holds the plain layer order both times."""
+  from maxtext.train import setup as setup_lib
   from maxtext.train.checkpointing import Checkpointer
 
-  (config, setup, state), (pp_config, pp_setup, _) = trained["plain"], trained["pipelined"]
+  config, setup, _, state = trained["plain"]
   Checkpointer(config).save(10, state, None)
-  pp_ckpt = Checkpointer(pp_config.model_copy(update={"checkpoint_dir": config.checkpoint_dir}))
+  pp_config = train_config(tmp_path_factory, "circular", **CIRCULAR_4).model_copy(update={"checkpoint_dir": config.checkpoint_dir})
+  pp_setup = setup_lib.build(pp_config, mesh_lib.create(pp_config, jax.devices()[: pp_config.num_devices]))
+  pp_ckpt = Checkpointer(pp_config)
   with jax.set_mesh(pp_setup.mesh):
     restored = pp_ckpt.restore_latest(pp_setup.abstract_state).state
   order = pipeline.Plan.of(pp_config).order()
+  assert pipeline.Plan.of(pp_config).repeats == 2 and pipeline.Plan.of(pp_config).stages == 4
   kernel = np.asarray(dict(nnx.to_flat_state(restored["params"]))[("layers", "mlp", "wo", "kernel")].get_value())
   np.testing.assert_array_equal(kernel, np.asarray(state["params"]["layers"]["mlp"]["wo"]["kernel"].get_value())[order])
   pp_ckpt.directory = pp_ckpt.directory.parent / "again"
