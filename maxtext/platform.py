@@ -19,6 +19,7 @@ from collections.abc import Iterable, MutableMapping
 import jax
 
 from maxtext.config import MaxTextConfig
+from maxtext.layers import quantization
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 _TPU_NODES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")  # v2-v4 expose /dev/accel*, v5e/v5p/v6e /dev/vfio/<n>
@@ -61,6 +62,7 @@ class Policy:
   unstacked_decode: bool = False  # decode with per-layer arrays: XLA:CPU copies a scan's slices of stacked weights and caches
   compiler_state_layouts: bool = False  # XLA picks the train state's device layouts (TPU: no per-step relayout of stacked kernels)
   offload_layer_inputs: bool = False  # keep each decoder layer's saved input in pinned host memory (config.decoder_layer_input)
+  quantization: quantization.Recipe | None = None  # config.quantization's matmul recipe (qwix); its `native` says whether this platform's units take it
 
 
 def splash_blocks(config: MaxTextConfig) -> SplashBlocks:
@@ -95,7 +97,18 @@ def for_platform(config: MaxTextConfig, platform: str, interpret: bool = False) 
     unstacked_decode=cpu,
     compiler_state_layouts=platform == "tpu",
     offload_layer_inputs=offload_layer_inputs(config, platform),
+    quantization=quantization.recipe(config, native=native_format(config.quantization, platform)),
   )
+
+
+# Matmul formats the platform's units take natively, per mode (else XLA converts them to bf16: same numerics, no speedup).
+# TPU v4-v6e and NVIDIA GPUs multiply int8 with int32 accumulation; fp8 needs NVIDIA sm_89+ (checked in `check_devices`);
+# XLA:CPU runs int8 dots as integer dots and converts fp8 to float.
+NATIVE_FORMATS = {"cpu": ("int8",), "gpu": ("int8", "fp8", "fp8_full"), "tpu": ("int8",)}
+
+
+def native_format(mode: str, platform: str) -> bool:
+  return mode in NATIVE_FORMATS[platform]
 
 
 def offload_layer_inputs(config: MaxTextConfig, platform: str) -> bool:
@@ -115,8 +128,10 @@ def platform_of(devices: Iterable[jax.Device]) -> str:
 
 def resolve(config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None) -> Policy:
   """The policy for the mesh's devices (a TPU topology under AOT), else for JAX's local devices."""
-  devices = mesh.devices.flat if mesh is not None else jax.local_devices()
-  return for_platform(config, platform_of(devices))
+  devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()
+  policy = for_platform(config, platform_of(devices))
+  quantization.check_devices(policy.quantization, devices)
+  return policy
 
 
 def has_tpu_chips() -> bool:

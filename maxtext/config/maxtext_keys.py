@@ -24,6 +24,7 @@ MATCHES_BUILT_IN: dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
   "use_post_attn_norm": lambda value, c: value == (c.get("decoder_block") == "gemma2"),  # gemma2 layers always have them
   "use_post_ffw_norm": lambda value, c: value == (c.get("decoder_block") == "gemma2"),
   "base_moe_mlp_dim": lambda value, c: value in (-1, c.get("base_mlp_dim")),  # experts are base_mlp_dim wide here
+  "use_qwix_quantization": lambda value, c: value is True,  # `quantization` always runs on qwix here (MaxText's false picks AQT)
 }
 
 

@@ -48,6 +48,12 @@ class Checkpointing(Section):
   save_checkpoint_on_completion: bool = Field(True, description="Save a checkpoint after the last step.")
   load_parameters_path: str = Field("", description="Orbax params checkpoint to start from (fresh optimizer, step 0).")
   load_full_state_path: str = Field("", description="Orbax full-state checkpoint to start from (params, optimizer, step).")
+  save_quantized_params_path: str = Field(
+    "", description="decode: write the loaded parameters, their kernels quantized per `quantization` (with scales), as a params checkpoint here."
+  )
+  checkpoint_is_quantized: bool = Field(
+    False, description="load_parameters_path holds quantized kernels and scales (save_quantized_params_path output), loaded as they are."
+  )
 
 
 class DataTypes(Section):
@@ -164,6 +170,28 @@ class Logits(Section):
   logits_via_embedding: bool = Field(False, description="Tie the output projection to the token embedding.")
   normalize_embedding_logits: bool = Field(False, description="With tied embeddings, divide logits by sqrt(emb_dim).")
   final_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on output logits; None -> off.")
+
+
+class Quantization(Section):
+  quantization: Literal["", "int8", "fp8", "fp8_full", "int4w"] = Field(
+    "",
+    description="Matmul quantization with qwix (docs/quantization.md): int8 weights and activations; fp8 e4m3 forward, e5m2 gradients; "
+    "fp8_full fp8 with the calibration keys (static scaling); int4w int4 weights (LoRA base, decode); '' off.",
+  )
+  quantization_local_shard_count: int = Field(
+    -1, description="fp8/fp8_full: the weight gradient's quantized contraction (token) axis gets this many scale tiles; -1 -> one per slice."
+  )
+  weight_quantization_calibration_method: str = Field(
+    "absmax", description="fp8_full: weight scale: absmax[,s], rms,s or fixed,lo,hi (static); other modes use absmax."
+  )
+  act_quantization_calibration_method: str = Field("absmax", description="fp8_full: activation scale, as weight_quantization_calibration_method.")
+  bwd_quantization_calibration_method: str = Field("absmax", description="fp8_full: gradient scale, as weight_quantization_calibration_method.")
+  quantize_logits_proj: bool = Field(False, description="Quantize the output (logits) projection too; otherwise it stays in the compute dtype.")
+  quantize_kvcache: bool = Field(False, description="decode: keep keys and values in kv_quant_dtype with scales.")
+  kv_quant_dtype: Literal["int8", "int4"] = Field("int8", description="decode: the quantized KV cache's integer type.")
+  kv_quant_axis: Literal["", "dkv", "heads_and_dkv"] = Field(
+    "heads_and_dkv", description="decode: axes one KV-cache scale covers: dkv (each head's vector), heads_and_dkv (all heads of a token)."
+  )
 
 
 class HardwareAndMesh(Section):

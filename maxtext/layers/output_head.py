@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtext.errors import ConfigError
-from maxtext.layers import matmul
+from maxtext.layers import matmul, quantization
 from maxtext.layers.dtypes import cast
 from maxtext.layers.sharding import constrain
 
@@ -41,15 +41,25 @@ class OutputHead:
   rules: Sequence[Any] = ()
   integer_rounding: bool = False  # the platform policy's bf16 rounding (maxtext.layers.dtypes.cast)
   vocab_tiles: int = 1  # num_vocab_tiling: loss_sums streams the vocabulary in this many slices
+  quant: quantization.Recipe | None = None  # quantize_logits_proj: the logits product quantized (forward; gradients straight-through)
 
   def _constrain(self, x: jax.Array) -> jax.Array:
     return constrain(x, _LOGITS_AXES[-x.ndim :], self.rules)
 
   def _raw_logits(self, hidden: jax.Array, kernel: jax.Array) -> jax.Array:
-    logits = matmul.einsum(
-      "...e,ev->...v", hidden, kernel, dtype=self.dtype, precision=self.precision, out_dtype=jnp.float32, integer_rounding=self.integer_rounding
-    )
+    if self.quant is not None:
+      logits = self._quantized_product(hidden, kernel)
+    else:
+      logits = matmul.einsum(
+        "...e,ev->...v", hidden, kernel, dtype=self.dtype, precision=self.precision, out_dtype=jnp.float32, integer_rounding=self.integer_rounding
+      )
     return self._constrain(self._scaled(logits))
+
+  def _quantized_product(self, hidden: jax.Array, kernel: jax.Array) -> jax.Array:
+    """hidden . kernel with both quantized per `quant` (float32 result). Inside loss_sums the hand-written backward takes
+    the gradients from the unquantized operands (straight-through), whatever the recipe does for other layers."""
+    spec = quantization.trailing_spec(hidden.ndim, 1, 1)
+    return quantization.einsum(spec, hidden, kernel, self.quant, self.dtype).astype(jnp.float32)
 
   def _scaled(self, logits: jax.Array) -> jax.Array:
     return logits * self.scale if self.scale != 1.0 else logits
@@ -118,7 +128,8 @@ class OutputHead:
       return jnp.moveaxis(kernel.astype(head.dtype).reshape(emb, tiles, width), 1, 0)
 
     def slice_logits(h, k_slice):  # capped float32 logits of one slice
-      return head._cap(head._constrain(head._scaled(matmul.product("...e,ev->...v", h, k_slice, head.precision))))
+      raw = head._quantized_product(h, k_slice) if head.quant is not None else matmul.product("...e,ev->...v", h, k_slice, head.precision)
+      return head._cap(head._constrain(head._scaled(raw)))
 
     def forward(hidden, kernel, targets, mask):
       h = hidden.astype(head.dtype)

@@ -295,6 +295,92 @@ def overlay_params(params: Any, restored: Any) -> Any:
   return nnx.from_flat_state(flat)
 
 
+def stored_kernels(abstract_params: Any) -> dict[tuple, tuple[Any, Any]]:
+  """Kernels held quantized (QLoRA base, decoding): kernel path -> (kernel Variable, its KernelScale Variable)."""
+  from flax import nnx
+
+  from maxtext.layers.quantization import KernelScale
+
+  flat = dict(nnx.to_flat_state(abstract_params))
+  return {keys[:-1] + ("kernel",): (flat[keys[:-1] + ("kernel",)], var) for keys, var in flat.items() if isinstance(var, KernelScale)}
+
+
+def base_target(config: MaxTextConfig, abstract_params: Any) -> Any:
+  """abstract_params as load_parameters_path holds them: stored kernels in weight_dtype without scales (a float
+  checkpoint, quantized on load), or as they are with checkpoint_is_quantized."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  stored = stored_kernels(abstract_params)
+  if config.checkpoint_is_quantized or not stored:
+    return abstract_params
+  scales = {keys[:-1] + ("kernel_scale",) for keys in stored}
+  leaves = []
+  for keys, var in nnx.to_flat_state(abstract_params):
+    if keys in stored:
+      value = var.get_value()
+      var = var.replace(jax.ShapeDtypeStruct(value.shape, jnp.dtype(config.weight_dtype), sharding=getattr(value, "sharding", None)))
+    if keys not in scales:
+      leaves.append((keys, var))
+  return nnx.from_flat_state(leaves)
+
+
+def check_base_quantization(config: MaxTextConfig, path: str, abstract_params: Any) -> None:
+  """load_parameters_path's kernels must be quantized exactly when checkpoint_is_quantized says so, in the model's format."""
+  stored = stored_kernels(abstract_params)
+  tree = read_metadata_tree(item_path(path)).get("params", {})
+  saved = {}
+  for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    names = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keys)
+    saved[names[:-1] if names and names[-1] == "value" else names] = leaf
+  has_scales = any(k[-1] == "kernel_scale" for k in saved)
+  if config.checkpoint_is_quantized and not has_scales:
+    raise ConfigError(
+      f"load_parameters_path '{path}' holds float kernels (no kernel_scale), not quantized ones; drop checkpoint_is_quantized to quantize them on load"
+    )
+  if has_scales and not config.checkpoint_is_quantized:
+    raise ConfigError(f"load_parameters_path '{path}' holds quantized kernels (save_quantized_params_path output); set checkpoint_is_quantized=true")
+  if has_scales and not stored:
+    raise ConfigError(
+      f"load_parameters_path '{path}' holds quantized kernels, which this run keeps in float: load them for LoRA (QLoRA) or decoding, or load the float checkpoint"
+    )
+  for keys, (kernel, _) in stored.items():
+    leaf = saved.get(tuple(str(k) for k in keys))
+    want = kernel.get_value().dtype
+    have = getattr(leaf, "dtype", None)
+    if config.checkpoint_is_quantized and have is not None and jax.numpy.dtype(have) != want:
+      raise ConfigError(
+        f"load_parameters_path '{path}' holds {'/'.join(map(str, keys))} as {jax.numpy.dtype(have).name}, quantization={config.quantization} stores {want.name}; "
+        "pass the quantization it was saved with"
+      )
+
+
+def quantize_restored(config: MaxTextConfig, restored: Any, abstract_params: Any) -> Any:
+  """restored with every float kernel that the model stores quantized replaced by its values and scales (one kernel
+  at a time, born in the abstract kernel's and scale's shardings)."""
+  from flax import nnx
+
+  from maxtext.layers import quantization
+
+  stored = stored_kernels(abstract_params)
+  if config.checkpoint_is_quantized or not stored:
+    return restored
+  recipe = quantization.recipe(config)
+  flat = dict(nnx.to_flat_state(restored))
+  for keys, (kernel, scale) in stored.items():
+    if keys not in flat:
+      continue
+    meta = scale.get_metadata()
+    n_in, n_out = meta["in_axes"], meta["out_axes"]
+    lead = kernel.get_value().ndim - n_in - n_out
+    shardings = (getattr(kernel.get_value(), "sharding", None), getattr(scale.get_value(), "sharding", None))
+    fn = jax.jit(lambda w, n_in=n_in, lead=lead: quantization.quantize_kernel(w, n_in, recipe, lead), out_shardings=shardings if shardings[0] else None)
+    values, scales = fn(flat[keys].get_value())
+    flat[keys] = kernel.replace(values)
+    flat[keys[:-1] + ("kernel_scale",)] = scale.replace(scales)
+  return nnx.from_flat_state(flat)
+
+
 def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any, log: Any, adapters: bool = True) -> Any:
   """Freshly initialised params overlaid with load_parameters_path, then (adapters=True) lora.lora_restore_path.
 
@@ -308,10 +394,16 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
   from maxtext.layers.mhc import MHCParam
 
   if config.load_parameters_path:
-    restored, lacking = restore_some_params(config.load_parameters_path, abstract_params, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
-    params = overlay_params(params, restored)
+    path = config.load_parameters_path
+    check_base_quantization(config, path, abstract_params)
+    restored, lacking = restore_some_params(path, base_target(config, abstract_params), "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
+    params = overlay_params(params, quantize_restored(config, restored, abstract_params))
     note = f" ({len(lacking)} adapter/connector arrays it lacks keep their init)" if lacking else ""
-    log(f"loaded parameters from {config.load_parameters_path}{note}")
+    stored = stored_kernels(abstract_params)
+    how = (
+      "" if not stored else " (quantized kernels)" if config.checkpoint_is_quantized else f" ({len(stored)} kernels quantized to {config.quantization} on load)"
+    )
+    log(f"loaded parameters from {path}{how}{note}")
   if adapters and config.lora.lora_restore_path:
     if not config.lora.enable_lora:
       raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")

@@ -1,0 +1,264 @@
+"""Quantized matmuls with qwix: the recipe `quantization` names, and the products the dense layers and experts make with it.
+
+For a product y = x . W (x: activations, contracting axes K; W: a kernel), symmetric quantization with scales
+computed from the operands (current scaling):
+
+    s_x = calib(x) / q_max over K, one scale per token;  s_W = calib(W) / q_max over K, one per output channel
+    y  ~= (round(x / s_x) . round(W / s_W)) * s_x * s_W       (int8: an int8 x int8 -> int32 dot)
+
+calib is absmax (the largest |value|), or with fp8_full the calibration keys: `absmax,c` (c x absmax), `rms,c`
+(c x root mean square) or `fixed,lo,hi` (a static range). q_max is 127.5 for int8 and 448 for e4m3 (qwix).
+
+Training (quantization-aware, `qwix` dot_general_qt): the forward product is quantized; the backward pass is
+straight-through. int8 computes both gradient products dx = g . W^T and dW = x^T . g from the unquantized operands
+in the compute dtype; fp8 and fp8_full quantize the incoming gradient g to e5m2 (per channel; the weight
+gradient's token axis in `grad_tiles` tiles) against the forward pass's quantized operands.
+
+Stored kernels (`Recipe.stored`: the frozen base of LoRA, decoding): W is kept as its quantized values and scales
+(int8, int4 in groups of INT4_GROUP along the contraction axis, or e4m3); the forward product is qwix's
+dot_general on them (int8 x int8 -> int32 when activations are quantized too, else W dequantized into the compute
+dtype) and the only gradient, dx = g . dequantize(W)^T, is taken in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+from flax import nnx
+from qwix._src.core import dot_general_qt, ragged_dot_qt
+
+from maxtext.errors import ConfigError
+
+MODES = ("int8", "fp8", "fp8_full", "int4w")
+QTYPES = {"int8": "int8", "int4": "int4", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # format -> jax.numpy dtype name
+INT4_GROUP = 128  # int4 weight scales: one per this many contraction values (QLoRA-style groups); per channel when the axis is not a multiple
+SCALE_DTYPE = jnp.float32  # stored scales (a few bytes per output channel or group)
+
+# mode -> (weight, activation, gradient) formats; None: not quantized (weight-only, or gradients in the compute dtype)
+FORMATS = {
+  "int8": ("int8", "int8", None),
+  "fp8": ("e4m3", "e4m3", "e5m2"),
+  "fp8_full": ("e4m3", "e4m3", "e5m2"),
+  "int4w": ("int4", None, None),
+}
+CALIBRATION_KEYS = ("weight_quantization_calibration_method", "act_quantization_calibration_method", "bwd_quantization_calibration_method")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How a run's quantized matmuls are made (config.quantization resolved for a platform; hashable, it sits in graphdefs)."""
+
+  mode: str  # int8 | fp8 | fp8_full | int4w
+  weight: str  # format of kernels: int8 | int4 | e4m3
+  activation: str | None  # format of activations; None: weight-only
+  gradient: str | None  # format of incoming gradients in the backward products; None: compute dtype (straight-through)
+  weight_calibration: str = "absmax"
+  act_calibration: str = "absmax"
+  grad_calibration: str = "absmax"
+  grad_tiles: int = 1  # quantization_local_shard_count: scale tiles along the weight gradient's token axis
+  stored: bool = False  # kernels held quantized (values + scales) instead of quantized from float each step
+  native: bool = True  # the platform's matmul units take the format; else XLA converts it to bf16 first (same numerics, no speedup)
+
+  def storing(self) -> Recipe:
+    """The same recipe with kernels held quantized."""
+    return dataclasses.replace(self, stored=True)
+
+
+def recipe(config: Any, native: bool = True) -> Recipe | None:
+  """The recipe of config.quantization (None when off); native: whether the target's matmul units take its format.
+
+  Kernels are stored quantized when LoRA trains on a frozen int8/int4 base (QLoRA); decoding stores them too
+  (Recipe.storing). The config's calibration and tiling keys were validated by `check_config`.
+  """
+  mode = config.quantization
+  if not mode:
+    return None
+  weight, activation, gradient = FORMATS[mode]
+  calibration = (
+    tuple(getattr(config, key) for key in CALIBRATION_KEYS) if mode == "fp8_full" else ("absmax",) * 3
+  )  # MaxText: only fp8_full reads the calibration keys
+  tiles = config.quantization_local_shard_count
+  return Recipe(
+    mode=mode,
+    weight=weight,
+    activation=activation,
+    gradient=gradient,
+    weight_calibration=calibration[0],
+    act_calibration=calibration[1],
+    grad_calibration=calibration[2],
+    grad_tiles=(config.num_slices or 1) if tiles == -1 else tiles,
+    stored=config.lora.enable_lora and mode in ("int8", "int4w"),
+    native=native,
+  )
+
+
+def qtype(name: str) -> Any:
+  return getattr(jnp, QTYPES[name])
+
+
+def check_devices(r: Recipe | None, devices: Sequence[Any]) -> None:
+  """fp8 needs float8 types in JAX and, on NVIDIA GPUs, compute capability 8.9 or newer (Ada, Hopper): else a one-line ConfigError."""
+  if r is None or "e4m3" not in (r.weight, r.activation):
+    return
+  missing = [QTYPES[f] for f in ("e4m3", "e5m2") if not hasattr(jnp, QTYPES[f])]
+  if missing:
+    raise ConfigError(f"quantization={r.mode} needs jax.numpy.{' and '.join(missing)}, which JAX {jax.__version__} lacks; upgrade jax or use int8")
+  for d in devices:
+    capability = getattr(d, "compute_capability", None)
+    if capability and tuple(int(p) for p in str(capability).split(".")[:2]) < (8, 9):
+      raise ConfigError(
+        f"quantization={r.mode} needs fp8 matmul units (NVIDIA compute capability 8.9+: Ada, Hopper); {d.device_kind} has {capability}; use int8"
+      )
+
+
+def bits(name: str) -> int:
+  return 4 if name == "int4" else 8
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Quantization-aware products on float operands (training)
+
+
+def _qt_config(r: Recipe) -> dot_general_qt.DotGeneralQtConfig:
+  grad = qtype(r.gradient) if r.gradient else None
+  return dot_general_qt.DotGeneralQtConfig(
+    lhs_qtype=qtype(r.activation),
+    rhs_qtype=qtype(r.weight),
+    lhs_calibration_method=r.act_calibration,
+    rhs_calibration_method=r.weight_calibration,
+    dlhs_grad_qtype=grad,
+    dlhs_grad_calibration_method=r.grad_calibration,
+    drhs_grad_qtype=grad,
+    drhs_grad_calibration_method=r.grad_calibration,
+    drhs_tile_size=(1.0 / r.grad_tiles) if grad is not None and r.grad_tiles > 1 else None,
+    use_original_residuals=grad is None,  # int8: gradient products from the unquantized operands (straight-through)
+  )
+
+
+def einsum_dims(spec: str) -> tuple[Any, tuple[int, ...]]:
+  """An explicit two-operand einsum spec (no '...') -> (dot_general dimension numbers, permutation of its output to spec's)."""
+  inputs, out = spec.split("->")
+  lhs, rhs = inputs.split(",")
+  batch = [a for a in lhs if a in rhs and a in out]
+  contract = [a for a in lhs if a in rhs and a not in out]
+  dims = (
+    (tuple(lhs.index(a) for a in contract), tuple(rhs.index(a) for a in contract)),
+    (tuple(lhs.index(a) for a in batch), tuple(rhs.index(a) for a in batch)),
+  )
+  natural = batch + [a for a in lhs if a not in rhs] + [a for a in rhs if a not in lhs]
+  return dims, tuple(natural.index(a) for a in out)
+
+
+def _in_order(y: jax.Array, perm: tuple[int, ...]) -> jax.Array:
+  return y if perm == tuple(range(len(perm))) else jnp.transpose(y, perm)
+
+
+def einsum(spec: str, x: jax.Array, kernel: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
+  """einsum(spec, x, kernel) (x: activations, kernel: float weights; explicit letters) quantized per r, operands cast
+  to dtype first; result in dtype."""
+  if r.activation is None:
+    raise ValueError(f"quantization={r.mode} is weight-only: its kernels must be stored quantized")
+  dims, perm = einsum_dims(spec)
+  out = dot_general_qt.dot_general_qt(x.astype(dtype), kernel.astype(dtype), dims, _qt_config(r))
+  return _in_order(out.astype(dtype), perm)
+
+
+def trailing_spec(x_ndim: int, n_in: int, n_out: int) -> str:
+  """The einsum spec contracting x's last n_in axes with a kernel [*in, *out]: e.g. 'abc,cd->abd'."""
+  letters = "abcdefghijklmnopqrstuvwxyz"
+  lead, contracted, produced = letters[: x_ndim - n_in], letters[x_ndim - n_in : x_ndim], letters[x_ndim : x_ndim + n_out]
+  return f"{lead}{contracted},{contracted}{produced}->{lead}{produced}"
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
+  """Grouped matmul [M, K] x [G, K, N] (rows grouped by group_sizes) with int8/fp8 operands: qwix's ragged_dot_qt
+  (per-row activation scales, per-group-and-column weight scales; gradients straight-through on the quantized
+  operands, or with e5m2 incoming gradients for fp8)."""
+  grad = qtype(r.gradient) if r.gradient else None
+  config = ragged_dot_qt.RaggedDotQtConfig(lhs_qtype=qtype(r.activation), rhs_qtype=qtype(r.weight), dlhs_grad_qtype=grad, drhs_grad_qtype=grad)
+  return ragged_dot_qt.ragged_dot_qt(lhs.astype(dtype), rhs.astype(dtype), group_sizes, config).astype(dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Stored (quantized) kernels
+
+
+class KernelScale(nnx.Param):
+  """Scales of a stored quantized kernel (metadata in_axes, out_axes: the kernel's contracting and output axes)."""
+
+
+def scale_shape(shape: Sequence[int], n_in: int, weight: str) -> tuple[int, ...]:
+  """Shape of a stored kernel's scales: 1 on contracting axes except int4 groups along the last of them."""
+  shape = tuple(shape)
+  scale = [1] * n_in + list(shape[n_in:])
+  last = shape[n_in - 1]
+  if weight == "int4" and last > INT4_GROUP and last % INT4_GROUP == 0:
+    scale[n_in - 1] = last // INT4_GROUP
+  return tuple(scale)
+
+
+def scale_axes(axes: Sequence[str | None], shape: Sequence[int], n_in: int, weight: str) -> tuple[str | None, ...]:
+  """Logical axes of the scales: the kernel's, except on axes of size 1 (replicated)."""
+  return tuple(a if s > 1 else None for a, s in zip(axes, scale_shape(shape, n_in, weight)))
+
+
+def quantize_kernel(kernel: jax.Array, n_in: int, r: Recipe, batch_axes: int = 0) -> tuple[jax.Array, jax.Array]:
+  """A float kernel [*batch, *in, *out] -> (values in r.weight, float32 scales): symmetric absmax (or the fp8_full
+  weight calibration) over the contracting axes, per output channel (int4: per group of INT4_GROUP inputs)."""
+  w = jnp.asarray(kernel, jnp.float32)
+  lead = tuple(range(batch_axes))
+  inner = w.shape[batch_axes:]
+  target = scale_shape(inner, n_in, r.weight)
+  tiled = {batch_axes + n_in - 1: inner[n_in - 1] // target[n_in - 1]} if target[n_in - 1] > 1 else {}
+  channels = [*lead, *range(batch_axes + n_in, w.ndim)]
+  q = qwix.quantize(w, qtype(r.weight), channelwise_axes=channels, tiled_axes=tiled, calibration_method=r.weight_calibration)
+  return q.qvalue, q.scale.astype(SCALE_DTYPE)
+
+
+def dequantize(values: jax.Array, scale: jax.Array, weight: str, dtype: Any) -> jax.Array:
+  return qwix.dequantize(qwix.QArray(values, scale.astype(dtype), qtype=qtype(weight))).astype(dtype)
+
+
+def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
+  """einsum(spec, x, W) for a stored kernel W = (values, scale), result in dtype; differentiable in x only.
+
+  Forward: qwix.dot_general on x quantized per token (r.activation; weight-only recipes keep x in dtype) and the
+  stored QArray. Backward: dx = g . dequantize(W), operands in dtype with float32 accumulation.
+  """
+  from maxtext.layers import matmul
+
+  dims, perm = einsum_dims(spec)
+  inputs, out = spec.split("->")
+  lhs, rhs = inputs.split(",")
+  x_dtype = x.dtype
+
+  def forward(x, values, scale):
+    w = qwix.QArray(values, scale.astype(dtype), qtype=qtype(r.weight))
+    x = x.astype(dtype)
+    if r.activation is not None:
+      free = [i for i in range(x.ndim) if i not in dims[0][0]]
+      x = qwix.quantize(x, qtype(r.activation), channelwise_axes=free, calibration_method=r.act_calibration)
+    return _in_order(qwix.dot_general(x, w, dims).astype(dtype), perm)
+
+  def backward(residuals, g):
+    values, scale = residuals
+    w = qwix.dequantize(qwix.QArray(values, scale.astype(dtype), qtype=qtype(r.weight))).astype(dtype)
+    dx = matmul.product(f"{out},{rhs}->{lhs}", g.astype(dtype), w)
+    # Frozen: no optimizer updates stored values (integers take float0 cotangents).
+    no_gradient = jnp.zeros_like(values) if jnp.issubdtype(values.dtype, jnp.inexact) else np.zeros(values.shape, jax.dtypes.float0)
+    return dx.astype(x_dtype), no_gradient, jnp.zeros_like(scale)
+
+  fn = jax.custom_vjp(forward)
+  fn.defvjp(lambda x, values, scale: (forward(x, values, scale), (values, scale)), backward)
+  return fn(x, values, scale)
+
+
+def nbytes(shape: Sequence[int], weight: str) -> int:
+  """Bytes of stored values of a kernel (int4 packed two per byte, as TPUs and GPUs hold them)."""
+  return int(np.prod(shape)) * bits(weight) // 8
