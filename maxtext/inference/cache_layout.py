@@ -10,6 +10,7 @@ with scan_layers=false) keep unstacked caches in `tail`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ STACK_AXIS = "cache_layers"
 @dataclasses.dataclass
 class DecodeCache:
   """scan: per group position j, {'key', 'value'} [num_groups, B, K, T_j, D]; tail: per leftover layer [B, K, T, D];
-  lengths [B]: tokens cached per row."""
+  lengths [B]: tokens cached per row. A quantized cache adds {'key_scale', 'value_scale'} [..., B, K or 1, T, 1]."""
 
   scan: tuple[dict[str, jax.Array], ...]
   tail: tuple[dict[str, jax.Array], ...]
@@ -68,12 +69,22 @@ def _layer_shape(config: MaxTextConfig, lay: Layout, batch: int, window: int) ->
   return (batch, config.num_kv_heads, lay.slots(window), config.head_dim)
 
 
+def kv_dtype(config: MaxTextConfig) -> jnp.dtype:
+  """The cache's key/value dtype: kv_quant_dtype with quantize_kvcache, else the compute dtype."""
+  return jnp.dtype(config.kv_quant_dtype if config.quantize_kvcache else config.dtype)
+
+
 def abstract(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
-  """ShapeDtypeStructs of an empty cache (keys and values in config.dtype)."""
-  dt = dtype(config.dtype)
+  """ShapeDtypeStructs of an empty cache (keys and values in config.dtype, or quantized with scales in config.dtype)."""
+  dt, scale_dt = kv_dtype(config), dtype(config.dtype)
+  per_head = config.kv_quant_axis == "dkv"
 
   def kv(shape):
-    return {"key": jax.ShapeDtypeStruct(shape, dt), "value": jax.ShapeDtypeStruct(shape, dt)}
+    arrays = {"key": jax.ShapeDtypeStruct(shape, dt), "value": jax.ShapeDtypeStruct(shape, dt)}
+    if config.quantize_kvcache:
+      scale = (*shape[:-3], shape[-3] if per_head else 1, shape[-2], 1)
+      arrays.update(key_scale=jax.ShapeDtypeStruct(scale, scale_dt), value_scale=jax.ShapeDtypeStruct(scale, scale_dt))
+    return arrays
 
   scan = tuple(kv((lay.num_groups, *_layer_shape(config, lay, batch, lay.windows[j]))) for j in range(lay.period))
   tail = tuple(kv(_layer_shape(config, lay, batch, lay.windows[i])) for i in lay.tail_layers)
@@ -81,17 +92,23 @@ def abstract(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
 
 
 def logical_axes(cache: DecodeCache) -> DecodeCache:
-  """Logical axis names of every cache array (MaxText's cache_* names; a stacked cache adds cache_layers)."""
+  """Logical axis names of every cache array (MaxText's cache_* names; a stacked cache adds cache_layers). Scales
+  are split like their keys, except on their axes of size 1."""
+
+  def axes(name: str, x: Any) -> tuple[str | None, ...]:
+    full = CACHE_AXES if x.ndim == len(CACHE_AXES) else (STACK_AXIS, *CACHE_AXES)
+    return tuple(a if not name.endswith("_scale") or n > 1 else None for a, n in zip(full, x.shape))
+
   return DecodeCache(
-    tuple({k: (STACK_AXIS, *CACHE_AXES) for k in g} for g in cache.scan),
-    tuple({k: CACHE_AXES for k in t} for t in cache.tail),
+    tuple({k: axes(k, x) for k, x in g.items()} for g in cache.scan),
+    tuple({k: axes(k, x) for k, x in t.items()} for t in cache.tail),
     ("cache_batch",),
   )
 
 
 def shardings(config: MaxTextConfig, mesh: Mesh, cache: DecodeCache) -> DecodeCache:
   """NamedShardings of the cache under the config's logical_axis_rules."""
-  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)  # noqa: E731
+  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)  # noqa: E731
   return jax.tree.map(lambda axes: NamedSharding(mesh, mesh_lib.logical_to_spec(axes, config.logical_axis_rules, mesh)), logical_axes(cache), is_leaf=is_axes)
 
 
@@ -99,13 +116,21 @@ def zeros(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract(config, batch, lay))
 
 
+def bits(dt: Any) -> int:
+  """Bits per element (int4: 4, packed two per byte on TPU and GPU)."""
+  dt = jnp.dtype(dt)
+  return jnp.iinfo(dt).bits if jnp.issubdtype(dt, jnp.integer) else jnp.finfo(dt).bits
+
+
 def nbytes(cache: DecodeCache) -> tuple[int, int]:
-  """(bytes of the keys and values, bytes of the per-row lengths)."""
-  kv = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for g in (*cache.scan, *cache.tail) for x in g.values())
+  """(bytes of the keys and values, with their scales when quantized; bytes of the per-row lengths)."""
+  kv = sum(int(np.prod(x.shape)) * bits(x.dtype) // 8 for g in (*cache.scan, *cache.tail) for x in g.values())
   return kv, int(np.prod(cache.lengths.shape)) * 4
 
 
 def theoretical_bytes(config: MaxTextConfig, batch: int, lay: Layout) -> int:
-  """2 (key, value) x batch x sum over layers of slots x kv_heads x head_dim x bytes per element."""
-  per_slot = 2 * batch * config.num_kv_heads * config.head_dim * jnp.dtype(dtype(config.dtype)).itemsize
-  return per_slot * sum(lay.slots(w) for w in lay.windows)
+  """2 (key, value) x batch x sum over layers of slots x (kv_heads x head_dim x bits per element + scales) / 8."""
+  per_token = config.num_kv_heads * config.head_dim * bits(kv_dtype(config))
+  if config.quantize_kvcache:
+    per_token += (config.num_kv_heads if config.kv_quant_axis == "dkv" else 1) * bits(dtype(config.dtype))
+  return 2 * batch * per_token * sum(lay.slots(w) for w in lay.windows) // 8

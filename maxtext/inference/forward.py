@@ -39,8 +39,8 @@ def _hidden_states(model: Transformer, tokens: jax.Array, new_lengths: jax.Array
   x = model.input_stream(tokens)
 
   def run(layer, h, window: int, kv: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    h, _, out = layer(h, positions, None, window, cache=LayerCache(kv["key"], kv["value"], cache.lengths, new_lengths))
-    return h, {"key": out.key, "value": out.value}
+    h, _, out = layer(h, positions, None, window, cache=LayerCache.of(kv, cache.lengths, new_lengths))
+    return h, out.arrays()
 
   tail = []
   if c.scan_layers:
