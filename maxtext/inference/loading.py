@@ -56,19 +56,13 @@ def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = p
 
 def _load(config: MaxTextConfig, mesh: Mesh, policy: Policy, log: Callable[[str], None]) -> Transformer:
   from maxtext.convert.peft import _abstract_params
-  from maxtext.train.checkpointing import quantize_restored
 
   if config.hf_model_path:
     from maxtext.convert import hf_params, safetensors_io
     from maxtext.convert.model_params import model_from_flat
 
     log(f"loading Hugging Face model {config.hf_model_path}")
-    model = model_from_flat(config, hf_params.hf_to_maxtext(safetensors_io.read_tensors(config.hf_model_path), config), mesh)
-    if policy.quantization is None:
-      return model
-    graphdef = nnx.split(models.abstract_model(config, policy), nnx.Param, ...)[0]
-    params = quantize_restored(config, nnx.state(model, nnx.Param), _abstract_params(config, policy))
-    return nnx.merge(graphdef, params, nnx.state(model, nnx.Not(nnx.Param)))
+    return model_from_flat(config, hf_params.hf_to_maxtext(safetensors_io.read_tensors(config.hf_model_path), config), mesh, policy)
   from maxtext.train.checkpointing import item_path, latest_saved_step, load_initial_params
 
   own = latest_saved_step(config.checkpoint_dir)

@@ -221,6 +221,13 @@ def quantize_kernel(kernel: jax.Array, n_in: int, r: Recipe, batch_axes: int = 0
   return q.qvalue, q.scale.astype(SCALE_DTYPE)
 
 
+def quantize_like(kernel: jax.Array, scale_variable: nnx.Variable, r: Recipe) -> tuple[jax.Array, jax.Array]:
+  """A float kernel -> (values, scales) laid out as the KernelScale variable of a stored kernel says (leading stacked axes included)."""
+  meta = scale_variable.get_metadata()
+  n_in, n_out = meta["in_axes"], meta["out_axes"]
+  return quantize_kernel(kernel, n_in, r, batch_axes=kernel.ndim - n_in - n_out)
+
+
 def dequantize(values: jax.Array, scale: jax.Array, weight: str, dtype: Any) -> jax.Array:
   return qwix.dequantize(qwix.QArray(values, scale.astype(dtype), qtype=qtype(weight))).astype(dtype)
 

@@ -356,26 +356,27 @@ def check_base_quantization(config: MaxTextConfig, path: str, abstract_params: A
 
 
 def quantize_restored(config: MaxTextConfig, restored: Any, abstract_params: Any) -> Any:
-  """restored with every float kernel that the model stores quantized replaced by its values and scales (one kernel
-  at a time, born in the abstract kernel's and scale's shardings)."""
+  """restored with every float kernel that the model stores quantized replaced by its values and scales (one jitted
+  function, its outputs born in the abstract kernels' and scales' shardings)."""
   from flax import nnx
 
   from maxtext.layers import quantization
 
   stored = stored_kernels(abstract_params)
-  if config.checkpoint_is_quantized or not stored:
+  flat = dict(nnx.to_flat_state(restored))
+  todo = [keys for keys in stored if keys in flat]
+  if config.checkpoint_is_quantized or not todo:
     return restored
   recipe = quantization.recipe(config)
-  flat = dict(nnx.to_flat_state(restored))
-  for keys, (kernel, scale) in stored.items():
-    if keys not in flat:
-      continue
-    meta = scale.get_metadata()
-    n_in, n_out = meta["in_axes"], meta["out_axes"]
-    lead = kernel.get_value().ndim - n_in - n_out
-    shardings = (getattr(kernel.get_value(), "sharding", None), getattr(scale.get_value(), "sharding", None))
-    fn = jax.jit(lambda w, n_in=n_in, lead=lead: quantization.quantize_kernel(w, n_in, recipe, lead), out_shardings=shardings if shardings[0] else None)
-    values, scales = fn(flat[keys].get_value())
+  scale_vars = [stored[keys][1] for keys in todo]
+
+  def quantize(kernels):
+    return [quantization.quantize_like(w, scale, recipe) for w, scale in zip(kernels, scale_vars)]
+
+  shardings = [tuple(getattr(v.get_value(), "sharding", None) for v in stored[keys]) for keys in todo]
+  fn = jax.jit(quantize, out_shardings=shardings if all(s[0] is not None for s in shardings) else None)
+  for keys, (values, scales) in zip(todo, fn([flat[keys].get_value() for keys in todo])):
+    kernel, scale = stored[keys]
     flat[keys] = kernel.replace(values)
     flat[keys[:-1] + ("kernel_scale",)] = scale.replace(scales)
   return nnx.from_flat_state(flat)

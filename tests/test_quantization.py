@@ -1,0 +1,264 @@
+"""Quantization (qwix): recipes and their config errors, int8 x int8 -> int32 products, every projection quantized with
+finite, bitwise-reproducible gradients per family, QLoRA's quantized frozen kernels, quantized checkpoints and decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+from flax import nnx
+
+from maxtext import models
+from maxtext.config import ConfigError, from_overrides
+from maxtext.layers import quantization
+from maxtext.train import loss as loss_lib
+from tests.test_models import FAMILY_OVERRIDES, TINY
+from tests.test_moe_families import DEEPSEEK, QWEN3_MOE
+
+FAMILIES = {
+  **{name: dict(TINY, decoder_block=name, **overrides) for name, overrides in FAMILY_OVERRIDES.items()},
+  "qwen3_moe": dict(QWEN3_MOE, dtype="float32"),
+  "deepseek": dict(DEEPSEEK, mtp_num_layers=1),
+}
+# Quantized products per forward pass: every attention (MLA: wq_a, wq_b, wkv_a, wkv_b, out) and MLP projection
+# (gated: wi_0, wi_1, wo) and the routed experts (3 grouped matmuls); a scanned stack traces its layer once.
+# Not quantized: the router, attention's own products, the output head, mHC and the MTP module.
+QUANTIZED_DOTS = {"llama2": 7, "mistral": 7, "mixtral": 7, "qwen3": 7, "gemma2": 7, "qwen3_moe": 7, "deepseek": 19}
+
+
+def _batch(config, rows: int = 2, seq: int = 8) -> dict[str, jax.Array]:
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(1, config.vocab_size, size=(rows, seq)), jnp.int32)
+  ones = jnp.ones((rows, seq), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (rows, seq))
+  return dict(
+    inputs=tokens, targets=jnp.roll(tokens, -1, 1), inputs_position=positions, targets_position=positions, inputs_segmentation=ones, targets_segmentation=ones
+  )
+
+
+def _subjaxprs(eqn):
+  for value in eqn.params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if hasattr(v, "eqns"):
+        yield v
+      elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+        yield v.jaxpr
+
+
+def count_dots(jaxpr, dtype) -> int:
+  """dot_general / ragged_dot_general equations with both operands in dtype, nested jaxprs included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("dot_general", "ragged_dot_general") and all(v.aval.dtype == dtype for v in eqn.invars[:2]):
+      n += 1
+    n += sum(count_dots(sub, dtype) for sub in _subjaxprs(eqn))
+  return n
+
+
+def _loss(config, batch, model):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params):
+    sums = loss_lib.loss_sums(nnx.merge(graphdef, params, rest), batch, config)
+    return (sums.xent + sums.aux) / sums.weights
+
+  return loss, params
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_projection_is_quantized(family):
+  """Traced only (abstract parameters): the int8 x int8 products of each family's forward pass."""
+  config = from_overrides(**{**FAMILIES[family], "num_devices": 1, "quantization": "int8"})
+  loss, params = _loss(config, _batch(config), models.abstract_model(config))
+  assert count_dots(jax.make_jaxpr(loss)(params).jaxpr, jnp.int8) == QUANTIZED_DOTS[family]
+
+
+def test_fp8_gradients_finite_and_bitwise_reproducible():
+  """fp8 quantizes the gradients too (e5m2), through MLA, the routed experts' grouped matmuls and shared experts (int8's
+  straight-through gradients: the QLoRA step below and benchmarks/quantized_gradients.py for every family)."""
+  config = from_overrides(**{**FAMILIES["deepseek"], "num_devices": 1, "quantization": "fp8"})
+  batch = _batch(config)
+  loss, params = _loss(config, batch, models.build(config))
+  grad = jax.jit(jax.value_and_grad(loss))
+  value, grads = grad(params)
+  _, again = grad(_loss(config, batch, models.build(config))[1])  # a second model from the same seed
+  assert np.isfinite(float(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(again)))
+
+
+def test_int8_product_is_an_int8_dot_with_per_channel_scales():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(3, 5, 64)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(64, 4, 8)), jnp.float32)
+  r = quantization.Recipe("int8", "int8", "int8", None)
+  spec = quantization.trailing_spec(3, 1, 2)
+  y = np.asarray(quantization.einsum(spec, x, w, r, jnp.float32))
+  qx = qwix.quantize(x, jnp.int8, channelwise_axes=[0, 1])  # one scale per token, absmax / 127.5
+  qw = qwix.quantize(w, jnp.int8, channelwise_axes=[1, 2])  # one per output channel
+  assert qx.scale.shape == (3, 5, 1) and qw.scale.shape == (1, 4, 8)
+  exact = np.einsum("abc,cde->abde", np.asarray(qx.qvalue, np.int64), np.asarray(qw.qvalue, np.int64)) * np.asarray(qx.scale)[..., None] * np.asarray(qw.scale)
+  np.testing.assert_allclose(y, exact, rtol=1e-5)
+  np.testing.assert_allclose(y, np.einsum("abc,cde->abde", x, w), atol=0.05 * float(np.abs(y).max()))
+  hlo = jax.jit(lambda x, w: quantization.einsum(spec, x, w, r, jnp.bfloat16)).lower(x, w).as_text()
+  assert re.search(r"stablehlo\.dot_general.*tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>", hlo)
+
+
+def test_recipes_and_their_config_errors():
+  base = dict(TINY, num_devices=1)
+  fp8 = quantization.recipe(from_overrides(**base, quantization="fp8_full", bwd_quantization_calibration_method="fixed,-1,1"))
+  assert (fp8.weight, fp8.activation, fp8.gradient, fp8.grad_calibration, fp8.stored) == ("e4m3", "e4m3", "e5m2", "fixed,-1,1", False)
+  qlora = quantization.recipe(from_overrides(**base, quantization="int4w", lora={"enable_lora": True}))
+  assert (qlora.weight, qlora.activation, qlora.stored) == ("int4", None, True)
+  assert quantization.recipe(from_overrides(**base)) is None
+  errors = {
+    "applies to quantization=fp8_full": dict(quantization="fp8", act_quantization_calibration_method="absmax,0.9"),
+    "invalid value for 'weight_quantization_calibration_method'": dict(quantization="fp8_full", weight_quantization_calibration_method="percentile"),
+    "keeps gradients in": dict(quantization="int8", quantization_local_shard_count=2),
+    "must divide max_target_length": dict(quantization="fp8", quantization_local_shard_count=3, max_target_length=16),
+    "quantize_logits_proj=true quantizes": dict(quantization="int4w", quantize_logits_proj=True),
+    "needs kv_quant_axis": dict(quantize_kvcache=True, kv_quant_axis=""),
+    "checkpoint_is_quantized=true loads": dict(quantization="int8", checkpoint_is_quantized=True),
+    "save_quantized_params_path writes": dict(save_quantized_params_path="/tmp/x"),
+  }
+  for message, overrides in errors.items():
+    with pytest.raises(ConfigError, match=re.escape(message)):
+      from_overrides(**{**base, **overrides})
+
+
+def test_fp8_needs_fp8_units():
+  r = quantization.Recipe("fp8", "e4m3", "e4m3", "e5m2")
+  gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
+  with pytest.raises(ConfigError, match=r"needs fp8 matmul units \(NVIDIA compute capability 8.9\+.*A100.* has 8.0"):
+    quantization.check_devices(r, [gpu])
+  quantization.check_devices(r, [types.SimpleNamespace(platform="gpu", device_kind="H100", compute_capability="9.0")])
+  quantization.check_devices(dataclasses.replace(r, mode="int8", weight="int8", activation="int8", gradient=None), [gpu])
+
+
+def _kernel_bytes(tree) -> int:
+  """Bytes of the decoder layers' kernels (int4 packed two per byte)."""
+  leaves = [v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0] if p[0].key == "layers" and p[-2].key == "kernel"]
+  return sum(v.size * (4 if v.dtype == jnp.int4 else 8 * v.dtype.itemsize) // 8 for v in leaves)
+
+
+@pytest.fixture(scope="module")
+def qlora():
+  """(setup, one train step's (before, after) states) of an int8 QLoRA tiny llama, and the float LoRA setup."""
+  from maxtext import mesh as mesh_lib
+  from maxtext.train import setup as setup_lib
+
+  def build(**overrides):
+    config = from_overrides(**{**TINY, "num_devices": 1, "lora": {"enable_lora": True, "lora_rank": 4}, "max_target_length": 8, **overrides})
+    return setup_lib.build(config, mesh_lib.create(config, devices=jax.devices()[:1]))
+
+  setup = build(quantization="int8")
+  with jax.set_mesh(setup.mesh):
+    before = setup.init_state()
+    copy = jax.tree.map(lambda x: np.asarray(x), before)
+    after, metrics = setup.jit_step(before, jax.device_put(_batch(setup.config), setup.batch_shardings))
+  return setup, copy, after, metrics, build(), build(quantization="int4w")
+
+
+def test_qlora_keeps_frozen_kernels_quantized_and_trains_the_adapters(qlora):
+  setup, before, after, metrics, float_setup, int4_setup = qlora
+
+  def layer_kernels(s):  # the output head's kernel stays in weight_dtype
+    return [v for p, v in jax.tree_util.tree_flatten_with_path(s.abstract_state["params"])[0] if p[0].key == "layers" and p[-2].key == "kernel"]
+
+  assert len(layer_kernels(setup)) == 7 and all(v.dtype == jnp.int8 for v in layer_kernels(setup))
+  assert all(v.dtype == jnp.int4 for v in layer_kernels(int4_setup))
+  q8, f32, q4 = (_kernel_bytes(s.abstract_state["params"]) for s in (setup, float_setup, int4_setup))
+  assert f32 == 4 * q8 == 8 * q4  # float32 -> int8 -> int4 (packed), scales counted apart
+  assert jax.tree.structure(setup.abstract_state["opt_state"]) == jax.tree.structure(float_setup.abstract_state["opt_state"])  # adapters only
+  assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+  flat_before = dict(jax.tree_util.tree_flatten_with_path(before["params"])[0])
+  for path, value in jax.tree_util.tree_flatten_with_path(after["params"])[0]:
+    moved = not np.array_equal(np.asarray(value), flat_before[path])
+    assert moved == ("lora_b" in jax.tree_util.keystr(path) or "lora_a" in jax.tree_util.keystr(path)), jax.tree_util.keystr(path)
+
+
+def test_quantized_checkpoint_round_trip(tmp_path):
+  """decode's loading steps (maxtext.inference.loading.load_model) on a float checkpoint: restored as float, quantized
+  per output channel, written (save_quantized_params_path) and read back with checkpoint_is_quantized as the same
+  arrays; mismatched flags or formats are one-line errors, read from the checkpoint's metadata."""
+  from maxtext.convert.peft import _abstract_params
+  from maxtext.inference.loading import serving_policy
+  from maxtext.mesh import create
+  from maxtext.train import checkpointing
+
+  base = dict(TINY, num_devices=8, dtype="bfloat16")
+  float_config = from_overrides(**base)
+  rng = np.random.default_rng(0)
+  graphdef, abstract = nnx.split(models.abstract_model(float_config), nnx.Param)
+  checkpointing.save_params(str(tmp_path / "float"), jax.tree.map(lambda v: rng.normal(0, 0.1, v.shape).astype(v.dtype), abstract))
+
+  def config(**overrides):
+    return from_overrides(**{**base, "quantization": "int8", "load_parameters_path": str(tmp_path / "float"), **overrides})
+
+  c = config()
+  stored = _abstract_params(c, serving_policy(c, create(c)))
+  checkpointing.check_base_quantization(c, c.load_parameters_path, stored)
+  restored, _ = checkpointing.restore_some_params(c.load_parameters_path, checkpointing.base_target(c, stored), "load_parameters_path")
+  quantized = checkpointing.quantize_restored(c, restored, stored)
+  values, scale = (quantized["layers"]["mlp"]["wo"][k][...] for k in ("kernel", "kernel_scale"))
+  w = np.asarray(restored["layers"]["mlp"]["wo"]["kernel"][...], np.float32)
+  assert values.dtype == jnp.int8 and scale.shape == (2, 1, 32)  # [layers, mlp -> 1, embed]: per output channel
+  np.testing.assert_allclose(np.asarray(values, np.float32) * np.asarray(scale), w, atol=float(np.abs(w).max()) / 254 * 1.01)
+  checkpointing.save_params(str(tmp_path / "q8"), quantized)
+  q8 = config(load_parameters_path=str(tmp_path / "q8"), checkpoint_is_quantized=True)
+  checkpointing.check_base_quantization(q8, q8.load_parameters_path, stored)
+  again, _ = checkpointing.restore_some_params(q8.load_parameters_path, checkpointing.base_target(q8, stored), "load_parameters_path")
+  flat, flat_again = dict(nnx.to_flat_state(quantized)), dict(nnx.to_flat_state(again))
+  assert flat.keys() == flat_again.keys() and all(np.array_equal(flat[k][...], flat_again[k][...]) for k in flat)
+
+  for message, overrides in {
+    "holds float kernels": dict(checkpoint_is_quantized=True),
+    "set checkpoint_is_quantized=true": dict(load_parameters_path=str(tmp_path / "q8")),
+    "holds layers/attention/key/kernel as int8, quantization=int4w stores int4": dict(
+      load_parameters_path=str(tmp_path / "q8"), checkpoint_is_quantized=True, quantization="int4w"
+    ),
+  }.items():
+    other = config(**overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+      checkpointing.check_base_quantization(other, other.load_parameters_path, _abstract_params(other, serving_policy(other, create(other))))
+
+
+@pytest.mark.parametrize("kv_dtype,axis,tolerance", [("int8", "heads_and_dkv", 0.03), ("int8", "dkv", 0.03), ("int4", "dkv", 0.4)])
+def test_quantized_kv_cache_attends_like_the_float_cache(kv_dtype, axis, tolerance):
+  """Prefill then one decode step over an int8/int4 cache against the same over a float cache; int8's bytes <= 0.53x."""
+  from maxtext.inference import cache_layout
+  from maxtext.inference.kv_cache import LayerCache
+
+  b, s, k, g, d, slots = 2, 6, 2, 2, 32, 8
+  rng = np.random.default_rng(0)
+  q, kk, v = (jnp.asarray(rng.normal(size=(b, s + 1, heads, d)), jnp.float32) for heads in (k * g, k, k))
+  per_head = k if axis == "dkv" else 1
+  caches = {
+    "float": LayerCache(jnp.zeros((b, k, slots, d)), jnp.zeros((b, k, slots, d)), jnp.zeros((b,), jnp.int32), jnp.full((b,), s, jnp.int32)),
+    "quantized": LayerCache(
+      jnp.zeros((b, k, slots, d), kv_dtype),
+      jnp.zeros((b, k, slots, d), kv_dtype),
+      jnp.zeros((b,), jnp.int32),
+      jnp.full((b,), s, jnp.int32),
+      jnp.ones((b, per_head, slots, 1)),
+      jnp.ones((b, per_head, slots, 1)),
+    ),
+  }
+  outs = {}
+  for name, cache in caches.items():
+    ctx, cache = cache.attend(q[:, :s], kk[:, :s], v[:, :s], 0, d**-0.5, None, jax.lax.Precision.HIGHEST, ())
+    step = dataclasses.replace(cache, lengths=cache.lengths + s, new_lengths=jnp.ones((b,), jnp.int32))
+    ctx2, _ = step.attend(q[:, s:], kk[:, s:], v[:, s:], 0, d**-0.5, None, jax.lax.Precision.HIGHEST, ())
+    outs[name] = np.concatenate([np.asarray(ctx), np.asarray(ctx2)], axis=1)
+  assert np.abs(outs["quantized"] - outs["float"]).max() < tolerance * np.abs(outs["float"]).max()
+  config = from_overrides(**{**TINY, "num_devices": 1, "dtype": "bfloat16", "head_dim": 64})  # the quickstart's heads
+  quantized = config.model_copy(update={"quantize_kvcache": True, "kv_quant_dtype": kv_dtype, "kv_quant_axis": axis})
+  lay = cache_layout.layout(config)
+  ratio = cache_layout.theoretical_bytes(quantized, 4, lay) / cache_layout.theoretical_bytes(config, 4, lay)
+  assert ratio == cache_layout.nbytes(cache_layout.abstract(quantized, 4, lay))[0] / cache_layout.nbytes(cache_layout.abstract(config, 4, lay))[0]
+  assert ratio <= (0.53 if kv_dtype == "int8" else 0.28)
