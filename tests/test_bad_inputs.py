@@ -64,6 +64,15 @@ CASES = [
   ),
   ("restart_with_another_model_shape", _train("base_output_directory={run}", "base_mlp_dim=128"), "shape"),
   ("run_directory_locked_by_a_live_run", _train("base_output_directory={tmp}/locked"), "in use by another run"),
+  ("quantization_unknown_mode", _train("quantization=int3"), "'quantization'"),
+  ("quantization_int4w_training_without_lora", _train("quantization=int4w"), "lora.enable_lora=true"),
+  ("quantize_kvcache_in_training", _train("quantize_kvcache=true"), "python -m maxtext.decode"),
+  ("quantize_kvcache_on_mla", _train("decoder_block=deepseek", "quantize_kvcache=true"), "(MLA) cannot decode"),
+  (
+    "checkpoint_is_quantized_on_a_float_checkpoint",
+    _train("quantization=int8", "lora.enable_lora=true", "checkpoint_is_quantized=true", "load_parameters_path={run}/r/checkpoints/1"),
+    "holds float kernels",
+  ),
   ("convert_truncated_safetensors", [*CONVERT, "--hf-dir", "{tmp}/hf_truncated"], "not a readable safetensors file"),
   ("convert_hidden_size_disagrees", [*CONVERT, "--hf-dir", "{tmp}/hf_wrong_size"], "does not fit hidden_size"),
 ]
