@@ -262,3 +262,16 @@ def test_quantized_kv_cache_attends_like_the_float_cache(kv_dtype, axis, toleran
   ratio = cache_layout.theoretical_bytes(quantized, 4, lay) / cache_layout.theoretical_bytes(config, 4, lay)
   assert ratio == cache_layout.nbytes(cache_layout.abstract(quantized, 4, lay))[0] / cache_layout.nbytes(cache_layout.abstract(config, 4, lay))[0]
   assert ratio <= (0.53 if kv_dtype == "int8" else 0.28)
+
+
+def test_mfu_peak_follows_the_matmul_format(monkeypatch):
+  from maxtext.train import perf
+
+  def peak(kind: str, mode: str) -> tuple[float, str]:
+    monkeypatch.setattr(perf.jax, "devices", lambda: [types.SimpleNamespace(device_kind=kind)])
+    return perf.peak_tflops(from_overrides(**{**TINY, "num_devices": 1, "quantization": mode}))
+
+  assert peak("TPU v5 lite", "int8") == (394.0, "chip table, int8") and peak("TPU v5 lite", "")[0] == 197.0
+  assert peak("NVIDIA H100 80GB HBM3", "fp8") == (1979.0, "chip table, fp8")
+  assert peak("TPU v6 lite", "fp8") == (918.0, "chip table, bf16: TPU v6 lite has no fp8 units, XLA runs fp8 products in bf16")
+  assert peak("TPU v5 lite", "int4w")[0] == 197.0  # weight-only: the products run in bf16

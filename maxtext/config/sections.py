@@ -29,7 +29,11 @@ class RunInfo(Section):
   enable_tensorboard: bool = Field(True, description="Write TensorBoard event files under the run's tensorboard dir.")
   metrics_file: str = Field("", description="If set, append one JSON line of metrics per step to this file.")
   init_weights_seed: int = Field(0, description="PRNG seed for parameter initialisation.")
-  device_peak_tflops: float = Field(0.0, ge=0, description="Peak bf16 TFLOP/s per device for MFU; 0 -> chip table, or measured once on CPU.")
+  device_peak_tflops: float = Field(
+    0.0,
+    ge=0,
+    description="Peak TFLOP/s per device for MFU, in the run's matmul format (int8 TOP/s with quantization=int8); 0 -> chip table, or measured once on CPU.",
+  )
 
 
 class Distributed(Section):
