@@ -74,6 +74,7 @@ def main(argv: list[str]) -> list[dict]:
   from maxtext.inference.generate import Generator
   from maxtext.inference.loading import serving_policy
   from maxtext.inference.unstack import unstack_layers
+  from maxtext.layers.dtypes import bits
   from maxtext.process import prepare
 
   config = load(args.config, before_devices=prepare)
@@ -81,7 +82,7 @@ def main(argv: list[str]) -> list[dict]:
 
   def generator(config):
     model = models.create_sharded(config, mesh, policy=serving_policy(config, mesh))
-    param_bytes = sum(x.size * cache_layout.bits(x.dtype) // 8 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    param_bytes = sum(x.size * bits(x.dtype) // 8 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return Generator(unstack_layers(model) if args.unstack else model, mesh=mesh), param_bytes
 
   gen, param_bytes = generator(config)

@@ -55,6 +55,7 @@ def main(argv: list[str]) -> list[dict]:
   from maxtext.inference import cache_layout
   from maxtext.inference.generate import Generator
   from maxtext.inference.loading import load_decode_tokenizer, load_model
+  from maxtext.layers.dtypes import bits
   from maxtext.process import prepare
 
   reference_config = load(args.config, before_devices=prepare)
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> list[dict]:
     model = load_model(config, mesh, log=lambda _: None)
     gen = Generator(model, max_target_length=length, max_prefill_length=max(len(p) for p in prompts), mesh=mesh)
     tokens = [t[: args.tokens] for t in gen.generate(prompts).tokens]
-    weight_bytes = sum(x.size * cache_layout.bits(x.dtype) // 8 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    weight_bytes = sum(x.size * bits(x.dtype) // 8 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     kv_bytes = cache_layout.nbytes(cache_layout.abstract(config, len(prompts), gen.layout))[0]
     graphdef, state = nnx.split(model)
     logits = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))

@@ -275,3 +275,20 @@ def test_mfu_peak_follows_the_matmul_format(monkeypatch):
   assert peak("NVIDIA H100 80GB HBM3", "fp8") == (1979.0, "chip table, fp8")
   assert peak("TPU v6 lite", "fp8") == (918.0, "chip table, bf16: TPU v6 lite has no fp8 units, XLA runs fp8 products in bf16")
   assert peak("TPU v5 lite", "int4w")[0] == 197.0  # weight-only: the products run in bf16
+
+
+def test_int8_products_are_counted_in_compiled_hlo():
+  """train_compile's count: the compiled module's matmuls with two s8 operands (TPUs write them as convolutions)."""
+  from maxtext.aot.compile import count_int8_products
+
+  r = quantization.Recipe("int8", "int8", "int8", None)
+  x, w = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 8), jnp.bfloat16)
+  hlo = jax.jit(lambda x, w: quantization.einsum("ab,bc->ac", x, w, r, jnp.bfloat16)).lower(x, w).compile().as_text()
+  assert count_int8_products(hlo) == 1
+  tpu = """%fused (p0: s8[4,8], p1: s8[8,2]) -> bf16[4,2] {
+  %param_0.13 = s8[4,8]{1,0:T(8,128)(4,1)} parameter(0)
+  %param_1.11 = s8[8,2]{1,0} parameter(1)
+  %convolution.3 = bf16[4,2]{1,0:T(8,128)(2,1)} convolution(%param_0.13, %param_1.11), dim_labels=bf_io->bf
+  %other = bf16[4,2]{1,0} convolution(%a, %b), dim_labels=bf_io->bf
+}"""
+  assert count_int8_products(tpu) == 1

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
 from maxtext.inference.kv_cache import CACHE_AXES
-from maxtext.layers.dtypes import dtype
+from maxtext.layers.dtypes import bits, dtype
 from maxtext.models import registry
 
 STACK_AXIS = "cache_layers"
@@ -114,12 +114,6 @@ def shardings(config: MaxTextConfig, mesh: Mesh, cache: DecodeCache) -> DecodeCa
 
 def zeros(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract(config, batch, lay))
-
-
-def bits(dt: Any) -> int:
-  """Bits per element (int4: 4, packed two per byte on TPU and GPU)."""
-  dt = jnp.dtype(dt)
-  return jnp.iinfo(dt).bits if jnp.issubdtype(dt, jnp.integer) else jnp.finfo(dt).bits
 
 
 def nbytes(cache: DecodeCache) -> tuple[int, int]:

@@ -117,10 +117,6 @@ def check_devices(r: Recipe | None, devices: Sequence[Any]) -> None:
       )
 
 
-def bits(name: str) -> int:
-  return 4 if name == "int4" else 8
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Quantization-aware products on float operands (training)
 
@@ -264,8 +260,3 @@ def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, 
   fn = jax.custom_vjp(forward)
   fn.defvjp(lambda x, values, scale: (forward(x, values, scale), (values, scale)), backward)
   return fn(x, values, scale)
-
-
-def nbytes(shape: Sequence[int], weight: str) -> int:
-  """Bytes of stored values of a kernel (int4 packed two per byte, as TPUs and GPUs hold them)."""
-  return int(np.prod(shape)) * bits(weight) // 8
