@@ -15,7 +15,7 @@ in the compute dtype; fp8 and fp8_full quantize the incoming gradient g to e5m2 
 gradient's token axis in `grad_tiles` tiles) against the forward pass's quantized operands.
 
 Stored kernels (`Recipe.stored`: the frozen base of LoRA, decoding): W is kept as its quantized values and scales
-(int8, int4 in groups of INT4_GROUP along the contraction axis, or e4m3); the forward product is qwix's
+(int8 or e4m3 per output channel; int4 also per group of INT4_GROUP inputs); the forward product is qwix's
 dot_general on them (int8 x int8 -> int32 when activations are quantized too, else W dequantized into the compute
 dtype) and the only gradient, dx = g . dequantize(W)^T, is taken in the compute dtype.
 """
@@ -37,7 +37,7 @@ from maxtext.errors import ConfigError
 
 MODES = ("int8", "fp8", "fp8_full", "int4w")
 QTYPES = {"int8": "int8", "int4": "int4", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # format -> jax.numpy dtype name
-INT4_GROUP = 128  # int4 weight scales: one per this many contraction values (QLoRA-style groups); per channel when the axis is not a multiple
+INT4_GROUP = 128  # int4 weight scales: one per this many values of the last contracting axis (QLoRA-style groups), when it is a multiple
 SCALE_DTYPE = jnp.float32  # stored scales (a few bytes per output channel or group)
 
 # mode -> (weight, activation, gradient) formats; None: not quantized (weight-only, or gradients in the compute dtype)
@@ -190,12 +190,14 @@ class KernelScale(nnx.Param):
 
 
 def scale_shape(shape: Sequence[int], n_in: int, weight: str) -> tuple[int, ...]:
-  """Shape of a stored kernel's scales: 1 on contracting axes except int4 groups along the last of them."""
+  """Shape of a stored kernel's scales: one per output channel (1 on the contracting axes); int4 also per index of
+  the leading contracting axes (e.g. per head) and per group of INT4_GROUP along the last one."""
   shape = tuple(shape)
   scale = [1] * n_in + list(shape[n_in:])
-  last = shape[n_in - 1]
-  if weight == "int4" and last > INT4_GROUP and last % INT4_GROUP == 0:
-    scale[n_in - 1] = last // INT4_GROUP
+  if weight == "int4":
+    scale[: n_in - 1] = shape[: n_in - 1]
+    last = shape[n_in - 1]
+    scale[n_in - 1] = last // INT4_GROUP if last > INT4_GROUP and last % INT4_GROUP == 0 else 1
   return tuple(scale)
 
 
@@ -211,7 +213,7 @@ def quantize_kernel(kernel: jax.Array, n_in: int, r: Recipe, batch_axes: int = 0
   lead = tuple(range(batch_axes))
   inner = w.shape[batch_axes:]
   target = scale_shape(inner, n_in, r.weight)
-  tiled = {batch_axes + n_in - 1: inner[n_in - 1] // target[n_in - 1]} if target[n_in - 1] > 1 else {}
+  tiled = {batch_axes + i: inner[i] // target[i] for i in range(n_in) if target[i] > 1}  # int4: per head / per group
   channels = [*lead, *range(batch_axes + n_in, w.ndim)]
   q = qwix.quantize(w, qtype(r.weight), channelwise_axes=channels, tiled_axes=tiled, calibration_method=r.weight_calibration)
   return q.qvalue, q.scale.astype(SCALE_DTYPE)
