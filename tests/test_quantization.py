@@ -153,7 +153,8 @@ def qlora():
   from maxtext.train import setup as setup_lib
 
   def build(**overrides):
-    config = from_overrides(**{**TINY, "num_devices": 1, "lora": {"enable_lora": True, "lora_rank": 4}, "max_target_length": 8, **overrides})
+    lora = {"enable_lora": True, "lora_rank": 4}
+    config = from_overrides(**{**TINY, "num_devices": 1, "lora": lora, "max_target_length": 8, "warmup_steps_fraction": 0.0, "learning_rate": 1e-2, **overrides})
     return setup_lib.build(config, mesh_lib.create(config, devices=jax.devices()[:1]))
 
   setup = build(quantization="int8")
