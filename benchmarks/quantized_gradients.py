@@ -1,8 +1,9 @@
 """Gradients of quantized training on every family: `python benchmarks/quantized_gradients.py [--modes int8 fp8 ...]`
 prints one JSON line per (family, mode) and a summary.
 
-For each decoder family (tiny random models: dense, sliding-window, gemma2's soft caps, qwen3's QK norm, the MoE
-families mixtral and qwen3_moe, deepseek with MLA, shared experts, group-limited routing and MTP) and each mode
+For each decoder family (the tiny random models of tests/test_quantization.py: dense, sliding-window, gemma2's soft
+caps, qwen3's QK norm, mixtral (dropless and with a capacity), qwen3_moe, deepseek with MLA, shared experts,
+group-limited routing and MTP) and each mode
 (int8, fp8, fp8_full, and QLoRA: LoRA on an int8 or int4 base), the loss gradient of one batch is computed twice,
 each time from a model built anew from the same seed. Reported: whether every gradient is finite, whether the two
 are bitwise equal, the number of quantized products in the traced forward pass, and the loss against the
@@ -15,39 +16,8 @@ import argparse
 import json
 import sys
 
-BASE = dict(base_emb_dim=32, base_num_query_heads=4, base_num_kv_heads=2, base_mlp_dim=64, base_num_decoder_layers=2, head_dim=8, vocab_size=64)
-MOE = dict(num_experts=4, num_experts_per_tok=2, base_moe_mlp_dim=16)
-FAMILIES = {
-  "llama2": {},
-  "mistral": dict(decoder_block="mistral", sliding_window_size=3),
-  "gemma2": dict(decoder_block="gemma2", sliding_window_size=3, attn_logits_soft_cap=50.0, final_logits_soft_cap=30.0, mlp_activations=["gelu", "linear"]),
-  "qwen3": dict(decoder_block="qwen3", use_qk_norm=True, logits_via_embedding=True),
-  "mixtral": dict(decoder_block="mixtral", **MOE),
-  "mixtral_capacity": dict(decoder_block="mixtral", capacity_factor=1.5, **MOE),
-  "qwen3_moe": dict(decoder_block="qwen3_moe", use_qk_norm=True, **MOE),
-  "deepseek": dict(
-    decoder_block="deepseek",
-    base_num_decoder_layers=3,
-    num_experts=8,
-    num_experts_per_tok=2,
-    base_moe_mlp_dim=8,
-    shared_experts=1,
-    first_num_dense_layers=1,
-    routed_score_func="sigmoid",
-    routed_bias=True,
-    n_routing_groups=4,
-    topk_routing_group=2,
-    q_lora_rank=8,
-    kv_lora_rank=8,
-    qk_nope_head_dim=4,
-    qk_rope_head_dim=4,
-    v_head_dim=6,
-    rope_type="yarn",
-    rope_factor=4,
-    original_max_position_embeddings=4,
-    mtp_num_layers=1,
-  ),
-}
+from maxtext.train import loss as loss_lib
+
 MODES = {
   "int8": dict(quantization="int8"),
   "fp8": dict(quantization="fp8"),
@@ -58,6 +28,8 @@ MODES = {
 
 
 def main(argv: list[str]) -> list[dict]:
+  from tests.test_quantization import FAMILIES
+
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
   parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
@@ -72,21 +44,12 @@ def main(argv: list[str]) -> list[dict]:
   from maxtext.config import from_overrides
   from maxtext.layers.lora import LoRAParam
   from maxtext.platform import choose_platform
-  from maxtext.train import loss as loss_lib
+  from tests.test_quantization import _batch, count_dots
 
   choose_platform()
 
-  def batch(config):
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(1, config.vocab_size, size=(2, 16)), jnp.int32)
-    ones, positions = jnp.ones((2, 16), jnp.int32), jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
-    return dict(
-      inputs=tokens, targets=jnp.roll(tokens, -1, 1), inputs_position=positions, targets_position=positions, inputs_segmentation=ones, targets_segmentation=ones
-    )
-
   def loss_fn(config, data):
-    trained = LoRAParam if config.lora.enable_lora else nnx.Param
-    graphdef, params, rest = nnx.split(models.build(config), trained, ...)
+    graphdef, params, rest = nnx.split(models.build(config), LoRAParam if config.lora.enable_lora else nnx.Param, ...)
 
     def loss(params):
       sums = loss_lib.loss_sums(nnx.merge(graphdef, params, rest), data, config)
@@ -94,36 +57,25 @@ def main(argv: list[str]) -> list[dict]:
 
     return loss, params
 
-  def quantized_products(jaxpr) -> int:
-    n = 0
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("dot_general", "ragged_dot_general") and all(v.aval.dtype.itemsize == 1 for v in eqn.invars[:2]):
-        n += 1
-      for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-          sub = v if hasattr(v, "eqns") else getattr(v, "jaxpr", None)
-          if hasattr(sub, "eqns"):
-            n += quantized_products(sub)
-    return n
-
   rows = []
   for family in args.families:
-    float_config = from_overrides(num_devices=1, dtype="float32", **BASE, **FAMILIES[family])
-    data = batch(float_config)
+    float_config = from_overrides(**{**FAMILIES[family], "num_devices": 1, "dtype": "float32"})
+    data = _batch(float_config, seq=16)
     float_loss = float(jax.jit(loss_fn(float_config, data)[0])(loss_fn(float_config, data)[1]))
     for mode in args.modes:
-      config = from_overrides(num_devices=1, dtype="float32", **BASE, **FAMILIES[family], **MODES[mode])
+      config = from_overrides(**{**FAMILIES[family], "num_devices": 1, "dtype": "float32", **MODES[mode]})
       loss, params = loss_fn(config, data)
       grad = jax.jit(jax.value_and_grad(loss))
       value, grads = grad(params)
       _, again = grad(loss_fn(config, data)[1])
       leaves, leaves_again = jax.tree.leaves(grads), jax.tree.leaves(again)
+      traced = jax.make_jaxpr(loss)(params).jaxpr
       row = {
         "family": family,
         "mode": mode,
         "finite": bool(np.isfinite(float(value))) and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves),
         "bitwise_reproducible": all(np.array_equal(a, b) for a, b in zip(leaves, leaves_again)),
-        "quantized_products": quantized_products(jax.make_jaxpr(loss)(params).jaxpr),
+        "quantized_products": sum(count_dots(traced, dt) for dt in (jnp.int8, jnp.float8_e4m3fn)),
         "gradient_arrays": len(leaves),
         "loss": round(float(value), 5),
         "float_loss": round(float_loss, 5),

@@ -23,13 +23,14 @@ from tests.test_moe_families import DEEPSEEK, QWEN3_MOE
 
 FAMILIES = {
   **{name: dict(TINY, decoder_block=name, **overrides) for name, overrides in FAMILY_OVERRIDES.items()},
+  "mixtral_capacity": dict(TINY, decoder_block="mixtral", **FAMILY_OVERRIDES["mixtral"], capacity_factor=1.5),
   "qwen3_moe": dict(QWEN3_MOE, dtype="float32"),
   "deepseek": dict(DEEPSEEK, mtp_num_layers=1),
 }
 # Quantized products per forward pass: every attention (MLA: wq_a, wq_b, wkv_a, wkv_b, out) and MLP projection
 # (gated: wi_0, wi_1, wo) and the routed experts (3 grouped matmuls); a scanned stack traces its layer once.
 # Not quantized: the router, attention's own products, the output head, mHC and the MTP module.
-QUANTIZED_DOTS = {"llama2": 7, "mistral": 7, "mixtral": 7, "qwen3": 7, "gemma2": 7, "qwen3_moe": 7, "deepseek": 19}
+QUANTIZED_DOTS = {"llama2": 7, "mistral": 7, "mixtral": 7, "mixtral_capacity": 7, "qwen3": 7, "gemma2": 7, "qwen3_moe": 7, "deepseek": 19}
 
 
 def _batch(config, rows: int = 2, seq: int = 8) -> dict[str, jax.Array]:
@@ -154,7 +155,9 @@ def qlora():
 
   def build(**overrides):
     lora = {"enable_lora": True, "lora_rank": 4}
-    config = from_overrides(**{**TINY, "num_devices": 1, "lora": lora, "max_target_length": 8, "warmup_steps_fraction": 0.0, "learning_rate": 1e-2, **overrides})
+    config = from_overrides(
+      **{**TINY, "num_devices": 1, "lora": lora, "max_target_length": 8, "warmup_steps_fraction": 0.0, "learning_rate": 1e-2, **overrides}
+    )
     return setup_lib.build(config, mesh_lib.create(config, devices=jax.devices()[:1]))
 
   setup = build(quantization="int8")
