@@ -33,9 +33,9 @@ import qwix
 from flax import nnx
 from qwix._src.core import dot_general_qt, ragged_dot_qt
 
+from maxtext.config.derived import QUANTIZATION_CALIBRATION_KEYS
 from maxtext.errors import ConfigError
 
-MODES = ("int8", "fp8", "fp8_full", "int4w")
 QTYPES = {"int8": "int8", "int4": "int4", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # format -> jax.numpy dtype name
 INT4_GROUP = 128  # int4 weight scales: one per this many values of the last contracting axis (QLoRA-style groups), when it is a multiple
 SCALE_DTYPE = jnp.float32  # stored scales (a few bytes per output channel or group)
@@ -47,7 +47,6 @@ FORMATS = {
   "fp8_full": ("e4m3", "e4m3", "e5m2"),
   "int4w": ("int4", None, None),
 }
-CALIBRATION_KEYS = ("weight_quantization_calibration_method", "act_quantization_calibration_method", "bwd_quantization_calibration_method")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +73,14 @@ def recipe(config: Any, native: bool = True) -> Recipe | None:
   """The recipe of config.quantization (None when off); native: whether the target's matmul units take its format.
 
   Kernels are stored quantized when LoRA trains on a frozen int8/int4 base (QLoRA); decoding stores them too
-  (Recipe.storing). The config's calibration and tiling keys were validated by `check_config`.
+  (Recipe.storing). The config's calibration and tiling keys were validated when it loaded (maxtext.config.derived).
   """
   mode = config.quantization
   if not mode:
     return None
   weight, activation, gradient = FORMATS[mode]
   calibration = (
-    tuple(getattr(config, key) for key in CALIBRATION_KEYS) if mode == "fp8_full" else ("absmax",) * 3
+    tuple(getattr(config, key) for key in QUANTIZATION_CALIBRATION_KEYS) if mode == "fp8_full" else ("absmax",) * 3
   )  # MaxText: only fp8_full reads the calibration keys
   tiles = config.quantization_local_shard_count
   return Recipe(
