@@ -108,7 +108,7 @@ def state_breakdown(state: Any) -> dict[str, int]:
   """Per-device bytes of the train state's parameters (and of the kernels stored quantized among them) and optimizer state."""
   from maxtext.train.checkpointing import stored_kernels
 
-  quantized = [leaf for kernel, scale in stored_kernels(state["params"]).values() for leaf in (kernel.get_value(), scale.get_value())]
+  quantized = [leaf for kernel, _, scale in stored_kernels(state["params"]).values() for leaf in (kernel.get_value(), scale.get_value())]
   return {
     "params": memory.shard_bytes(state["params"]),
     "quantized_kernel": memory.shard_bytes(quantized),

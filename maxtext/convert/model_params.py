@@ -50,7 +50,7 @@ def _quantize_stored(config: MaxTextConfig, flat: dict[str, np.ndarray], expecte
     return flat
   recipe, out = quantization.recipe(config), dict(flat)
   for path in scales:
-    kernel = path_str(path[:-1] + ("kernel",))
+    kernel = path_str(quantization.kernel_path(path))
     if kernel in flat:
       out[kernel], out[path_str(path)] = quantization.quantize_like(jnp.asarray(flat[kernel]), expected[path], recipe)
   return out

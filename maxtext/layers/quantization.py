@@ -185,7 +185,16 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, r: Recipe
 
 
 class KernelScale(nnx.Param):
-  """Scales of a stored quantized kernel (metadata in_axes, out_axes: the kernel's contracting and output axes)."""
+  """Scales of a stored quantized kernel, named after it: `<kernel>_scale` (metadata in_axes, out_axes: the kernel's
+  contracting and output axes; leading axes beyond them, stacked layers or experts, get scales of their own)."""
+
+
+SCALE_SUFFIX = "_scale"
+
+
+def kernel_path(scale_path: tuple) -> tuple:
+  """The path of the kernel a KernelScale at scale_path belongs to ('.../kernel_scale' -> '.../kernel')."""
+  return (*scale_path[:-1], str(scale_path[-1]).removesuffix(SCALE_SUFFIX))
 
 
 def scale_shape(shape: Sequence[int], n_in: int, weight: str) -> tuple[int, ...]:

@@ -295,14 +295,14 @@ def overlay_params(params: Any, restored: Any) -> Any:
   return nnx.from_flat_state(flat)
 
 
-def stored_kernels(abstract_params: Any) -> dict[tuple, tuple[Any, Any]]:
-  """Kernels held quantized (QLoRA base, decoding): kernel path -> (kernel Variable, its KernelScale Variable)."""
+def stored_kernels(abstract_params: Any) -> dict[tuple, tuple[Any, tuple, Any]]:
+  """Kernels held quantized (QLoRA base, decoding): kernel path -> (kernel Variable, its scales' path, KernelScale Variable)."""
   from flax import nnx
 
-  from maxtext.layers.quantization import KernelScale
+  from maxtext.layers.quantization import KernelScale, kernel_path
 
   flat = dict(nnx.to_flat_state(abstract_params))
-  return {keys[:-1] + ("kernel",): (flat[keys[:-1] + ("kernel",)], var) for keys, var in flat.items() if isinstance(var, KernelScale)}
+  return {kernel_path(keys): (flat[kernel_path(keys)], keys, var) for keys, var in flat.items() if isinstance(var, KernelScale)}
 
 
 def base_target(config: MaxTextConfig, abstract_params: Any) -> Any:
@@ -314,7 +314,7 @@ def base_target(config: MaxTextConfig, abstract_params: Any) -> Any:
   stored = stored_kernels(abstract_params)
   if config.checkpoint_is_quantized or not stored:
     return abstract_params
-  scales = {keys[:-1] + ("kernel_scale",) for keys in stored}
+  scales = {scale_path for _, scale_path, _ in stored.values()}
   leaves = []
   for keys, var in nnx.to_flat_state(abstract_params):
     if keys in stored:
@@ -327,13 +327,15 @@ def base_target(config: MaxTextConfig, abstract_params: Any) -> Any:
 
 def check_base_quantization(config: MaxTextConfig, path: str, abstract_params: Any) -> None:
   """load_parameters_path's kernels must be quantized exactly when checkpoint_is_quantized says so, in the model's format."""
+  from maxtext.layers.quantization import SCALE_SUFFIX, kernel_path
+
   stored = stored_kernels(abstract_params)
   tree = read_metadata_tree(item_path(path)).get("params", {})
   saved = {}
   for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     names = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keys)
     saved[names[:-1] if names and names[-1] == "value" else names] = leaf
-  has_scales = any(k[-1] == "kernel_scale" for k in saved)
+  has_scales = any(k[-1].endswith(SCALE_SUFFIX) and kernel_path(k) in saved for k in saved)
   if config.checkpoint_is_quantized and not has_scales:
     raise ConfigError(
       f"load_parameters_path '{path}' holds float kernels (no kernel_scale), not quantized ones; drop checkpoint_is_quantized to quantize them on load"
@@ -344,7 +346,7 @@ def check_base_quantization(config: MaxTextConfig, path: str, abstract_params: A
     raise ConfigError(
       f"load_parameters_path '{path}' holds quantized kernels, which this run keeps in float: load them for LoRA (QLoRA) or decoding, or load the float checkpoint"
     )
-  for keys, (kernel, _) in stored.items():
+  for keys, (kernel, _, _) in stored.items():
     leaf = saved.get(tuple(str(k) for k in keys))
     want = kernel.get_value().dtype
     have = getattr(leaf, "dtype", None)
@@ -368,17 +370,17 @@ def quantize_restored(config: MaxTextConfig, restored: Any, abstract_params: Any
   if config.checkpoint_is_quantized or not todo:
     return restored
   recipe = quantization.recipe(config)
-  scale_vars = [stored[keys][1] for keys in todo]
+  scale_vars = [stored[keys][2] for keys in todo]
 
   def quantize(kernels):
     return [quantization.quantize_like(w, scale, recipe) for w, scale in zip(kernels, scale_vars)]
 
-  shardings = [tuple(getattr(v.get_value(), "sharding", None) for v in stored[keys]) for keys in todo]
+  shardings = [tuple(getattr(stored[keys][i].get_value(), "sharding", None) for i in (0, 2)) for keys in todo]
   fn = jax.jit(quantize, out_shardings=shardings if all(s[0] is not None for s in shardings) else None)
   for keys, (values, scales) in zip(todo, fn([flat[keys].get_value() for keys in todo])):
-    kernel, scale = stored[keys]
+    kernel, scale_path, scale = stored[keys]
     flat[keys] = kernel.replace(values)
-    flat[keys[:-1] + ("kernel_scale",)] = scale.replace(scales)
+    flat[scale_path] = scale.replace(scales)
   return nnx.from_flat_state(flat)
 
 
