@@ -335,7 +335,12 @@ def check_base_quantization(config: MaxTextConfig, path: str, abstract_params: A
   for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     names = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keys)
     saved[names[:-1] if names and names[-1] == "value" else names] = leaf
-  has_scales = any(k[-1].endswith(SCALE_SUFFIX) and kernel_path(k) in saved for k in saved)
+
+  def quantized(keys: tuple) -> bool:  # a '<kernel>_scale' beside a one-byte (int8, int4, fp8) kernel
+    kernel = saved.get(kernel_path(keys))
+    return keys[-1].endswith(SCALE_SUFFIX) and kernel is not None and jax.numpy.dtype(getattr(kernel, "dtype", "float32")).itemsize == 1
+
+  has_scales = any(quantized(k) for k in saved)
   if config.checkpoint_is_quantized and not has_scales:
     raise ConfigError(
       f"load_parameters_path '{path}' holds float kernels (no kernel_scale), not quantized ones; drop checkpoint_is_quantized to quantize them on load"
