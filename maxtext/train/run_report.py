@@ -14,6 +14,7 @@ from collections.abc import Callable
 import jax
 
 from maxtext.config import MaxTextConfig
+from maxtext.layers.quantization import Recipe
 from maxtext.platform import Policy
 from maxtext.train import checkpointing, perf
 
@@ -34,6 +35,14 @@ def count(n: float) -> str:
     if abs(n) >= size:
       return f"{n / size:.3g}{unit}"
   return f"{n:.0f}"
+
+
+def quantization_summary(r: Recipe, platform: str) -> str:
+  """One line on what a quantization recipe does on this platform (the train banner's)."""
+  formats = f"weights {r.weight}" + (f", activations {r.activation}" if r.activation else "") + f", gradients {r.gradient or 'straight-through'}"
+  where = "kernels stored quantized (frozen base)" if r.stored else "kernels quantized from float each step"
+  units = f"the {platform}'s matmul units take {r.weight}" if r.native else f"XLA converts {r.weight} to bf16 on {platform} (no speedup)"
+  return f"{r.mode} ({formats}); {where}; {units}"
 
 
 def run_dir(config: MaxTextConfig) -> str:
@@ -76,6 +85,8 @@ class RunReport:
     if c.remat_policy != "none":
       where = "pinned host memory" if self.policy.offload_layer_inputs else "device memory"
       self.log(f"remat: {c.remat_policy}; each layer's saved input in {where} (decoder_layer_input={c.decoder_layer_input})")
+    if self.policy.quantization is not None:
+      self.log(f"quantization: {quantization_summary(self.policy.quantization, platform)}")
     self.log(f"output: {run_dir(c)}; TensorBoard: {tensorboard}")
     self.log(f"training {c.run_name} from step {self.start} to {c.steps}; MFU against {self.yardstick.tflops:.3f} TFLOP/s/device ({self.yardstick.source})")
 
