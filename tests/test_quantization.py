@@ -83,7 +83,8 @@ def test_every_projection_is_quantized(family):
 def test_fp8_gradients_finite_and_bitwise_reproducible():
   """fp8 quantizes the gradients too (e5m2), through MLA, the routed experts' grouped matmuls and shared experts (int8's
   straight-through gradients: the QLoRA step below and benchmarks/quantized_gradients.py for every family)."""
-  config = from_overrides(**{**FAMILIES["deepseek"], "num_devices": 1, "quantization": "fp8"})
+  slim = dict(base_num_decoder_layers=2, mtp_num_layers=0)  # one dense and one MoE layer
+  config = from_overrides(**{**FAMILIES["deepseek"], **slim, "num_devices": 1, "quantization": "fp8"})
   batch = _batch(config)
   loss, params = _loss(config, batch, models.build(config))
   grad = jax.jit(jax.value_and_grad(loss))
@@ -254,12 +255,15 @@ def test_quantized_kv_cache_attends_like_the_float_cache(kv_dtype, axis, toleran
       jnp.ones((b, per_head, slots, 1)),
     ),
   }
-  outs = {}
-  for name, cache in caches.items():
+
+  @jax.jit
+  def prefill_and_step(cache):
     ctx, cache = cache.attend(q[:, :s], kk[:, :s], v[:, :s], 0, d**-0.5, None, jax.lax.Precision.HIGHEST, ())
     step = dataclasses.replace(cache, lengths=cache.lengths + s, new_lengths=jnp.ones((b,), jnp.int32))
     ctx2, _ = step.attend(q[:, s:], kk[:, s:], v[:, s:], 0, d**-0.5, None, jax.lax.Precision.HIGHEST, ())
-    outs[name] = np.concatenate([np.asarray(ctx), np.asarray(ctx2)], axis=1)
+    return jnp.concatenate([ctx, ctx2], axis=1)
+
+  outs = {name: np.asarray(prefill_and_step(cache)) for name, cache in caches.items()}
   assert np.abs(outs["quantized"] - outs["float"]).max() < tolerance * np.abs(outs["float"]).max()
   config = from_overrides(**{**TINY, "num_devices": 1, "dtype": "bfloat16", "head_dim": 64})  # the quickstart's heads
   quantized = config.model_copy(update={"quantize_kvcache": True, "kv_quant_dtype": kv_dtype, "kv_quant_axis": axis})
