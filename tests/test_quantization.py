@@ -143,9 +143,9 @@ def test_fp8_needs_fp8_units():
 
 
 def _kernel_bytes(tree) -> int:
-  """Bytes of the decoder layers' kernels (int4 packed two per byte)."""
+  """Bytes of the decoder layers' kernels."""
   leaves = [v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0] if p[0].key == "layers" and p[-2].key == "kernel"]
-  return sum(v.size * (4 if v.dtype == jnp.int4 else 8 * v.dtype.itemsize) // 8 for v in leaves)
+  return sum(v.size * v.dtype.itemsize for v in leaves)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +176,7 @@ def test_qlora_keeps_frozen_kernels_quantized_and_trains_the_adapters(qlora):
     return [v for p, v in jax.tree_util.tree_flatten_with_path(s.abstract_state["params"])[0] if p[0].key == "layers" and p[-2].key == "kernel"]
 
   assert len(layer_kernels(setup)) == 7 and all(v.dtype == jnp.int8 for v in layer_kernels(setup))
-  assert all(v.dtype == jnp.int4 for v in layer_kernels(int4_setup))
+  assert all(v.dtype == jnp.uint8 for v in layer_kernels(int4_setup))  # two int4 values per byte
   q8, f32, q4 = (_kernel_bytes(s.abstract_state["params"]) for s in (setup, float_setup, int4_setup))
   assert f32 == 4 * q8 == 8 * q4  # float32 -> int8 -> int4 (packed), scales counted apart
   assert jax.tree.structure(setup.abstract_state["opt_state"]) == jax.tree.structure(float_setup.abstract_state["opt_state"])  # adapters only
@@ -225,7 +225,7 @@ def test_quantized_checkpoint_round_trip(tmp_path):
   for message, overrides in {
     "holds float kernels": dict(checkpoint_is_quantized=True),
     "set checkpoint_is_quantized=true": dict(load_parameters_path=str(tmp_path / "q8")),
-    "holds layers/attention/key/kernel as int8, quantization=int4w stores int4": dict(
+    "holds layers/attention/key/kernel as int8, quantization=int4w stores int4 (two per uint8)": dict(
       load_parameters_path=str(tmp_path / "q8"), checkpoint_is_quantized=True, quantization="int4w"
     ),
   }.items():
@@ -301,3 +301,17 @@ def test_int8_products_are_counted_in_compiled_hlo():
   %other = bf16[4,2]{1,0} convolution(%a, %b), dim_labels=bf_io->bf
 }"""
   assert count_int8_products(tpu) == 1
+
+
+def test_int4_kernels_pack_two_values_per_byte():
+  values = jnp.asarray(np.random.default_rng(0).integers(-8, 8, size=(3, 6, 4)), jnp.int8)
+  packed = quantization.pack_int4(values, 1)
+  assert packed.dtype == jnp.uint8 and packed.shape == (3, 3, 4)
+  np.testing.assert_array_equal(quantization.unpack_int4(packed, 1), values)
+  r = quantization.Recipe("int4w", "int4", None, None, stored=True)
+  w = jnp.asarray(np.random.default_rng(1).normal(size=(256, 8)), jnp.float32)
+  stored, scale = quantization.quantize_kernel(w, 1, r)
+  assert stored.shape == (128, 8) and scale.shape == (2, 8)  # groups of 128 inputs
+  x = jnp.ones((2, 256), jnp.float32)
+  dequantized = np.asarray(quantization.unpack_int4(stored, 0), np.float32) * np.repeat(np.asarray(scale), 128, axis=0)
+  np.testing.assert_allclose(quantization.stored_einsum("ab,bc->ac", x, stored, scale, r, jnp.float32), np.asarray(x) @ dequantized, rtol=1e-5)

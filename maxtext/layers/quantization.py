@@ -15,7 +15,7 @@ in the compute dtype; fp8 and fp8_full quantize the incoming gradient g to e5m2 
 gradient's token axis in `grad_tiles` tiles) against the forward pass's quantized operands.
 
 Stored kernels (`Recipe.stored`: the frozen base of LoRA, decoding): W is kept as its quantized values and scales
-(int8 or e4m3 per output channel; int4 also per group of INT4_GROUP inputs); the forward product is qwix's
+(int8 or e4m3 per output channel; int4 also per group of INT4_GROUP inputs, two values per byte); the forward product is qwix's
 dot_general on them (int8 x int8 -> int32 when activations are quantized too, else W dequantized into the compute
 dtype) and the only gradient, dx = g . dequantize(W)^T, is taken in the compute dtype.
 """
@@ -224,7 +224,40 @@ def quantize_kernel(kernel: jax.Array, n_in: int, r: Recipe, batch_axes: int = 0
   tiled = {batch_axes + i: inner[i] // target[i] for i in range(n_in) if target[i] > 1}  # int4: per head / per group
   channels = [*lead, *range(batch_axes + n_in, w.ndim)]
   q = qwix.quantize(w, qtype(r.weight), channelwise_axes=channels, tiled_axes=tiled, calibration_method=r.weight_calibration)
-  return q.qvalue, q.scale.astype(SCALE_DTYPE)
+  values = pack_int4(q.qvalue, batch_axes + n_in - 1) if r.weight == "int4" else q.qvalue
+  return values, q.scale.astype(SCALE_DTYPE)
+
+
+def pack_int4(values: jax.Array, axis: int) -> jax.Array:
+  """int4 values -> uint8, two per byte along axis (even index in the low nibble). Stored so on every platform: XLA's
+  own int4 arrays are unpacked on CPU, and their layouts disagree between executables there."""
+  if values.shape[axis] % 2:
+    raise ConfigError(f"int4 kernels hold two values per byte along the contracting axis, whose size {values.shape[axis]} is odd; use int8")
+  v = jnp.moveaxis(values.astype(jnp.int8).astype(jnp.uint8) & 0xF, axis, -1)
+  packed = v[..., 0::2] | (v[..., 1::2] << 4)
+  return jnp.moveaxis(packed, -1, axis)
+
+
+def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
+  """pack_int4's inverse: uint8 -> int8 values in [-8, 7], twice as long along axis."""
+  p = jnp.moveaxis(packed, axis, -1)
+  low = (p << 4).astype(jnp.int8) >> 4  # arithmetic shifts sign-extend the nibbles
+  high = p.astype(jnp.int8) >> 4
+  return jnp.moveaxis(jnp.stack([low, high], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1]), -1, axis)
+
+
+def unpacked_shape(shape: Sequence[int], scale_variable: nnx.Variable, weight: str) -> tuple[int, ...]:
+  """The float kernel's shape of a stored kernel of `shape` (int4 packs its last contracting axis two per byte)."""
+  shape = list(shape)
+  if weight == "int4":
+    shape[len(shape) - scale_variable.get_metadata()["out_axes"] - 1] *= 2
+  return tuple(shape)
+
+
+def stored_qarray(values: jax.Array, scale: jax.Array, packed_axis: int, r: Recipe, dtype: Any) -> qwix.QArray:
+  """A stored kernel as qwix's QArray (int4 unpacked into int8 containers), scales in dtype."""
+  values = unpack_int4(values, packed_axis) if r.weight == "int4" else values
+  return qwix.QArray(values, scale.astype(dtype), qtype=qtype(r.weight))
 
 
 def quantize_like(kernel: jax.Array, scale_variable: nnx.Variable, r: Recipe) -> tuple[jax.Array, jax.Array]:
@@ -232,10 +265,6 @@ def quantize_like(kernel: jax.Array, scale_variable: nnx.Variable, r: Recipe) ->
   meta = scale_variable.get_metadata()
   n_in, n_out = meta["in_axes"], meta["out_axes"]
   return quantize_kernel(kernel, n_in, r, batch_axes=kernel.ndim - n_in - n_out)
-
-
-def dequantize(values: jax.Array, scale: jax.Array, weight: str, dtype: Any) -> jax.Array:
-  return qwix.dequantize(qwix.QArray(values, scale.astype(dtype), qtype=qtype(weight))).astype(dtype)
 
 
 def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
@@ -250,9 +279,10 @@ def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, 
   inputs, out = spec.split("->")
   lhs, rhs = inputs.split(",")
   x_dtype = x.dtype
+  packed_axis = max(rhs.index(a) for a in rhs if a in lhs and a not in out)  # int4: the last contracting axis
 
   def forward(x, values, scale):
-    w = qwix.QArray(values, scale.astype(dtype), qtype=qtype(r.weight))
+    w = stored_qarray(values, scale, packed_axis, r, dtype)
     x = x.astype(dtype)
     if r.activation is not None:
       free = [i for i in range(x.ndim) if i not in dims[0][0]]
@@ -261,7 +291,7 @@ def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, 
 
   def backward(residuals, g):
     values, scale = residuals
-    w = qwix.dequantize(qwix.QArray(values, scale.astype(dtype), qtype=qtype(r.weight))).astype(dtype)
+    w = qwix.dequantize(stored_qarray(values, scale, packed_axis, r, dtype)).astype(dtype)
     dx = matmul.product(f"{out},{rhs}->{lhs}", g.astype(dtype), w)
     # Frozen: no optimizer updates stored values (integers take float0 cotangents).
     no_gradient = jnp.zeros_like(values) if jnp.issubdtype(values.dtype, jnp.inexact) else np.zeros(values.shape, jax.dtypes.float0)

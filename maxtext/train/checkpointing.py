@@ -311,15 +311,19 @@ def base_target(config: MaxTextConfig, abstract_params: Any) -> Any:
   import jax.numpy as jnp
   from flax import nnx
 
+  from maxtext.layers.quantization import recipe, unpacked_shape
+
   stored = stored_kernels(abstract_params)
   if config.checkpoint_is_quantized or not stored:
     return abstract_params
   scales = {scale_path for _, scale_path, _ in stored.values()}
+  weight = recipe(config).weight
   leaves = []
   for keys, var in nnx.to_flat_state(abstract_params):
     if keys in stored:
       value = var.get_value()
-      var = var.replace(jax.ShapeDtypeStruct(value.shape, jnp.dtype(config.weight_dtype), sharding=getattr(value, "sharding", None)))
+      shape = unpacked_shape(value.shape, stored[keys][2], weight)
+      var = var.replace(jax.ShapeDtypeStruct(shape, jnp.dtype(config.weight_dtype), sharding=getattr(value, "sharding", None)))
     if keys not in scales:
       leaves.append((keys, var))
   return nnx.from_flat_state(leaves)
@@ -357,9 +361,14 @@ def check_base_quantization(config: MaxTextConfig, path: str, abstract_params: A
     have = getattr(leaf, "dtype", None)
     if config.checkpoint_is_quantized and have is not None and jax.numpy.dtype(have) != want:
       raise ConfigError(
-        f"load_parameters_path '{path}' holds {'/'.join(map(str, keys))} as {jax.numpy.dtype(have).name}, quantization={config.quantization} stores {want.name}; "
+        f"load_parameters_path '{path}' holds {'/'.join(map(str, keys))} as {_format(jax.numpy.dtype(have))}, quantization={config.quantization} stores {_format(want)}; "
         "pass the quantization it was saved with"
       )
+
+
+def _format(dtype: Any) -> str:
+  """A stored kernel's dtype as its quantized format (int4 is packed two per byte in uint8)."""
+  return "int4 (two per uint8)" if dtype == jax.numpy.uint8 else dtype.name
 
 
 def quantize_restored(config: MaxTextConfig, restored: Any, abstract_params: Any) -> Any:
