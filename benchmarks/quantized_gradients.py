@@ -22,8 +22,8 @@ MODES = {
   "int8": dict(quantization="int8"),
   "fp8": dict(quantization="fp8"),
   "fp8_full": dict(quantization="fp8_full", weight_quantization_calibration_method="absmax,0.95"),
-  "qlora_int8": dict(quantization="int8", lora={"enable_lora": True, "lora_rank": 4, "lora_module_path": ".*(attention|mlp)/.*"}),
-  "qlora_int4w": dict(quantization="int4w", lora={"enable_lora": True, "lora_rank": 4, "lora_module_path": ".*(attention|mlp)/.*"}),
+  "qlora_int8": dict(quantization="int8", lora={"enable_lora": True, "lora_rank": 4}),
+  "qlora_int4w": dict(quantization="int4w", lora={"enable_lora": True, "lora_rank": 4}),
 }
 
 

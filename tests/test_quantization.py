@@ -63,9 +63,10 @@ def count_dots(jaxpr, dtype) -> int:
 
 
 def _loss(config, batch, model):
+  """(loss of the model's parameters, its parameters); the other variables (routing biases) are traced as inputs too."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-  def loss(params):
+  def loss(params, rest=rest):
     sums = loss_lib.loss_sums(nnx.merge(graphdef, params, rest), batch, config)
     return (sums.xent + sums.aux) / sums.weights
 
@@ -76,8 +77,9 @@ def _loss(config, batch, model):
 def test_every_projection_is_quantized(family):
   """Traced only (abstract parameters): the int8 x int8 products of each family's forward pass."""
   config = from_overrides(**{**FAMILIES[family], "num_devices": 1, "quantization": "int8"})
-  loss, params = _loss(config, _batch(config), models.abstract_model(config))
-  assert count_dots(jax.make_jaxpr(loss)(params).jaxpr, jnp.int8) == QUANTIZED_DOTS[family]
+  model = models.abstract_model(config)
+  loss, params = _loss(config, _batch(config), model)
+  assert count_dots(jax.make_jaxpr(loss)(params, nnx.state(model, nnx.Not(nnx.Param))).jaxpr, jnp.int8) == QUANTIZED_DOTS[family]
 
 
 def test_fp8_gradients_finite_and_bitwise_reproducible():

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
+from maxtext.layers import quantization
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
 from maxtext.layers.mlp import MLP, activation
@@ -170,11 +171,38 @@ class MoE(nnx.Module):
     self.gate = DenseGeneral(
       (e,), (n,), ("embed", None), dtype=jnp.float32, weight_dtype=wdt, precision=self.precision, rngs=rngs, integer_rounding=policy.integer_bf16_rounding
     )
-    self.wi_0 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
-    self.wi_1 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
-    self.wo = nnx.Param(variance_scaling_init(rngs.params(), (n, m, e), m, wdt), logical_axes=("exp", "mlp", "embed"))
+    self.quant = policy.quantization
+    for name, (fan_in, fan_out), axes in (
+      ("wi_0", (e, m), ("exp", "embed", "mlp")),
+      ("wi_1", (e, m), ("exp", "embed", "mlp")),
+      ("wo", (m, e), ("exp", "mlp", "embed")),
+    ):
+      self._expert_weight(name, variance_scaling_init(rngs.params(), (n, fan_in, fan_out), fan_in, wdt), axes)
     self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias else None
     self.shared_experts = MLP(c, policy=policy, rngs=rngs, width=c.shared_experts * m) if c.shared_experts else None
+
+  def _expert_weight(self, name: str, w: jax.Array, axes: tuple[str, ...]) -> None:
+    """An expert weight [experts, in, out]; with a stored quantization recipe, its values and `<name>_scale` (per
+    expert and output column, maxtext.layers.quantization)."""
+    if self.quant is None or not self.quant.stored:
+      setattr(self, name, nnx.Param(w, logical_axes=axes))
+      return
+    values, scale = quantization.quantize_kernel(w, 1, self.quant, batch_axes=1)
+    setattr(self, name, nnx.Param(values, logical_axes=axes))
+    scale_axes = (axes[0], *quantization.scale_axes(axes[1:], w.shape[1:], 1, self.quant.weight))
+    setattr(self, f"{name}{quantization.SCALE_SUFFIX}", quantization.KernelScale(scale, logical_axes=scale_axes, in_axes=1, out_axes=1))
+
+  def _scale(self, name: str) -> jax.Array | None:
+    scale = getattr(self, f"{name}{quantization.SCALE_SUFFIX}", None)
+    return None if scale is None else scale[...]
+
+  def _batched(self, lhs: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """[experts, slots, in] x [experts, in, out] -> [experts, slots, out] in the compute dtype (quantized per recipe)."""
+    if self.quant is None:
+      return jnp.einsum("ecd,edf->ecf", lhs, w.astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
+    if scale is not None:
+      return quantization.stored_einsum("ecd,edf->ecf", lhs, w, scale, self.quant, self.dtype)
+    return quantization.einsum("ecd,edf->ecf", lhs, w, self.quant, self.dtype)
 
   def _act(self, h0: jax.Array, h1: jax.Array) -> jax.Array:
     acts = self.config.mlp_activations
@@ -184,22 +212,27 @@ class MoE(nnx.Module):
     """Every (token, expert) pair computed: sort by expert, grouped matmuls, unsort, weighted sum."""
     routed, order, group_sizes = sort_by_expert(tokens, r.experts, self.config.num_experts)
 
-    def grouped(lhs: jax.Array, w: nnx.Param) -> jax.Array:
-      return jax.lax.ragged_dot(lhs, w[...].astype(self.dtype), group_sizes, precision=self.precision)
+    def grouped(lhs: jax.Array, name: str) -> jax.Array:
+      w, scale = getattr(self, name)[...], self._scale(name)
+      if self.quant is None:
+        return jax.lax.ragged_dot(lhs, w.astype(self.dtype), group_sizes, precision=self.precision)
+      if scale is not None:
+        return quantization.stored_ragged_dot(lhs, w, scale, group_sizes, self.quant, self.dtype)
+      return quantization.ragged_dot(lhs, w, group_sizes, self.quant, self.dtype)
 
-    h = self._act(checkpoint_name(grouped(routed, self.wi_0), "mlpwi_0"), checkpoint_name(grouped(routed, self.wi_1), "mlpwi_1"))
-    return unsort_combine(grouped(h, self.wo), order, r.weights)
+    h = self._act(checkpoint_name(grouped(routed, "wi_0"), "mlpwi_0"), checkpoint_name(grouped(routed, "wi_1"), "mlpwi_1"))
+    return unsort_combine(grouped(h, "wo"), order, r.weights)
 
   def _with_capacity(self, tokens: jax.Array, r: Routing, kept: jax.Array, position: jax.Array, capacity: int) -> jax.Array:
     """Kept pairs scattered into [experts, capacity] buffers, one batched matmul per projection, gathered back."""
     c = self.config
     buffer, slot = pack(tokens, r.experts, kept, position, capacity, c.num_experts)
 
-    def batched(lhs: jax.Array, w: nnx.Param) -> jax.Array:
-      return jnp.einsum("ecd,edf->ecf", lhs, w[...].astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
+    def batched(lhs: jax.Array, name: str) -> jax.Array:
+      return self._batched(lhs, getattr(self, name)[...], self._scale(name))
 
-    h = self._act(checkpoint_name(batched(buffer, self.wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, self.wi_1), "mlpwi_1"))
-    return unpack_combine(batched(h, self.wo), slot, r.weights)
+    h = self._act(checkpoint_name(batched(buffer, "wi_0"), "mlpwi_0"), checkpoint_name(batched(buffer, "wi_1"), "mlpwi_1"))
+    return unpack_combine(batched(h, "wo"), slot, r.weights)
 
   def _expert_parallel(self, x: jax.Array, r: Routing, valid: jax.Array, mesh: jax.sharding.AbstractMesh) -> tuple[jax.Array, jax.Array]:
     """Dispatch by all-to-all over the `expert` mesh axis (see the module docstring) -> (y [B,S,E] float32, dropped)."""
@@ -212,11 +245,11 @@ class MoE(nnx.Module):
     routed_spec = jax.sharding.PartitionSpec(*x_spec[:2], None)
     token_axes = tuple(a for part in x_spec for a in ((part,) if isinstance(part, str) else (part or ())))
     w_spec = jax.sharding.PartitionSpec("expert", None, None)
+    scales = [self._scale(name) for name in ("wi_0", "wi_1", "wo")]
+    stored = scales[0] is not None
 
-    def batched(lhs: jax.Array, w: jax.Array) -> jax.Array:
-      return jnp.einsum("ecd,edf->ecf", lhs, w.astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
-
-    def local(x, weights, experts, valid, wi_0, wi_1, wo):
+    def local(x, weights, experts, valid, wi_0, wi_1, wo, *scales):
+      wi_0_scale, wi_1_scale, wo_scale = scales if stored else (None, None, None)
       lb, ls, _ = x.shape
       t = lb * ls
       tokens, experts, weights = x.reshape(t, e), experts.reshape(t, k), weights.reshape(t, k)
@@ -226,8 +259,9 @@ class MoE(nnx.Module):
       buffer, slot = pack(tokens.astype(self.dtype), experts, kept, position, capacity, n)
       buffer = jax.lax.all_to_all(buffer, "expert", 0, 0, tiled=True)  # [source x local experts, C, E]
       buffer = buffer.reshape(ep, n // ep, capacity, e).swapaxes(0, 1).reshape(n // ep, ep * capacity, e)
-      h = self._act(checkpoint_name(batched(buffer, wi_0), "mlpwi_0"), checkpoint_name(batched(buffer, wi_1), "mlpwi_1"))
-      out = batched(h, wo).reshape(n // ep, ep, capacity, e).swapaxes(0, 1).reshape(n, capacity, e)
+      h0 = checkpoint_name(self._batched(buffer, wi_0, wi_0_scale), "mlpwi_0")
+      h = self._act(h0, checkpoint_name(self._batched(buffer, wi_1, wi_1_scale), "mlpwi_1"))
+      out = self._batched(h, wo, wo_scale).reshape(n // ep, ep, capacity, e).swapaxes(0, 1).reshape(n, capacity, e)
       out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
       y = unpack_combine(out, slot, weights).reshape(lb, ls, e)
       dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid.reshape(t, 1))
@@ -236,11 +270,11 @@ class MoE(nnx.Module):
     fn = jax.shard_map(
       local,
       mesh=mesh,
-      in_specs=(x_spec, routed_spec, routed_spec, jax.sharding.PartitionSpec(*x_spec[:2]), w_spec, w_spec, w_spec),
+      in_specs=(x_spec, routed_spec, routed_spec, jax.sharding.PartitionSpec(*x_spec[:2]), w_spec, w_spec, w_spec) + ((w_spec,) * 3 if stored else ()),
       out_specs=(x_spec, jax.sharding.PartitionSpec()),
     )
     routed = (r.weights.reshape(b, s, k), r.experts.reshape(b, s, k))
-    return fn(x.astype(self.dtype), *routed, valid.reshape(b, s), self.wi_0[...], self.wi_1[...], self.wo[...])
+    return fn(x.astype(self.dtype), *routed, valid.reshape(b, s), self.wi_0[...], self.wi_1[...], self.wo[...], *(scales if stored else ()))
 
   def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics).

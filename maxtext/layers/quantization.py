@@ -154,13 +154,27 @@ def _in_order(y: jax.Array, perm: tuple[int, ...]) -> jax.Array:
   return y if perm == tuple(range(len(perm))) else jnp.transpose(y, perm)
 
 
+def _varying(a: jax.Array) -> frozenset[str]:
+  """The manual mesh axes an array inside shard_map varies over (empty outside)."""
+  return jax.typeof(a).manual_axis_type.varying
+
+
+def varying_alike(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+  """Inside shard_map: every array made varying over the mesh axes any of them varies over, so a custom VJP's
+  cotangents (a weight gradient summed over sharded tokens) have their inputs' types; the cast's transpose sums them
+  over those axes. Outside shard_map, the arrays unchanged."""
+  axes = frozenset().union(*map(_varying, arrays))
+  return tuple(jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying") if axes - _varying(a) else a for a in arrays)
+
+
 def einsum(spec: str, x: jax.Array, kernel: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
   """einsum(spec, x, kernel) (x: activations, kernel: float weights; explicit letters) quantized per r, operands cast
   to dtype first; result in dtype."""
   if r.activation is None:
     raise ValueError(f"quantization={r.mode} is weight-only: its kernels must be stored quantized")
   dims, perm = einsum_dims(spec)
-  out = dot_general_qt.dot_general_qt(x.astype(dtype), kernel.astype(dtype), dims, _qt_config(r))
+  x, kernel = varying_alike(x.astype(dtype), kernel.astype(dtype))
+  out = dot_general_qt.dot_general_qt(x, kernel, dims, _qt_config(r))
   return _in_order(out.astype(dtype), perm)
 
 
@@ -177,7 +191,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, r: Recipe
   operands, or with e5m2 incoming gradients for fp8)."""
   grad = qtype(r.gradient) if r.gradient else None
   config = ragged_dot_qt.RaggedDotQtConfig(lhs_qtype=qtype(r.activation), rhs_qtype=qtype(r.weight), dlhs_grad_qtype=grad, drhs_grad_qtype=grad)
-  return ragged_dot_qt.ragged_dot_qt(lhs.astype(dtype), rhs.astype(dtype), group_sizes, config).astype(dtype)
+  lhs, rhs = varying_alike(lhs.astype(dtype), rhs.astype(dtype))
+  return ragged_dot_qt.ragged_dot_qt(lhs, rhs, group_sizes, config).astype(dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -267,6 +282,31 @@ def quantize_like(kernel: jax.Array, scale_variable: nnx.Variable, r: Recipe) ->
   return quantize_kernel(kernel, n_in, r, batch_axes=kernel.ndim - n_in - n_out)
 
 
+def _frozen_kernel_product(x: jax.Array, values: jax.Array, scale: jax.Array, forward: Any, input_grad: Any, *aux: jax.Array) -> jax.Array:
+  """forward(x, values, scale, *aux), differentiable in x only: dx = input_grad(g, values, scale, *aux). A stored kernel
+  is frozen (no optimizer updates it); its values and the integer aux arrays (group sizes) take no gradient."""
+  x_dtype = x.dtype
+
+  def no_gradient(a: jax.Array) -> jax.Array:
+    return jnp.zeros_like(a) if jnp.issubdtype(a.dtype, jnp.inexact) else np.zeros(a.shape, jax.dtypes.float0)
+
+  def backward(residuals, g):
+    return (input_grad(g, *residuals).astype(x_dtype), *(no_gradient(a) for a in residuals))
+
+  fn = jax.custom_vjp(forward)
+  fn.defvjp(lambda x, *rest: (forward(x, *rest), rest), backward)
+  return fn(x, values, scale, *aux)
+
+
+def _activations(x: jax.Array, contracting: Sequence[int], r: Recipe, dtype: Any) -> jax.Array | qwix.QArray:
+  """x in dtype, quantized per token (every axis but the contracting ones) when the recipe quantizes activations."""
+  x = x.astype(dtype)
+  if r.activation is None:
+    return x
+  free = [i for i in range(x.ndim) if i not in contracting]
+  return qwix.quantize(x, qtype(r.activation), channelwise_axes=free, calibration_method=r.act_calibration)
+
+
 def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
   """einsum(spec, x, W) for a stored kernel W = (values, scale), result in dtype; differentiable in x only.
 
@@ -278,25 +318,31 @@ def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, 
   dims, perm = einsum_dims(spec)
   inputs, out = spec.split("->")
   lhs, rhs = inputs.split(",")
-  x_dtype = x.dtype
   packed_axis = max(rhs.index(a) for a in rhs if a in lhs and a not in out)  # int4: the last contracting axis
 
   def forward(x, values, scale):
     w = stored_qarray(values, scale, packed_axis, r, dtype)
-    x = x.astype(dtype)
-    if r.activation is not None:
-      free = [i for i in range(x.ndim) if i not in dims[0][0]]
-      x = qwix.quantize(x, qtype(r.activation), channelwise_axes=free, calibration_method=r.act_calibration)
-    return _in_order(qwix.dot_general(x, w, dims).astype(dtype), perm)
+    return _in_order(qwix.dot_general(_activations(x, dims[0][0], r, dtype), w, dims).astype(dtype), perm)
 
-  def backward(residuals, g):
-    values, scale = residuals
+  def input_grad(g, values, scale):
     w = qwix.dequantize(stored_qarray(values, scale, packed_axis, r, dtype)).astype(dtype)
-    dx = matmul.product(f"{out},{rhs}->{lhs}", g.astype(dtype), w)
-    # Frozen: no optimizer updates stored values (integers take float0 cotangents).
-    no_gradient = jnp.zeros_like(values) if jnp.issubdtype(values.dtype, jnp.inexact) else np.zeros(values.shape, jax.dtypes.float0)
-    return dx.astype(x_dtype), no_gradient, jnp.zeros_like(scale)
+    return matmul.product(f"{out},{rhs}->{lhs}", g.astype(dtype), w)
 
-  fn = jax.custom_vjp(forward)
-  fn.defvjp(lambda x, values, scale: (forward(x, values, scale), (values, scale)), backward)
-  return fn(x, values, scale)
+  return _frozen_kernel_product(*varying_alike(x, values, scale), forward, input_grad)
+
+
+_RAGGED_DLHS = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def stored_ragged_dot(x: jax.Array, values: jax.Array, scale: jax.Array, group_sizes: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
+  """Grouped matmul [M, K] x W [G, K, N] for stored experts W = (values, scale [G, 1, N]), differentiable in x only:
+  qwix's ragged_dot on x quantized per row (weight-only: x in dtype); dx against the dequantized W."""
+
+  def forward(x, values, scale, group_sizes):
+    return qwix.ragged_dot(_activations(x, (1,), r, dtype), stored_qarray(values, scale, 1, r, dtype), group_sizes).astype(dtype)
+
+  def input_grad(g, values, scale, group_sizes):
+    w = qwix.dequantize(stored_qarray(values, scale, 1, r, dtype)).astype(dtype)
+    return jax.lax.ragged_dot_general(g.astype(dtype), w, group_sizes, _RAGGED_DLHS, preferred_element_type=jnp.float32)
+
+  return _frozen_kernel_product(*varying_alike(x, values, scale), forward, input_grad, group_sizes)
