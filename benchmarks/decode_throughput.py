@@ -77,7 +77,7 @@ def main(argv: list[str]) -> list[dict]:
   from maxtext.layers.dtypes import bits
   from maxtext.process import prepare
 
-  config = load(args.config, before_devices=prepare)
+  config = load(args.config, devices=prepare)
   mesh = mesh_lib.create(config)
 
   def generator(config):

@@ -37,7 +37,7 @@ def build(config_args: list[str]) -> dict:
   from maxtext.train import state as state_lib
   from maxtext.train.loop import create_data_iterator
 
-  config = load(config_args, before_devices=prepare)
+  config = load(config_args, devices=prepare)
   step = compile_train_step(config)
   with jax.set_mesh(step.mesh):
     state = step.init_state()

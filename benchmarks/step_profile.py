@@ -65,7 +65,7 @@ def main(argv: list[str]) -> None:
   from maxtext.process import prepare
   from maxtext.train.loop import create_data_iterator
 
-  config = load(args.config, before_devices=prepare)
+  config = load(args.config, devices=prepare)
   step = compile_train_step(config)
   with jax.set_mesh(step.mesh), tempfile.TemporaryDirectory() as trace_dir:
     state = step.init_state()

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> dict:
   from maxtext.train import perf
   from maxtext.train.loop import create_data_iterator
 
-  config = load(args.config, before_devices=prepare)
+  config = load(args.config, devices=prepare)
   matmul_tflops = perf.measure_matmul_tflops(args.matmul_size)
   step = compile_train_step(config)
   mesh, compiled, compile_s = step.mesh, step.compiled, step.compile_seconds

@@ -1,6 +1,12 @@
 """maxtext: a YAML-configured JAX framework to pretrain and finetune LLMs."""
 
+from maxtext.platform import choose_platform as _choose_platform
+
 __version__ = "0.1.0"
+
+# On a host without TPU chips, JAX is kept off the TPU backend before it starts, so an installed libtpu stays
+# silent for library use as for the entry points (JAX_PLATFORMS, when set, is left alone; maxtext.platform).
+_choose_platform()
 
 
 def __getattr__(name: str):

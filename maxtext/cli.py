@@ -1,4 +1,5 @@
-"""The shared front door of every `python -m maxtext.<entry>`: `-h`/`--help`, the platform choice, one-line errors."""
+"""The shared front door of every `python -m maxtext.<entry>`: `-h`/`--help` and one-line errors (the platform is
+chosen when the package is imported: maxtext/__init__.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from maxtext.errors import cli_main
 COMMON_KEYS = """\
 common keys (key=value after the config file; every key and its value: python -m maxtext.config <config.yml>):
   model_name=llama3.1-8b          a file of configs/models/ (default: the model keys of the config)
-  run_name=r1                     outputs go to <base_output_directory>/<run_name>/{checkpoints,metrics,tensorboard}
+  run_name=r1                     outputs go to <base_output_directory>/<run_name>/{checkpoints,tensorboard}
   base_output_directory=DIR       a local directory (relative to the working directory) or gs://bucket/dir
   steps=N                         optimizer steps to train to
   per_device_batch_size=B         sequences per device per step (fractions allowed when the total is whole)
@@ -38,8 +39,7 @@ def wants_help(argv: Sequence[str]) -> bool:
 
 def entry(usage: str | Callable[[], str] | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """Decorate `main(argv)`: -h/--help prints `usage` and exits 0 (usage None: main's own argparse answers it);
-  otherwise pick the JAX platform (`maxtext.platform.choose_platform`) and run, a UserError printing `error: ...`
-  and exiting 2."""
+  otherwise run, a UserError printing `error: ...` and exiting 2."""
 
   def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
     checked = cli_main(fn)
@@ -50,9 +50,6 @@ def entry(usage: str | Callable[[], str] | None) -> Callable[[Callable[..., Any]
       if usage is not None and wants_help(argv):
         print(usage() if callable(usage) else usage)
         return 0
-      from maxtext.platform import choose_platform
-
-      choose_platform()
       return checked(argv)
 
     return main

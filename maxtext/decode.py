@@ -13,7 +13,7 @@ def main(argv: list[str]) -> None:
   from maxtext.inference.cli import run
   from maxtext.process import prepare
 
-  config = load(argv, before_devices=prepare)
+  config = load(argv, devices=prepare)
   run(config, argv)
 
 

@@ -1,6 +1,6 @@
 """Join the JAX distributed system before JAX is asked for devices (multi-host TPU, GKE, Slurm, explicit coordinator).
 
-`initialize(config)` is what entry points pass to `maxtext.config.load(..., before_devices=initialize)`.
+`initialize(config)` runs in `maxtext.process.prepare`, which entry points pass to `maxtext.config.load(..., devices=prepare)`.
 Detection reads only environment variables and /dev, so a plain single-process run never
 blocks on a network lookup.
 """
@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import jax
 
+from maxtext import platform
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
-from maxtext.platform import has_tpu_chips as _has_tpu_chips  # module attribute: tests replace it
 
 # Environment variables set by launchers that start several processes, with what makes them multi-process.
 _TPU_HOST_LISTS = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")  # GKE TPU pods (JobSet), comma-separated hosts
@@ -42,9 +42,9 @@ def detect(config: MaxTextConfig, env: Mapping[str, str] | None = None, tpu_chip
     return "auto"
   if hosts:  # one TPU host listed: a single-process job
     return "skip"
-  on_tpu_vm = _has_tpu_chips() if tpu_chips is None else tpu_chips
-  # A TPU VM without host lists is one worker of a slice; the metadata server says how many.
-  return "auto" if on_tpu_vm and config.hardware in ("auto", "tpu") else "skip"
+  # A TPU VM running on its chips without host lists is one worker of a slice; the metadata server says how many.
+  on_tpu_vm = platform.has_tpu_chips() if tpu_chips is None else tpu_chips
+  return "auto" if on_tpu_vm and platform.predict(config, env.get("JAX_PLATFORMS", ""), on_tpu_vm) == "tpu" else "skip"
 
 
 def initialize(config: MaxTextConfig) -> None:

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
   from maxtext.config import load
   from maxtext.process import prepare
 
-  config = load(argv, before_devices=prepare)
+  config = load(argv, devices=prepare)
   r = evaluate(config)
   batches = f"{config.eval_steps} batches" if config.eval_steps > 0 else "the whole eval split"
   print(

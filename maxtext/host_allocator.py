@@ -1,13 +1,13 @@
 """Keep large host buffers mapped between steps when training on CPU (glibc malloc tuning).
 
-XLA:CPU allocates each execution's temporary buffer (hundreds of MB for a train step) with
+XLA:CPU allocates each execution's temporary buffer (the size of the step's temporaries) with
 `posix_memalign` from a worker thread. glibc serves that from a per-thread arena, which cannot
-hold it, so every step maps fresh pages and unmaps them afterwards: about 100k page faults and
-zero-filling per step. Three `mallopt` settings stop that: one arena (the main heap, which can
+hold it, so every step maps fresh pages and unmaps them afterwards: page faults and zero-filling
+for the whole buffer every step (figures: benchmarks/README.md, figures behind code comments). Three `mallopt` settings stop that: one arena (the main heap, which can
 grow), no mmap for large blocks, and no trimming of freed memory, so the pages are reused.
 
-They must be set before JAX creates its thread pool (`maxtext.config.load`'s `before_devices`),
-and only for CPU runs: accelerator hosts keep glibc's defaults.
+They must be set before JAX creates its thread pool (`maxtext.process.prepare` does it before counting
+devices), and only for CPU runs: accelerator hosts keep glibc's defaults.
 """
 
 from __future__ import annotations

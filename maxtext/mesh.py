@@ -10,6 +10,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from maxtext import platform
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
 
@@ -20,11 +21,14 @@ def create(config: MaxTextConfig, devices: Sequence[jax.Device] | None = None) -
   """Mesh with config.mesh_axes; multi-slice devices form a hybrid (ICI x DCN) mesh."""
   devices = list(jax.devices() if devices is None else devices)
   if len(devices) != config.num_devices:
-    raise ConfigError(f"the config was resolved for {config.num_devices} devices but {len(devices)} are present; reload the config on this machine")
+    raise ConfigError(
+      f"the config was resolved for {config.num_devices} devices but {len(devices)} are present; "
+      f"load it here with maxtext.config.load(..., devices=maxtext.process.prepare), which counts JAX's devices, or num_devices={len(devices)}"
+    )
   ici, dcn = list(config.ici_parallelism), list(config.dcn_parallelism)
   if config.num_slices > 1:
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
-  elif len(devices) == 1 or devices[0].platform == "cpu":
+  elif len(devices) == 1 or platform.platform_of(devices) == "cpu":
     grid = np.array(devices).reshape(ici)
   else:
     grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)

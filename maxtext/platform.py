@@ -1,10 +1,14 @@
 """The target platform, resolved once during setup, and the kernels-and-numerics policy that layers receive.
 
-`resolve(config, mesh)` reads the platform from the mesh's devices, so an AOT compile for a TPU topology on a
-CPU host gets the TPU policy. `predict(config)` answers the same question before JAX starts (host allocator,
-distributed setup), from `hardware`, `JAX_PLATFORMS` and the accelerator device nodes. Layers take a `Policy`
-in their constructor and never ask JAX which backend they run on; the CPU test suite builds models with the
-GPU or TPU policy (`for_platform(config, "tpu", interpret=True)`) to run those code paths.
+Every question about devices and backends is answered here. `resolve(config, mesh)` reads the platform from the
+mesh's devices, so an AOT compile for a TPU topology on a CPU host gets the TPU policy. `predict(config)` answers
+the same question before JAX starts (host allocator, distributed setup), from `hardware`, `JAX_PLATFORMS` and the
+accelerator device nodes, and `device_counts` counts devices for the config without starting JAX unless asked.
+Layers take a `Policy` in their constructor and never ask JAX which backend they run on; the CPU test suite
+builds models with the GPU or TPU policy (`for_platform(config, "tpu", interpret=True)`) to run those code paths.
+
+This module sits below maxtext.config (loading a config asks it for the device counts), so it reads the few
+config keys it needs through `PolicyKeys` instead of importing the config class.
 """
 
 from __future__ import annotations
@@ -13,22 +17,37 @@ import dataclasses
 import glob
 import importlib.util
 import os
+import re
 import sys
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Protocol
 
-import jax
+from maxtext.errors import ConfigError
 
-from maxtext.config import MaxTextConfig
-from maxtext.layers import quantization
+if TYPE_CHECKING:
+  import jax  # imported where devices are read: `import maxtext` chooses the platform without importing JAX
+
+  from maxtext.layers.quantization import Recipe
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 _TPU_NODES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")  # v2-v4 expose /dev/accel*, v5e/v5p/v6e /dev/vfio/<n>
 _GPU_NODES = ("/dev/nvidia[0-9]*",)
-_HARDWARE_PLATFORM = {"cpu": "cpu", "gpu": "gpu", "gpu_multiprocess": "gpu", "tpu": "tpu"}
+_HARDWARE_PLATFORM = {"cpu": "cpu", "gpu": "gpu", "gpu_multiprocess": "gpu", "tpu": "tpu"}  # config.hardware -> platform
+FUSED_ATTENTION = {"tpu": "splash", "gpu": "cudnn", "cpu": "chunked"}  # each platform's fused attention kernel
 
 # CPU: sequences at least this long take the chunked O(S)-memory attention under attention=autoselected.
 CPU_CHUNKED_ATTENTION_FROM = 2048
 CPU_ATTENTION_KEY_BLOCK = 512
+
+
+class PolicyKeys(Protocol):
+  """The config keys this module reads (maxtext.config.MaxTextConfig has them), besides splash_blocks' sa_* keys."""
+
+  hardware: str
+  attention: str
+  max_segments_per_seq: int
+  decoder_layer_input: str
+  quantization: str  # with the keys maxtext.layers.quantization.recipe reads when it is set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,35 +71,27 @@ class Policy:
 
   platform: str  # 'cpu' | 'gpu' | 'tpu': the platform the traced code compiles for
   attention: str = "autoselected"  # config.attention: autoselected | dot_product | flash | cudnn
+  fused_attention: str = "chunked"  # the platform's fused kernel, for attention=flash and autoselected: splash | cudnn | chunked
   integer_bf16_rounding: bool = False  # float32 -> bfloat16 casts by integer ops (XLA:CPU's fused convert is slow)
   tune_host_allocator: bool = False  # keep large host buffers mapped between steps (maxtext.host_allocator)
   interpret_kernels: bool = False  # run Pallas kernels in interpret mode (accelerator policies tested on CPU)
-  splash: SplashBlocks = SplashBlocks()
+  splash: SplashBlocks = SplashBlocks()  # block sizes of TPU splash attention (the sa_* keys)
   chunked_attention_from: int = 0  # sequences at least this long take the chunked XLA path (0 = never)
   attention_key_block: int = CPU_ATTENTION_KEY_BLOCK  # keys per step of the chunked path
   max_segments_per_seq: int = -1  # documents per packed row (data pipeline bound); > 0 enables cuDNN packed offsets
   unstacked_decode: bool = False  # decode with per-layer arrays: XLA:CPU copies a scan's slices of stacked weights and caches
   compiler_state_layouts: bool = False  # XLA picks the train state's device layouts (TPU: no per-step relayout of stacked kernels)
-  offload_layer_inputs: bool = False  # keep each decoder layer's saved input in pinned host memory (config.decoder_layer_input)
-  quantization: quantization.Recipe | None = None  # config.quantization's matmul recipe (qwix); its `native` says whether this platform's units take it
+  offload_layer_inputs: bool = False  # keep each decoder layer's saved input in pinned host memory (decoder_layer_input=offload)
+  host_offload: bool = False  # pinned host memory may hold activations: decoder_layer_input=auto tries it when HBM is short (TPU)
+  quantization: Recipe | None = None  # config.quantization's matmul recipe (qwix); its `native` says whether this platform's units take it
 
 
-def splash_blocks(config: MaxTextConfig) -> SplashBlocks:
-  c = config
-  return SplashBlocks(
-    c.sa_block_q,
-    c.sa_block_kv,
-    c.sa_block_kv_compute,
-    c.sa_block_q_dkv,
-    c.sa_block_kv_dkv,
-    c.sa_block_kv_dkv_compute,
-    c.sa_block_q_dq,
-    c.sa_block_kv_dq,
-    c.sa_use_fused_bwd_kernel,
-  )
+def splash_blocks(config: PolicyKeys) -> SplashBlocks:
+  """The sa_<field> keys of the config (MaxText's splash attention block sizes)."""
+  return SplashBlocks(*(getattr(config, f"sa_{field.name}") for field in dataclasses.fields(SplashBlocks)))
 
 
-def for_platform(config: MaxTextConfig, platform: str, interpret: bool = False) -> Policy:
+def for_platform(config: PolicyKeys, platform: str, interpret: bool = False) -> Policy:
   """The policy for running config on platform; interpret=True runs Pallas kernels in interpret mode (CPU tests)."""
   if platform not in PLATFORMS:
     raise ValueError(f"unknown platform {platform!r}; expected one of {PLATFORMS}")
@@ -88,6 +99,7 @@ def for_platform(config: MaxTextConfig, platform: str, interpret: bool = False) 
   return Policy(
     platform=platform,
     attention=config.attention,
+    fused_attention=FUSED_ATTENTION[platform],
     integer_bf16_rounding=cpu,
     tune_host_allocator=cpu,
     interpret_kernels=interpret,
@@ -96,26 +108,24 @@ def for_platform(config: MaxTextConfig, platform: str, interpret: bool = False) 
     max_segments_per_seq=config.max_segments_per_seq,
     unstacked_decode=cpu,
     compiler_state_layouts=platform == "tpu",
-    offload_layer_inputs=offload_layer_inputs(config, platform),
-    quantization=quantization.recipe(config, native=native_format(config.quantization, platform)),
+    offload_layer_inputs=config.decoder_layer_input == "offload",  # auto is resolved by compiling (maxtext.aot.remat_auto)
+    host_offload=platform == "tpu",
+    quantization=_quantization_recipe(config, platform),
   )
 
 
 # Matmul formats the platform's units take natively, per mode (else XLA converts them to bf16: same numerics, no speedup).
-# TPU v4-v6e and NVIDIA GPUs multiply int8 with int32 accumulation; fp8 needs NVIDIA sm_89+ (checked in `check_devices`);
+# TPU v4-v6e and NVIDIA GPUs multiply int8 with int32 accumulation; fp8 needs NVIDIA sm_89+ (checked in `resolve`);
 # XLA:CPU runs int8 dots as integer dots and converts fp8 to float.
 NATIVE_FORMATS = {"cpu": ("int8",), "gpu": ("int8", "fp8", "fp8_full"), "tpu": ("int8",)}
 
 
-def native_format(mode: str, platform: str) -> bool:
-  return mode in NATIVE_FORMATS[platform]
+def _quantization_recipe(config: PolicyKeys, platform: str) -> Recipe | None:
+  if not config.quantization:
+    return None
+  from maxtext.layers.quantization import recipe  # imports JAX and qwix: only for runs that quantize
 
-
-def offload_layer_inputs(config: MaxTextConfig, platform: str) -> bool:
-  """decoder_layer_input: offload, or auto on TPU with scanned layers (there the scanned loop keeps a [layers, B, S, E]
-  stack of inputs in HBM; unrolled TPU layers measured no better offloaded, benchmarks/README.md)."""
-  where = config.decoder_layer_input
-  return where == "offload" or (where == "auto" and platform == "tpu" and config.scan_layers)
+  return recipe(config, native=config.quantization in NATIVE_FORMATS[platform])
 
 
 def platform_of(devices: Iterable[jax.Device]) -> str:
@@ -126,29 +136,40 @@ def platform_of(devices: Iterable[jax.Device]) -> str:
   return platforms.pop()
 
 
-def resolve(config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None) -> Policy:
+def resolve(config: PolicyKeys, mesh: jax.sharding.Mesh | None = None) -> Policy:
   """The policy for the mesh's devices (a TPU topology under AOT), else for JAX's local devices."""
+  import jax
+
   devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()
   policy = for_platform(config, platform_of(devices))
-  quantization.check_devices(policy.quantization, devices)
+  if policy.quantization is not None:
+    from maxtext.layers.quantization import check_devices
+
+    check_devices(policy.quantization, devices)
   return policy
+
+
+def _nodes(patterns: Iterable[str]) -> list[str]:
+  return [path for pattern in patterns for path in glob.glob(pattern)]
 
 
 def has_tpu_chips() -> bool:
   """TPU VMs expose their chips as /dev/accel* (v2-v4) or /dev/vfio/<n> (v5e, v5p, v6e)."""
-  return any(glob.glob(pattern) for pattern in _TPU_NODES)
+  return bool(_nodes(_TPU_NODES))
 
 
 def has_gpus() -> bool:
-  return any(glob.glob(pattern) for pattern in _GPU_NODES)
+  return bool(_nodes(_GPU_NODES))
 
 
-def predict(config: MaxTextConfig, platforms: str | None = None, accelerator_nodes: bool | None = None) -> str:
+def predict(config: PolicyKeys, platforms: str | None = None, accelerator_nodes: bool | None = None) -> str:
   """The platform JAX will pick, decided without initialising it: hardware, else the first of JAX_PLATFORMS,
   else 'tpu'/'gpu' when /dev shows TPU chips or GPUs, else 'cpu'.
 
   platforms defaults to JAX's `jax_platforms` setting; accelerator_nodes (tests) says whether /dev shows accelerators.
   """
+  import jax
+
   if config.hardware != "auto":
     return _HARDWARE_PLATFORM[config.hardware]
   first = (jax.config.jax_platforms or "" if platforms is None else platforms).split(",")[0].strip()
@@ -161,7 +182,75 @@ def predict(config: MaxTextConfig, platforms: str | None = None, accelerator_nod
 
 def local_platform() -> str:
   """The platform of this process's devices (what perf measurements run on)."""
+  import jax
+
   return platform_of(jax.local_devices())
+
+
+def device_kind() -> str:
+  """The kind of this process's first device, e.g. 'TPU v5p' or 'NVIDIA H100 80GB HBM3' (the chip-table key)."""
+  import jax
+
+  return jax.local_devices()[0].device_kind
+
+
+def check_hardware(config: PolicyKeys) -> None:
+  """config.hardware (unless 'auto') must name the platform JAX runs on; a mismatch is a ConfigError."""
+  if config.hardware == "auto":
+    return
+  want, have = _HARDWARE_PLATFORM[config.hardware], local_platform()
+  if want != have:
+    raise ConfigError(f"hardware={config.hardware} but JAX runs on '{have}'; set hardware=auto or hardware={have}, or fix the JAX install")
+
+
+def backend_started() -> bool:
+  """Whether JAX has initialised a backend in this process (asking it for devices would not start one)."""
+  if "jax" not in sys.modules:
+    return False
+  from jax._src import xla_bridge  # no public API says this; the tests check it too
+
+  return xla_bridge.backends_are_initialized()
+
+
+def device_counts(config: PolicyKeys, start: bool = False) -> tuple[int, int]:
+  """(devices, slices) of this run: JAX's own devices when its backend is up or start=True (entry points, once the
+  process has joined the distributed system), else predicted without starting JAX (`predicted_device_counts`)."""
+  import jax
+
+  if start or backend_started():
+    devices = jax.devices()
+    return len(devices), len({getattr(d, "slice_index", 0) for d in devices})
+  return predicted_device_counts(predict(config))
+
+
+_FORCED_CPU_DEVICES = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def predicted_device_counts(platform: str, env: Mapping[str, str] | None = None) -> tuple[int, int]:
+  """(devices, slices) JAX would show on platform, decided without starting it.
+
+  cpu: jax_num_cpu_devices, else XLA_FLAGS' --xla_force_host_platform_device_count, else 1. gpu: the GPUs in
+  CUDA_VISIBLE_DEVICES, else in /dev. tpu: this host's chips (one JAX device each, v4 and later) times the hosts
+  of TPU_WORKER_HOSTNAMES, in MEGASCALE_NUM_SLICES slices. Launchers that start one process per GPU, and TPU VMs
+  that list their workers only in the metadata server, need JAX's own count (`device_counts(start=True)`).
+  """
+  import jax
+
+  env = os.environ if env is None else env
+  slices = 1
+  if platform == "cpu":
+    forced = _FORCED_CPU_DEVICES.search(env.get("XLA_FLAGS", ""))
+    configured = jax.config.jax_num_cpu_devices
+    local = configured if configured > 0 else int(forced.group(1)) if forced else 1
+  elif platform == "gpu":
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    local = len([d for d in visible.split(",") if d.strip()]) if visible is not None else len(_nodes(_GPU_NODES))
+  else:
+    hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    slices = int(env.get("MEGASCALE_NUM_SLICES") or 1)
+    local = len(_nodes(_TPU_NODES))
+    return max(local, 1) * max(len(hosts), 1) * slices, slices
+  return max(local, 1), slices
 
 
 _CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
@@ -177,11 +266,12 @@ def choose_platform(env: MutableMapping[str, str] | None = None, tpu_chips: bool
 
   With JAX_PLATFORMS unset and no TPU chips in /dev, sets JAX_PLATFORMS to 'cuda,cpu' (a GPU and a jax CUDA
   plugin are present) or 'cpu', and returns it; returns None and changes nothing when JAX_PLATFORMS is set or
-  TPU chips are present. Must run before JAX initialises a backend (it is safe after `import jax`).
+  TPU chips are present or JAX has started. `import maxtext` runs it, so the library, the entry points and
+  scripts all pick the same platform; it takes effect when it runs before JAX starts (after `import jax` is fine).
   AOT compilation for TPU topologies does not need the TPU backend (train_compile runs with JAX_PLATFORMS=cpu).
   """
   env = os.environ if env is None else env
-  if env.get("JAX_PLATFORMS"):
+  if env.get("JAX_PLATFORMS") or (env is os.environ and backend_started()):  # set, or too late to matter
     return None
   if has_tpu_chips() if tpu_chips is None else tpu_chips:
     return None

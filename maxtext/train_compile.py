@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices need no local accelerator
   from maxtext import topology
   from maxtext.aot import compile as aot_compile
-  from maxtext.aot import executable, memory
+  from maxtext.aot import executable, memory, remat_auto
   from maxtext.config import ConfigError, load
 
   config = load(argv)
@@ -36,7 +36,8 @@ def main(argv: list[str]) -> None:
   where = f"{config.compile_topology} x {config.compile_topology_num_slices} slice(s) ({config.num_devices} devices)"
   print(f"compiling the train step of {config.model_name} for {where}: ici {config.ici_parallelism}, dcn {config.dcn_parallelism}", flush=True)
   result = aot_compile.compile_for_topology(config, log=lambda line: print(line, flush=True))
-  print(f"remat_policy: {result.remat_policy}")
+  print(f"remat_policy: {result.config.remat_policy}")
+  print(remat_auto.saved_input(result.config.decoder_layer_input == "offload", result.config.decoder_layer_input, result.choice))
   print(
     f"compiled in {result.compile_seconds:.1f}s; model TFLOPs per step {result.tflops_per_step:.2f} ({result.tflops_per_step / config.num_devices:.3f} per device)"
   )
@@ -49,8 +50,7 @@ def main(argv: list[str]) -> None:
   if not result.memory.fits:
     raise memory.DoesNotFit(result.memory.does_not_fit_message(chip))
   if config.compiled_trainstep_file:
-    compiled_config = config.model_copy(update={"remat_policy": result.remat_policy})  # auto: the policy compiled
-    executable.save(config.compiled_trainstep_file, result.compiled, compiled_config, result.devices)
+    executable.save(config.compiled_trainstep_file, result.compiled, result.config, result.devices)  # auto keys resolved
     print(f"saved the compiled train step to {config.compiled_trainstep_file}", file=sys.stderr)
 
 

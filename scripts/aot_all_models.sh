@@ -29,8 +29,8 @@ extra_for() {  # expert parallelism with capacity for the large MoE models (docs
   esac
 }
 
-echo "| model | topology x slices | compile s | args GiB | temp GiB | total GiB | HBM GiB | fits | TFLOPs/step |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| model | topology x slices | layer inputs | compile s | args GiB | temp GiB | total GiB | HBM GiB | fits | TFLOPs/step |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 status=0
 for file in configs/models/*.yml; do
   model=$(basename "$file" .yml)
@@ -40,7 +40,7 @@ for file in configs/models/*.yml; do
   rc=$?
   json=$(printf '%s\n' "$out" | tail -n 1)
   if [[ $rc -ne 0 && $rc -ne 3 ]]; then
-    echo "| $model | $topo x 2 | error (exit $rc): $(tail -n 1 /tmp/aot_"$model".err) | | | | | | |"
+    echo "| $model | $topo x 2 | | error (exit $rc): $(tail -n 1 /tmp/aot_"$model".err) | | | | | | |"
     status=1
     continue
   fi
@@ -49,7 +49,7 @@ for file in configs/models/*.yml; do
 import json, sys
 model, topo, r = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 g = lambda k: f"{r[k] / 2**30:.1f}"
-print(f"| {model} | {topo} x 2 | {r['compile_seconds']:.0f} | {g('argument_bytes')} | {g('temp_bytes')} | {g('total_bytes')} | {g('hbm_bytes')} | {'yes' if r['fits'] else 'NO'} | {r['tflops_per_step']:.0f} |")
+print(f"| {model} | {topo} x 2 | {r['decoder_layer_input']} | {r['compile_seconds']:.0f} | {g('argument_bytes')} | {g('temp_bytes')} | {g('total_bytes')} | {g('hbm_bytes')} | {'yes' if r['fits'] else 'NO'} | {r['tflops_per_step']:.0f} |")
 PY
 done
 exit $status

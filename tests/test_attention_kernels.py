@@ -14,7 +14,7 @@ import pytest
 from maxtext import models, platform
 from maxtext.config import ConfigError, from_overrides
 from maxtext.layers import attention_ops as ops
-from maxtext.platform import Policy, SplashBlocks
+from maxtext.platform import FUSED_ATTENTION, Policy, SplashBlocks
 
 SCALE = 0.3
 SMALL_BLOCKS = SplashBlocks(128, 128, 128, 128, 128, 128, 128, 128)
@@ -124,7 +124,7 @@ def test_packed_offsets_mask_equals_segment_causal_mask(batch):
 
 
 def policy(platform_name, attention="autoselected", **kw):
-  return Policy(platform=platform_name, attention=attention, **kw)
+  return Policy(platform=platform_name, attention=attention, fused_attention=FUSED_ATTENTION[platform_name], **kw)
 
 
 FACTS = dict(dtype=jnp.bfloat16, head_dim=64, q_len=2048, kv_len=2048, soft_cap=None)
@@ -212,10 +212,9 @@ def test_policies_per_platform():
   assert cpu.integer_bf16_rounding and cpu.tune_host_allocator and cpu.chunked_attention_from > 0
   assert not (gpu.integer_bf16_rounding or gpu.tune_host_allocator or tpu.integer_bf16_rounding or tpu.chunked_attention_from)
   assert tpu.attention == "flash" and tpu.splash.block_q == 256 and gpu.max_segments_per_seq == 8
-  assert tpu.offload_layer_inputs and not (cpu.offload_layer_inputs or gpu.offload_layer_inputs)  # decoder_layer_input=auto
-  assert not platform.for_platform(from_overrides(num_devices=1, decoder_layer_input="device"), "tpu").offload_layer_inputs
+  assert tpu.host_offload and not (cpu.host_offload or gpu.host_offload)  # where decoder_layer_input=auto may offload
+  assert not tpu.offload_layer_inputs  # decoder_layer_input=auto, unresolved: the inputs stay in HBM
   assert platform.for_platform(from_overrides(num_devices=1, decoder_layer_input="offload"), "cpu").offload_layer_inputs
-  assert not platform.for_platform(from_overrides(num_devices=1, scan_layers=False), "tpu").offload_layer_inputs
   assert platform.resolve(config).platform == "cpu"  # the tests' devices
   assert platform.predict(config, platforms="cuda") == "gpu" and platform.predict(config, platforms="", accelerator_nodes=True) == "tpu"
   assert platform.predict(from_overrides(num_devices=1, hardware="gpu_multiprocess"), platforms="cpu") == "gpu"
@@ -232,10 +231,42 @@ def test_remat_auto_binary_search_picks_least_recomputation_that_fits():
     compiled.append(c.remat_policy)
     return sizes[c.remat_policy] if c.remat_policy != "none" else None  # 'none': XLA runs out of memory
 
-  choice = remat_auto.choose(config, 70, fake)  # budget 63 with the 10% margin
+  choice = remat_auto.choose(config, 70, fake, offload_possible=False)  # budget 63 with the 10% margin
   assert choice.policy == "save_dot_except_mlp" and len(compiled) <= 3 and "save_dot_except_mlp" in choice.line()
-  assert remat_auto.choose(config, 10, fake).policy == "full"  # nothing fits: full, and the caller reports it
-  assert remat_auto.choose(config, 1000, fake).policy == "minimal"
+  assert remat_auto.choose(config, 10, fake, offload_possible=False).policy == "full"  # nothing fits: full, and the caller reports it
+  assert remat_auto.choose(config, 1000, fake, offload_possible=False).policy == "minimal"
+
+
+def test_auto_offloads_layer_inputs_only_when_the_step_does_not_fit_otherwise():
+  """decoder_layer_input=auto: layer inputs in HBM when that fits, offloaded when only that fits; with remat_policy=auto
+  the least recomputation first, then the least host traffic."""
+  from maxtext.aot import remat_auto
+
+  device = dict(zip(remat_auto.CANDIDATES, (100, 80, 70, 60, 50, 40)))
+  compiled = []
+
+  def fake(c):
+    compiled.append((c.remat_policy, c.decoder_layer_input))
+    return device[c.remat_policy] - (15 if c.decoder_layer_input == "offload" else 0)
+
+  full = from_overrides(num_devices=1)  # remat_policy=full, decoder_layer_input=auto
+  choice = remat_auto.choose(full, 50, fake, offload_possible=True)  # budget 45: full fits in HBM
+  assert (choice.policy, choice.layer_input, compiled) == ("full", "device", [("full", "device")])
+  assert "fits with them in HBM" in choice.reason() and "compiled: full/device" in choice.line()
+  compiled.clear()
+  choice = remat_auto.choose(full, 40, fake, offload_possible=True)  # budget 36: only offloaded
+  assert (choice.policy, choice.layer_input, compiled) == ("full", "offload", [("full", "device"), ("full", "offload")])
+  assert "does not fit with them in HBM" in choice.reason()
+  compiled.clear()
+  assert remat_auto.choose(full, 40, fake, offload_possible=False).layer_input == "device" and compiled == []  # CPU, GPU: nothing to decide
+
+  both = full.model_copy(update={"remat_policy": "auto"})
+  choice = remat_auto.choose(both, 70, fake, offload_possible=True)  # budget 63: save_dot_except_mlp on device, or one policy earlier offloaded
+  assert (choice.policy, choice.layer_input) == ("save_dot_except_mlpwi", "offload")
+  assert ("none", "offload") not in compiled  # remat_policy=none saves no layer input
+  line = choice.line()
+  assert line.startswith("remat_policy=auto and decoder_layer_input=auto chose remat_policy=save_dot_except_mlpwi")
+  assert "pinned host memory" in line and "the least recomputation that fits" in line
 
 
 def test_remat_auto_resolves_from_compiled_memory_and_logs():
@@ -245,10 +276,11 @@ def test_remat_auto_resolves_from_compiled_memory_and_logs():
   config = from_overrides(num_devices=1, remat_policy="auto", **{**MODEL, "max_target_length": 16, "base_num_decoder_layers": 1})
   mesh = mesh_lib.create(config, jax.devices()[:1])
   lines = []
-  resolved = remat_auto.resolve(config, mesh, hbm_bytes=1024, log=lines.append)  # nothing fits in 1 KiB: two compiles, then full
-  assert resolved.remat_policy == "full" and len(lines) == 1
-  assert lines[0].startswith("remat_policy=auto chose full") and "save_dot_except_mlpwi" in lines[0] and "save_qkv_proj" in lines[0]
-  assert remat_auto.resolve(resolved, mesh) is resolved  # a named policy stays
+  resolved, choice = remat_auto.resolve(config, mesh, hbm_bytes=1024, log=lines.append)  # nothing fits in 1 KiB: two compiles, then full
+  assert resolved.remat_policy == "full" and resolved.decoder_layer_input == "device" and len(lines) == 1 and not choice.fits
+  assert lines[0].startswith("remat_policy=auto and decoder_layer_input=auto chose remat_policy=full") and "no policy that saves more fits" in lines[0]
+  assert "save_dot_except_mlpwi/device" in lines[0] and "save_qkv_proj/device" in lines[0]
+  assert remat_auto.resolve(resolved, mesh) == (resolved, None)  # named values stay
 
 
 def test_queries_against_a_longer_cache_run_xla_under_every_request():

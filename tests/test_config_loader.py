@@ -135,7 +135,6 @@ def test_run_name_output_dirs_and_schedule(tmp_path):
   )
   assert sources["run_name"] == "command line" and sources["learning_rate_schedule_steps"] == "command line"
   assert c.checkpoint_dir == os.path.join(str(tmp_path), "r1", "checkpoints", "")
-  assert c.metrics_dir == os.path.join(str(tmp_path), "r1", "metrics", "")
   assert c.tensorboard_dir == os.path.join(str(tmp_path), "r1", "tensorboard", "")
   assert c.learning_rate_schedule_steps == 20
   assert not any(tmp_path.iterdir())  # loading writes nothing

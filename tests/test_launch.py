@@ -72,7 +72,7 @@ def test_v5e_uses_xpk_accelerator_name_and_empty_run_name_is_fixed_for_all_hosts
   assert "note: base_output_directory" in out
 
 
-@pytest.mark.skipif(XPK is None, reason="xpk not found: install it in its own environment (pipx install xpk) and put it on PATH or set XPK")
+@pytest.mark.skipif(XPK is None, reason="xpk not found: install it in a venv of its own and set XPK to its xpk (README.md, Tests), as .ci/run does")
 def test_real_xpk_dry_run_shows_topology_slices_and_our_command(capsys, tmp_path):
   cmd = dry_run_command(capsys)
   env = {

@@ -11,8 +11,10 @@ from flax import nnx
 
 from maxtext import models
 from maxtext.config import ConfigError
+from maxtext.config.adapters import adapter_specs, single_adapter_config
 from maxtext.convert import peft
-from maxtext.layers.lora import LoRAParam, adapter_specs, put_slot, single_adapter_config, slot_params
+from maxtext.convert.checkpoint_io import put_slot, slot_params
+from maxtext.layers.lora import LoRAParam
 from maxtext.models.counting import param_count
 from maxtext.train import setup as setup_lib
 from tests.test_models import tiny, tokens

@@ -25,6 +25,7 @@ def cfg(**kw):
     ({}, {"TPU_WORKER_HOSTNAMES": "host-0", "MEGASCALE_NUM_SLICES": "2"}, True, "auto"),  # one host per slice, 2 slices
     ({}, {}, True, "auto"),  # TPU VM: the metadata server knows the workers
     ({"hardware": "cpu"}, {}, True, "skip"),
+    ({}, {"JAX_PLATFORMS": "cpu"}, True, "skip"),  # a TPU VM's host CPU
     ({"hardware": "gpu_multiprocess"}, {}, False, "auto"),
     ({}, {"SLURM_NTASKS": "4"}, False, "auto"),
     ({}, {"SLURM_NTASKS": "1"}, False, "skip"),
@@ -37,7 +38,7 @@ def test_detect(overrides, env, tpu_chips, mode):
 def test_single_process_run_is_a_noop_and_never_initialises(monkeypatch):
   calls = []
   monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
-  monkeypatch.setattr(distributed, "_has_tpu_chips", lambda: False)
+  monkeypatch.setattr(distributed.platform, "has_tpu_chips", lambda: False)
   for key in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "MEGASCALE_NUM_SLICES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
     monkeypatch.delenv(key, raising=False)
   distributed.initialize(cfg())

@@ -279,7 +279,7 @@ def test_mfu_peak_follows_the_matmul_format(monkeypatch):
   from maxtext.train import perf
 
   def peak(kind: str, mode: str) -> tuple[float, str]:
-    monkeypatch.setattr(perf.jax, "devices", lambda: [types.SimpleNamespace(device_kind=kind)])
+    monkeypatch.setattr(perf.platform, "device_kind", lambda: kind)
     return perf.peak_tflops(from_overrides(**{**TINY, "num_devices": 1, "quantization": mode}))
 
   assert peak("TPU v5 lite", "int8") == (394.0, "chip table, int8") and peak("TPU v5 lite", "")[0] == 197.0

@@ -32,18 +32,22 @@ def test_splash_lowers_for_v5p_and_shrinks_temporaries():
   assert fused.memory.temp_bytes < xla.memory.temp_bytes / 2
 
 
-def test_layer_inputs_leave_hbm_for_host_memory_on_tpu_by_default():
-  """decoder_layer_input=auto offloads each scanned layer's saved input to pinned host memory on TPU: the host
-  temporaries are exactly the [layers, B, S, E] bfloat16 stack, and the device temporaries fall by nearly as much."""
-  from maxtext.aot.compile import compile_for_topology
+def test_layer_inputs_leave_hbm_for_host_memory_on_tpu_when_the_step_needs_it():
+  """decoder_layer_input=auto on TPU, when the step does not fit with the inputs in HBM, compiles it again with each
+  scanned layer's saved input in pinned host memory: the host temporaries are exactly the [layers, B, S, E] bfloat16
+  stack, and the device's total falls by nearly as much. (Which candidate fits is tests/test_attention_kernels.py's.)"""
+  from maxtext.aot import remat_auto
+  from maxtext.aot.compile import topology_mesh
 
-  model = {**MODEL, "base_num_decoder_layers": 4, "base_emb_dim": 512, "max_target_length": 1024}
-  auto = compile_for_topology(from_overrides(**model)).memory
-  device = compile_for_topology(from_overrides(decoder_layer_input="device", **model)).memory
+  auto = from_overrides(**{**MODEL, "base_num_decoder_layers": 4, "base_emb_dim": 512, "max_target_length": 1024})
+  lines = []
+  resolved, choice = remat_auto.resolve(auto, topology_mesh(auto), 1, lines.append)  # 1 byte: the inputs go to the host
+  assert (resolved.remat_policy, resolved.decoder_layer_input, choice.fits) == ("full", "offload", False)
   stack = 4 * 1 * 1024 * 512 * 2
-  assert auto.host_temp_bytes == stack and device.host_temp_bytes == 0
-  assert auto.temp_bytes < device.temp_bytes - 0.9 * stack
-  assert "host temporaries" in auto.lines()[0] and "host temporaries" not in device.lines()[0]
+  offload = choice.step.memory  # the chosen candidate's compile, handed on
+  assert offload.host_temp_bytes == stack and "host temporaries" in offload.lines()[0]
+  assert choice.tried[("full", "device")] > choice.tried[("full", "offload")] + 0.9 * stack
+  assert "decoder_layer_input=auto chose remat_policy=full with each layer's saved input in pinned host memory" in lines[0]
 
 
 def test_scanned_weights_are_cast_inside_the_layer_loop():
@@ -87,7 +91,8 @@ def test_state_layouts_are_the_compilers_so_stacked_kernels_are_not_relaid_every
   import jax
 
   from maxtext import platform, topology
-  from maxtext.aot.compile import compile_step, topology_mesh
+  from maxtext.aot.compile import topology_mesh
+  from maxtext.aot.memory import compile_step
   from maxtext.train import setup as setup_lib
   from maxtext.train import state as state_lib
 
@@ -100,7 +105,8 @@ def test_state_layouts_are_the_compilers_so_stacked_kernels_are_not_relaid_every
     with jax.set_mesh(mesh):
       policy = dataclasses.replace(tpu, compiler_state_layouts=layouts_by_compiler, offload_layer_inputs=False)  # this one change alone
       setup = setup_lib.build(config, mesh, policy=policy)
-      return compile_step(setup, topology.parse(config.compile_topology).chip.hbm_bytes)[:2]
+      step = compile_step(setup, topology.parse(config.compile_topology).chip.hbm_bytes)
+      return step.compiled, step.memory
 
   def relayout_copies(step):
     text = step.as_text()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +25,8 @@ class CompileResult:
   compile_seconds: float
   tflops_per_step: float  # model TFLOPs of one step over the global batch
   devices: list[jax.Device]
-  remat_policy: str = ""  # the policy compiled (remat_policy=auto resolved)
+  config: MaxTextConfig  # the config compiled: remat_policy=auto and decoder_layer_input=auto resolved
+  choice: remat_auto.Choice | None = None  # how they were resolved (None: neither was auto)
   state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # per device: params, of which stored quantized kernels, opt_state
   int8_products: int = 0  # dot/convolution instructions of the compiled executable whose operands are both s8
 
@@ -43,7 +43,8 @@ class CompileResult:
       "hbm_bytes": m.hbm_bytes,
       "fits": m.fits,
       "tflops_per_step": float(f"{self.tflops_per_step:.6g}"),
-      "remat_policy": self.remat_policy,
+      "remat_policy": self.config.remat_policy,
+      "decoder_layer_input": self.config.decoder_layer_input,
       **{f"{name}_bytes": n for name, n in self.state_bytes.items()},
       "int8_products": self.int8_products,
     }
@@ -63,34 +64,23 @@ def topology_mesh(config: MaxTextConfig) -> Mesh:
   return mesh_lib.create(config, devices=topology_devices(topo, config.compile_topology_num_slices))
 
 
-def compile_step(setup: Any, hbm_bytes: int) -> tuple[jax.stages.Compiled | None, memory.MemoryReport, float]:
-  """Compile setup.jit_step against its abstract state and batch; an out-of-memory refusal becomes a report."""
-  start = time.perf_counter()
-  try:
-    compiled = setup.jit_step.lower(setup.abstract_state, setup.abstract_batch).compile()
-  except Exception as e:  # XLA reports exhausted memory as a runtime error at compile time
-    if not memory.is_out_of_memory(e):
-      raise
-    args = memory.shard_bytes((setup.abstract_state, setup.abstract_batch))
-    return None, memory.from_oom_error(e, args, hbm_bytes), time.perf_counter() - start
-  return compiled, memory.from_compiled(compiled, hbm_bytes), time.perf_counter() - start
-
-
 def compile_for_topology(config: MaxTextConfig, log: Callable[[str], None] | None = None) -> CompileResult:
-  """Compile the train step for config's topology; remat_policy=auto is resolved first (its choice goes to log)."""
+  """Compile the train step for config's topology; remat_policy=auto and decoder_layer_input=auto are resolved first
+  (the choice goes to log)."""
   from maxtext.models.counting import training_flops_per_step
   from maxtext.train import setup as setup_lib
 
   mesh = topology_mesh(config)
   hbm = topology.parse(config.compile_topology).chip.hbm_bytes
-  config = remat_auto.resolve(config, mesh, hbm, log)
-  with jax.set_mesh(mesh):
-    setup = setup_lib.build(config, mesh)
-    compiled, report, seconds = compile_step(setup, hbm)
-  int8 = count_int8_products(compiled.as_text()) if compiled is not None and config.quantization else 0
-  return CompileResult(
-    compiled, report, seconds, training_flops_per_step(config) / 1e12, list(mesh.devices.flat), config.remat_policy, state_breakdown(setup.abstract_state), int8
-  )
+  config, choice = remat_auto.resolve(config, mesh, hbm, log)
+  step = choice.step if choice is not None else None  # the chosen candidate, compiled while choosing
+  if step is None:
+    with jax.set_mesh(mesh):
+      step = memory.compile_step(setup_lib.build(config, mesh), hbm)
+  flops = training_flops_per_step(config) / 1e12
+  int8 = count_int8_products(step.compiled.as_text()) if step.compiled is not None and config.quantization else 0
+  state = state_breakdown(step.setup.abstract_state)
+  return CompileResult(step.compiled, step.memory, step.seconds, flops, list(mesh.devices.flat), config, choice, state, int8)
 
 
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")

@@ -21,6 +21,7 @@ from maxtext.config.sections import AOT, Checkpointing, DatasetGeneral, Distribu
 from maxtext.errors import ConfigError
 
 MAGIC = b"maxtext-compiled-train-step v1\n"
+AUTO_KEYS = ("remat_policy", "decoder_layer_input")  # 'auto' values train_compile resolves before compiling
 
 # Keys that cannot change the compiled step: where outputs go, logging, data sources, how processes meet.
 _RUN_ONLY_KEYS = {
@@ -42,7 +43,6 @@ _RUN_ONLY_KEYS = {
   "profiler_steps",
   "skip_first_n_steps_for_profiler",
   "checkpoint_dir",
-  "metrics_dir",
   "tensorboard_dir",
 }
 for _section in (AOT, Checkpointing, DatasetGeneral, Distributed, Tokenizer):
@@ -93,6 +93,13 @@ def read_header(path: str) -> dict[str, Any]:
   if magic != MAGIC:
     raise ConfigError(f"compiled_trainstep_file '{path}' is not a maxtext compiled train step; make it with python -m maxtext.train_compile")
   return json.loads(line)
+
+
+def with_compiled_choices(path: str, config: MaxTextConfig) -> MaxTextConfig:
+  """config with each AUTO_KEYS value 'auto' replaced by the value the file was compiled with (train_compile resolved
+  it for the same config; `check` still compares everything)."""
+  compiled = read_header(path)["config"]
+  return config.model_copy(update={k: compiled[k] for k in AUTO_KEYS if getattr(config, k) == "auto" and k in compiled})
 
 
 def check(path: str, config: MaxTextConfig, devices: Sequence[jax.Device]) -> None:

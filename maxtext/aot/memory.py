@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from typing import Any
 
 import jax
@@ -127,3 +128,27 @@ def from_oom_error(error: BaseException, argument_bytes: int, hbm_bytes: int) ->
   if m:
     largest = f"{m.group(3).strip()[:120]} {gib(_bytes(m.group(1), m.group(2)))} GiB"
   return MemoryReport(argument_bytes, 0, temp, 0, hbm_bytes, largest=largest, out_of_memory=True)
+
+
+@dataclasses.dataclass
+class CompiledStep:
+  """A train step compiled to learn what it needs: its setup (whose compiled_step is now cached), the executable
+  (None: XLA ran out of memory), the per-device memory and the compile seconds."""
+
+  setup: Any  # maxtext.train.setup.TrainSetup
+  compiled: jax.stages.Compiled | None
+  memory: MemoryReport
+  seconds: float
+
+
+def compile_step(setup: Any, hbm_bytes: int) -> CompiledStep:
+  """Compile setup's train step against its abstract state and batch; an out-of-memory refusal becomes a report."""
+  start = time.perf_counter()
+  try:
+    compiled = setup.compiled_step  # cached on the setup: the run or train_compile that picks this setup reuses it
+  except Exception as e:  # XLA reports exhausted memory as a runtime error at compile time
+    if not is_out_of_memory(e):
+      raise
+    args = shard_bytes((setup.abstract_state, setup.abstract_batch))
+    return CompiledStep(setup, None, from_oom_error(e, args, hbm_bytes), time.perf_counter() - start)
+  return CompiledStep(setup, compiled, from_compiled(compiled, hbm_bytes), time.perf_counter() - start)

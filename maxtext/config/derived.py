@@ -8,6 +8,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
+from maxtext.config.adapters import adapter_specs
 from maxtext.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ def fill_parallelism(values: list[int], total: int, kind: str, mesh_axes: list[s
 
 
 def _device_counts(config: MaxTextConfig, num_devices: int | None, num_slices: int | None) -> tuple[int, int]:
+  """The counts given, else the AOT topology's; loading a config never asks JAX (the loader passes its counts)."""
   if num_devices is not None:
     return num_devices, num_slices or 1
   if config.compile_topology:
@@ -100,18 +102,12 @@ def _device_counts(config: MaxTextConfig, num_devices: int | None, num_slices: i
 
     topo = topology.parse(config.compile_topology)
     return topo.chips * config.compile_topology_num_slices, config.compile_topology_num_slices
-  import jax
-
-  devices = jax.devices()
-  slices = len({getattr(d, "slice_index", 0) for d in devices})
-  return len(devices), slices
+  raise ValueError("derived.compute needs num_devices unless compile_topology is set")
 
 
 def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
   if c.lora.max_lora_adapters > 1 or c.lora.lora_adapters:
-    from maxtext.layers.lora import adapter_specs  # validates names, ranks and their count
-
-    adapter_specs(c)
+    adapter_specs(c)  # validates names, ranks and their count
   if c.lora.adapter_column:
     if not (c.lora.enable_lora and c.lora.max_lora_adapters > 1):
       raise ConfigError(
@@ -268,6 +264,5 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
     "global_batch_size_to_train_on": micro * c.gradient_accumulation_steps,
     "learning_rate_schedule_steps": c.steps if c.learning_rate_schedule_steps == -1 else c.learning_rate_schedule_steps,
     "checkpoint_dir": os.path.join(run_dir, "checkpoints", ""),
-    "metrics_dir": os.path.join(run_dir, "metrics", ""),
     "tensorboard_dir": os.path.join(run_dir, "tensorboard", ""),
   }

@@ -278,19 +278,28 @@ def _validate(values: dict[str, Any], sources: Sources) -> MaxTextConfig:
         raise _format_validation_error(e, sources) from None
 
 
+DeviceCounts = Callable[[MaxTextConfig], tuple[int, int]]  # the user config -> (num_devices, num_slices)
+
+
+def _platform_device_counts(config: MaxTextConfig) -> tuple[int, int]:
+  from maxtext import platform  # platform sits below config: it reads config keys without importing this package
+
+  return platform.device_counts(config)
+
+
 def load_with_sources(
   argv: Sequence[str],
   env: Mapping[str, str] | None = None,
   num_devices: int | None = None,
   num_slices: int | None = None,
-  before_devices: Callable[[MaxTextConfig], None] | None = None,
+  devices: DeviceCounts | None = None,
 ) -> tuple[MaxTextConfig, Sources]:
   """Load a config and report where each value came from.
 
-  argv: [config.yml, key=value, ...]. env defaults to os.environ. num_devices and
-  num_slices default to the AOT topology when compile_topology is set, else to
-  the devices JAX sees. before_devices(user_config) runs before JAX is asked for
-  devices (entry points pass jax.distributed initialisation here).
+  argv: [config.yml, key=value, ...]. env defaults to os.environ. num_devices and num_slices default to the AOT
+  topology when compile_topology is set, else to devices(user_config) -> (num_devices, num_slices): entry points
+  pass maxtext.process.prepare, which sets up the process and counts JAX's devices. Without it the counts come from
+  maxtext.platform.device_counts, which does not start JAX: loading a config never initialises a backend.
   """
   if not argv:
     raise ConfigError("no config file given; usage: python -m maxtext.<entry> configs/base.yml key=value ...")
@@ -338,8 +347,9 @@ def load_with_sources(
     sources.maxtext_only[key] = value
   user = _validate(values, sources)
 
-  if before_devices is not None:
-    before_devices(user)
+  counts = devices(user) if devices is not None else None  # runs even for AOT: it prepares the process
+  if num_devices is None and not user.compile_topology:
+    num_devices, num_slices = counts or _platform_device_counts(user)
   updates = derived.compute(user, num_devices=num_devices, num_slices=num_slices)
   config = user.model_copy(update=updates)
   for key in all_keys():
@@ -357,10 +367,10 @@ def load(
   env: Mapping[str, str] | None = None,
   num_devices: int | None = None,
   num_slices: int | None = None,
-  before_devices: Callable[[MaxTextConfig], None] | None = None,
+  devices: DeviceCounts | None = None,
 ) -> MaxTextConfig:
   """Load, validate and derive a MaxTextConfig; raises ConfigError with a one-line message."""
-  return load_with_sources(argv, env, num_devices, num_slices, before_devices)[0]
+  return load_with_sources(argv, env, num_devices, num_slices, devices)[0]
 
 
 def from_overrides(

@@ -274,7 +274,8 @@ class RematAndOffload(Section):
   decoder_layer_input: Literal["auto", "device", "offload"] = Field(
     "auto",
     description="Where each decoder layer's input, saved for the backward pass, is kept: device (HBM), offload (pinned host memory: "
-    "copied out in the forward pass, back in the backward pass), auto: offload on TPU with scan_layers, device elsewhere. Unused with remat_policy=none.",
+    "copied out in the forward pass, back in the backward pass), auto: device unless the compiled step fits only offloaded (TPU, scan_layers). "
+    "Unused with remat_policy=none.",
   )
   scan_layers: bool = Field(True, description="Stack layers and run them with jax.lax.scan (flat compile time in depth).")
 
@@ -422,5 +423,4 @@ class DerivedValues(Section):
   micro_batch_size_to_train_on: int = Field(0, description="Sequences per micro-batch over all devices.")
   global_batch_size_to_train_on: int = Field(0, description="Sequences per optimizer step (micro x gradient_accumulation_steps).")
   checkpoint_dir: str = Field("", description="<base_output_directory>/<run_name>/checkpoints/")
-  metrics_dir: str = Field("", description="<base_output_directory>/<run_name>/metrics/")
   tensorboard_dir: str = Field("", description="<base_output_directory>/<run_name>/tensorboard/")

@@ -249,7 +249,8 @@ def export(checkpoint: str, out: str, config_args: list[str], merged: bool = Fal
   adapters, _ = restore_some_params(checkpoint, nnx.filter_state(abstract, LoRAParam), "--checkpoint")
   flat = _flat_numpy(adapters)
   if config.lora.max_lora_adapters > 1:
-    from maxtext.layers.lora import single_adapter_config, slot_params
+    from maxtext.config.adapters import single_adapter_config
+    from maxtext.convert.checkpoint_io import slot_params
 
     if not adapter:
       raise ConfigError("this run has several adapters; name the one to export with --adapter <name> (see lora.lora_adapters)")

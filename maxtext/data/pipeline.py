@@ -8,7 +8,7 @@ import grain
 import grain.experimental as gx
 import numpy as np
 
-from maxtext.config import MaxTextConfig
+from maxtext.config import MaxTextConfig, adapters
 from maxtext.data import embedded, features, sources
 from maxtext.data.sft import resolve_chat_template
 from maxtext.errors import ConfigError
@@ -49,9 +49,7 @@ def adapter_names(config: MaxTextConfig) -> list[str]:
   """The adapter slots' names, in slot order, when lora.adapter_column routes documents to them."""
   if not config.lora.adapter_column:
     return []
-  from maxtext.layers.lora import adapter_specs
-
-  return [spec.name for spec in adapter_specs(config)]
+  return adapters.adapter_names(config)
 
 
 def open_source(config: MaxTextConfig, split: str, process_index: int, process_count: int, num_epoch: int) -> sources.Source:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
+from maxtext.config.adapters import adapter_names
 from maxtext.errors import ConfigError
 from maxtext.inference import unstack
 from maxtext.inference.generate import Generator
@@ -24,9 +25,7 @@ def check_adapter(config: MaxTextConfig) -> list[str] | None:
     return None
   if not (config.lora.enable_lora and config.lora.max_lora_adapters > 1):
     raise ConfigError(f"decode_lora_adapter='{name}' picks one of several LoRA adapters; set lora.enable_lora=true and lora.max_lora_adapters > 1, or drop it")
-  from maxtext.layers.lora import adapter_specs
-
-  names = [spec.name for spec in adapter_specs(config)]
+  names = adapter_names(config)
   if name not in names:
     raise ConfigError(f"decode_lora_adapter='{name}' is not one of the adapters {names} (lora.lora_adapters); pick one of them")
   return [name]

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
+from maxtext.config.adapters import adapter_names
 from maxtext.errors import ConfigError, DataError
 from maxtext.inference import cache_layout, forward, unstack
 from maxtext.inference.cache_layout import DecodeCache
@@ -110,9 +111,7 @@ class Generator:
     c = self.config
     if not (c.lora.enable_lora and c.lora.max_lora_adapters > 1):
       raise ConfigError("adapter_ids pick one of several LoRA adapters per prompt; this model has none (set lora.enable_lora and lora.max_lora_adapters > 1)")
-    from maxtext.layers.lora import adapter_specs
-
-    names = [spec.name for spec in adapter_specs(c)]
+    names = adapter_names(c)
     ids = list(adapter_ids)
     if len(ids) != prompts:
       raise DataError(f"{len(ids)} adapter_ids for {prompts} prompts; give one adapter (name, slot or -1) per prompt")

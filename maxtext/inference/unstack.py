@@ -28,6 +28,7 @@ def unstack_layers(model: Transformer) -> Transformer:
 
 def for_decoding(model: Transformer) -> Transformer:
   """The layer arrangement decoding runs fastest with on the model's platform (`Policy.unstacked_decode`): per-layer
-  arrays on CPU, where a scan's slices of stacked weights and caches are copies (5x the weight-streaming bound at
-  batch 1, benchmarks/README.md); as trained elsewhere."""
+  arrays on CPU, where a scan's slices of stacked weights and caches are copies that keep a batch-1 step several
+  times above the weight-streaming bound (figure: benchmarks/README.md, figures behind code comments); as trained
+  elsewhere."""
   return unstack_layers(model) if model.policy.unstacked_decode else model

@@ -46,13 +46,13 @@ def unsupported_reason(kernel: str, policy: Policy, *, dtype, head_dim: int, q_l
   if kernel in ("xla", "chunked"):
     return None
   if kernel == "splash":
-    if policy.platform != "tpu":
+    if policy.fused_attention != "splash":
       return f"splash attention runs on TPU, not {policy.platform}"
     if q_len % 128:
       return f"splash attention needs a sequence length divisible by 128, got {q_len}"
     return None
   if kernel == "cudnn":
-    if policy.platform != "gpu":
+    if policy.fused_attention != "cudnn":
       return f"cuDNN attention needs a GPU, but the target is {policy.platform}"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
       return f"cuDNN attention needs bfloat16 or float16 activations, got {jnp.dtype(dtype).name}"
@@ -83,7 +83,7 @@ def select(policy: Policy, *, dtype, head_dim: int, q_len: int, kv_len: int, sof
     if reason:
       raise ConfigError(f"attention=cudnn cannot run this model: {reason}; use attention=autoselected")
     return "cudnn"
-  fused = {"tpu": "splash", "gpu": "cudnn", "cpu": "chunked"}[policy.platform]
+  fused = policy.fused_attention
   if request == "flash":
     reason = unsupported_reason(fused, policy, **facts)
     if reason:

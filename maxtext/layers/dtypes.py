@@ -27,8 +27,8 @@ def bits(dt: Any) -> int:
 
 def cast(x: jax.Array, to: jnp.dtype, integer_rounding: bool = False) -> jax.Array:
   """x.astype(to). With integer_rounding (the CPU policy's `integer_bf16_rounding`, maxtext.platform), float32 ->
-  bfloat16 rounds with integer ops: XLA:CPU's fused float conversion is about twice as slow as the arithmetic
-  around it (a third of the output head's backward pass)."""
+  bfloat16 rounds with integer ops: XLA:CPU's fused float conversion is slower than the arithmetic around it, and
+  the output head's backward pass is mostly such casts (figures: benchmarks/README.md, figures behind code comments)."""
   if integer_rounding and x.dtype == jnp.float32 and jnp.dtype(to) == jnp.bfloat16:
     return round_to_bfloat16(x)
   return x.astype(to)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import math
 import re
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtext.config import MaxTextConfig
+from maxtext.config.adapters import adapter_specs, max_rank
 from maxtext.errors import ConfigError
 from maxtext.layers import matmul
 from maxtext.layers.dtypes import dtype
@@ -53,44 +53,6 @@ def _low_rank_update(adapter: Any, x: jax.Array, a: jax.Array, b: jax.Array, sca
 
 class LoRAParam(nnx.Param):
   """An adapter matrix (A or B): the only parameters a LoRA run trains (with mHC connectors, if on)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class AdapterSpec:
-  """One adapter slot: its name (for saving, exporting and loading) and its rank."""
-
-  name: str
-  rank: int
-
-
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-
-
-def adapter_specs(config: MaxTextConfig) -> list[AdapterSpec]:
-  """The adapter slots of a multi-adapter config (lora.max_lora_adapters > 1), validated."""
-  cfg = config.lora
-  slots = cfg.max_lora_adapters
-  if slots == 1:
-    if cfg.lora_adapters or cfg.max_lora_rank:
-      raise ConfigError("lora.lora_adapters and lora.max_lora_rank apply to lora.max_lora_adapters > 1; set max_lora_adapters or drop them")
-    return [AdapterSpec("default", cfg.lora_rank)]
-  max_rank = cfg.max_lora_rank or cfg.lora_rank
-  if not cfg.lora_adapters:
-    return [AdapterSpec(f"adapter_{i}", min(cfg.lora_rank, max_rank)) for i in range(slots)]
-  if len(cfg.lora_adapters) != slots:
-    raise ConfigError(f"lora.lora_adapters names {len(cfg.lora_adapters)} adapters but lora.max_lora_adapters is {slots}; name one per slot")
-  specs = []
-  for entry in cfg.lora_adapters:
-    name, _, rank_text = str(entry).partition(":")
-    if not _NAME.match(name) or (rank_text and not rank_text.isdigit()):
-      raise ConfigError(f"invalid lora.lora_adapters entry {entry!r}; use 'name' or 'name:rank' (name of letters, digits, '_', '.', '-')")
-    rank = int(rank_text) if rank_text else min(cfg.lora_rank, max_rank)
-    if not 0 < rank <= max_rank:
-      raise ConfigError(f"adapter '{name}' has rank {rank}; ranks must be in 1..lora.max_lora_rank ({max_rank})")
-    specs.append(AdapterSpec(name, rank))
-  if len({s.name for s in specs}) != len(specs):
-    raise ConfigError(f"lora.lora_adapters has duplicate names: {cfg.lora_adapters}; give each slot its own name")
-  return specs
 
 
 _ADAPTER_IDS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("lora_adapter_ids", default=None)
@@ -260,7 +222,7 @@ def attach(layer: nnx.Module, config: MaxTextConfig, rngs: nnx.Rngs) -> None:
       adapter = LoRA(dense.in_shape, dense.out_shape, axes[:n_in], axes[n_in:], cfg.lora_rank, cfg.lora_alpha, **common)
     else:
       ranks = tuple(spec.rank for spec in adapter_specs(config))
-      adapter = MultiLoRA(dense.in_shape, dense.out_shape, axes[:n_in], axes[n_in:], ranks, cfg.max_lora_rank or cfg.lora_rank, cfg.lora_alpha, **common)
+      adapter = MultiLoRA(dense.in_shape, dense.out_shape, axes[:n_in], axes[n_in:], ranks, max_rank(config), cfg.lora_alpha, **common)
     dense.lora = nnx.data(adapter)
 
 
@@ -275,60 +237,3 @@ def merge(kernel: jax.Array, lora_a: jax.Array, lora_b: jax.Array, scale: float,
   batch = tuple(range(lead))
   delta = jax.lax.dot_general(a, b, (((a.ndim - 1,), (lead,)), (batch, batch)), precision=jax.lax.Precision.HIGHEST)
   return (jnp.asarray(kernel, jnp.float32) + scale * delta).astype(jnp.asarray(kernel).dtype)
-
-
-def _slot_index(config: MaxTextConfig, name: str) -> tuple[int, AdapterSpec]:
-  specs = adapter_specs(config)
-  for i, spec in enumerate(specs):
-    if spec.name == name:
-      return i, spec
-  raise ConfigError(f"no adapter named '{name}'; this config's adapters are {', '.join(s.name for s in specs)}")
-
-
-def single_adapter_config(config: MaxTextConfig, name: str) -> MaxTextConfig:
-  """The config of a one-adapter model holding only adapter `name` of a multi-adapter config (its rank, same alpha)."""
-  _, spec = _slot_index(config, name)
-  lora = config.lora.model_copy(update={"max_lora_adapters": 1, "max_lora_rank": 0, "lora_adapters": [], "lora_rank": spec.rank})
-  return config.model_copy(update={"lora": lora})
-
-
-def slot_axis(config: MaxTextConfig) -> int:
-  """The slot axis of a multi-adapter model's A and B: after the 'layers' axis of scanned layers."""
-  return 1 if config.scan_layers else 0
-
-
-def is_adapter_path(path: str) -> bool:
-  """A '/'-joined parameter path that names an adapter matrix (ends lora/lora_a or lora/lora_b)."""
-  return path.endswith(("lora/lora_a", "lora/lora_b"))
-
-
-def slot_params(flat: dict[str, jax.Array], config: MaxTextConfig, name: str) -> dict[str, jax.Array]:
-  """Adapter `name` of a multi-adapter model's flat '/'-path params, as the one-adapter model of
-  single_adapter_config(config, name) holds it: A [..., in..., r], B [..., r, out...] (only adapter paths)."""
-  slot, spec = _slot_index(config, name)
-  axis = slot_axis(config)
-  out = {}
-  for path, value in flat.items():
-    if is_adapter_path(path):
-      value = jnp.take(jnp.asarray(value), slot, axis=axis)
-      rank_axis = value.ndim - 1 if path.endswith("lora_a") else axis
-      out[path] = jax.lax.slice_in_dim(value, 0, spec.rank, axis=rank_axis)
-  return out
-
-
-def put_slot(flat: dict[str, jax.Array], adapter: dict[str, jax.Array], config: MaxTextConfig, name: str) -> dict[str, jax.Array]:
-  """flat with slot `name` replaced by a one-adapter model's adapters (as slot_params gives them), zero-padded to max_lora_rank."""
-  slot, spec = _slot_index(config, name)
-  axis = slot_axis(config)
-  out = dict(flat)
-  for path, value in adapter.items():
-    value = jnp.asarray(value)
-    rank_axis = value.ndim - 1 if path.endswith("lora_a") else axis
-    if value.shape[rank_axis] != spec.rank:
-      raise ConfigError(f"adapter for slot '{name}' has rank {value.shape[rank_axis]} at {path}; the slot's rank is {spec.rank}")
-    full = jnp.asarray(flat[path])
-    pad = [(0, 0)] * value.ndim
-    pad[rank_axis] = (0, full.shape[axis + 1 if path.endswith("lora_b") else -1] - spec.rank)
-    padded = jnp.pad(value, pad).astype(full.dtype)
-    out[path] = full.at[(slice(None),) * axis + (slot,)].set(padded)
-  return out

@@ -7,8 +7,9 @@ a float32 gradient that was never rounded to bf16.
 
 Plain autodiff of `jnp.einsum(..., preferred_element_type=float32).astype(bf16)` would instead
 feed a float32 cotangent against a bf16 operand, which promotes the gradient matmuls to float32;
-and a bf16-output einsum is what XLA:CPU runs by upcasting to float32 (four to six times slower
-than its bf16 matmul units). Accelerators accumulate in float32 either way.
+and a bf16-output einsum is what XLA:CPU runs by upcasting to float32, far slower than its bf16
+matmul units (figure: benchmarks/README.md, figures behind code comments). Accelerators accumulate
+in float32 either way.
 """
 
 from __future__ import annotations

@@ -174,7 +174,8 @@ class HyperConnection(nnx.Module):
 # XLA:CPU runs far below its elementwise speed. Here every [..., n, E] product is a sum of n
 # per-stream terms (elementwise, one fused pass); the gradients of H_pre and H_post are batched
 # matrix-vector products over E and that of H_res one batched [n, E] x [E, n] product (in the train
-# step 5% faster than n matrix-vector products on stream slices, which XLA copies out first).
+# step faster than n matrix-vector products on stream slices, which XLA copies out first; figure:
+# benchmarks/README.md, figures behind code comments).
 # The residuals are x, y and the small H matrices, which the layer keeps anyway: nothing n-times-wide
 # is stored per connection.
 def _streams(x: jax.Array) -> list[jax.Array]:
@@ -185,7 +186,8 @@ def _streams(x: jax.Array) -> list[jax.Array]:
 def _stream_dots(x: jax.Array, v: jax.Array) -> jax.Array:
   """<x_k, v> for each stream k: [..., n, E] x [..., E] -> [..., n], in float32.
 
-  A batched matrix-vector product: on XLA:CPU about ten times faster than reducing the broadcast product.
+  A batched matrix-vector product: on XLA:CPU much faster than reducing the broadcast product (figure:
+  benchmarks/README.md, figures behind code comments).
   """
   return jnp.einsum("...ke,...e->...k", x.astype(jnp.float32), v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 

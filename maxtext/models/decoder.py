@@ -48,8 +48,8 @@ def tied_to_carry(weights: Any, carry: jax.Array, compute_dtype: Any) -> Any:
   carry's first element, without gradient); weights already in the compute dtype are returned as they are.
 
   Values are unchanged, but each layer's compute-dtype weight casts now depend on the iteration, so XLA cannot hoist
-  a cast copy of the whole stack out of the layer scan and keep it alive through the backward pass (3.5 GB per
-  device for llama3.1-8b on v5p-8; benchmarks/README.md). The add fuses into the cast.
+  a cast copy of the whole stack out of the layer scan and keep it alive through the backward pass (for a large
+  model, gigabytes per device: benchmarks/README.md, figures behind code comments). The add fuses into the cast.
   """
   zero = jax.lax.stop_gradient(carry.reshape(-1)[0]).astype(jnp.float32) * 0.0
 

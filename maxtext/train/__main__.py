@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
   from maxtext.process import prepare
   from maxtext.train.loop import train
 
-  config = load(argv, before_devices=prepare)
+  config = load(argv, devices=prepare)
   if config.lora.enable_lora and config.lora.max_lora_adapters > 1 and not config.lora.adapter_column:
     from maxtext.errors import ConfigError
 

@@ -200,7 +200,7 @@ def train(
   """
   with _Preemption() as preemption:
     checked = preflight.run_checks(config, mesh, setup, log_main)
-    config = checked.config  # remat_policy=auto resolved
+    config = checked.config  # remat_policy=auto and decoder_layer_input=auto resolved
     if preemption.requested:
       log_main(f"received {preemption.signal_name} before the first step: stopped, nothing was written; rerun the same command to start")
       return TrainResult(0, {}, {}, preemption.signal_name.lower())
@@ -252,7 +252,7 @@ def _loop(
   start: int,
 ) -> TrainResult:
   mesh, setup, step_fn, data_iter = checked.mesh, checked.setup, checked.step_fn, checked.data_iter
-  story = RunReport(config, mesh, setup.policy, start, writer.log)
+  story = RunReport(config, mesh, setup.policy, start, writer.log, checked.choice)
   story.banner()
   if config.compiled_trainstep_file:
     writer.log(f"loaded the compiled train step from {config.compiled_trainstep_file}")

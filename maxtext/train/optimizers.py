@@ -20,8 +20,8 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from maxtext.config import MaxTextConfig
-from maxtext.layers.lora import is_adapter_path
-from maxtext.layers.lora import slot_axis as lora_slot_axis
+from maxtext.config.adapters import is_adapter_path
+from maxtext.config.adapters import slot_axis as lora_slot_axis
 
 NO_DECAY_NAMES = ("scale", "bias")
 LORA_SLOT_AXIS = "lora_slot"  # the adapter-slot axis of a multi-adapter model, named here for Muon (it has no logical name)

@@ -1,20 +1,26 @@
-"""Device peak throughput (for MFU): config value, else the chip table, else measured once.
+"""Device peak throughput (for MFU): config value, else the chip table, else measured once per host and cached.
 
-The peak is that of the format the quantized products run in (`matmul_format`): int8 for quantization=int8, fp8
-for fp8/fp8_full where the chip has fp8 units (elsewhere XLA converts fp8 to bf16 and the bf16 peak applies), bf16
-otherwise (int4w dequantizes its weights into bf16 products). A chip without a known int8 figure is measured against
-its bf16 peak, and the yardstick's source says so. Attention and the output head run in bf16 in every mode.
+Accelerators use the chip's published peak (`PEAK_BF16_TFLOPS`). Without a table entry (CPUs), the yardstick is
+the best rate of a bf16 matmul (at least 30 repeats over at least 1.5 s, so one quiet moment on a shared host
+suffices), measured the first time a run needs it on a host and kept in a cache file (`cache_path()`), so MFU
+compares between runs on the host. The measured figure is a lower bound on the device's peak: when a train step
+runs faster than it, that step's rate becomes the yardstick and the cache (`Yardstick.mfu`). A measured MFU is
+therefore never above 100%. `device_peak_tflops` overrides table and cache alike.
 
-Without a table entry (CPUs), the yardstick is the best rate of a bf16 matmul timed once per process (at least
-30 repeats over at least 1.5 s, so one quiet moment on a shared host suffices), and it is a lower bound on the
-device's peak: when a train step runs faster than it, that step's rate becomes the yardstick (`Yardstick.mfu`).
-A measured MFU is therefore the step's share of the fastest matmul throughput this process has seen, never above 100%.
+With `quantization` the peak is that of the format its products run in (`matmul_format`): int8 TOP/s for int8
+(`PEAK_INT8_TOPS`; on CPUs a measured int8 matmul, or the bf16 one when faster), fp8 TFLOP/s for fp8/fp8_full where
+the chip has fp8 units (`PEAK_FP8_TFLOPS`; elsewhere XLA converts fp8 to bf16 and the bf16 peak applies), bf16 for
+int4w (its weights are dequantized into bf16 products). A chip without a known int8 figure is measured against its
+bf16 peak, and the yardstick's source says so. Attention and the output head run in bf16 in every mode.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+import socket
 import time
 
 import jax
@@ -22,7 +28,6 @@ import jax.numpy as jnp
 
 from maxtext import platform
 from maxtext.config import MaxTextConfig
-from maxtext.errors import ConfigError
 
 # device_kind substring (lower case) -> peak dense bf16 TFLOP/s per device (REFERENCES.md).
 PEAK_BF16_TFLOPS = (
@@ -56,20 +61,9 @@ PEAK_FP8_TFLOPS = (("h200", 1979.0), ("h100", 1979.0))
 MEASURED = "measured bf16 matmul, best of 1.5 s"
 MEASURED_INT8 = "measured int8 matmul (int32 accumulation), best of 1.5 s"
 
-BACKEND_OF_HARDWARE = {"cpu": "cpu", "gpu": "gpu", "gpu_multiprocess": "gpu", "tpu": "tpu"}
 
-
-def check_hardware(config: MaxTextConfig) -> None:
-  """config.hardware (unless 'auto') must name the backend JAX uses."""
-  if config.hardware == "auto":
-    return
-  want, have = BACKEND_OF_HARDWARE[config.hardware], platform.local_platform()
-  if want != have:
-    raise ConfigError(f"hardware={config.hardware} but JAX runs on '{have}'; set hardware=auto or hardware={have}, or fix the JAX install")
-
-
-def table_peak_tflops(device: jax.Device, table: tuple[tuple[str, float], ...] = PEAK_BF16_TFLOPS) -> float | None:
-  kind = device.device_kind.lower()
+def table_peak_tflops(device_kind: str, table: tuple[tuple[str, float], ...] = PEAK_BF16_TFLOPS) -> float | None:
+  kind = device_kind.lower()
   return next((tflops for key, tflops in table if key in kind), None)
 
 
@@ -78,24 +72,25 @@ def matmul_format(config: MaxTextConfig) -> str:
   return {"int8": "int8", "fp8": "fp8", "fp8_full": "fp8"}.get(config.quantization, "bf16")
 
 
+def matmul_size() -> int:
+  """The matmul the yardstick times: [n, n] @ [n, n] with n 1024 on CPU, 8192 on accelerators."""
+  return 1024 if platform.local_platform() == "cpu" else 8192
+
+
 def measure_matmul_tflops(n: int = 0, fmt: str = "bf16") -> float:
   """[n, n] @ [n, n] throughput of one device in TFLOP/s (TOP/s for int8), measured once per process, size and format:
-  bf16 with float32 accumulation, or int8 with int32 accumulation.
-
-  n = 0 picks 1024 on CPU and 8192 on accelerators.
-  """
-  return _measure(n or (1024 if platform.local_platform() == "cpu" else 8192), fmt)
+  bf16 with float32 accumulation, or int8 with int32 accumulation (n = 0: `matmul_size()`)."""
+  return _measure(n or matmul_size(), fmt)
 
 
 @functools.cache
 def _measure(n: int, fmt: str = "bf16", min_repeats: int = 30, min_seconds: float = 1.5) -> float:
   """Best of at least min_repeats timed matmuls spanning at least min_seconds (the most favourable figure)."""
-  device = jax.local_devices()[0]
   dt, acc = (jnp.int8, jnp.int32) if fmt == "int8" else (jnp.bfloat16, jnp.float32)
-  a = jax.device_put(jnp.ones((n, n), dt), device)
-  b = jax.device_put(jnp.full((n, n), 3 if fmt == "int8" else 0.5, dt), device)
+  a = jnp.ones((n, n), dt)  # on the default device
+  b = jnp.full((n, n), 3 if fmt == "int8" else 0.5, dt)
   # float32 accumulation, as the model's matmuls (maxtext.layers.matmul); on XLA:CPU a bf16-output matmul
-  # takes a float32 upcast path several times slower than the machine's bf16 units.
+  # takes a float32 upcast path, far slower than the machine's bf16 units (benchmarks/README.md, figures behind code comments).
   matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=acc))
   matmul(a, b).block_until_ready()
   best, spent, repeats = float("inf"), 0.0, 0
@@ -107,23 +102,72 @@ def _measure(n: int, fmt: str = "bf16", min_repeats: int = 30, min_seconds: floa
   return 2 * n**3 / best / 1e12
 
 
+def cache_path() -> str:
+  """Where measured yardsticks are kept: $XDG_CACHE_HOME/maxtext (default ~/.cache/maxtext)/peak_tflops.json."""
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(root, "maxtext", "peak_tflops.json")
+
+
+def cache_key(fmt: str = "bf16") -> str:
+  """The host, the device kind, the matmul size, the JAX version and the format (int8 apart): what the measured rate depends on."""
+  return f"{socket.gethostname()} {platform.device_kind()} n={matmul_size()} jax {jax.__version__}" + ("" if fmt == "bf16" else f" {fmt}")
+
+
+def _read_cache(path: str) -> dict[str, float]:
+  try:
+    with open(path) as f:
+      table = json.load(f)
+    return {k: float(v) for k, v in table.items()} if isinstance(table, dict) else {}
+  except (OSError, ValueError, TypeError):
+    return {}  # no cache yet, or one this version cannot read: measure again
+
+
+def _write_cache(path: str, key: str, tflops: float) -> None:
+  """Record tflops under key (atomically); a cache that cannot be written costs only a measurement next time."""
+  table = _read_cache(path)
+  table[key] = tflops
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+      json.dump(table, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+  except OSError:
+    pass
+
+
+def cached_matmul_tflops(path: str | None = None, fmt: str = "bf16") -> tuple[float, bool]:
+  """(this host's yardstick in fmt, whether it came from the cache): measured and cached on first use."""
+  path = path or cache_path()
+  key = cache_key(fmt)
+  cached = _read_cache(path).get(key)
+  if cached and cached > 0:
+    return cached, True
+  tflops = measure_matmul_tflops(fmt=fmt)
+  _write_cache(path, key, tflops)
+  return tflops, False
+
+
 def peak_tflops(config: MaxTextConfig) -> tuple[float, str]:
   """(peak TFLOP/s per device in the run's matmul format, where the figure comes from)."""
   if config.device_peak_tflops > 0:
     return config.device_peak_tflops, "config"
-  device, fmt = jax.devices()[0], matmul_format(config)
-  bf16 = table_peak_tflops(device)
+  kind, fmt = platform.device_kind(), matmul_format(config)
+  bf16 = table_peak_tflops(kind)
   if bf16 is None:  # CPUs: measured
+    tflops, cached = cached_matmul_tflops()
+    when = "from this host" if cached else "now"
     if fmt == "int8":
-      int8, bf16_rate = measure_matmul_tflops(fmt="int8"), measure_matmul_tflops()
-      return (int8, MEASURED_INT8) if int8 >= bf16_rate else (bf16_rate, f"{MEASURED}: faster than this CPU's int8 matmul ({int8:.3f} TOP/s)")
-    return measure_matmul_tflops(), MEASURED if fmt == "bf16" else f"{MEASURED}; fp8 products run as float on this CPU"
+      int8, _ = cached_matmul_tflops(fmt="int8")
+      if int8 >= tflops:
+        return int8, f"{MEASURED_INT8}, {when}"
+      return tflops, f"{MEASURED}, {when}: faster than this CPU's int8 matmul ({int8:.3f} TOP/s)"
+    return tflops, f"{MEASURED}, {when}" + ("; fp8 products run as float on this CPU" if fmt == "fp8" else "")
   if fmt == "int8":
-    int8 = table_peak_tflops(device, PEAK_INT8_TOPS)
-    return (int8, "chip table, int8") if int8 else (bf16, f"chip table, bf16: no int8 peak is known for {device.device_kind}")
+    int8 = table_peak_tflops(kind, PEAK_INT8_TOPS)
+    return (int8, "chip table, int8") if int8 else (bf16, f"chip table, bf16: no int8 peak is known for {kind}")
   if fmt == "fp8":
-    fp8 = table_peak_tflops(device, PEAK_FP8_TFLOPS)
-    return (fp8, "chip table, fp8") if fp8 else (bf16, f"chip table, bf16: {device.device_kind} has no fp8 units, XLA runs fp8 products in bf16")
+    fp8 = table_peak_tflops(kind, PEAK_FP8_TFLOPS)
+    return (fp8, "chip table, fp8") if fp8 else (bf16, f"chip table, bf16: {kind} has no fp8 units, XLA runs fp8 products in bf16")
   return bf16, "chip table"
 
 
@@ -134,14 +178,24 @@ class Yardstick:
   tflops: float
   source: str
   measured: bool = False  # a measured figure is a lower bound on the peak, raised by any faster step
+  cache: str = ""  # the cache file of a measured figure, updated when a step raises it
+  key: str = ""  # its key in the cache (the format measured)
 
   @classmethod
   def of(cls, config: MaxTextConfig) -> Yardstick:
     tflops, source = peak_tflops(config)
-    return cls(tflops, source, measured=source.startswith("measured"))
+    measured = source.startswith("measured")
+    key = cache_key("int8" if source.startswith(MEASURED_INT8) else "bf16")
+    return cls(tflops, source, measured=measured, cache=cache_path() if measured else "", key=key if measured else "")
+
+  def described(self) -> str:
+    """The source, with the cache file and the key that overrides it for a measured figure (the banner's words)."""
+    return f"{self.source}; cached in {self.cache}, device_peak_tflops=X overrides" if self.cache else self.source
 
   def mfu(self, achieved_tflops: float) -> float:
     """achieved / peak; a step faster than a measured peak becomes the peak (the device just showed it can)."""
     if self.measured and achieved_tflops > self.tflops:
       self.tflops, self.source = achieved_tflops, "fastest train step so far"
+      if self.cache:
+        _write_cache(self.cache, self.key, achieved_tflops)
     return achieved_tflops / self.tflops if self.tflops > 0 else 0.0

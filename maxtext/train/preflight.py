@@ -16,10 +16,11 @@ from typing import Any
 import jax
 
 from maxtext import mesh as mesh_lib
+from maxtext import platform
 from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
-from maxtext.train import checkpointing, outputs, perf
+from maxtext.train import checkpointing, outputs
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 
@@ -28,26 +29,31 @@ MEMORY_HEADROOM = 0.95  # share of a device's memory the compiled step may plan 
 
 @dataclasses.dataclass
 class Checked:
-  config: MaxTextConfig  # remat_policy=auto replaced by the policy the compiled memory chose
+  config: MaxTextConfig  # remat_policy=auto and decoder_layer_input=auto replaced by what the compiled memory chose
   mesh: jax.sharding.Mesh
   setup: setup_lib.TrainSetup
   step_fn: Any  # the compiled train step
   data_iter: Any  # the train iterator, at its start
   checkpoint_bytes: int  # size of one checkpoint of the train state
+  choice: remat_auto.Choice | None = None  # how the auto keys were resolved here (None: not auto, or by train_compile)
 
 
 def run_checks(
   config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None, setup: setup_lib.TrainSetup | None = None, log: Callable[[str], None] | None = None
 ) -> Checked:
-  perf.check_hardware(config)
+  platform.check_hardware(config)
   check_quantization(config)
   if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
     raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
-  if config.remat_policy == "auto" and config.compiled_trainstep_file:
-    raise ConfigError("remat_policy=auto cannot load compiled_trainstep_file; pass the remat_policy train_compile printed for it")
   mesh = setup.mesh if setup is not None else mesh or mesh_lib.create(config)
-  if setup is None:
-    config = remat_auto.resolve(config, mesh, log=log)  # remat_policy=auto: the compiled memory picks the policy
+  choice = None
+  if config.compiled_trainstep_file:  # the auto keys take what train_compile chose; the stamp check compares the rest
+    from maxtext.aot import executable
+
+    config = executable.with_compiled_choices(config.compiled_trainstep_file, config)
+  elif setup is None:
+    config, choice = remat_auto.resolve(config, mesh, log=log)  # the compiled memory picks the policy and the place
+    setup = choice.step.setup if choice is not None and choice.step is not None else None  # compiled while choosing
   setup = setup or setup_lib.build(config, mesh)
   checkpointed = state_lib.checkpointed(setup.abstract_state, config)
   check_restore_paths(config, setup, checkpointed)
@@ -64,7 +70,7 @@ def run_checks(
   with jax.set_mesh(mesh):  # traced as the loop would run it
     step_fn = compiled_step(config, setup, mesh)
   check_memory_fit(config, step_fn)
-  return Checked(config, mesh, setup, step_fn, data_iter, checkpoint_bytes)
+  return Checked(config, mesh, setup, step_fn, data_iter, checkpoint_bytes, choice)
 
 
 def check_quantization(config: MaxTextConfig) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 
+from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.layers.quantization import Recipe
 from maxtext.platform import Policy
@@ -53,10 +54,19 @@ def run_dir(config: MaxTextConfig) -> str:
 class RunReport:
   """Prints the banner, the progress lines and the summary of one call of maxtext.train.loop.train."""
 
-  def __init__(self, config: MaxTextConfig, mesh: jax.sharding.Mesh, policy: Policy, start_step: int, log: Callable[[str], None]):
+  def __init__(
+    self,
+    config: MaxTextConfig,
+    mesh: jax.sharding.Mesh,
+    policy: Policy,
+    start_step: int,
+    log: Callable[[str], None],
+    choice: remat_auto.Choice | None = None,
+  ):
     from maxtext.models import counting
 
     self.config, self.mesh, self.policy, self.start, self.log = config, mesh, policy, start_step, log
+    self.choice = choice  # how remat_policy=auto / decoder_layer_input=auto were resolved, if they were
     self.began = time.perf_counter()
     self.flops = counting.flops_per_device_per_step(config) / 1e12  # TFLOPs per device per step
     self.tokens_per_step = config.global_batch_size_to_train_on * config.max_target_length
@@ -74,21 +84,22 @@ class RunReport:
     model = c.model_name if c.model_name != "default" else f"{c.decoder_block} (configured in YAML)"
     params = counting.param_count(c)
     mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh.shape.items())
-    platform = self.mesh.devices.flat[0].platform
     tensorboard = f"tensorboard --logdir {c.tensorboard_dir}" if c.enable_tensorboard else "off (enable_tensorboard=false)"
     self.log(f"model: {model}, {count(params)} parameters ({c.num_decoder_layers} layers, emb {c.emb_dim}, {c.num_query_heads} heads, vocab {c.vocab_size})")
-    self.log(f"mesh: {mesh} over {self.mesh.devices.size} {platform} device(s) in {jax.process_count()} process(es)")
+    self.log(f"mesh: {mesh} over {self.mesh.devices.size} {self.policy.platform} device(s) in {jax.process_count()} process(es)")
     self.log(
       f"batch: {c.global_batch_size_to_train_on} sequences x {c.max_target_length} tokens = {self.tokens_per_step:,} tokens per step"
       + (f" ({c.gradient_accumulation_steps} accumulated micro-batches)" if c.gradient_accumulation_steps > 1 else "")
     )
     if c.remat_policy != "none":
-      where = "pinned host memory" if self.policy.offload_layer_inputs else "device memory"
-      self.log(f"remat: {c.remat_policy}; each layer's saved input in {where} (decoder_layer_input={c.decoder_layer_input})")
+      remat = f"{c.remat_policy} (remat_policy=auto)" if self.choice and self.choice.auto_policy else c.remat_policy
+      self.log(f"remat: {remat}; {remat_auto.saved_input(self.policy.offload_layer_inputs, c.decoder_layer_input, self.choice)}")
     if self.policy.quantization is not None:
-      self.log(f"quantization: {quantization_summary(self.policy.quantization, platform)}")
+      self.log(f"quantization: {quantization_summary(self.policy.quantization, self.policy.platform)}")
     self.log(f"output: {run_dir(c)}; TensorBoard: {tensorboard}")
-    self.log(f"training {c.run_name} from step {self.start} to {c.steps}; MFU against {self.yardstick.tflops:.3f} TFLOP/s/device ({self.yardstick.source})")
+    self.log(
+      f"training {c.run_name} from step {self.start} to {c.steps}; MFU against {self.yardstick.tflops:.3f} TFLOP/s/device ({self.yardstick.described()})"
+    )
 
   def step_metrics(self, seconds: float) -> dict[str, float]:
     """Throughput and MFU of a step that took `seconds` (measured once its results were ready)."""

@@ -65,8 +65,8 @@ def make_train_step(config: MaxTextConfig, graphdef: nnx.GraphDef, optimizer: op
         zeros = jax.tree.map(jnp.zeros_like, trainable)
         (grads, sums), _ = jax.lax.scan(micro_step, (zeros, loss_lib.zero_sums(config)), _micro_batches(batch, accum))
       # The norm and the update both read every gradient. Without the barrier XLA fuses the slice that keeps this
-      # device's shard of a batch-summed gradient into both readers, and the whole sum (the [emb, vocab] output-kernel
-      # gradient: 2.1 GB per device for llama3.1-8b on v5p-8) stays alive until the update (benchmarks/README.md).
+      # device's shard of a batch-summed gradient into both readers, and the whole sum (the full float32 [emb, vocab]
+      # output-kernel gradient) stays alive until the update (figure: benchmarks/README.md, figures behind code comments).
       grads = jax.lax.optimization_barrier(grads)
       aux = sums.aux / accum
       loss = (sums.xent + sums.z_loss + sums.mtp) / total_weights + aux
