@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     f"compiled in {result.compile_seconds:.1f}s; model TFLOPs per step {result.tflops_per_step:.2f} ({result.tflops_per_step / config.num_devices:.3f} per device)"
   )
   print(result.state_line(config))
-  if config.quantization:
+  if config.quantization == "int8":
     print(f"compiled executable: {result.int8_products} int8 x int8 matmul instructions (dot/convolution with two s8 operands)")
   for line in result.memory.lines():
     print(line)

@@ -78,7 +78,7 @@ def compile_for_topology(config: MaxTextConfig, log: Callable[[str], None] | Non
     with jax.set_mesh(mesh):
       step = memory.compile_step(setup_lib.build(config, mesh), hbm)
   flops = training_flops_per_step(config) / 1e12
-  int8 = count_int8_products(step.compiled.as_text()) if step.compiled is not None and config.quantization else 0
+  int8 = count_int8_products(step.compiled.as_text()) if step.compiled is not None and config.quantization == "int8" else 0
   state = state_breakdown(step.setup.abstract_state)
   return CompileResult(step.compiled, step.memory, step.seconds, flops, list(mesh.devices.flat), config, choice, state, int8)
 
