@@ -73,13 +73,15 @@ def _loss(config, batch, model):
   return loss, params
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, "llama2+logits"])
 def test_every_projection_is_quantized(family):
-  """Traced only (abstract parameters): the int8 x int8 products of each family's forward pass."""
-  config = from_overrides(**{**FAMILIES[family], "num_devices": 1, "quantization": "int8"})
+  """Traced only (abstract parameters): the int8 x int8 products of each family's forward pass (the output head's
+  only with quantize_logits_proj)."""
+  name, _, logits = family.partition("+")
+  config = from_overrides(**{**FAMILIES[name], "num_devices": 1, "quantization": "int8", "quantize_logits_proj": bool(logits)})
   model = models.abstract_model(config)
   loss, params = _loss(config, _batch(config), model)
-  assert count_dots(jax.make_jaxpr(loss)(params, nnx.state(model, nnx.Not(nnx.Param))).jaxpr, jnp.int8) == QUANTIZED_DOTS[family]
+  assert count_dots(jax.make_jaxpr(loss)(params, nnx.state(model, nnx.Not(nnx.Param))).jaxpr, jnp.int8) == QUANTIZED_DOTS[name] + bool(logits)
 
 
 def test_fp8_gradients_finite_and_bitwise_reproducible():
