@@ -3,8 +3,9 @@
 For each batch size (--batches, default 1 and 32) it compiles the prefill and the on-device decode loop once,
 then reports prefill tokens/s (prompts of max_prefill_predict_length tokens), the median time of one jitted
 decode step (`Generator.step`, the cache donated) and decode tokens/s from it, the same from the on-device
-loop, the KV cache's bytes against 2 x batch x sum over layers (slots x kv_heads x head_dim x bytes), and
-whether the decode step ever compiled more than once. The batch-1 step is compared with the
+loop, the KV cache's bytes against batch x sum over layers (slots x values per slot x bytes): 2 x kv_heads x
+head_dim per slot, or for MLA's compressed cache kv_lora_rank + qk_rope_head_dim (printed beside the naive
+per-head size), and whether the decode step ever compiled more than once. The batch-1 step is compared with the
 weight-streaming bound: parameter bytes / this host's measured streaming bandwidth (step_profile.py's probe).
 Parameters are a random init of the config's model (the speed does not depend on their values); with
 `quantization` its kernels are stored quantized, as `python -m maxtext.decode` holds them.
@@ -90,6 +91,7 @@ def main(argv: list[str]) -> list[dict]:
   base_gen, base_param_bytes = generator(base_config) if args.baseline else (None, 0)
   bandwidth = stream_gb_per_s()
   bound_s = param_bytes / (bandwidth * 1e9)
+  print(cache_layout.describe(config, args.batches[0], gen.layout), file=sys.stderr)
   prompt_length = config.max_prefill_predict_length
   rows = []
   rng = np.random.default_rng(0)
@@ -125,6 +127,8 @@ def main(argv: list[str]) -> list[dict]:
       "loop_decode_tokens_per_s": round(result.decode_tokens / result.decode_seconds, 1),
       "kv_cache_bytes": kv_bytes,
       "kv_cache_theoretical_bytes": cache_layout.theoretical_bytes(config, tokens.shape[0], gen.layout),
+      "kv_cache_form": gen.layout.form,
+      "kv_cache_naive_bytes": cache_layout.theoretical_bytes(config, tokens.shape[0], gen.layout, "mla_naive") if gen.layout.form == "mla_latent" else None,
       "cache_lengths_bytes": length_bytes,
       "decode_step_recompiles": gen.step._cache_size() - compiles,
       "scan_layers": config.scan_layers and not args.unstack,

@@ -75,3 +75,13 @@ def initialize(config: MaxTextConfig) -> None:
       f"could not join the JAX distributed system at {address} within {timeout}s ({first}); "
       "start every process with the same jax_coordinator_address and jax_num_processes and a distinct jax_process_id"
     ) from None
+
+
+def all_processes_agree(flag: bool) -> bool:
+  """True when flag holds on every process (a host sync; only for rare decisions such as the end of eval or which checkpoint to restore)."""
+  if jax.process_count() == 1:
+    return flag
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(flag))))

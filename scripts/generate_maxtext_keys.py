@@ -91,7 +91,7 @@ def _yaml(text: str) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT))
   from maxtext.config.loader import _yaml_load
 
-  return _yaml_load(text)
+  return _yaml_load(text, "a MaxText config")
 
 
 def _yaml_base(path: Path) -> dict[str, Any]:

@@ -9,6 +9,10 @@ import transformers
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 32, "beta_slow": 1}
+LINEAR = {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}
+
+
 FAMILY_CONFIGS = {
   "llama2": lambda: transformers.LlamaConfig(**SMALL, rope_theta=500000.0),
   "llama3.1": lambda: transformers.LlamaConfig(
@@ -29,20 +33,37 @@ FAMILY_CONFIGS = {
   "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
     **SMALL, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]
   ),
+  "gemma3": lambda: transformers.Gemma3TextConfig(
+    **{**SMALL, "num_hidden_layers": 7},  # one scanned group of 6 (5 local, 1 global) and a local tail layer
+    sliding_window=4,
+    query_pre_attn_scalar=16,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": LINEAR},
+  ),
+  "gpt_oss": lambda: transformers.GptOssConfig(
+    **{**SMALL, "intermediate_size": 16},
+    sliding_window=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    swiglu_limit=1.0,  # low enough that the clamps act on these activations
+    max_position_embeddings=16,
+    rope_parameters={**YARN, "rope_theta": 150000.0, "truncate": False},
+  ),
   "deepseek": lambda: _deepseek(q_lora_rank=12),
   "deepseek_q0": lambda: _deepseek(q_lora_rank=None, norm_topk_prob=False),
+  # Plain rope (no YaRN), half-split rope pairs, one routing group (as Kimi K2's config.json has).
+  "deepseek_plain": lambda: _deepseek(q_lora_rank=None, rope={"rope_type": "default", "rope_theta": 10000.0}, rope_interleave=False, n_group=1, topk_group=1),
 }
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 32, "beta_slow": 1}
 
-
-def _deepseek(q_lora_rank: int | None, norm_topk_prob: bool = True) -> transformers.DeepseekV3Config:
+def _deepseek(q_lora_rank: int | None, norm_topk_prob: bool = True, rope: dict | None = None, **extra) -> transformers.DeepseekV3Config:
   """Tiny DeepSeek V3: 1 dense + 2 MoE layers, 8 experts in 4 groups (top-2 groups), a shared expert, MLA, YaRN.
 
   q_lora_rank=12 compresses queries; None projects them directly (maxtext's q_lora_rank=0). The first uses
-  DeepSeek's mscale = mscale_all_dim (softmax-scale correction), the second HF's default cos/sin scaling.
+  DeepSeek's mscale = mscale_all_dim (softmax-scale correction), the second HF's default cos/sin scaling; rope
+  replaces YaRN and extra sets other DeepseekV3Config fields (rope_interleave, n_group, topk_group).
   """
   mscale = {"mscale": 1.0, "mscale_all_dim": 1.0} if q_lora_rank else {}
+  groups = {"n_group": 4, "topk_group": 2, **extra}
   return transformers.DeepseekV3Config(
     vocab_size=97,
     hidden_size=32,
@@ -53,8 +74,6 @@ def _deepseek(q_lora_rank: int | None, norm_topk_prob: bool = True) -> transform
     num_key_value_heads=4,
     n_routed_experts=8,
     num_experts_per_tok=2,
-    n_group=4,
-    topk_group=2,
     n_shared_experts=1,
     first_k_dense_replace=1,
     routed_scaling_factor=2.5,
@@ -65,7 +84,8 @@ def _deepseek(q_lora_rank: int | None, norm_topk_prob: bool = True) -> transform
     qk_rope_head_dim=4,
     v_head_dim=6,
     max_position_embeddings=16,
-    rope_parameters={**YARN, **mscale},
+    rope_parameters=rope or {**YARN, **mscale},
+    **groups,
   )
 
 

@@ -128,3 +128,19 @@ def test_out_of_memory_messages(message, need_gib, largest):
     assert r.total_bytes == pytest.approx(need_gib * memory.GIB, rel=1e-3)
   else:
     assert "needs more than 95.00 GiB" in line
+
+
+def test_mla_decode_step_compiles_for_topology_with_its_compressed_cache():
+  """maxtext.decode_compile's core: one decode step of a tiny MLA model for v5p-8, the latent cache sharded over the batch
+  and donated; its per-device bytes are the formula's batch share."""
+  from maxtext.aot.decode import compile_decode_step
+  from maxtext.inference import cache_layout
+
+  mla = dict(decoder_block="deepseek", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=0)
+  config = from_overrides(compile_topology="v5p-8", **{**TINY, **mla, "max_target_length": 128, "max_prefill_predict_length": 64})
+  result = compile_decode_step(config)
+  assert result.batch == 4 and result.memory.fits and result.memory.alias_bytes >= result.cache_bytes_per_device
+  total = cache_layout.theoretical_bytes(config, 4, cache_layout.layout(config))
+  assert total == 4 * config.num_decoder_layers * 128 * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
+  assert result.cache_bytes_per_device == total // 4 + 4  # one row per device, plus its length
+  assert "per-head keys and values (mla_naive_kvcache=true) would take" in result.cache_line

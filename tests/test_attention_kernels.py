@@ -90,6 +90,41 @@ def test_splash_interpret_equals_reference(batch, window, cap):
   assert_same(forward_and_grads(run, q, k, v), expected)
 
 
+SINKS = jnp.asarray([0.7, -0.4], jnp.float32)  # one sink logit per query head (gpt-oss)
+
+
+def test_sinks_in_chunked_and_splash_equal_reference(batch):
+  """Sinks join every softmax row in the XLA reference, the chunked kernel (its hand-written backward gives the sinks'
+  gradient too) and splash (interpret mode): outputs and gradients for q, k, v and the sinks agree."""
+  q, k, v, seg, pos = batch
+  window = 37
+
+  def with_grads(fn):
+    out = fn(q, k, v, SINKS)
+    return out, jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), (0, 1, 2, 3))(q, k, v, SINKS)
+
+  mask = ops.attention_mask(pos, pos, seg, window)
+  ref = with_grads(jax.jit(lambda q, k, v, s: ops.xla_attention(q, k, v, mask, SCALE, None, jax.lax.Precision.HIGHEST, sinks=s)))
+  chunked = with_grads(jax.jit(lambda q, k, v, s: ops.chunked_attention(q, k, v, pos, pos, seg, window, SCALE, None, 48, s)))
+  splash = with_grads(lambda q, k, v, s: ops.splash_attention(q, k, v, seg, s, window=window, scale=SCALE, soft_cap=None, blocks=SMALL_BLOCKS, interpret=True))
+  assert float(jnp.abs(ref[0] - expected_for(batch, window, None)[0]).max()) > 0.05  # the sinks change the output
+  assert float(jnp.abs(ref[1][3]).min()) > 1e-3  # and get a gradient
+  for actual in (chunked, splash):
+    np.testing.assert_allclose(actual[0], ref[0], atol=2e-5, rtol=0)
+    for name, a, e in zip(("q", "k", "v", "sinks"), actual[1], ref[1]):
+      np.testing.assert_allclose(a, e, atol=2e-4 if name == "sinks" else 2e-5, rtol=0, err_msg=f"d{name}")
+
+
+def test_sinks_fall_back_from_cudnn_with_a_logged_reason(caplog):
+  ops._logged.clear()
+  with caplog.at_level(logging.WARNING, logger="maxtext.attention"):
+    assert ops.select(policy("gpu"), **FACTS, sinks=True) == "xla"
+  assert any("(cuDNN attention has no attention sinks); falling back to XLA" in r.getMessage() for r in caplog.records)
+  assert ops.select(policy("tpu"), **FACTS, sinks=True) == "splash"
+  with pytest.raises(ConfigError, match="attention=cudnn cannot run this model: cuDNN attention has no attention sinks"):
+    ops.select(policy("gpu", attention="cudnn"), **FACTS, sinks=True)
+
+
 def test_attend_with_narrower_values_pads_them_for_fused_kernels(batch):
   """MLA's values are narrower than its queries and keys: attend pads them for a fused kernel and cuts the output."""
   q, k, v, seg, pos = batch
@@ -195,7 +230,7 @@ MODEL = dict(
 @pytest.mark.parametrize("family, extra", [("llama2", dict(base_num_decoder_layers=1)), ("gemma2", dict(sliding_window_size=24, attn_logits_soft_cap=20.0))])
 def test_model_with_tpu_policy_matches_cpu_policy(batch, family, extra):
   """A model built with the TPU policy runs splash (interpret mode) in every layer; gemma2's scanned layers alternate
-  a local and a global window, which the traced window switches between."""
+  a local and a global window, one kernel each (the scan steps over (local, global) pairs)."""
   _, _, _, seg, pos = batch
   config = from_overrides(num_devices=1, decoder_block=family, **{**MODEL, **extra})
   tokens = jnp.asarray(np.random.default_rng(1).integers(1, 64, size=seg.shape), jnp.int32)

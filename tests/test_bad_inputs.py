@@ -22,20 +22,28 @@ from tests.test_data_common import sp_model
 from tests.test_train_helpers import TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
+CASE_TIMEOUT_SECONDS = 180  # far above any case's run time on a busy 2-core machine: reaching it means the process hung
 TINY = dict(
   **TINY_MODEL,
+  steps=3,  # a case that wrongly starts training still ends
   enable_tensorboard="true",
   async_checkpointing="false",
   base_output_directory="{tmp}/out",
   run_name="r",
 )
-CONVERT = [sys.executable, "-m", "maxtext.convert", "hf-to-maxtext", "--out", "{tmp}/converted"]
+CONVERT_TO = [sys.executable, "-m", "maxtext.convert", "hf-to-maxtext", "--out"]
+CONVERT = [*CONVERT_TO, "{tmp}/converted"]
 
 
 def _train(*extra: str) -> list[str]:
   """The train command on the tiny model, with key=value overrides replacing its defaults."""
   keys = {**TINY, **dict(e.split("=", 1) for e in extra)}
   return [sys.executable, "-m", "maxtext.train", str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in keys.items())]
+
+
+def _train_yml(name: str) -> list[str]:
+  """The train command on the tiny model whose config file is {tmp}/name (made by _make_config_inputs), run_name from the file."""
+  return [sys.executable, "-m", "maxtext.train", "{tmp}/" + name, *(f"{k}={v}" for k, v in TINY.items() if k != "run_name")]
 
 
 # (id, argv, what the one line must mention)
@@ -67,7 +75,7 @@ CASES = [
   ("quantization_unknown_mode", _train("quantization=int3"), "'quantization'"),
   ("quantization_int4w_training_without_lora", _train("quantization=int4w"), "lora.enable_lora=true"),
   ("quantize_kvcache_in_training", _train("quantize_kvcache=true"), "python -m maxtext.decode"),
-  ("quantize_kvcache_on_mla", _train("decoder_block=deepseek", "quantize_kvcache=true"), "(MLA) cannot decode"),
+  ("quantize_kvcache_on_mla", _train("decoder_block=deepseek", "quantize_kvcache=true"), "(MLA) caches a compressed latent"),
   (
     "checkpoint_is_quantized_on_a_float_checkpoint",
     _train("quantization=int8", "lora.enable_lora=true", "checkpoint_is_quantized=true", "load_parameters_path={run}/r/checkpoints/1"),
@@ -75,6 +83,20 @@ CASES = [
   ),
   ("convert_truncated_safetensors", [*CONVERT, "--hf-dir", "{tmp}/hf_truncated"], "not a readable safetensors file"),
   ("convert_hidden_size_disagrees", [*CONVERT, "--hf-dir", "{tmp}/hf_wrong_size"], "does not fit hidden_size"),
+  # convert: every bad --out is one line, and the process ends (a writer left waiting used to keep it alive)
+  ("convert_out_under_a_regular_file", [*CONVERT_TO, "{tmp}/a_file/sub", "--hf-dir", "{tmp}/hf"], "not a directory"),
+  ("convert_out_is_a_regular_file", [*CONVERT_TO, "{tmp}/a_file", "--hf-dir", "{tmp}/hf"], "is an existing file"),
+  ("convert_out_cannot_be_made", [*CONVERT_TO, "/proc/maxtext_out", "--hf-dir", "{tmp}/hf"], "cannot be made"),
+  ("convert_config_json_is_a_list", [*CONVERT, "--hf-dir", "{tmp}/hf_list_config"], "holds a JSON list"),
+  # what a config may expand to, and names
+  ("yaml_alias_bomb", _train_yml("alias_bomb.yml"), "expands to more than"),
+  ("yaml_50_mb_value", _train_yml("huge_value.yml"), "longer than a config may be"),
+  ("run_name_50_mb", _train_yml("huge_run_name.yml"), "longer than a config may be"),
+  ("run_name_300_characters", _train("run_name=" + "a" * 300), "300 bytes long"),
+  ("run_name_with_nul", _train_yml("nul_run_name.yml"), "contains '\\x00'"),
+  ("run_name_with_newline", _train("run_name=a\nb"), "contains '\\n'"),
+  ("convert_config_contradicts_itself", [*CONVERT, "--hf-dir", "{tmp}/hf_contradiction"], "lists 3 layer_types for num_hidden_layers=2"),
+  ("attention_sink_without_sink_parameters", _train("attention_sink=true"), "has no sink parameters"),
 ]
 
 
@@ -105,6 +127,26 @@ def _hf_dir(path: Path, hidden: int, tensors_hidden: int) -> None:
   save_file({k: np.zeros(s, np.float32) for k, s in t.items()}, str(path / "model.safetensors"))
 
 
+def _alias_bomb(levels: int = 10) -> str:
+  """mlp_activations: [&a [x, x, ...], &b [*a, *a, ...], ...]: 10 levels of 10 make 10**10 values."""
+  lists = ["&l0 [" + ", ".join(["silu"] * 10) + "]"] + [f"&l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, levels)]
+  return "mlp_activations: [" + ", ".join(lists) + "]\n"
+
+
+def _make_config_inputs(tmp: Path, case_id: str) -> None:
+  """The config files a case names (only its own: some are 50 MB)."""
+  head = f"base_config: {REPO / 'configs' / 'base.yml'}\n"
+  files = {
+    "yaml_alias_bomb": ("alias_bomb.yml", lambda: head + _alias_bomb()),
+    "yaml_50_mb_value": ("huge_value.yml", lambda: head + "mlp_activations: [" + "silu, " * (50 * 2**20 // 6) + "silu]\n"),
+    "run_name_50_mb": ("huge_run_name.yml", lambda: head + "run_name: " + "a" * 50 * 2**20 + "\n"),
+    "run_name_with_nul": ("nul_run_name.yml", lambda: head + 'run_name: "a\\0b"\n'),
+  }
+  if case_id in files:
+    name, text = files[case_id]
+    (tmp / name).write_text(text())
+
+
 def _make_inputs(tmp: Path) -> None:
   (tmp / "not_a_checkpoint").mkdir()
   (tmp / "not_a_checkpoint" / "notes.txt").write_text("not a checkpoint\n")
@@ -116,6 +158,13 @@ def _make_inputs(tmp: Path) -> None:
   weights = tmp / "hf_truncated" / "model.safetensors"
   weights.write_bytes(weights.read_bytes()[:1000])
   _hf_dir(tmp / "hf_wrong_size", 24, 16)
+  _hf_dir(tmp / "hf", 16, 16)
+  _hf_dir(tmp / "hf_list_config", 16, 16)
+  (tmp / "hf_list_config" / "config.json").write_text("[1, 2]")
+  (tmp / "hf_contradiction").mkdir()  # a Gemma 3 config.json whose layer_types do not count its layers
+  gemma3 = dict(model_type="gemma3_text", hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64)
+  gemma3.update(num_hidden_layers=2, sliding_window=4, layer_types=["sliding_attention"] * 3)
+  (tmp / "hf_contradiction" / "config.json").write_text(json.dumps(gemma3))
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -138,7 +187,7 @@ def _env() -> dict[str, str]:
 def _run_case(argv: list[str], tmp: Path, run: Path, sp: str) -> tuple[subprocess.CompletedProcess, tuple, tuple]:
   args = [a.replace("{tmp}", str(tmp)).replace("{run}", str(run)).replace("{sp}", sp) for a in argv]
   before = (_snapshot(tmp.parent), _snapshot(run))
-  proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp, env=_env(), timeout=300)
+  proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp, env=_env(), timeout=CASE_TIMEOUT_SECONDS)  # a hang fails the case
   return proc, before, (_snapshot(tmp.parent), _snapshot(run))
 
 
@@ -157,6 +206,7 @@ def results(tmp_path_factory):
       tmp = tmp_path_factory.mktemp("case") / "work"
       tmp.mkdir()
       _make_inputs(tmp)
+      _make_config_inputs(tmp, case_id)
       jobs[case_id] = pool.submit(_run_case, argv, tmp, run_root, sp)
   return {k: v.result() for k, v in jobs.items()}, run_root
 

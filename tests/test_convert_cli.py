@@ -43,7 +43,7 @@ def test_existing_output_is_refused_with_one_line(converted):
   before = sorted(p.name for p in (converted / "mt").iterdir())
   result = run("hf-to-maxtext", "--hf-dir", str(converted / "hf"), "--out", str(converted / "mt"))
   assert result.returncode == 2
-  assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: output") and "Traceback" not in result.stderr
+  assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: --out ") and "not empty" in result.stderr and "Traceback" not in result.stderr
   assert sorted(p.name for p in (converted / "mt").iterdir()) == before
 
 
@@ -51,3 +51,19 @@ def test_missing_hf_dir_is_one_line_error(tmp_path):
   result = run("hf-to-maxtext", "--hf-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
   assert result.returncode == 2 and result.stderr.startswith("error: ") and "config.json" in result.stderr
   assert not (tmp_path / "o").exists()
+
+
+def test_mxfp4_experts_dequantise_as_transformers_does():
+  """gpt-oss's published MXFP4 expert blocks and scales become the dense tensors transformers' dequantiser gives."""
+  torch = pytest.importorskip("torch")
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+  from maxtext.convert import mxfp4
+
+  rng = np.random.default_rng(0)
+  blocks = rng.integers(0, 256, size=(2, 6, 3, 16), dtype=np.uint8)  # 2 experts, 6 rows, 3 groups of 32 values
+  scales = rng.integers(120, 134, size=(2, 6, 3), dtype=np.uint8)
+  expected = convert_moe_packed_tensors(torch.as_tensor(blocks), torch.as_tensor(scales), dtype=torch.float32).numpy()
+  dense = mxfp4.dense_experts({"mlp.experts.down_proj_blocks": blocks, "mlp.experts.down_proj_scales": scales, "other": np.ones(1)})
+  assert sorted(dense) == ["mlp.experts.down_proj", "other"] and dense["mlp.experts.down_proj"].shape == (2, 96, 6)
+  np.testing.assert_array_equal(dense["mlp.experts.down_proj"], expected)

@@ -77,6 +77,12 @@ def scanned():
 
 def test_cached_logits_equal_full_forward(setup):
   config, _, gen, tokens, full = setup
+  assert_cached_logits_equal_full_forward(config, gen, tokens, full, steps=10)  # 10 steps: the 4-slot ring buffers wrap twice
+
+
+def assert_cached_logits_equal_full_forward(config, gen, tokens, full, steps: int) -> None:
+  """Prefill rows of 5 and 9 prompt tokens, then `steps` decode steps: every logit equals the full forward pass's
+  within 1e-5, and the decode step compiles once."""
   lengths = np.array([5, 9], np.int32)
   prompts = np.where(np.arange(16) < lengths[:, None], tokens[:, :16], 0)
 
@@ -89,7 +95,7 @@ def test_cached_logits_equal_full_forward(setup):
   logits, cache = prefill_all(gen.state, prompts, lengths)
   for row, n in enumerate(lengths):
     np.testing.assert_allclose(np.asarray(logits)[row, :n], full[row, :n], atol=1e-5, rtol=0)
-  for i in range(10):  # 10 steps: the 4-slot ring buffers wrap twice
+  for i in range(steps):
     cache, step_logits = gen.step(gen.state, cache, jnp.asarray(tokens[[0, 1], lengths + i]))
     expected = full[[0, 1], lengths + i]
     np.testing.assert_allclose(np.asarray(step_logits), expected, atol=1e-5, rtol=0)

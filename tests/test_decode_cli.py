@@ -44,6 +44,22 @@ def test_decode_from_hf_directory(hf_dir, tokenizer, capsys):
   out = run(capsys, f"hf_model_path={hf_dir}", f"tokenizer_path={tokenizer}", "prompt=w1 w2 w3")
   assert "completion: " in out and "prompt: w1 w2 w3" in out
   assert "prefill: 4 tokens" in out and "tokens/s" in out
+  assert "KV cache: 0.01 MiB for batch 1 x 20 tokens over 3 layers (32 values per token and layer, float32)" in out
+
+
+def test_decode_kimi_shaped_deepseek_from_its_compressed_cache(tokenizer, tmp_path, capsys):
+  """A DeepseekV3 directory with one routing group and plain rope (as Kimi K2's config.json): the command decodes from
+  the compressed MLA cache and prints its size beside the naive one; maxtext.generate gives the same completion."""
+  import maxtext
+  from maxtext.tokenizer import load_tokenizer
+
+  save_tiny_model("deepseek_plain", tmp_path)
+  out = run(capsys, f"hf_model_path={tmp_path}", f"tokenizer_path={tokenizer}", "prompt=w1 w2 w3")
+  line = next(x for x in out.splitlines() if x.startswith("KV cache:"))
+  assert "(20 values per token and layer, float32); per-head keys and values (mla_naive_kvcache=true) would take" in line and "(3.6x)" in line
+  model, _ = maxtext.from_hf(tmp_path, dtype="float32", max_target_length=20, max_prefill_predict_length=16)
+  completion = maxtext.generate(model, load_tokenizer("huggingface", tokenizer), "w1 w2 w3")
+  assert f"completion: {completion}\n" in out
 
 
 def test_decode_from_the_runs_own_checkpoint(hf_dir, tokenizer, tmp_path, capsys):

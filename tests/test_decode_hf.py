@@ -1,6 +1,8 @@
 """Greedy decoding is token-exact with transformers' generate for every family (float32, tiny random models).
 
 One batch holds prompts of different lengths, so this also checks per-row positions against each prompt alone.
+DeepSeek (MLA) decodes from its compressed latent cache in the absorbed form, with YaRN and without it (the naive
+per-head cache is checked against the full forward pass in tests/test_decode_mla.py).
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ from maxtext import from_hf
 from maxtext.inference import Generator
 from tests.hf_fixtures import FAMILY_CONFIGS, save_tiny_model
 
-MLA = ("deepseek", "deepseek_q0")  # multi-head latent attention: no KV cache yet (a one-line error)
-FAMILIES = [name for name in FAMILY_CONFIGS if name not in MLA]
+FAMILIES = [name for name in FAMILY_CONFIGS if name != "deepseek_q0"]  # deepseek and deepseek_plain cover MLA decoding
 PROMPT_LENGTHS = (3, 9)
 MAX_TARGET_LENGTH = 17  # 8 to 14 new tokens per row: past gemma2/mistral's window of 4, so the ring buffers wrap
 
@@ -34,12 +35,3 @@ def test_greedy_matches_transformers_generate(tmp_path, name):
         0, len(prompt) :
       ].tolist()
     assert got == ref, f"{name}: prompt of {len(prompt)} tokens"
-
-
-def test_mla_decoding_is_a_one_line_error(tmp_path):
-  from maxtext.errors import ConfigError
-
-  save_tiny_model("deepseek", tmp_path)
-  model, _ = from_hf(tmp_path, dtype="float32")
-  with pytest.raises(ConfigError, match="multi-head latent attention"):
-    Generator(model, max_target_length=MAX_TARGET_LENGTH, max_prefill_length=16)

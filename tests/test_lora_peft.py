@@ -159,3 +159,25 @@ def test_peft_adapter_trained_on_an_int8_base_loads_onto_the_float_model(adapted
   np.testing.assert_allclose(theirs, logits[""], atol=1e-4, rtol=0)
   assert abs(np.abs(theirs - logits["int8"]).max() - int8_error) < 1e-3
   assert 0 < int8_error < 0.03 * np.ptp(logits[""])
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_peft_adapters_of_gemma3_and_gpt_oss_round_trip_and_load_in_peft(tmp_path, toks, family):
+  """Adapters on every attention projection (and gemma3's MLP) export to PEFT bit for bit and back, and PEFT on the
+  transformers model gives our logits (gpt-oss: the q/k/v/o biases and sinks stay in the frozen base)."""
+  peft = pytest.importorskip("peft")
+
+  torch_model = save_tiny_model(family, tmp_path / "hf")
+  model, config = from_hf(tmp_path / "hf", lora=LORA, **KW)
+  for i, (_, var) in enumerate(nnx.to_flat_state(nnx.state(model, LoRAParam))):
+    var.set_value(0.3 * jax.random.normal(jax.random.key(i), var.shape))
+  adapters = _adapters({k: np.asarray(v) for k, v in flat_params(model).items()})
+  assert {k.split("/")[1] + "/" + k.split("/")[2] for k in adapters} >= {"attention/query", "attention/key", "attention/value", "attention/out"}
+  tensors, adapter_config = lora_peft.to_peft(adapters, config)
+  back = lora_peft.from_peft(tensors, config, {k: v.shape for k, v in adapters.items()})
+  assert sorted(back) == sorted(adapters) and all(np.array_equal(back[k], adapters[k]) for k in adapters)
+  lora_peft.write(tmp_path / "peft", tensors, adapter_config)
+  with torch.no_grad():
+    wrapped = peft.PeftModel.from_pretrained(torch_model, str(tmp_path / "peft")).eval()
+    theirs = wrapped(torch.as_tensor(toks, dtype=torch.long)).logits.float().numpy()
+  np.testing.assert_allclose(theirs, jit_logits(model, toks), atol=1e-4, rtol=0)

@@ -34,8 +34,16 @@ PUBLISHED_BILLIONS = {
   "qwen3-30b-a3b": 30.53,
   "qwen3-235b-a22b": 235.09,
   "deepseek3-671b": 671.03,  # the main model; its multi-token-prediction module is counted apart (see below)
+  "gemma3-1b": 1.0,
+  # Text decoders of the multimodal releases: the published 4.3B / 12.2B / 27.4B include the 0.42B SigLIP vision tower
+  # and projector; 27.0B is the text decoder the issue names.
+  "gemma3-4b": 4.30 - 0.42,
+  "gemma3-12b": 12.2 - 0.42,
+  "gemma3-27b": 27.0,
+  "gpt-oss-20b": 20.9,  # openai's model card (also the HF safetensors total with MXFP4 experts counted as weights)
+  "gpt-oss-120b": 116.8,
 }
-NOT_PUBLISHED = ("deepseek3-tiny",)  # architecture files for CPU runs, no published size
+NOT_PUBLISHED = ("deepseek3-tiny", "kimi-k2-1t")  # a CPU-sized architecture file; Kimi K2's size is published only as "1T, 32B active"
 
 # Exact parameter counts known for a few models (qwen3-0.6b: 751,632,384 on HF minus the duplicated 151936 x 1024 lm_head).
 EXACT = {
@@ -47,6 +55,7 @@ EXACT = {
   "qwen3-0.6b": 596_049_920,
   "qwen3-30b-a3b": 30_532_122_624,
   "qwen3-235b-a22b": 235_093_634_560,
+  "gemma3-1b": 999_885_952,
 }
 
 
@@ -92,10 +101,23 @@ def test_deepseek3_counts_with_its_mtp_module():
   assert counting.param_count(qwen, active_only=True) == pytest.approx(22.2e9, rel=0.01)
 
 
+def test_kimi_k2_is_1t_with_32b_active():
+  config = _model("kimi-k2-1t")
+  assert counting.param_count(config) == pytest.approx(1.0e12, rel=0.03)
+  assert counting.param_count(config, active_only=True) == pytest.approx(32e9, rel=0.03)
+
+
 def test_tied_embeddings_are_counted_once():
   config = _model("qwen3-1.7b")
   twice = counting.param_count(config) + config.vocab_size * config.emb_dim
   assert twice == pytest.approx(2.03e9, rel=0.005)
+
+
+def test_gpt_oss_active_params_match_the_model_card():
+  """openai's 3.6B and 5.1B active parameters count the experts a token reaches, without the embedding table."""
+  for name, active in (("gpt-oss-20b", 3.6e9), ("gpt-oss-120b", 5.1e9)):
+    config = _model(name)
+    assert counting.param_count(config, active_only=True) - config.vocab_size * config.emb_dim == pytest.approx(active, rel=0.015)
 
 
 def test_mixtral_active_params():

@@ -46,6 +46,28 @@ DEEPSEEK = dict(
   dtype="float32",
 )
 QWEN3_MOE = dict(BASE, decoder_block="qwen3_moe", base_num_decoder_layers=2, base_moe_mlp_dim=8, num_experts=4, num_experts_per_tok=2, use_qk_norm=True)
+GPT_OSS = dict(
+  BASE,
+  decoder_block="gpt_oss",
+  base_num_decoder_layers=2,
+  base_moe_mlp_dim=8,
+  num_experts=8,
+  num_experts_per_tok=2,
+  sliding_window_size=4,
+  attention_bias=True,
+  attention_sink=True,
+  routed_bias=True,
+  mlp_bias=True,
+  norm_topk_prob=True,
+  mlp_activations=["sigmoid", "linear"],
+  mlp_activations_limit=0.5,
+  rope_type="yarn",
+  rope_factor=4,
+  original_max_position_embeddings=4,
+  rope_interleave=False,
+  dtype="float32",
+)
+GEMMA3 = dict(BASE, decoder_block="gemma3", base_num_decoder_layers=7, sliding_window_size=4, use_qk_norm=True, local_rope_max_timescale=10_000.0)
 
 
 def _build(config) -> models.Transformer:
@@ -73,7 +95,11 @@ def _batch(b: int = 2, s: int = 8, seed: int = 0) -> dict[str, jax.Array]:
   }
 
 
-@pytest.mark.parametrize("overrides", [DEEPSEEK, dict(DEEPSEEK, q_lora_rank=0, scan_layers=False), QWEN3_MOE], ids=["deepseek", "deepseek_q0", "qwen3_moe"])
+@pytest.mark.parametrize(
+  "overrides",
+  [DEEPSEEK, dict(DEEPSEEK, q_lora_rank=0, scan_layers=False), QWEN3_MOE, GPT_OSS, GEMMA3],
+  ids=["deepseek", "deepseek_q0", "qwen3_moe", "gpt_oss", "gemma3"],
+)
 def test_param_count_equals_the_built_model(overrides):
   config = from_overrides(**overrides)
   state = nnx.state(models.abstract_model(config))
@@ -235,6 +261,28 @@ def test_expert_parallel_all_to_all_equals_one_device(capacity_factor: float = 4
   np.testing.assert_allclose(out.aux, ref.aux, atol=1e-6)
   np.testing.assert_array_equal(out.load, ref.load)
   assert float(out.dropped) == float(ref.dropped) == 0
+
+
+def test_gpt_oss_biased_experts_agree_across_dispatch_paths():
+  """Expert and router biases reach every dispatch path: dropless (grouped matmuls), capacity buffers, and the all-to-all
+  of expert parallelism (ep4 x fsdp2 on 8 devices) give the same loss, with nonzero biases and the clamps active."""
+  from maxtext import mesh as mesh_lib
+
+  base = dict(GPT_OSS, capacity_factor=-1.0)
+  dropless = from_overrides(**base)
+  rng = np.random.default_rng(3)
+  flat = {k: (np.asarray(v) + rng.normal(0.0, 0.3, np.shape(v))).astype(np.float32) for k, v in flat_params(_build(dropless)).items()}
+  assert any(k.endswith("mlp/wi_0_bias") for k in flat) and any(k.endswith("mlp/gate/bias") for k in flat)
+  batch = _batch(b=8, s=8)
+  ref = _jit_loss(model_from_flat(dropless, flat), dropless)(batch)
+  capacity = from_overrides(**dict(base, capacity_factor=8.0))  # room for every pair: nothing dropped
+  np.testing.assert_allclose(_jit_loss(model_from_flat(capacity, flat), capacity)(batch).xent, ref.xent, rtol=1e-5)
+  config = from_overrides(**dict(base, capacity_factor=8.0, num_devices=8, ici_fsdp_parallelism=2, ici_expert_parallelism=4))
+  mesh = mesh_lib.create(config)
+  graphdef, state = nnx.split(model_from_flat(config, flat, mesh))
+  with jax.set_mesh(mesh):
+    out = jax.jit(lambda st, bt: loss_lib.loss_sums(nnx.merge(graphdef, st), bt, config))(state, batch)
+  np.testing.assert_allclose(out.xent, ref.xent, rtol=1e-5)
 
 
 MLA_AND_SHARED = r".*(attention/(wq_a|wq_b|wq|wkv_a|wkv_b|out)|mlp/shared_experts/(wi_0|wi_1|wo)|mlp/gate)$"

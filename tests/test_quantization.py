@@ -248,16 +248,11 @@ def test_quantized_kv_cache_attends_like_the_float_cache(kv_dtype, axis, toleran
   rng = np.random.default_rng(0)
   q, kk, v = (jnp.asarray(rng.normal(size=(b, s + 1, heads, d)), jnp.float32) for heads in (k * g, k, k))
   per_head = k if axis == "dkv" else 1
+  lengths = (jnp.zeros((b,), jnp.int32), jnp.full((b,), s, jnp.int32))
+  scales = {"key_scale": jnp.ones((b, per_head, slots, 1)), "value_scale": jnp.ones((b, per_head, slots, 1))}
   caches = {
-    "float": LayerCache(jnp.zeros((b, k, slots, d)), jnp.zeros((b, k, slots, d)), jnp.zeros((b,), jnp.int32), jnp.full((b,), s, jnp.int32)),
-    "quantized": LayerCache(
-      jnp.zeros((b, k, slots, d), kv_dtype),
-      jnp.zeros((b, k, slots, d), kv_dtype),
-      jnp.zeros((b,), jnp.int32),
-      jnp.full((b,), s, jnp.int32),
-      jnp.ones((b, per_head, slots, 1)),
-      jnp.ones((b, per_head, slots, 1)),
-    ),
+    "float": LayerCache({"key": jnp.zeros((b, k, slots, d)), "value": jnp.zeros((b, k, slots, d))}, *lengths),
+    "quantized": LayerCache({"key": jnp.zeros((b, k, slots, d), kv_dtype), "value": jnp.zeros((b, k, slots, d), kv_dtype), **scales}, *lengths),
   }
 
   @jax.jit

@@ -32,16 +32,9 @@ class CompileResult:
 
   def summary(self) -> dict[str, Any]:
     """The machine-readable report (the last line train_compile prints)."""
-    m = self.memory
     return {
       "compile_seconds": round(self.compile_seconds, 3),
-      "argument_bytes": m.argument_bytes,
-      "output_bytes": m.output_bytes,
-      "temp_bytes": m.temp_bytes,
-      "host_temp_bytes": m.host_temp_bytes,
-      "total_bytes": m.total_bytes,
-      "hbm_bytes": m.hbm_bytes,
-      "fits": m.fits,
+      **self.memory.fields(),
       "tflops_per_step": float(f"{self.tflops_per_step:.6g}"),
       "remat_policy": self.config.remat_policy,
       "decoder_layer_input": self.config.decoder_layer_input,

@@ -12,6 +12,7 @@ import jax
 
 from maxtext.errors import UserError
 from maxtext.layers.dtypes import bits
+from maxtext.memory_limit import is_out_of_memory  # noqa: F401 - callers use memory.is_out_of_memory
 
 EXIT_DOES_NOT_FIT = 3
 GIB = 1024**3
@@ -53,6 +54,18 @@ class MemoryReport:
   @property
   def fits(self) -> bool:
     return not self.out_of_memory and self.total_bytes <= self.hbm_bytes
+
+  def fields(self) -> dict[str, Any]:
+    """The machine-readable memory figures (part of the JSON line the compile commands print)."""
+    return {
+      "argument_bytes": self.argument_bytes,
+      "output_bytes": self.output_bytes,
+      "temp_bytes": self.temp_bytes,
+      "host_temp_bytes": self.host_temp_bytes,
+      "total_bytes": self.total_bytes,
+      "hbm_bytes": self.hbm_bytes,
+      "fits": self.fits,
+    }
 
   def lines(self) -> list[str]:
     if self.out_of_memory:
@@ -102,11 +115,6 @@ def shard_bytes(tree: Any) -> int:
     shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
     total += math.prod(shape) * bits(leaf.dtype) // 8
   return total
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-  text = str(error)
-  return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
 
 
 def from_oom_error(error: BaseException, argument_bytes: int, hbm_bytes: int) -> MemoryReport:

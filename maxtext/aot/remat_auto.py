@@ -21,12 +21,11 @@ chosen and the caller's memory check reports the shortfall.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import jax
 
-from maxtext import platform
+from maxtext import memory_limit, platform
 from maxtext.aot import memory
 from maxtext.config import MaxTextConfig
 
@@ -142,16 +141,6 @@ def with_choice(config: MaxTextConfig, policy: str, layer_input: str) -> MaxText
   return config.model_copy(update={"remat_policy": policy, "decoder_layer_input": layer_input})
 
 
-def device_memory_bytes(devices: list[jax.Device]) -> int:
-  """Memory of one device: the allocator's limit on GPU/TPU, else this host's RAM shared by its local devices."""
-  stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"])
-  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  local = sum(1 for d in devices if d.process_index == devices[0].process_index)
-  return ram // max(local, 1)
-
-
 def resolve(
   config: MaxTextConfig, mesh: jax.sharding.Mesh, hbm_bytes: int | None = None, log: Callable[[str], None] | None = None
 ) -> tuple[MaxTextConfig, Choice | None]:
@@ -163,7 +152,7 @@ def resolve(
   from maxtext.train import setup as setup_lib
 
   offload_possible = platform.resolve(config, mesh).host_offload and config.scan_layers
-  hbm = hbm_bytes if hbm_bytes is not None else device_memory_bytes(list(mesh.devices.flat))
+  hbm = hbm_bytes if hbm_bytes is not None else memory_limit.limit_per_device(list(mesh.devices.flat)).bytes
   steps: dict[tuple[str, str], memory.CompiledStep] = {}
 
   def total_bytes(candidate: MaxTextConfig) -> int | None:

@@ -6,10 +6,11 @@ import datetime
 import math
 import os
 import re
+import unicodedata
 from typing import TYPE_CHECKING, Any
 
 from maxtext.config.adapters import adapter_specs
-from maxtext.errors import ConfigError
+from maxtext.errors import ConfigError, echo
 
 if TYPE_CHECKING:
   from maxtext.config.maxtext_config import MaxTextConfig
@@ -44,21 +45,45 @@ def absolute_path(path: str) -> str:
   return absolute + os.sep if path.endswith(("/", os.sep)) and not absolute.endswith(os.sep) else absolute
 
 
+MAX_RUN_NAME_BYTES = 200  # a directory name (file systems allow 255 bytes), leaving room for what tools append
+
+
+def check_run_name(name: str) -> None:
+  """A run name is one directory name: not '.' or '..', no '/', no control characters, at most MAX_RUN_NAME_BYTES."""
+  size = len(name.encode("utf-8", "surrogatepass"))
+  if size > MAX_RUN_NAME_BYTES:
+    raise ConfigError(f"invalid value for 'run_name': {echo(name, 60)} is {size} bytes long; use a name of at most {MAX_RUN_NAME_BYTES} bytes")
+  bad = next((ch for ch in name if ch == os.sep or unicodedata.category(ch) == "Cc"), None)
+  if bad is not None or name in (".", ".."):
+    what = f"contains {bad!r}" if bad is not None else "is not a name"
+    raise ConfigError(f"invalid value for 'run_name': {echo(name)} {what}; use a plain name without '/' or control characters (newline, tab, NUL)")
+
+
+def _check_path(key: str, value: str) -> None:
+  bad = next((ch for ch in value if unicodedata.category(ch) == "Cc"), None)
+  if bad is not None:
+    raise ConfigError(f"invalid value for '{key}': {echo(value)} contains the control character {bad!r}; remove it")
+
+
 def resolve_paths(c: MaxTextConfig) -> dict[str, Any]:
-  """Updates that make every local path key absolute (only the keys whose value changes)."""
+  """Updates that make every local path key absolute (only the keys whose value changes); a control character
+  (NUL, newline, ...) in a path is a ConfigError."""
   updates: dict[str, Any] = {}
   for key in PATH_KEYS:
     value = getattr(c, key)
+    _check_path(key, value)
     if absolute_path(value) != value:
       updates[key] = absolute_path(value)
   for key in GLOB_KEYS:
     value = getattr(c, key)
+    _check_path(key, value)
     resolved = ",".join(absolute_path(part.strip()) for part in value.split(",")) if value else value
     if resolved != value:
       updates[key] = resolved
   for section, key in NESTED_PATH_KEYS:
     sub = getattr(c, section)
     value = getattr(sub, key)
+    _check_path(f"{section}.{key}", value)
     if absolute_path(value) != value:
       updates[section] = sub.model_copy(update={key: absolute_path(value)})
   return updates
@@ -121,6 +146,7 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
     raise ConfigError(f"num_experts_per_tok {c.num_experts_per_tok} > num_experts {c.num_experts}; lower num_experts_per_tok")
   _check_moe_fields(c)
   _check_quantization(c)
+  _check_family_fields(c)
   if c.load_parameters_path and c.load_full_state_path:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one")
   if c.learning_rate_schedule_steps != -1 and c.learning_rate_schedule_steps < 1:
@@ -176,8 +202,13 @@ def _check_quantization(c: MaxTextConfig) -> None:
   if c.quantize_kvcache:
     if not c.kv_quant_axis:
       raise ConfigError("quantize_kvcache=true needs kv_quant_axis=dkv or heads_and_dkv (the axes one scale covers); set it")
-    if c.decoder_block == "deepseek":
-      raise ConfigError("quantize_kvcache=true quantizes a decoding KV cache, and decoder_block=deepseek (MLA) cannot decode here yet; drop quantize_kvcache")
+    from maxtext.models import registry  # the config loads before any model code otherwise
+
+    if registry.get(c.decoder_block).mla:
+      raise ConfigError(
+        f"quantize_kvcache=true quantizes keys and values per kv head; decoder_block={c.decoder_block} (MLA) caches a compressed latent,"
+        " which stays in the compute dtype here; drop quantize_kvcache"
+      )
 
 
 def _check_quantization_tiles(config: MaxTextConfig, tiles: int) -> None:
@@ -213,10 +244,40 @@ def _check_moe_fields(c: MaxTextConfig) -> None:
     raise ConfigError(f"{', '.join(k for k, v in moe_only.items() if v)} need experts, but num_experts is 1; set num_experts > 1")
   if c.first_num_dense_layers >= c.base_num_decoder_layers * scale_dims(c.global_parameter_scale)["layers"]:
     raise ConfigError(f"first_num_dense_layers {c.first_num_dense_layers} leaves no MoE layer; lower it below the number of decoder layers")
-  if c.rope_type == "yarn" and c.decoder_block != "deepseek":
-    raise ConfigError(f"rope_type=yarn is implemented for decoder_block=deepseek (MLA), not {c.decoder_block}; use rope_type default or llama3.1")
+  if c.routed_bias_update_rate > 0 and c.routed_score_func != "sigmoid":
+    raise ConfigError(
+      "routed_bias_update_rate > 0 moves a score-correction bias, which needs routed_score_func=sigmoid (with softmax scores routed_bias is a trained router bias)"
+    )
+  if c.mlp_bias and c.num_experts == 1:
+    raise ConfigError("mlp_bias adds biases to routed experts, but num_experts is 1 (dense MLPs have none here); set num_experts > 1 or mlp_bias=false")
   if c.decoder_block == "deepseek" and (c.kv_lora_rank < 1 or c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2 or c.v_head_dim < 1):
     raise ConfigError("deepseek MLA needs kv_lora_rank >= 1, an even qk_rope_head_dim >= 2 and v_head_dim >= 1; fix the MLA keys")
+
+
+def _check_family_fields(c: MaxTextConfig) -> None:
+  """Attention and rope keys that need a family (or each other) to mean something."""
+  from maxtext.models import registry  # the config loads before any model code otherwise
+
+  family = registry.get(c.decoder_block)
+  if c.attention_sink and not family.attention_sinks:
+    with_sinks = sorted(f.name for f in registry.FAMILIES.values() if f.attention_sinks)
+    raise ConfigError(
+      f"attention_sink=true, but decoder_block={c.decoder_block} has no sink parameters (its checkpoints have none); sinks are for {', '.join(with_sinks)}: "
+      "drop attention_sink"
+    )
+  if (c.attention_bias or c.attention_sink) and family.mla:
+    raise ConfigError(f"attention_bias and attention_sink apply to grouped-query attention; decoder_block={c.decoder_block} uses MLA, drop them")
+  if c.mlp_activations_limit > 0 and not family.clamped_glu:
+    with_glu = sorted(f.name for f in registry.FAMILIES.values() if f.clamped_glu)
+    raise ConfigError(f"mlp_activations_limit clamps the experts' SwiGLU of {', '.join(with_glu)}, not decoder_block={c.decoder_block}; set it to -1")
+  if family.clamped_glu and not c.mlp_activations_limit > 0:
+    raise ConfigError(f"decoder_block={c.decoder_block} clamps its experts' SwiGLU; set mlp_activations_limit > 0 (gpt-oss: 7.0)")
+  if family.clamped_glu and len(c.mlp_activations) != 2:
+    raise ConfigError(f"decoder_block={c.decoder_block} has gated experts; set mlp_activations to two entries, e.g. [sigmoid, linear]")
+  if c.local_rope_max_timescale != -1 and c.local_rope_max_timescale <= 0:
+    raise ConfigError(f"invalid value for 'local_rope_max_timescale': {c.local_rope_max_timescale}; use -1 (= rope_max_timescale) or a positive base")
+  if c.rope_linear_scaling_factor != 1.0 and c.rope_type != "default":
+    raise ConfigError(f"rope_linear_scaling_factor scales the default rope; rope_type={c.rope_type} has its own scaling: set one of the two")
 
 
 def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | None = None) -> dict[str, Any]:
@@ -242,8 +303,7 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
   micro = int(micro)
 
   run_name = c.run_name or f"{c.model_name}_{datetime.datetime.now():%Y-%m-%d-%H-%M}"
-  if os.sep in run_name or run_name in (".", ".."):
-    raise ConfigError(f"invalid value for 'run_name': {run_name!r}; use a plain name without '/'")
+  check_run_name(run_name)
   paths = resolve_paths(c)
   run_dir = absolute_path(os.path.join(paths.get("base_output_directory", c.base_output_directory), run_name))  # '' -> the working directory
 

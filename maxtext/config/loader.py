@@ -20,7 +20,7 @@ import yaml
 
 from maxtext.config import derived, maxtext_keys
 from maxtext.config.maxtext_config import DERIVED_KEYS, MaxTextConfig
-from maxtext.errors import ConfigError
+from maxtext.errors import ConfigError, echo
 
 ENV_PREFIX = "M_"
 PACKAGE_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -38,7 +38,13 @@ class SourceMap(dict):
     self.maxtext_only: dict[str, Any] = {}
 
 
-class _YamlLoader(yaml.SafeLoader):
+# What one YAML text may expand to. A config is a few hundred keys: MaxText's own base.yml is 92 KB and 2,000 nodes.
+MAX_YAML_CHARS = 256 * 1024
+MAX_YAML_NODES = 20_000  # after aliases are expanded (a 10-level alias "bomb" expands to 10**10)
+MAX_YAML_DEPTH = 64  # nested collections
+
+
+class _YamlLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser when installed: 20x faster
   """Safe YAML loader that also reads `1e-5` (no dot) as a float, as users expect."""
 
 
@@ -47,8 +53,49 @@ _YamlLoader.add_implicit_resolver(
 )
 
 
-def _yaml_load(text: str) -> Any:
-  return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+def _yaml_load(text: str, where: str) -> Any:
+  """The value of a YAML text (safe tags only), refused in one line when it is larger than a config can be: more
+  than MAX_YAML_CHARS characters, MAX_YAML_DEPTH levels of nesting or MAX_YAML_NODES nodes once aliases are expanded.
+  Each check runs before the next stage can take long (parser events in C, then the node graph, then the values)."""
+  fix = "a config holds plain settings; write the value out or load large data from a file key"
+  if len(text) > MAX_YAML_CHARS:
+    raise ConfigError(f"{where} is longer than a config may be ({MAX_YAML_CHARS} characters); {fix}")
+  depth = nodes = 0
+  for event in yaml.parse(text, Loader=_YamlLoader):
+    if isinstance(event, yaml.CollectionStartEvent):
+      depth += 1
+      if depth > MAX_YAML_DEPTH:
+        raise ConfigError(f"{where} nests collections more than {MAX_YAML_DEPTH} levels deep; {fix}")
+    elif isinstance(event, yaml.CollectionEndEvent):
+      depth -= 1
+    nodes += isinstance(event, yaml.NodeEvent)
+    if nodes > MAX_YAML_NODES:
+      raise ConfigError(f"{where} holds more than {MAX_YAML_NODES} values; {fix}")
+  loader = _YamlLoader(text)
+  try:
+    node = loader.get_single_node()
+    if node is None:
+      return None
+    if _expanded_nodes(node, {}, set()) > MAX_YAML_NODES:
+      raise ConfigError(f"{where} expands to more than {MAX_YAML_NODES} values through YAML aliases (*name); {fix}")
+    return loader.construct_document(node)
+  finally:
+    loader.dispose()
+
+
+def _expanded_nodes(node: yaml.Node, counted: dict[int, int], open_nodes: set[int]) -> int:
+  """How many nodes `node` stands for once every alias is replaced by what it names (each shared node counted once)."""
+  key = id(node)
+  if key in counted:
+    return counted[key]
+  if key in open_nodes:  # an alias to an enclosing node: a value that contains itself
+    return MAX_YAML_NODES + 1
+  open_nodes.add(key)
+  children = node.value if isinstance(node, yaml.SequenceNode) else [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
+  total = 1 + sum(_expanded_nodes(child, counted, open_nodes) for child in children)
+  open_nodes.discard(key)
+  counted[key] = total
+  return total
 
 
 def _field(key: str) -> Any:
@@ -90,7 +137,7 @@ def _flatten(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     key = str(key)
     if key in NESTED_SECTIONS:
       if not isinstance(value, Mapping):
-        raise ConfigError(f"config key '{key}' ({where}) must be a mapping such as {{enable_lora: true}}, not {value!r}; or set {key}.<key>=value")
+        raise ConfigError(f"config key '{key}' ({where}) must be a mapping such as {{enable_lora: true}}, not {echo(value)}; or set {key}.<key>=value")
       for sub, v in value.items():
         flat.update(_flatten({f"{key}.{sub}": v}, where))
       continue
@@ -106,7 +153,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
   if not path.is_file():
     raise ConfigError(f"config file '{path}' not found; pass the path of a YAML file such as configs/base.yml")
   try:
-    data = _yaml_load(path.read_text())
+    with path.open(encoding="utf-8") as f:
+      text = f.read(MAX_YAML_CHARS + 1)  # a longer file is refused without reading the rest
+    data = _yaml_load(text, f"config file '{path}'")
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     at = f" at line {mark.line + 1}" if mark else ""
@@ -130,7 +179,7 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict[str,
   parent = data.pop("base_config", None)
   if parent is not None:
     if not isinstance(parent, str) or not parent:
-      raise ConfigError(f"base_config in '{path}' must be a file name, got {parent!r}")
+      raise ConfigError(f"base_config in '{path}' must be a file name, got {echo(parent)}")
     parent_path = Path(parent) if Path(parent).is_absolute() else path.parent / parent
     values, sources = _load_yaml_chain(parent_path, seen + (path,))
   own = _flatten(data, f"in {path.name}")
@@ -143,7 +192,7 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
   """YAML typing for command-line values; 'none' (any case) is None.
 
   For a string-typed key a value that YAML reads as a number or bool stays the
-  text the user typed (`run_name=2024` is the name '2024', not an int), and a
+  text the user typed (`run_name=2024` is the name '2024', not an int; a line break or tab is kept, not folded), and a
   value spelled like one of a Literal key's choices is that choice.
   """
   field = _field(key) if key else None
@@ -152,11 +201,11 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
   if text.strip().lower() in ("none", "null", "~"):
     return None
   try:
-    value = _yaml_load(text) if text.strip() else text
+    value = _yaml_load(text, f"the value of '{key}'" if key else "a command-line value") if text.strip() else text
   except yaml.YAMLError:
     return text
-  if field is not None and field.annotation is str and isinstance(value, bool | int | float):
-    return text
+  if field is not None and field.annotation is str and (isinstance(value, bool | int | float) or any(c in text for c in "\n\r\t\0")):
+    return text  # a number stays the text typed; so does a line break, which YAML would fold into a space
   return value
 
 
@@ -198,13 +247,22 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
 
 def _model_file(model_name: str, config_path: Path) -> Path:
   if not model_name or "/" in model_name or "\\" in model_name or model_name.startswith("."):
-    raise ConfigError(f"invalid value for 'model_name': {model_name!r}; use a file name from configs/models/ without '.yml' (e.g. llama3.1-8b)")
+    raise ConfigError(f"invalid value for 'model_name': {echo(model_name)}; use a file name from configs/models/ without '.yml' (e.g. llama3.1-8b)")
   candidates = [config_path.parent / "models" / f"{model_name}.yml", PACKAGE_CONFIG_DIR / "models" / f"{model_name}.yml"]
   for c in candidates:
     if c.is_file():
       return c
   names = sorted({p.stem for d in candidates for p in d.parent.glob("*.yml")})
-  raise ConfigError(f"unknown model_name '{model_name}'; available: {', '.join(names) or 'none'} (files in configs/models/)")
+  raise ConfigError(f"unknown model_name '{model_name}'; available: {_grouped(names) or 'none'} (files in configs/models/)")
+
+
+def _grouped(names: list[str]) -> str:
+  """Model names grouped by family prefix, one line: 'gemma2-{27b,2b,9b}, mistral-7b, ...'."""
+  groups: dict[str, list[str]] = {}
+  for name in names:
+    prefix, _, size = name.rpartition("-")
+    groups.setdefault(prefix or size, []).append(size if prefix else "")
+  return ", ".join(p if sizes == [""] else f"{p}-{sizes[0]}" if len(sizes) == 1 else f"{p}-{{{','.join(sizes)}}}" for p, sizes in groups.items())
 
 
 def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -229,7 +287,7 @@ def _format_validation_error(err: pydantic.ValidationError, sources: Sources) ->
   msg = first["msg"]
   if first["type"] == "extra_forbidden":
     return _unknown_key_error(key, where)
-  return ConfigError(f"invalid value for '{key}' ({where}): {value!r}; {msg[0].lower() + msg[1:]}")
+  return ConfigError(f"invalid value for '{key}' ({where}): {echo(value)}; {msg[0].lower() + msg[1:]}")
 
 
 # Keys whose values name MaxText's mesh axes (stage, context, fsdp_transpose, ...): MaxText's default value means

@@ -67,7 +67,7 @@ class DataTypes(Section):
 
 
 class ModelArchitecture(Section):
-  decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma2", "deepseek"] = Field(
+  decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "deepseek"] = Field(
     "llama2", description="Decoder family (block type)."
   )
   global_parameter_scale: int = Field(1, gt=0, description="Power of two scaling layers, heads, mlp and embedding dims (see docs/config.md).")
@@ -77,12 +77,17 @@ class ModelArchitecture(Section):
   base_mlp_dim: int = Field(7168, gt=0, description="MLP hidden width before global_parameter_scale.")
   base_num_decoder_layers: int = Field(16, gt=0, description="Decoder layers before global_parameter_scale.")
   head_dim: int = Field(128, gt=0, description="Width of each attention head.")
-  mlp_activations: list[Literal["silu", "gelu", "gelu_exact", "relu", "linear"]] = Field(
+  mlp_activations: list[Literal["silu", "gelu", "gelu_exact", "relu", "sigmoid", "linear"]] = Field(
     ["silu", "linear"], min_length=1, max_length=2, description="MLP activations; two entries make a gated MLP (act0(x W0) * act1(x W1))."
+  )
+  mlp_activations_limit: float = Field(
+    -1.0,
+    description="gpt_oss experts' clamped SwiGLU: x W0 clipped to <= limit, x W1 to [-limit, limit], then (x W1 + 1) * x W0 * act0(1.702 x W0); -1 -> off.",
   )
   vocab_size: int = Field(32_000, gt=0, description="Vocabulary size of the embedding and output logits.")
   normalization_layer_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
-  use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head before rotary embedding (qwen3).")
+  use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head before rotary embedding (qwen3, gemma3).")
+  attention_bias: bool = Field(False, description="Learned biases on the query, key, value and output projections (gpt_oss).")
 
 
 class Attention(Section):
@@ -94,6 +99,9 @@ class Attention(Section):
   sliding_window_size: int = Field(0, ge=0, description="Local attention window for sliding-window layers; 0 -> full attention.")
   attn_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on attention logits; None -> off.")
   query_pre_attn_scalar: float = Field(0.0, ge=0, description="Queries are scaled by 1/sqrt(this); 0 -> head_dim.")
+  attention_sink: bool = Field(
+    False, description="A learned logit per query head joins every attention softmax (gpt_oss's sinks; families whose checkpoints have them)."
+  )
 
 
 class SplashAttention(Section):
@@ -114,17 +122,28 @@ class MlaAttention(Section):
   qk_nope_head_dim: int = Field(128, ge=0, description="deepseek MLA: per-head query/key width without rotary embedding.")
   qk_rope_head_dim: int = Field(64, ge=0, description="deepseek MLA: per-head query width with rotary embedding; the rotary key is shared by all heads.")
   v_head_dim: int = Field(128, ge=0, description="deepseek MLA: per-head value width.")
+  mla_naive_kvcache: bool = Field(
+    False,
+    description="deepseek decoding: true caches per-head keys and values (the naive form); false caches the compressed latent and rotary key "
+    "(kv_lora_rank + qk_rope_head_dim values per token) and decode steps attend in the latent space (absorbed form).",
+  )
 
 
 class Rope(Section):
   rope_type: Literal["default", "llama3.1", "yarn"] = Field(
-    "default", description="Rotary embedding variant; llama3.1 adds frequency scaling; yarn (deepseek) NTK-by-parts scaling."
+    "default", description="Rotary embedding variant; llama3.1 adds frequency scaling; yarn (deepseek, gpt_oss) NTK-by-parts scaling."
   )
   rope_max_timescale: float = Field(10_000.0, gt=0, description="Rotary base wavelength (theta).")
   rope_scaling_factor: float = Field(8.0, gt=0, description="llama3.1 rope: frequency scaling factor.")
   rope_low_freq_factor: float = Field(1.0, gt=0, description="llama3.1 rope: low-frequency factor.")
   rope_high_freq_factor: float = Field(4.0, gt=0, description="llama3.1 rope: high-frequency factor.")
   rope_original_max_position_embeddings: int = Field(8192, gt=0, description="llama3.1 rope: original context length.")
+  rope_linear_scaling_factor: float = Field(
+    1.0, gt=0, description="Positions divided by this on the layers that use rope_max_timescale (gemma3: the global layers); 1 -> off."
+  )
+  local_rope_max_timescale: float = Field(
+    -1.0, description="Rotary base of sliding-window (local) layers, which then take no linear scaling (gemma3); -1 -> rope_max_timescale."
+  )
 
 
 class YarnRope(Section):
@@ -132,8 +151,10 @@ class YarnRope(Section):
   rope_factor: int = Field(40, gt=0, description="yarn rope: context extension factor.")
   beta_fast: int = Field(32, gt=0, description="yarn rope: rotations above which frequencies are kept (extrapolated).")
   beta_slow: int = Field(1, gt=0, description="yarn rope: rotations below which frequencies are divided by rope_factor (interpolated).")
-  mscale: float = Field(1.0, ge=0, description="yarn rope: softmax scale multiplied by (0.1 mscale ln(rope_factor) + 1)^2 (MLA); 0 -> no correction.")
-  rope_interleave: bool = Field(True, description="deepseek MLA: rotary pairs are interleaved (x0, x1), (x2, x3), ... rather than split in halves.")
+  mscale: float = Field(1.0, ge=0, description="yarn rope, deepseek MLA: softmax scale multiplied by (0.1 mscale ln(rope_factor) + 1)^2; 0 -> no correction.")
+  rope_interleave: bool = Field(
+    True, description="MLA and yarn rope: rotary pairs are interleaved (x0, x1), (x2, x3), ... rather than split in halves (other rope: always halves)."
+  )
   rope_truncate: bool = Field(True, description="yarn rope: round the correction range to whole dimensions.")
   rope_attention_scaling: bool = Field(False, description="yarn rope: scale cos/sin by (0.1 ln(rope_factor) + 1).")
 
@@ -152,10 +173,15 @@ class DeepSeekMoE(Section):
   shared_experts: int = Field(0, ge=0, description="Always-on experts per MoE layer, fused into one MLP of width shared_experts x moe_mlp_dim.")
   routed_scaling_factor: float = Field(1.0, description="Routed experts' weights are multiplied by this.")
   routed_score_func: Literal["", "softmax", "sigmoid"] = Field("", description="Router scores: softmax (''), or sigmoid (deepseek).")
-  routed_bias: bool = Field(False, description="Add a per-expert score-correction bias to the scores that choose experts (not to the weights).")
+  routed_bias: bool = Field(
+    False,
+    description="Per-expert router bias: with sigmoid scores a score-correction bias on the scores that choose experts (not the weights; deepseek), "
+    "with softmax a trained bias on the router logits (gpt_oss).",
+  )
   routed_bias_update_rate: float = Field(
     0.0, ge=0, description="Aux-loss-free balancing: each step bias += rate x sign(mean load - expert load); 0 -> bias not updated."
   )
+  mlp_bias: bool = Field(False, description="Biases on every routed expert's projections (gpt_oss).")
   n_routing_groups: int = Field(-1, description="Group-limited routing: experts split into this many groups; -1 -> off.")
   topk_routing_group: int = Field(-1, description="Group-limited routing: tokens choose experts only in their best this many groups; -1 -> off.")
 

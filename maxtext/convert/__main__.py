@@ -16,14 +16,10 @@ import yaml
 
 from maxtext.cli import entry
 from maxtext.errors import ConfigError
+from maxtext.train import outputs
 
 MODEL_YML = "maxtext_model.yml"
 BASE_YML = Path(__file__).resolve().parents[2] / "configs" / "base.yml"
-
-
-def _refuse_existing(out: Path) -> None:
-  if out.exists() and any(out.iterdir()):
-    raise ConfigError(f"output '{out}' already exists and is not empty; choose a new --out (nothing was overwritten)")
 
 
 def hf_to_maxtext(hf_dir: str, out: str, overrides: list[str]) -> None:
@@ -34,7 +30,7 @@ def hf_to_maxtext(hf_dir: str, out: str, overrides: list[str]) -> None:
   from maxtext.hf import from_hf
 
   out_path = Path(out)
-  _refuse_existing(out_path)
+  outputs.check_new_directory(out, "--out")  # before anything is written: a checkpoint writer that fails midway can hang
   extra = {k: parse_cli_value(v) for k, v in (_split(a) for a in overrides)}
   model, config = from_hf(hf_dir, **extra)
   checkpoint_io.save(out_path, model)
@@ -57,7 +53,7 @@ def maxtext_to_hf(checkpoint: str, out: str, config_args: list[str]) -> None:
       raise ConfigError(f"no {MODEL_YML} in '{ckpt}'; pass --config configs/base.yml model_name=... (the config the checkpoint was trained with)")
     config_args = [str(ckpt / MODEL_YML)]
   out_path = Path(out)
-  _refuse_existing(out_path)
+  outputs.check_new_directory(out, "--out")  # before anything is written: a checkpoint writer that fails midway can hang
   config = load(config_args + ["load_parameters_path=", "ici_fsdp_parallelism=-1"], env={})
   flat = checkpoint_io.load_flat(ckpt, config)
   safetensors_io.write(out_path, hf_config_from(config), hf_params.maxtext_to_hf(flat, config))
@@ -99,6 +95,16 @@ def main(argv: list[str]) -> None:
   d.add_argument("--out", required=True)
   d.add_argument("--config", nargs="+", required=True, help="config file and key=value of the base model (e.g. maxtext_model.yml)")
   args = parser.parse_args(argv)
+  try:
+    _run(args)
+  except Exception as e:
+    error = outputs.as_user_error(e, args.out, 0, "the conversion output", "Choose another --out (nothing is left to clean up)")
+    if error is None:
+      raise
+    raise error from None
+
+
+def _run(args: argparse.Namespace) -> None:
   if args.command == "hf-to-maxtext":
     hf_to_maxtext(args.hf_dir, args.out, args.overrides)
   elif args.command == "maxtext-to-hf":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from maxtext.config import MaxTextConfig
@@ -17,6 +18,8 @@ HF_ARCHITECTURES = {
   "qwen3": "Qwen3ForCausalLM",
   "qwen3_moe": "Qwen3MoeForCausalLM",
   "gemma2": "Gemma2ForCausalLM",
+  "gemma3": "Gemma3ForCausalLM",
+  "gpt_oss": "GptOssForCausalLM",
   "deepseek": "DeepseekV3ForCausalLM",
 }
 HF_MODEL_TYPES = {
@@ -26,14 +29,43 @@ HF_MODEL_TYPES = {
   "qwen3": "qwen3",
   "qwen3_moe": "qwen3_moe",
   "gemma2": "gemma2",
+  "gemma3": "gemma3_text",
+  "gpt_oss": "gpt_oss",
   "deepseek": "deepseek_v3",
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek")
+WINDOWED_TYPES = ("gemma2", "gemma3_text", "gpt_oss")  # model types whose layer_types alternate sliding and full attention
+# Gemma3TextConfig defaults for the fields a multimodal Gemma 3 config.json may leave out of its text_config.
+GEMMA3_TEXT_DEFAULTS = {
+  "vocab_size": 262_208,
+  "hidden_size": 2304,
+  "intermediate_size": 9216,
+  "num_hidden_layers": 26,
+  "num_attention_heads": 8,
+  "num_key_value_heads": 4,
+  "head_dim": 256,
+  "hidden_activation": "gelu_pytorch_tanh",
+  "rms_norm_eps": 1e-6,
+  "rope_theta": 1_000_000.0,
+  "rope_local_base_freq": 10_000.0,
+  "query_pre_attn_scalar": 256,
+  "sliding_window": 4096,
+  "tie_word_embeddings": True,
+}
+GPT_OSS_SWIGLU_ALPHA = 1.702  # the sigmoid gain maxtext's clamped SwiGLU uses (MaxText's too)
 
 
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:
+  """Rotary keys of a config.json: rope_parameters (transformers 5) or rope_theta + rope_scaling; Gemma 3's per-layer-type
+  parameters give the global layers' rope and local_rope_max_timescale."""
   params = dict(hf.get("rope_scaling") or {})
   params.update(hf.get("rope_parameters") or {})
+  local: dict[str, Any] | None = None
+  if "full_attention" in params or "sliding_attention" in params:  # per layer type (gemma3)
+    local = dict(params.get("sliding_attention") or {})
+    params = dict(params.get("full_attention") or {})
+  elif hf.get("rope_local_base_freq") is not None:
+    local = {"rope_theta": hf["rope_local_base_freq"]}
   theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
   out: dict[str, Any] = {"rope_max_timescale": float(theta)}
   kind = params.get("rope_type", params.get("type", "default"))
@@ -47,8 +79,14 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     )
   elif kind == "yarn":
     out.update(_yarn(params))
+  elif kind == "linear":
+    out["rope_linear_scaling_factor"] = float(params["factor"])
   elif kind != "default":
-    raise ConfigError(f"rope type '{kind}' in config.json is not supported; supported: default, llama3, yarn (deepseek_v3)")
+    raise ConfigError(f"rope type '{kind}' in config.json is not supported; supported: default, linear, llama3, yarn")
+  if local is not None:
+    if local.get("rope_type", local.get("type", "default")) != "default":
+      raise ConfigError("config.json scales the sliding-window layers' rope; maxtext's local layers use plain rope (local_rope_max_timescale)")
+    out["local_rope_max_timescale"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
   return out
 
 
@@ -106,8 +144,9 @@ def _moe(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
     "routed_score_func": "sigmoid",
     "routed_bias": True,
-    "n_routing_groups": hf.get("n_group") or 1,
-    "topk_routing_group": hf.get("topk_group") or 1,
+    # One group (Kimi K2 and others) keeps every expert: the same routing as no groups.
+    "n_routing_groups": -1 if (hf.get("n_group") or 1) == 1 else hf["n_group"],
+    "topk_routing_group": -1 if (hf.get("n_group") or 1) == 1 else hf.get("topk_group") or 1,
     "q_lora_rank": hf.get("q_lora_rank") or 0,
     "kv_lora_rank": hf["kv_lora_rank"],
     "qk_nope_head_dim": hf["qk_nope_head_dim"],
@@ -117,13 +156,91 @@ def _moe(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
   }
 
 
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+  """The decoder's config.json fields: a multimodal Gemma 3 config's text_config (with Gemma3TextConfig's defaults for
+  what it leaves out), else hf itself."""
+  if hf.get("model_type") != "gemma3":
+    return hf
+  text = {**GEMMA3_TEXT_DEFAULTS, **(hf.get("text_config") or {}), "model_type": "gemma3_text"}
+  if "dtype" not in text and "torch_dtype" not in text:
+    text["dtype"] = hf.get("dtype") or hf.get("torch_dtype")
+  return text
+
+
+def _layer_types(hf: dict[str, Any], family_windows: list[int]) -> None:
+  """config.json's layer_types (or Gemma's sliding_window_pattern) must be the family's pattern of sliding and full layers."""
+  layers = hf["num_hidden_layers"]
+  expected = ["sliding_attention" if w else "full_attention" for w in family_windows]
+  pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern"))
+  if pattern is not None and hf.get("model_type") == "gemma3_text" and int(pattern) != 6:
+    raise ConfigError(f"config.json's sliding_window_pattern {pattern} is not Gemma 3's 6 (5 local layers, 1 global); maxtext's gemma3 has that pattern")
+  types = hf.get("layer_types")
+  if types is None:
+    return
+  if len(types) != layers:
+    raise ConfigError(f"config.json lists {len(types)} layer_types for num_hidden_layers={layers}; the two contradict each other, fix one")
+  if list(types) != expected:
+    first = next(i for i, (a, b) in enumerate(zip(types, expected)) if a != b)
+    raise ConfigError(
+      f"config.json's layer_types say layer {first} is {types[first]}, but {hf['model_type']} alternates as {expected[: min(layers, 6)]}...; "
+      "maxtext follows the family's pattern: fix layer_types"
+    )
+
+
+def _check_consistent(hf: dict[str, Any]) -> None:
+  """Fields of one config.json that contradict each other: a one-line ConfigError naming them."""
+  heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+  if heads % kv:
+    raise ConfigError(f"config.json has num_attention_heads={heads}, not a multiple of num_key_value_heads={kv}; the two contradict each other")
+  experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts")
+  if experts and (hf.get("num_experts_per_tok") or 0) > experts:
+    raise ConfigError(f"config.json routes num_experts_per_tok={hf['num_experts_per_tok']} of only {experts} experts; the two contradict each other")
+  if hf.get("model_type") == "deepseek_v3":
+    groups, topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if experts % groups or not 1 <= topk <= groups:
+      raise ConfigError(
+        f"config.json has n_group={groups}, topk_group={topk} for n_routed_experts={experts}; n_group must divide the experts and topk_group <= n_group"
+      )
+    if hf.get("head_dim") not in (None, hf["qk_rope_head_dim"]):
+      raise ConfigError(
+        f"config.json has head_dim={hf['head_dim']} but qk_rope_head_dim={hf['qk_rope_head_dim']}; DeepseekV3 sets head_dim to qk_rope_head_dim"
+      )
+    qk = hf.get("qk_head_dim")
+    if qk is not None and qk != hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]:
+      raise ConfigError(f"config.json has qk_head_dim={qk}, not qk_nope_head_dim + qk_rope_head_dim = {hf['qk_nope_head_dim'] + hf['qk_rope_head_dim']}")
+
+
+def _gpt_oss(hf: dict[str, Any]) -> dict[str, Any]:
+  """Expert, bias, sink and activation keys of a gpt_oss config.json."""
+  alpha = float(hf.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA))
+  if alpha != GPT_OSS_SWIGLU_ALPHA:
+    raise ConfigError(f"gpt_oss config.json has swiglu_alpha={alpha}; maxtext's clamped SwiGLU uses {GPT_OSS_SWIGLU_ALPHA}")
+  if not hf.get("attention_bias", True):
+    raise ConfigError("gpt_oss config.json with attention_bias=false is not supported; gpt-oss checkpoints have q/k/v/o biases")
+  return {
+    "num_experts": hf.get("num_local_experts") or hf["num_experts"],
+    "num_experts_per_tok": hf["num_experts_per_tok"],
+    "base_moe_mlp_dim": hf["intermediate_size"],
+    "norm_topk_prob": True,  # a softmax over the chosen experts' logits
+    "routed_bias": True,  # the router's bias on its logits
+    "mlp_bias": True,
+    "mlp_activations": ["sigmoid", "linear"],
+    "mlp_activations_limit": float(hf.get("swiglu_limit", 7.0)),
+    "attention_bias": True,
+    "attention_sink": True,
+    "rope_interleave": False,  # GptOss rotates split halves
+  }
+
+
 def overrides_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
   """maxtext config keys describing the architecture in a Hugging Face config.json."""
+  hf = text_config(hf)
   model_type = hf.get("model_type", "")
   family = registry.by_hf_model_type(model_type)
   if family is None:
     supported = sorted(t for f in registry.FAMILIES.values() for t in f.hf_model_types)
     raise ConfigError(f"Hugging Face model_type '{model_type}' is not supported; supported: {', '.join(supported)}")
+  _check_consistent(hf)
   heads = hf["num_attention_heads"]
   act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
   if act not in HF_ACTIVATIONS:
@@ -141,26 +258,35 @@ def overrides_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     "mlp_activations": [HF_ACTIVATIONS[act], "linear"],
     "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
     "normalize_embedding_logits": False,
-    "use_qk_norm": model_type in ("qwen3", "qwen3_moe"),
+    "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
     "global_parameter_scale": 1,
     **_rope(hf),
   }
-  if hf.get("attention_bias") or hf.get("mlp_bias"):
-    raise ConfigError("config.json uses attention or MLP biases, which maxtext models do not have")
+  if hf.get("mlp_bias"):
+    raise ConfigError("config.json uses dense MLP biases, which maxtext's dense MLPs do not have")
+  if hf.get("attention_bias") and (model_type not in ("llama", "mistral", "gpt_oss")):
+    raise ConfigError(f"config.json uses attention biases, which maxtext's {family.name} attention does not have")
+  if hf.get("attention_bias"):
+    out["attention_bias"] = True
+  if model_type == "gemma3_text" and hf.get("use_bidirectional_attention"):
+    raise ConfigError("config.json sets use_bidirectional_attention; maxtext's gemma3 is a causal decoder")
   window = hf.get("sliding_window")
-  uses_window = model_type == "gemma2" or (model_type == "mistral" and window) or (model_type in ("qwen3", "qwen3_moe") and hf.get("use_sliding_window"))
+  uses_window = model_type in WINDOWED_TYPES or (model_type == "mistral" and window) or (model_type in ("qwen3", "qwen3_moe") and hf.get("use_sliding_window"))
   out["sliding_window_size"] = int(window) if uses_window and window else 0
-  if model_type == "gemma2":
+  if model_type in ("gemma2", "gemma3_text"):
     out["attn_logits_soft_cap"] = hf.get("attn_logit_softcapping")
     out["final_logits_soft_cap"] = hf.get("final_logit_softcapping")
     out["query_pre_attn_scalar"] = float(hf.get("query_pre_attn_scalar") or out["head_dim"])
+  if model_type in WINDOWED_TYPES:
+    shape = SimpleNamespace(num_decoder_layers=hf["num_hidden_layers"], sliding_window_size=max(out["sliding_window_size"], 1))
+    _layer_types(hf, family.layer_windows(shape))  # type: ignore[arg-type]
   if model_type == "mixtral":
     out["num_experts"] = hf["num_local_experts"]
     out["num_experts_per_tok"] = hf["num_experts_per_tok"]
+  if model_type == "gpt_oss":
+    out.update(_gpt_oss(hf))
   if model_type in ("qwen3_moe", "deepseek_v3"):
     out.update(_moe(hf, model_type))
-  if model_type == "deepseek_v3" and out.get("rope_type") != "yarn" and out.get("rope_interleave"):
-    raise ConfigError("deepseek_v3 config.json with rope_interleave and a non-yarn rope is not supported; maxtext interleaves only with rope_type yarn")
   dt = hf.get("dtype") or hf.get("torch_dtype")
   if dt in ("float32", "bfloat16", "float16"):
     out["dtype"] = dt
@@ -182,15 +308,11 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
     )
   if c.mlp_activations[-1] != "linear" or len(c.mlp_activations) != 2:
     raise ConfigError(f"mlp_activations {c.mlp_activations} have no Hugging Face equivalent; use [<act>, linear]")
-  rope: dict[str, Any] = {"rope_theta": c.rope_max_timescale, "rope_type": "default"}
-  if c.rope_type == "llama3.1":
-    rope.update(
-      rope_type="llama3",
-      factor=c.rope_scaling_factor,
-      low_freq_factor=c.rope_low_freq_factor,
-      high_freq_factor=c.rope_high_freq_factor,
-      original_max_position_embeddings=c.rope_original_max_position_embeddings,
-    )
+  if c.decoder_block == "gpt_oss" and c.mlp_activations != ["sigmoid", "linear"]:
+    raise ConfigError(f"gpt_oss with mlp_activations {c.mlp_activations} has no Hugging Face equivalent; use [sigmoid, linear]")
+  if c.mhc_expansion_rate > 1:
+    raise ConfigError("mHC connectors have no Hugging Face equivalent; export a model with mhc_expansion_rate=1")
+  rope = _rope_export(c, mla=registry.get(c.decoder_block).mla)
   hf: dict[str, Any] = {
     "architectures": [HF_ARCHITECTURES[c.decoder_block]],
     "model_type": HF_MODEL_TYPES[c.decoder_block],
@@ -202,28 +324,54 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
     "num_hidden_layers": c.num_decoder_layers,
     "vocab_size": c.vocab_size,
     "rms_norm_eps": c.normalization_layer_epsilon,
-    "hidden_act": TO_HF_ACTIVATIONS[c.mlp_activations[0]],
+    "hidden_act": "silu" if c.decoder_block == "gpt_oss" else TO_HF_ACTIVATIONS[c.mlp_activations[0]],  # GptOss ignores hidden_act
     "tie_word_embeddings": c.logits_via_embedding,
     "rope_parameters": rope,
     "rope_theta": c.rope_max_timescale,
     "max_position_embeddings": max(c.max_target_length, c.rope_original_max_position_embeddings),
-    "attention_bias": False,
+    "attention_bias": c.attention_bias,
     "mlp_bias": False,
     "dtype": c.weight_dtype,
   }
-  if c.rope_type == "llama3.1":
+  if c.rope_type in ("llama3.1", "yarn") or c.rope_linear_scaling_factor != 1.0:
     hf["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+  windows = registry.get(c.decoder_block).layer_windows(c)
+  layer_types = ["sliding_attention" if w else "full_attention" for w in windows]
   if c.decoder_block in ("mistral", "mixtral", "qwen3", "qwen3_moe"):
     hf["sliding_window"] = c.sliding_window_size or None
     hf["use_sliding_window"] = bool(c.sliding_window_size)
-  if c.decoder_block == "gemma2":
+  if c.decoder_block in ("gemma2", "gemma3"):
     hf.update(
       hidden_activation=TO_HF_ACTIVATIONS[c.mlp_activations[0]],
       sliding_window=c.sliding_window_size,
       attn_logit_softcapping=c.attn_logits_soft_cap,
       final_logit_softcapping=c.final_logits_soft_cap,
       query_pre_attn_scalar=_int_if_whole(c.query_pre_attn_scalar or c.head_dim),
-      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(c.num_decoder_layers)],
+      layer_types=layer_types,
+    )
+  if c.decoder_block == "gemma3":
+    if c.local_rope_max_timescale <= 0:
+      raise ConfigError("gemma3 export needs local_rope_max_timescale (Gemma 3's sliding-window layers have their own rope base)")
+    local = {"rope_type": "default", "rope_theta": c.local_rope_max_timescale}
+    hf.update(rope_parameters={"full_attention": rope, "sliding_attention": local}, use_bidirectional_attention=False)
+    hf.pop("rope_scaling", None)
+    hf.pop("rope_theta", None)
+  if c.decoder_block == "gpt_oss":
+    missing = [k for k in ("attention_sink", "attention_bias", "routed_bias", "mlp_bias", "norm_topk_prob") if not getattr(c, k)]
+    if missing or c.mlp_activations_limit <= 0 or c.rope_type != "yarn" or c.routed_score_func == "sigmoid":
+      raise ConfigError(
+        f"this gpt_oss config has no Hugging Face equivalent ({', '.join(missing) or 'mlp_activations_limit, rope_type or routed_score_func'} differ); "
+        "GptOss has sinks, q/k/v/o, router and expert biases, a softmax over the chosen experts, a clamped SwiGLU and yarn rope"
+      )
+    hf.update(
+      sliding_window=c.sliding_window_size,
+      layer_types=layer_types,
+      num_local_experts=c.num_experts,
+      num_experts_per_tok=c.num_experts_per_tok,
+      intermediate_size=c.moe_mlp_dim,
+      swiglu_alpha=GPT_OSS_SWIGLU_ALPHA,
+      swiglu_limit=c.mlp_activations_limit,
+      max_position_embeddings=max(c.max_target_length, c.original_max_position_embeddings * c.rope_factor),
     )
   if c.decoder_block == "mixtral":
     hf.update(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok)
@@ -243,25 +391,10 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
 
 def _deepseek_export(c: MaxTextConfig) -> dict[str, Any]:
   """config.json keys of a DeepseekV3 model (MLA, DeepSeekMoE, YaRN)."""
-  if c.routed_score_func != "sigmoid" or not c.routed_bias or c.n_routing_groups < 1:
-    raise ConfigError("DeepseekV3 on Hugging Face routes with sigmoid scores, a score-correction bias and routing groups; set those keys")
-  if c.rope_type != "yarn":
-    raise ConfigError("deepseek export needs rope_type=yarn (Hugging Face DeepseekV3 interleaves rope pairs)")
-  rope = {
-    "rope_type": "yarn",
-    "rope_theta": c.rope_max_timescale,
-    "factor": float(c.rope_factor),
-    "original_max_position_embeddings": c.original_max_position_embeddings,
-    "beta_fast": c.beta_fast,
-    "beta_slow": c.beta_slow,
-    "truncate": c.rope_truncate,
-  }
-  if not c.rope_attention_scaling:
-    if c.mscale == 0:
-      raise ConfigError("yarn with mscale=0 and rope_attention_scaling=false has no Hugging Face equivalent")
-    rope.update(mscale=c.mscale, mscale_all_dim=c.mscale)
-  elif c.mscale != 0:
-    raise ConfigError("yarn with rope_attention_scaling=true and mscale != 0 has no Hugging Face equivalent")
+  if c.routed_score_func != "sigmoid" or not c.routed_bias:
+    raise ConfigError("DeepseekV3 on Hugging Face routes with sigmoid scores and a score-correction bias; set routed_score_func=sigmoid and routed_bias=true")
+  rope = _rope_export(c, mla=True)
+  groups = (c.n_routing_groups, c.topk_routing_group) if c.n_routing_groups > 0 else (1, 1)
   return {
     "num_key_value_heads": c.num_query_heads,
     "head_dim": c.qk_rope_head_dim,
@@ -272,8 +405,8 @@ def _deepseek_export(c: MaxTextConfig) -> dict[str, Any]:
     "n_shared_experts": c.shared_experts,
     "first_k_dense_replace": c.first_num_dense_layers,
     "routed_scaling_factor": c.routed_scaling_factor,
-    "n_group": c.n_routing_groups,
-    "topk_group": c.topk_routing_group,
+    "n_group": groups[0],
+    "topk_group": groups[1],
     "topk_method": "noaux_tc",
     "scoring_func": "sigmoid",
     "q_lora_rank": c.q_lora_rank or None,
@@ -284,6 +417,37 @@ def _deepseek_export(c: MaxTextConfig) -> dict[str, Any]:
     "rope_interleave": c.rope_interleave,
     "num_nextn_predict_layers": c.mtp_num_layers,
     "rope_parameters": rope,
-    "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"},
+    "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if c.rope_type == "yarn" else None,
     "max_position_embeddings": max(c.max_target_length, c.original_max_position_embeddings * c.rope_factor),
   }
+
+
+def _rope_export(c: MaxTextConfig, mla: bool = False) -> dict[str, Any]:
+  """rope_parameters of a config.json: default, linear, llama3 or yarn (MLA's yarn: DeepSeek's mscale form or cos/sin scaling)."""
+  rope: dict[str, Any] = {"rope_theta": c.rope_max_timescale, "rope_type": "default"}
+  if c.rope_type == "llama3.1":
+    rope.update(
+      rope_type="llama3",
+      factor=c.rope_scaling_factor,
+      low_freq_factor=c.rope_low_freq_factor,
+      high_freq_factor=c.rope_high_freq_factor,
+      original_max_position_embeddings=c.rope_original_max_position_embeddings,
+    )
+  elif c.rope_type == "yarn":
+    rope.update(
+      rope_type="yarn",
+      factor=float(c.rope_factor),
+      original_max_position_embeddings=c.original_max_position_embeddings,
+      beta_fast=c.beta_fast,
+      beta_slow=c.beta_slow,
+      truncate=c.rope_truncate,
+    )
+    if mla and not c.rope_attention_scaling:
+      if c.mscale == 0:
+        raise ConfigError("yarn with mscale=0 and rope_attention_scaling=false has no Hugging Face equivalent")
+      rope.update(mscale=c.mscale, mscale_all_dim=c.mscale)
+    elif not c.rope_attention_scaling or (mla and c.mscale != 0):
+      raise ConfigError("this yarn setting (rope_attention_scaling, mscale) has no Hugging Face equivalent; export needs yarn's default cos/sin scaling")
+  elif c.rope_linear_scaling_factor != 1.0:
+    rope.update(rope_type="linear", factor=c.rope_linear_scaling_factor)
+  return rope

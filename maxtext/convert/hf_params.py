@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from maxtext.config import MaxTextConfig
+from maxtext.convert import mxfp4
 from maxtext.errors import ConfigError, shorten
 from maxtext.models import registry
 
@@ -27,6 +28,7 @@ class Rule:
   to_ours: Callable[[Array], Array]
   to_hf: Callable[[Array], Array]
   experts: bool = False  # ours is stacked over experts [n, ...]; hf has one tensor per expert
+  part: tuple[int, int] | None = None  # (k, n): ours is to_ours(hf)[..., k::n], the k-th of n interleaved column sets (gpt-oss gate_up)
 
 
 def _identity(x: Array) -> Array:
@@ -44,6 +46,11 @@ def _linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> tuple[Call
     lambda w: np.ascontiguousarray(w.T).reshape(*in_shape, *out_shape),
     lambda w: np.ascontiguousarray(w.reshape(n_in, n_out).T),
   )
+
+
+def _bias(shape: tuple[int, ...]) -> tuple[Callable, Callable]:
+  """HF bias [prod(shape)] <-> our bias of shape."""
+  return (lambda b: np.ascontiguousarray(b).reshape(shape), lambda b: np.ascontiguousarray(b).reshape(-1))
 
 
 def _attention_rules(c: MaxTextConfig) -> list[Rule]:
@@ -71,10 +78,33 @@ def _attention_rules(c: MaxTextConfig) -> list[Rule]:
     Rule("attention/value/kernel", "self_attn.v_proj.weight", *_linear((e,), (kv, d))),
     Rule("attention/out/kernel", "self_attn.o_proj.weight", *_linear((h, d), (e,))),
   ]
+  if c.attention_bias:
+    rules += [
+      Rule("attention/query/bias", "self_attn.q_proj.bias", *_bias((h, d))),
+      Rule("attention/key/bias", "self_attn.k_proj.bias", *_bias((kv, d))),
+      Rule("attention/value/bias", "self_attn.v_proj.bias", *_bias((kv, d))),
+      Rule("attention/out/bias", "self_attn.o_proj.bias", _identity, _identity),
+    ]
+  if c.attention_sink:
+    rules.append(Rule("attention/sinks", "self_attn.sinks", _identity, _identity))
   if c.use_qk_norm:
     rules += [Rule("attention/query_norm/scale", "self_attn.q_norm.weight", _identity, _identity)]
     rules += [Rule("attention/key_norm/scale", "self_attn.k_norm.weight", _identity, _identity)]
   return rules
+
+
+def _gpt_oss_moe_rules() -> list[Rule]:
+  """gpt-oss experts: stacked tensors, gate and up interleaved column by column in gate_up_proj [E, in, 2 x mlp]."""
+  return [
+    Rule("mlp/gate/kernel", "mlp.router.weight", _transpose, _transpose),
+    Rule("mlp/gate/bias", "mlp.router.bias", _identity, _identity),
+    Rule("mlp/wi_0", "mlp.experts.gate_up_proj", _identity, _identity, part=(0, 2)),
+    Rule("mlp/wi_1", "mlp.experts.gate_up_proj", _identity, _identity, part=(1, 2)),
+    Rule("mlp/wi_0_bias", "mlp.experts.gate_up_proj_bias", _identity, _identity, part=(0, 2)),
+    Rule("mlp/wi_1_bias", "mlp.experts.gate_up_proj_bias", _identity, _identity, part=(1, 2)),
+    Rule("mlp/wo", "mlp.experts.down_proj", _identity, _identity),
+    Rule("mlp/wo_bias", "mlp.experts.down_proj_bias", _identity, _identity),
+  ]
 
 
 def _dense_mlp_rules(ours: str, hf: str) -> list[Rule]:
@@ -94,6 +124,8 @@ def _layer_rules(c: MaxTextConfig, dense: bool = False) -> list[Rule]:
     rules.append(Rule(f"{ours}/scale", f"{hf}.weight", _identity, _identity))
   if c.num_experts == 1 or dense:
     return rules + _dense_mlp_rules("mlp", "mlp")
+  if c.decoder_block == "gpt_oss":
+    return rules + _gpt_oss_moe_rules()
   if c.decoder_block == "mixtral":
     return rules + [
       Rule("mlp/gate/kernel", "block_sparse_moe.gate.weight", _transpose, _transpose),
@@ -151,9 +183,30 @@ def _layer_index(name: str) -> int | None:
   return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
 
 
+# Multimodal Gemma 3 checkpoints keep the text decoder under one of these prefixes (hub layout, transformers 5 layout),
+# beside the vision tower and projector that a text decoder leaves out.
+TEXT_DECODER_PREFIXES = ("language_model.model.", "model.language_model.")
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_decoder_tensors(tensors: dict[str, Array]) -> dict[str, Array]:
+  """The tensors of a checkpoint's text decoder under the names of a causal LM (model.*, lm_head.weight): a multimodal
+  Gemma 3 checkpoint's language model without its vision tower; other checkpoints unchanged."""
+  if not any(k.startswith(TEXT_DECODER_PREFIXES) for k in tensors):
+    return tensors
+  out = {}
+  for k, v in tensors.items():
+    if k.startswith(VISION_PREFIXES):
+      continue
+    prefix = next((p for p in TEXT_DECODER_PREFIXES if k.startswith(p)), None)
+    out["model." + k[len(prefix) :] if prefix else k.replace("language_model.lm_head.", "lm_head.")] = v
+  return out
+
+
 def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str, Array]:
   """Flat HF tensors -> flat maxtext params. Every tensor must be consumed (else a one-line ConfigError)."""
   c = config
+  tensors = mxfp4.dense_experts(text_decoder_tensors(tensors))
   used: set[str] = set()
 
   def take(name: str) -> Array:
@@ -165,7 +218,8 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str,
   def convert(rule: Rule, name: str) -> Array:
     value = take(name)
     try:
-      return rule.to_ours(value)
+      ours = rule.to_ours(value)
+      return np.ascontiguousarray(ours[..., rule.part[0] :: rule.part[1]]) if rule.part else ours
     except ValueError:  # a reshape that cannot hold: config.json's sizes disagree with the tensors
       raise ConfigError(
         f"tensor '{name}' has shape {tuple(value.shape)}, which does not fit hidden_size={c.emb_dim}, num_attention_heads={c.num_query_heads}, "
@@ -229,6 +283,7 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
     return np.asarray(params[path])
 
   out = {r.hf: r.to_hf(take(r.ours)) for r in _global_rules(c)}
+  parts: dict[str, dict[int, Array]] = {}  # HF name -> its interleaved column sets, joined once all are in
   for stack, first, count, dense in _stacks(c):
     for r in _layer_rules(c, dense):
       stacked = take(f"{stack}/{r.ours}") if c.scan_layers else None
@@ -238,6 +293,11 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
         if r.experts:
           for j in range(c.num_experts):
             out[prefix + r.hf.format(j=j)] = r.to_hf(value[j])
+        elif r.part:
+          parts.setdefault(prefix + r.hf, {})[r.part[0]] = value
+          if len(parts[prefix + r.hf]) == r.part[1]:
+            joined = np.stack([parts[prefix + r.hf][k] for k in range(r.part[1])], axis=-1).reshape(*value.shape[:-1], -1)
+            out[prefix + r.hf] = r.to_hf(joined)
         else:
           out[prefix + r.hf] = r.to_hf(value)
   for k in range(c.mtp_num_layers):

@@ -22,6 +22,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.convert.hf_params import _layer_rules
 from maxtext.errors import ConfigError
 from maxtext.layers.lora import merge as merge_kernel
+from maxtext.train import outputs
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -181,25 +182,17 @@ def write(out_dir: str | Path, tensors: dict[str, np.ndarray], adapter_config: d
 
 def read(peft_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
   """(tensors, adapter_config) of a PEFT adapter directory."""
-  from maxtext.convert.safetensors_io import _load
+  from maxtext.convert.safetensors_io import _load, read_json_object
 
   d = Path(peft_dir)
   cfg, weights = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
   if not cfg.is_file() or not weights.is_file():
     raise ConfigError(f"'{d}' is not a PEFT adapter directory (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
-  try:
-    adapter_config = json.loads(cfg.read_text())
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"'{cfg}' is not valid JSON (line {e.lineno}); fix or re-export the adapter") from None
+  adapter_config = read_json_object(cfg, "fix or re-export the adapter")
   for key in ("r", "lora_alpha"):
     if key not in adapter_config:
       raise ConfigError(f"'{cfg}' has no '{key}'; is this a LoRA adapter?")
   return _load(weights), adapter_config
-
-
-def _refuse_existing(out: Path) -> None:
-  if out.exists() and any(out.iterdir()):
-    raise ConfigError(f"output '{out}' already exists and is not empty; choose a new --out (nothing was overwritten)")
 
 
 def _abstract_params(config: MaxTextConfig, policy: Any = None) -> Any:
@@ -244,7 +237,7 @@ def export(checkpoint: str, out: str, config_args: list[str], merged: bool = Fal
     raise ConfigError("pass the LoRA run's config (with lora.enable_lora=true and its lora.* settings) after --config")
   _check_exportable({}, config)
   out_path = Path(out)
-  _refuse_existing(out_path)
+  outputs.check_new_directory(out, "--out")
   abstract = _abstract_params(config)
   adapters, _ = restore_some_params(checkpoint, nnx.filter_state(abstract, LoRAParam), "--checkpoint")
   flat = _flat_numpy(adapters)
@@ -282,7 +275,7 @@ def import_adapter(peft_dir: str, out: str, config_args: list[str]) -> str:
   if given:
     raise ConfigError(f"peft-to-lora takes the lora settings from {ADAPTER_CONFIG}; drop {given[0].split('=')[0]} from --config")
   out_path = Path(out)
-  _refuse_existing(out_path)
+  outputs.check_new_directory(out, "--out")
   tensors, adapter_config = read(peft_dir)
   base_config = load(config_args + ["ici_fsdp_parallelism=-1"], env={})
   keys = lora_overrides(adapter_config, base_config)

@@ -19,10 +19,20 @@ def read_config(hf_dir: str | Path) -> dict[str, Any]:
   path = Path(hf_dir) / "config.json"
   if not path.is_file():
     raise ConfigError(f"'{path}' not found; pass a Hugging Face model directory holding config.json and *.safetensors")
+  return read_json_object(path, "fix or re-download the file")
+
+
+def read_json_object(path: Path, fix: str) -> dict[str, Any]:
+  """The JSON object (a dict) in path; anything else is a one-line ConfigError ending with `fix`."""
   try:
-    return json.loads(path.read_text())
+    value = json.loads(path.read_text())
   except json.JSONDecodeError as e:
-    raise ConfigError(f"'{path}' is not valid JSON (line {e.lineno}); fix or re-download the file") from None
+    raise ConfigError(f"'{path}' is not valid JSON (line {e.lineno}); {fix}") from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError(f"'{path}' cannot be read ({type(e).__name__}); {fix}") from None
+  if not isinstance(value, dict):
+    raise ConfigError(f"'{path}' holds a JSON {type(value).__name__}, not an object of settings; {fix}")
+  return value
 
 
 def read_tensors(hf_dir: str | Path) -> dict[str, np.ndarray]:

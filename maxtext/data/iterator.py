@@ -22,8 +22,8 @@ STATE_VERSION = 1
 class DataIterator:
   """Iterator of global batches: dict of int32 jax.Arrays [global_batch, max_target_length] sharded over the data axes.
 
-  Train data raises DataError once num_epoch passes are used up; eval data raises StopIteration at its end (its last
-  partial batch is padded with empty rows, segmentation 0). The first batch is read when the iterator is built,
+  Train data raises StopIteration once num_epoch passes are used up (a normal end of training: the loop saves the last
+  step); eval data raises StopIteration at its end (its last partial batch is padded with empty rows, segmentation 0). The first batch is read when the iterator is built,
   so bad data fails before any training step.
   """
 
@@ -63,11 +63,6 @@ class DataIterator:
     else:
       batch = self._read()
     if batch is None:
-      if self.split == "train":
-        raise DataError(
-          f"the training data ({self.description}) is used up after num_epoch={self.num_epoch} epoch(s), {self._batches_read} batches; "
-          "raise num_epoch or lower steps"
-        )
       raise StopIteration
     self._batches_read += 1
     return batch
@@ -85,17 +80,28 @@ class DataIterator:
     }
 
   def set_state(self, state: dict[str, Any]) -> None:
-    """Continue from a get_state() dict: the following batches equal those the saved iterator would have given."""
-    if state.get("version") != STATE_VERSION or state.get("split") != self.split:
-      raise DataError(f"data iterator state is from another version or split ({state.get('split')}); resume with the same data config")
+    """Continue from a get_state() dict: the following batches equal those the saved iterator would have given.
+
+    A dict this iterator did not write raises ValueError (damage); a state of another pipeline (other data settings,
+    another process layout), DataError. The iterator is unchanged when either is raised."""
+    if state.get("version") != STATE_VERSION or state.get("split") != self.split or not isinstance(state.get("batches_read"), int):
+      raise ValueError(f"not a {self.split} data-iterator state of version {STATE_VERSION} (version {state.get('version')!r}, split {state.get('split')!r})")
     if (state.get("process_index"), state.get("process_count")) != (self.process_index, self.process_count):
       raise DataError(
         f"data iterator state was saved by process {state.get('process_index')} of {state.get('process_count')}, "
         f"this is process {self.process_index} of {self.process_count}; resume with the same number of processes"
       )
+    before = self._it.get_state()
+    try:
+      self._it.set_state(state["grain"])
+    except Exception as e:  # noqa: BLE001 - grain refuses the position of another pipeline in many ways
+      self._it.set_state(before)
+      first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+      raise DataError(
+        f"the saved data position does not fit this data pipeline ({type(e).__name__}: {first}); resume with the data settings it was saved with"
+      ) from None
     self._peeked = self._state_before_peek = None
-    self._it.set_state(state["grain"])
-    self._batches_read = int(state.get("batches_read", 0))
+    self._batches_read = state["batches_read"]
 
   def close(self) -> None:
     """Stop prefetch threads and worker processes; the iterator cannot be used afterwards."""

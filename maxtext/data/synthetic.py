@@ -62,4 +62,7 @@ class SyntheticIterator:
     return {"step": self.step}
 
   def set_state(self, state: dict[str, Any]) -> None:
-    self.step = int(state["step"])
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or len(state) != 1:
+      raise ValueError(f"not a synthetic data-iterator state: {str(state)[:100]}")
+    self.step = step

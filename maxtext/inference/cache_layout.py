@@ -1,16 +1,21 @@
 """The whole model's KV cache: how layers group into scanned stacks, its shapes, shardings and size.
 
-With scan_layers=true the per-layer windows repeat with some period p (1 for uniform models, 2 for
-Gemma 2's local/global alternation). Decoding scans over groups of p consecutive layers; position j of a
-group has its own stacked cache [num_groups, B, K, T_j, D], so each layer keeps a cache of its own length
-(a ring of sliding_window_size slots for local layers). Layers after the last whole group (and every layer
-with scan_layers=false) keep unstacked caches in `tail`.
+A model has one or two layer stacks (DeepSeek: its dense first layers, then the MoE layers). With
+scan_layers=true a stack's per-layer windows repeat with some period p (1 for uniform models, 2 for gemma2
+and gpt_oss, 6 for gemma3). Decoding scans over groups of p consecutive layers; position j of a group has its
+own stacked cache [num_groups, B, K, T_j, D], so each layer keeps a cache of its own length (a ring of
+sliding_window_size slots for local layers). Layers after the last whole group (and every layer with
+scan_layers=false) keep unstacked caches in `tail`.
+
+What a layer caches per token: keys and values of each kv head (grouped-query attention); for MLA, with
+mla_naive_kvcache=true, keys and values of every head, else the compressed latent and the shared rotary key
+(kv_lora_rank + qk_rope_head_dim values, one "head"). With quantize_kvcache (grouped-query attention only) keys
+and values are kv_quant_dtype, each with a scale per token (and per kv head with kv_quant_axis=dkv).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +24,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
-from maxtext.inference.kv_cache import CACHE_AXES
+from maxtext.inference import kv_cache
 from maxtext.layers.dtypes import bits, dtype
 from maxtext.models import registry
+from maxtext.models.family import period
 
 STACK_AXIS = "cache_layers"
 
@@ -29,86 +35,109 @@ STACK_AXIS = "cache_layers"
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeCache:
-  """scan: per group position j, {'key', 'value'} [num_groups, B, K, T_j, D]; tail: per leftover layer [B, K, T, D];
-  lengths [B]: tokens cached per row. A quantized cache adds {'key_scale', 'value_scale'} [..., B, K or 1, T, 1]."""
+  """Per layer stack: scan holds, per group position j, {name: [num_groups, B, K, T_j, D]}; tail, per leftover layer,
+  {name: [B, K, T, D]}. lengths [B]: tokens cached per row. A quantized cache adds {'key_scale', 'value_scale'}
+  [..., B, K or 1, T, 1]."""
 
-  scan: tuple[dict[str, jax.Array], ...]
-  tail: tuple[dict[str, jax.Array], ...]
+  scan: tuple[tuple[dict[str, jax.Array], ...], ...]
+  tail: tuple[tuple[dict[str, jax.Array], ...], ...]
   lengths: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Stack:
+  name: str  # the model's attribute holding these layers: 'layers', or 'dense_layers' (DeepSeek's first layers)
   windows: tuple[int, ...]  # sliding window per layer (0 = global)
   period: int  # layers per scanned group (0 when nothing is scanned)
   num_groups: int
-  max_length: int  # slots of a global layer: max_target_length
 
   @property
   def tail_layers(self) -> range:
     return range(self.period * self.num_groups, len(self.windows))
 
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  stacks: tuple[Stack, ...]
+  max_length: int  # slots of a global layer: max_target_length
+  form: str  # 'kv' (keys and values per kv head), 'mla_naive' (keys and values per head), 'mla_latent' (compressed)
+
+  @property
+  def windows(self) -> tuple[int, ...]:
+    return tuple(w for s in self.stacks for w in s.windows)
+
   def slots(self, window: int) -> int:
     return min(window, self.max_length) if window else self.max_length
 
 
-def _period(windows: list[int]) -> int:
-  return next(p for p in range(1, len(windows) + 1) if all(w == windows[i % p] for i, w in enumerate(windows)))
+def cache_form(config: MaxTextConfig) -> str:
+  if not registry.get(config.decoder_block).mla:
+    return "kv"
+  return "mla_naive" if config.mla_naive_kvcache else "mla_latent"
 
 
 def layout(config: MaxTextConfig, max_length: int | None = None) -> Layout:
   windows = registry.get(config.decoder_block).layer_windows(config)
-  max_length = max_length or config.max_target_length
-  if not config.scan_layers:
-    return Layout(tuple(windows), 0, 0, max_length)
-  p = _period(windows)
-  return Layout(tuple(windows), p, len(windows) // p, max_length)
+  n_dense = config.first_num_dense_layers
+  parts = [("dense_layers", windows[:n_dense])] if n_dense else []
+  parts.append(("layers", windows[n_dense:]))
+  stacks = []
+  for name, ws in parts:
+    p = period(ws) if config.scan_layers else 0
+    stacks.append(Stack(name, tuple(ws), p, len(ws) // p if p else 0))
+  return Layout(tuple(stacks), max_length or config.max_target_length, cache_form(config))
 
 
-def _layer_shape(config: MaxTextConfig, lay: Layout, batch: int, window: int) -> tuple[int, ...]:
-  return (batch, config.num_kv_heads, lay.slots(window), config.head_dim)
+def layer_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: int) -> dict[str, tuple[int, ...]]:
+  """One layer's cache buffers and their [B, K, T, D] shapes."""
+  c, slots = config, lay.slots(window)
+  if lay.form == "mla_latent":
+    return {"latent": (batch, 1, slots, c.kv_lora_rank + c.qk_rope_head_dim)}
+  if lay.form == "mla_naive":
+    h = c.num_query_heads
+    return {"key": (batch, h, slots, c.qk_nope_head_dim + c.qk_rope_head_dim), "value": (batch, h, slots, c.v_head_dim)}
+  shapes = {"key": (batch, c.num_kv_heads, slots, c.head_dim), "value": (batch, c.num_kv_heads, slots, c.head_dim)}
+  if c.quantize_kvcache:
+    scale = (batch, scale_heads(c), slots, 1)
+    shapes.update(key_scale=scale, value_scale=scale)
+  return shapes
 
 
 def kv_dtype(config: MaxTextConfig) -> jnp.dtype:
   """The cache's key/value dtype: kv_quant_dtype with quantize_kvcache, else the compute dtype."""
-  return jnp.dtype(config.kv_quant_dtype if config.quantize_kvcache else config.dtype)
+  return jnp.dtype(config.kv_quant_dtype if config.quantize_kvcache else dtype(config.dtype))
+
+
+def scale_heads(config: MaxTextConfig) -> int:
+  """Scales per token of a quantized cache's keys (or values): one per kv head (kv_quant_axis=dkv) or one."""
+  return config.num_kv_heads if config.kv_quant_axis == "dkv" else 1
 
 
 def abstract(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
-  """ShapeDtypeStructs of an empty cache (keys and values in config.dtype, or quantized with scales in config.dtype)."""
-  dt, scale_dt = kv_dtype(config), dtype(config.dtype)
-  per_head = config.kv_quant_axis == "dkv"
+  """ShapeDtypeStructs of an empty cache (in config.dtype; quantized keys and values in kv_quant_dtype)."""
+  dt, quantized = dtype(config.dtype), kv_dtype(config)
 
-  def kv(shape):
-    arrays = {"key": jax.ShapeDtypeStruct(shape, dt), "value": jax.ShapeDtypeStruct(shape, dt)}
-    if config.quantize_kvcache:
-      scale = (*shape[:-3], shape[-3] if per_head else 1, shape[-2], 1)
-      arrays.update(key_scale=jax.ShapeDtypeStruct(scale, scale_dt), value_scale=jax.ShapeDtypeStruct(scale, scale_dt))
-    return arrays
+  def buffers(window: int, lead: tuple[int, ...] = ()) -> dict[str, jax.ShapeDtypeStruct]:
+    shapes = layer_shapes(config, lay, batch, window).items()
+    return {name: jax.ShapeDtypeStruct(lead + shape, dt if name.endswith("_scale") else quantized) for name, shape in shapes}
 
-  scan = tuple(kv((lay.num_groups, *_layer_shape(config, lay, batch, lay.windows[j]))) for j in range(lay.period))
-  tail = tuple(kv(_layer_shape(config, lay, batch, lay.windows[i])) for i in lay.tail_layers)
+  scan = tuple(tuple(buffers(s.windows[j], (s.num_groups,)) for j in range(s.period)) for s in lay.stacks)
+  tail = tuple(tuple(buffers(s.windows[i]) for i in s.tail_layers) for s in lay.stacks)
   return DecodeCache(scan, tail, jax.ShapeDtypeStruct((batch,), jnp.int32))
 
 
 def logical_axes(cache: DecodeCache) -> DecodeCache:
-  """Logical axis names of every cache array (MaxText's cache_* names; a stacked cache adds cache_layers). Scales
-  are split like their keys, except on their axes of size 1."""
-
-  def axes(name: str, x: Any) -> tuple[str | None, ...]:
-    full = CACHE_AXES if x.ndim == len(CACHE_AXES) else (STACK_AXIS, *CACHE_AXES)
-    return tuple(a if not name.endswith("_scale") or n > 1 else None for a, n in zip(full, x.shape))
-
+  """Logical axis names of every cache array (MaxText's cache_* names; a stacked cache adds cache_layers)."""
   return DecodeCache(
-    tuple({k: axes(k, x) for k, x in g.items()} for g in cache.scan),
-    tuple({k: axes(k, x) for k, x in t.items()} for t in cache.tail),
+    tuple(tuple({k: (STACK_AXIS, *kv_cache.axes(k, x.shape[1:])) for k, x in g.items()} for g in stack) for stack in cache.scan),
+    tuple(tuple({k: kv_cache.axes(k, x.shape) for k, x in t.items()} for t in stack) for stack in cache.tail),
     ("cache_batch",),
   )
 
 
 def shardings(config: MaxTextConfig, mesh: Mesh, cache: DecodeCache) -> DecodeCache:
   """NamedShardings of the cache under the config's logical_axis_rules."""
-  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)  # noqa: E731
+  is_axes = lambda x: isinstance(x, tuple) and len(x) > 0 and all(isinstance(a, str | None) for a in x)  # noqa: E731
   return jax.tree.map(lambda axes: NamedSharding(mesh, mesh_lib.logical_to_spec(axes, config.logical_axis_rules, mesh)), logical_axes(cache), is_leaf=is_axes)
 
 
@@ -117,14 +146,41 @@ def zeros(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
 
 
 def nbytes(cache: DecodeCache) -> tuple[int, int]:
-  """(bytes of the keys and values, with their scales when quantized; bytes of the per-row lengths)."""
-  kv = sum(int(np.prod(x.shape)) * bits(x.dtype) // 8 for g in (*cache.scan, *cache.tail) for x in g.values())
-  return kv, int(np.prod(cache.lengths.shape)) * 4
+  """(bytes of the cached keys and values or latents, with their scales when quantized; bytes of the per-row lengths)."""
+  buffers = [x for groups in (*cache.scan, *cache.tail) for g in groups for x in g.values()]
+  return sum(int(np.prod(x.shape)) * bits(x.dtype) // 8 for x in buffers), int(np.prod(cache.lengths.shape)) * 4
 
 
-def theoretical_bytes(config: MaxTextConfig, batch: int, lay: Layout) -> int:
-  """2 (key, value) x batch x sum over layers of slots x (kv_heads x head_dim x bits per element + scales) / 8."""
-  per_token = config.num_kv_heads * config.head_dim * bits(kv_dtype(config))
-  if config.quantize_kvcache:
-    per_token += (config.num_kv_heads if config.kv_quant_axis == "dkv" else 1) * bits(dtype(config.dtype))
-  return 2 * batch * per_token * sum(lay.slots(w) for w in lay.windows) // 8
+def values_per_slot(config: MaxTextConfig, form: str) -> int:
+  """Values one layer caches per token: 2 kv_heads head_dim; MLA naive: heads (qk + v head dims); MLA latent:
+  kv_lora_rank + qk_rope_head_dim (576 for DeepSeek V3, against 128 x (192 + 128) naive)."""
+  c = config
+  if form == "mla_latent":
+    return c.kv_lora_rank + c.qk_rope_head_dim
+  if form == "mla_naive":
+    return c.num_query_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+  return 2 * c.num_kv_heads * c.head_dim
+
+
+def theoretical_bytes(config: MaxTextConfig, batch: int, lay: Layout, form: str | None = None) -> int:
+  """batch x sum over layers of slots x (values_per_slot x bits per value + scales x bits per scale) / 8 (form: another
+  cache form, e.g. MLA's naive)."""
+  form = form or lay.form
+  per_slot = values_per_slot(config, form) * bits(kv_dtype(config) if form == "kv" else dtype(config.dtype))
+  if form == "kv" and config.quantize_kvcache:
+    per_slot += 2 * scale_heads(config) * bits(dtype(config.dtype))
+  return batch * per_slot * sum(lay.slots(w) for w in lay.windows) // 8
+
+
+def describe(config: MaxTextConfig, batch: int, lay: Layout) -> str:
+  """The KV cache size line: bytes, per-token values, and for MLA the naive form's size beside the compressed one."""
+  size = theoretical_bytes(config, batch, lay)
+  line = (
+    f"KV cache: {size / 2**20:,.2f} MiB for batch {batch} x {lay.max_length} tokens over {len(lay.windows)} layers "
+    f"({values_per_slot(config, lay.form):,} values per token and layer, {kv_dtype(config).name}"
+    f"{f' with {2 * scale_heads(config)} scales' if config.quantize_kvcache else ''})"
+  )
+  if lay.form == "mla_latent":
+    naive = theoretical_bytes(config, batch, lay, "mla_naive")
+    line += f"; per-head keys and values (mla_naive_kvcache=true) would take {naive / 2**20:,.2f} MiB ({naive / size:.1f}x)"
+  return line

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from maxtext import memory_limit
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
 from maxtext.config.adapters import adapter_names
 from maxtext.errors import ConfigError
-from maxtext.inference import unstack
+from maxtext.inference import cache_layout, unstack
 from maxtext.inference.generate import Generator
 from maxtext.inference.loading import hf_config, load_decode_tokenizer, load_model
 from maxtext.inference.sampling import SamplingParams
@@ -43,11 +44,17 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
   Generator.check_lengths(config.max_target_length, config.max_prefill_predict_length)
   Generator.check_prompt(prompt, config.max_prefill_predict_length, config.vocab_size)
   adapter_ids = check_adapter(config)
-  model = unstack.for_decoding(load_model(config, mesh, log))
-  generator = Generator(model, sampling, mesh=mesh, **generator_args)
-  seconds = generator.compile(batch=1, prompt_length=len(prompt), adapters=adapter_ids is not None)
+  remedy = (
+    f"lower max_target_length ({config.max_target_length}) or max_prefill_predict_length ({config.max_prefill_predict_length}), or shard over more devices"
+  )
+  with memory_limit.one_line("loading the model and compiling decode", remedy):
+    model = unstack.for_decoding(load_model(config, mesh, log))
+    generator = Generator(model, sampling, mesh=mesh, **generator_args)
+    seconds = generator.compile(batch=1, prompt_length=len(prompt), adapters=adapter_ids is not None)
   log(f"compiled prefill and decode in {seconds:.1f}s")
-  result = generator.generate([prompt], seed=config.decode_sampling_seed, adapter_ids=adapter_ids)
+  log(cache_layout.describe(config, 1, generator.layout))
+  with memory_limit.one_line("while decoding", remedy):
+    result = generator.generate([prompt], seed=config.decode_sampling_seed, adapter_ids=adapter_ids)
   completion = tokenizer.decode([t for t in result.tokens[0] if t != tokenizer.eos_id])
   log(f"prompt: {config.prompt}")
   log(f"completion: {completion}")

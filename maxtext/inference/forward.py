@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtext.inference.cache_layout import DecodeCache, Layout
+from maxtext.inference.cache_layout import DecodeCache, Layout, Stack
 from maxtext.inference.kv_cache import LayerCache
 from maxtext.layers import lora
 from maxtext.layers.residual import collapse_streams
 from maxtext.models.decoder import Transformer
+
+
+def group_layers(state: Any, p: int, n: int) -> Any:
+  """Stacked layer arrays [L, ...] -> their first n groups of p consecutive layers [n, p, ...] (what a grouped scan steps over)."""
+  return jax.tree.map(lambda a: (a if a.shape[0] == n * p else a[: n * p]).reshape(n, p, *a.shape[1:]), state)
 
 
 def _layer(graphdef: nnx.GraphDef, state: nnx.State, index) -> nnx.Module:
@@ -29,41 +36,45 @@ def hidden_states(
 
 
 def _hidden_states(model: Transformer, tokens: jax.Array, new_lengths: jax.Array, cache: DecodeCache, lay: Layout) -> tuple[jax.Array, DecodeCache]:
-  """hidden_states within the adapter rows' context.
-
-  Scanned models scan over groups of `lay.period` layers, the stacked caches riding along as scan inputs and
-  outputs; the rest of the layers run one by one.
-  """
-  c = model.config
+  """hidden_states within the adapter rows' context: each layer stack in turn (see _run_stack)."""
   positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
   x = model.input_stream(tokens)
 
-  def run(layer, h, window: int, kv: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    h, _, out = layer(h, positions, None, window, cache=LayerCache.of(kv, cache.lengths, new_lengths))
-    return h, out.arrays()
+  def run(layer, h, window: int, buffers: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    h, _, out = layer(h, positions, None, window, cache=LayerCache(buffers, cache.lengths, new_lengths))
+    return h, out.arrays
 
+  scanned, tails = [], []
+  for stack, scan_cache, tail_cache in zip(lay.stacks, cache.scan, cache.tail):
+    x, s, t = _run_stack(getattr(model, stack.name), stack, x, scan_cache, tail_cache, run)
+    scanned.append(s)
+    tails.append(t)
+  hidden = model.final_norm(collapse_streams(x, model.config))
+  return hidden, DecodeCache(tuple(scanned), tuple(tails), cache.lengths + new_lengths)
+
+
+def _run_stack(layers, stack: Stack, x: jax.Array, scan_cache: tuple, tail_cache: tuple, run) -> tuple[jax.Array, tuple, tuple]:
+  """One layer stack: scanned models scan over groups of `stack.period` layers, the stacked caches riding along as scan
+  inputs and outputs; the rest of the layers run one by one."""
   tail = []
-  if c.scan_layers:
-    graphdef, state = nnx.split(model.layers)
-    p, n = lay.period, lay.num_groups
-    grouped = jax.tree.map(lambda a: (a if a.shape[0] == n * p else a[: n * p]).reshape(n, p, *a.shape[1:]), state)
+  if stack.period:
+    graphdef, state = nnx.split(layers)
+    p, n = stack.period, stack.num_groups
 
     def body(h, xs):
-      group_state, kvs = xs
+      group_state, buffers = xs
       new = []
       for j in range(p):
-        h, kv = run(_layer(graphdef, group_state, j), h, lay.windows[j], kvs[j])
-        new.append(kv)
+        h, out = run(_layer(graphdef, group_state, j), h, stack.windows[j], buffers[j])
+        new.append(out)
       return h, tuple(new)
 
-    x, scanned = jax.lax.scan(body, x, (grouped, cache.scan))
-    for t, i in enumerate(lay.tail_layers):
-      x, kv = run(_layer(graphdef, state, i), x, lay.windows[i], cache.tail[t])
-      tail.append(kv)
-  else:
-    scanned = ()
-    for i, layer in enumerate(model.layers):
-      x, kv = run(layer, x, lay.windows[i], cache.tail[i])
-      tail.append(kv)
-  hidden = model.final_norm(collapse_streams(x, c))
-  return hidden, DecodeCache(scanned, tuple(tail), cache.lengths + new_lengths)
+    x, scanned = jax.lax.scan(body, x, (group_layers(state, p, n), scan_cache))
+    for t, i in enumerate(stack.tail_layers):
+      x, out = run(_layer(graphdef, state, i), x, stack.windows[i], tail_cache[t])
+      tail.append(out)
+    return x, scanned, tuple(tail)
+  for i, layer in enumerate(layers):
+    x, out = run(layer, x, stack.windows[i], tail_cache[i])
+    tail.append(out)
+  return x, (), tuple(tail)

@@ -20,13 +20,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from maxtext import mesh as mesh_lib
-from maxtext.config import MaxTextConfig
 from maxtext.config.adapters import adapter_names
 from maxtext.errors import ConfigError, DataError
 from maxtext.inference import cache_layout, forward, unstack
 from maxtext.inference.cache_layout import DecodeCache
 from maxtext.inference.sampling import SamplingParams, sample
-from maxtext.models import registry
 from maxtext.models.decoder import Transformer
 
 MIN_BUCKET = 16
@@ -46,14 +44,6 @@ class Result:
   decode_seconds: float  # the decode loop, sampling the first token included
 
 
-def check_decodable(config: MaxTextConfig) -> None:
-  """The KV cache holds standard key/value heads: MLA (decoder_block=deepseek) has no cache yet."""
-  if registry.get(config.decoder_block).mla:
-    raise ConfigError(
-      f"decoding decoder_block={config.decoder_block} (multi-head latent attention) is not implemented yet; decode llama2, mistral, mixtral, qwen3, qwen3_moe or gemma2 models"
-    )
-
-
 class Generator:
   """Prefill and decode for one model. `generate(prompts)` takes token lists and returns generated token lists."""
 
@@ -68,7 +58,6 @@ class Generator:
     mesh: Mesh | None = None,
   ):
     c = model.config
-    check_decodable(c)
     self.config = c
     self.sampling = sampling or SamplingParams()
     self.max_target_length = max_target_length or c.max_target_length

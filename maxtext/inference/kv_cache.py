@@ -1,4 +1,4 @@
-"""The KV cache: per layer a [batch, kv_heads, slots, head_dim] key and value buffer, written as a ring.
+"""The KV cache: per layer a [batch, kv_heads, slots, head_dim] key and value buffer (MLA: one latent buffer), written as a ring.
 
 Slot `t` of a layer with `T` slots holds the token at position p with p % T == t. A global-attention
 layer has T = max_target_length slots (nothing wraps); a sliding-window layer has T = sliding_window_size
@@ -8,8 +8,9 @@ position array, only keys, values and one length per row.
 
 Quantized (quantize_kvcache): keys and values are stored as int8 or int4 q = round(x / s) with a scale
 s = absmax / q_max per token, over each head's vector (kv_quant_axis=dkv: scales [B, K, T, 1]) or over all of a
-token's heads (heads_and_dkv: [B, 1, T, 1]), in the compute dtype. Attention reads them without a dequantized
-copy: logits = (q . k_int) * s_k per key, and the value scales multiply the softmax weights before p . v_int.
+token's heads (heads_and_dkv: [B, 1, T, 1]), in the compute dtype, as buffers 'key_scale' and 'value_scale'.
+Attention reads them without a dequantized copy: logits = (q . k_int) * s_k per key, and the value scales
+multiply the softmax weights before p . v_int.
 """
 
 from __future__ import annotations
@@ -24,15 +25,24 @@ from maxtext.layers import attention_ops, matmul
 from maxtext.layers.sharding import constrain
 
 CACHE_AXES = ("cache_batch", "cache_heads", "cache_sequence", "cache_kv")  # head-major: attention reads it without a transpose
+LATENT_AXES = ("cache_batch", None, "cache_sequence", "cache_kv")  # MLA's latent: one shared "head"
+AXES = {"key": CACHE_AXES, "value": CACHE_AXES, "latent": LATENT_AXES}
 KV_QMAX = {"int8": 127.0, "int4": 7.0}
+
+
+def axes(name: str, shape: tuple[int, ...]) -> tuple[str | None, ...]:
+  """Logical axes of a cache buffer [B, K, T, D] by name; a scale [B, K or 1, T, 1] is split like its keys except on
+  its axes of size 1."""
+  if not name.endswith("_scale"):
+    return AXES[name]
+  return tuple(a if n > 1 else None for a, n in zip(AXES[name.removesuffix("_scale")], shape))
 
 
 def quantize_kv(x: jax.Array, kv_dtype: Any, per_head: bool) -> tuple[jax.Array, jax.Array]:
   """x [B, K, S, D] -> (round(x / s) in kv_dtype, s [B, K or 1, S, 1] in x's dtype), s = absmax / q_max over D
   (per_head) or over K and D."""
   qmax = KV_QMAX[jnp.dtype(kv_dtype).name]
-  axes = (3,) if per_head else (1, 3)
-  absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True)
+  absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(3,) if per_head else (1, 3), keepdims=True)
   scale = jnp.where(absmax > 0, absmax / qmax, 1.0)
   q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -qmax, qmax).astype(kv_dtype)
   return q, scale.astype(x.dtype)
@@ -50,32 +60,47 @@ def slot_positions(total: jax.Array, size: int) -> jax.Array:
 class LayerCache:
   """One attention layer's cache as the layer sees it during a prefill or decode call.
 
-  key/value [B, K, T, D]; lengths [B]: tokens already cached per row; new_lengths [B]: how many of this
-  call's S input tokens are real (the rest is right padding). The call's tokens sit at positions
-  lengths + 0 .. lengths + S - 1.
+  arrays: head-major [B, K, T, D] buffers by name: 'key' and 'value' (grouped-query attention, and MLA's naive
+  form with per-head keys and values), or 'latent' (MLA's compressed form: K = 1, each slot the normalised
+  kv_lora_rank latent followed by the rotary key); a quantized cache adds 'key_scale' and 'value_scale'
+  [B, K or 1, T, 1]. lengths [B]: tokens already cached per row; new_lengths [B]:
+  how many of this call's S input tokens are real (the rest is right padding). The call's tokens sit at
+  positions lengths + 0 .. lengths + S - 1.
   """
 
-  key: jax.Array
-  value: jax.Array
+  arrays: dict[str, jax.Array]
   lengths: jax.Array
   new_lengths: jax.Array
-  key_scale: jax.Array | None = None  # quantized cache: [B, K or 1, T, 1]
-  value_scale: jax.Array | None = None
 
-  @classmethod
-  def of(cls, arrays: dict[str, jax.Array], lengths: jax.Array, new_lengths: jax.Array) -> LayerCache:
-    """From a layer's cache arrays ({'key', 'value'}, plus {'key_scale', 'value_scale'} when quantized)."""
-    return cls(arrays["key"], arrays["value"], lengths, new_lengths, arrays.get("key_scale"), arrays.get("value_scale"))
+  def update(self, new: dict[str, jax.Array], rules, window: int = 0) -> tuple[LayerCache, dict[str, jax.Array], jax.Array]:
+    """Write this call's entries new[name] [B, K, S, D] into the buffers.
 
-  def arrays(self) -> dict[str, jax.Array]:
-    out = {"key": self.key, "value": self.value}
-    if self.key_scale is not None:
-      out.update(key_scale=self.key_scale, value_scale=self.value_scale)
-    return out
-
-  @property
-  def quantized(self) -> bool:
-    return self.key_scale is not None
+    Returns (updated cache, what the call attends over by name [B, K, T', D], mask [B, S, T'] of the causal,
+    non-empty keys within the window). A decode step (S = 1) writes its token into its slot and attends over the
+    cache alone; a prefill attends over old slots plus new tokens, then keeps the newest T positions.
+    """
+    s = next(iter(new.values())).shape[2]
+    size = next(iter(self.arrays.values())).shape[2]
+    q_pos = self.lengths[:, None] + jnp.arange(s, dtype=self.lengths.dtype)
+    total = self.lengths + self.new_lengths
+    new = {name: x.astype(self.arrays[name].dtype) for name, x in new.items()}
+    if s == 1:
+      rows, slot = jnp.arange(q_pos.shape[0]), jnp.mod(self.lengths, size)
+      kept = {name: self.arrays[name].at[rows, :, slot].set(x[:, :, 0]) for name, x in new.items()}
+      attended, kv_pos = kept, slot_positions(total, size)
+    else:
+      new_pos = jnp.where(jnp.arange(s) < self.new_lengths[:, None], q_pos, -1)
+      attended = {name: jnp.concatenate([self.arrays[name], x], axis=2) for name, x in new.items()}
+      kv_pos = jnp.concatenate([slot_positions(self.lengths, size), new_pos], axis=1)
+      index = slot_positions(total, size) - self.lengths[:, None]  # index among the new tokens of the position each slot now holds
+      from_new = (index >= 0)[:, None, :, None]
+      take = jnp.clip(index, 0, s - 1)[:, None, :, None]
+      kept = {name: jnp.where(from_new, jnp.take_along_axis(x, take, axis=2), self.arrays[name]) for name, x in new.items()}
+    kept = {name: constrain(x, axes(name, x.shape), rules) for name, x in kept.items()}
+    mask = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])
+    if window:
+      mask &= (q_pos[:, :, None] - kv_pos[:, None, :]) < window
+    return dataclasses.replace(self, arrays=kept), attended, mask
 
   def attend(
     self,
@@ -87,41 +112,19 @@ class LayerCache:
     soft_cap: float | None,
     precision: jax.lax.Precision,
     rules,
+    sinks: jax.Array | None = None,
   ) -> tuple[jax.Array, LayerCache]:
-    """Causal (windowed) attention of the new tokens q/k/v [B, S, heads, D] over the cache plus themselves.
+    """Causal (windowed) attention of the new tokens q/k [B, S, heads, D], v [B, S, heads, Dv] over the cache plus themselves.
 
-    Returns (context [B, S, H, D], updated cache).
+    Returns (context [B, S, H, Dv], updated cache). sinks [H]: each head's sink logit, or None.
     """
-    b, s = q.shape[:2]
-    size = self.key.shape[2]
-    q_pos = self.lengths[:, None] + jnp.arange(s, dtype=self.lengths.dtype)
-    total = self.lengths + self.new_lengths
-    new = {"key": jnp.swapaxes(k, 1, 2), "value": jnp.swapaxes(v, 1, 2)}  # head-major like the cache: [B, K, S, D]
-    if self.quantized:
+    new = {"key": jnp.swapaxes(k, 1, 2), "value": jnp.swapaxes(v, 1, 2)}  # head-major like the cache
+    if "key_scale" in self.arrays:
+      scales = self.arrays["key_scale"]
       for name in ("key", "value"):
-        new[name], new[f"{name}_scale"] = quantize_kv(new[name].astype(self.key_scale.dtype), self.key.dtype, self.key_scale.shape[1] > 1)
-    else:
-      new = {"key": new["key"].astype(self.key.dtype), "value": new["value"].astype(self.value.dtype)}
-    old = self.arrays()
-    if s == 1:  # decode step: write the token into its slot, then attend over the cache alone
-      rows = jnp.arange(b)
-      slot = jnp.mod(self.lengths, size)
-      stored = {name: old[name].at[rows, :, slot].set(new[name][:, :, 0]) for name in old}
-      read, kv_pos = stored, slot_positions(total, size)
-    else:  # prefill (or a chunk): attend over old slots + new tokens, then keep the newest `size` positions
-      new_pos = jnp.where(jnp.arange(s) < self.new_lengths[:, None], q_pos, -1)
-      read = {name: jnp.concatenate([old[name], new[name]], axis=2) for name in old}
-      kv_pos = jnp.concatenate([slot_positions(self.lengths, size), new_pos], axis=1)
-      index = slot_positions(total, size) - self.lengths[:, None]  # index among the new tokens of the position each slot now holds
-      from_new = (index >= 0)[:, None, :, None]
-      take = jnp.clip(index, 0, s - 1)[:, None, :, None]
-      stored = {name: jnp.where(from_new, jnp.take_along_axis(new[name], take, axis=2), old[name]) for name in old}
-    stored["key"], stored["value"] = constrain(stored["key"], CACHE_AXES, rules), constrain(stored["value"], CACHE_AXES, rules)
-    mask = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])
-    if window:
-      mask &= (q_pos[:, :, None] - kv_pos[:, None, :]) < window
-    ctx = head_major_attention(q, read["key"], read["value"], mask, scale, soft_cap, precision, read.get("key_scale"), read.get("value_scale"))
-    return ctx, LayerCache.of(stored, self.lengths, self.new_lengths)
+        new[name], new[f"{name}_scale"] = quantize_kv(new[name].astype(scales.dtype), self.arrays[name].dtype, scales.shape[1] > 1)
+    cache, kv, mask = self.update(new, rules, window)
+    return head_major_attention(q, kv["key"], kv["value"], mask, scale, soft_cap, precision, sinks, kv.get("key_scale"), kv.get("value_scale")), cache
 
 
 def head_major_attention(
@@ -132,10 +135,11 @@ def head_major_attention(
   scale: float,
   soft_cap: float | None,
   precision: jax.lax.Precision,
+  sinks: jax.Array | None = None,
   key_scale: jax.Array | None = None,
   value_scale: jax.Array | None = None,
 ) -> jax.Array:
-  """q [B, S, H, D] over head-major keys/values [B, K, T, D] (H = K * G), mask [B, S, T] -> [B, S, H, D].
+  """q [B, S, H, D] over head-major keys [B, K, T, D] and values [B, K, T, Dv] (H = K * G), mask [B, S, T] -> [B, S, H, Dv].
 
   The XLA einsum path of attention_ops.xla_attention, with the cache read in its stored layout (no transpose
   of the cache per step); logits and softmax in float32. Quantized keys/values come with their scales
@@ -149,13 +153,12 @@ def head_major_attention(
     logits = logits * per_key(key_scale).astype(jnp.float32)
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
-  logits = jnp.where(mask[:, None, None], logits, attention_ops.NEG_INF)
-  probs = jax.nn.softmax(logits, axis=-1)
+  probs = attention_ops.masked_softmax(logits, mask[:, None, None], sinks)
+  out_dtype = values.dtype
   if value_scale is not None:
-    probs = probs * per_key(value_scale).astype(jnp.float32)
-  out_dtype = q.dtype if value_scale is not None else values.dtype
+    probs, out_dtype = probs * per_key(value_scale).astype(jnp.float32), q.dtype
   out = matmul.einsum("bkgst,bktd->bkgsd", probs.astype(out_dtype), values, dtype=out_dtype, precision=precision)
-  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, values.shape[-1])
 
 
 def per_key(kv_scale: jax.Array) -> jax.Array:

@@ -18,8 +18,8 @@ def unstack_layers(model: Transformer) -> Transformer:
   stacked = dict(nnx.to_flat_state(nnx.state(model)))
   leaves = {}
   for path, var in nnx.to_flat_state(abstract):
-    if path[0] == "layers":
-      value = stacked[("layers", *path[2:])][...][int(path[1])]
+    if path[0] in ("layers", "dense_layers"):
+      value = stacked[(path[0], *path[2:])][...][int(path[1])]
     else:
       value = stacked[path][...]
     leaves[path] = var.replace(value)

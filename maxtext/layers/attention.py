@@ -1,4 +1,4 @@
-"""Grouped-query self-attention with rotary embeddings, optional QK norm, soft cap and sliding window."""
+"""Grouped-query self-attention with rotary embeddings, optional QK norm, biases, sinks, soft cap and sliding window."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -21,9 +22,23 @@ if TYPE_CHECKING:
   from maxtext.inference.kv_cache import LayerCache
 
 
+def rotary(c: MaxTextConfig, dim: int, window: int | jax.Array) -> tuple[jax.Array, float]:
+  """(inverse frequencies, cos/sin scale) of a layer with this window: local (sliding-window) layers may rotate with
+  their own base (local_rope_max_timescale); a traced window picks between the two sets per layer."""
+  inv_global, scale = rope.layer_frequencies(c, dim, local=False)
+  if c.local_rope_max_timescale <= 0:
+    return jnp.asarray(inv_global, jnp.float32), scale
+  inv_local, local_scale = rope.layer_frequencies(c, dim, local=True)
+  if isinstance(window, int):
+    return jnp.asarray(inv_local if window else inv_global, jnp.float32), local_scale if window else scale
+  if scale != local_scale:
+    raise ValueError("a traced window needs one cos/sin scale for local and global layers")
+  return jnp.where(jnp.asarray(window) > 0, jnp.asarray(inv_local, jnp.float32), jnp.asarray(inv_global, jnp.float32)), scale
+
+
 class Attention(nnx.Module):
   """Self-attention; the kernel comes from policy (maxtext.platform), window_choices lists the windows a traced
-  (scanned, per-layer) window can take."""
+  (scanned, per-layer) window can take. attention_bias adds q/k/v/o biases; attention_sink a sink logit per head."""
 
   def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs, zero_centered_norm: bool = False, window_choices: Sequence[int] = ()):
     c = config
@@ -31,7 +46,7 @@ class Attention(nnx.Module):
     self.policy = policy
     self.window_choices = tuple(sorted(set(window_choices)))
     e, h, kv, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
-    kw = dense_kwargs(c, policy, rngs)
+    kw = dict(dense_kwargs(c, policy, rngs), use_bias=c.attention_bias)
     self.query = DenseGeneral((e,), (h, d), ("embed", "heads", "head_dim"), **kw)
     self.key = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
     self.value = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
@@ -42,9 +57,12 @@ class Attention(nnx.Module):
       self.key_norm = RMSNorm(d, c.normalization_layer_epsilon, **nkw)
     else:
       self.query_norm = self.key_norm = None
+    self.sinks = nnx.Param(jnp.zeros((h,), dtype(c.weight_dtype)), logical_axes=("heads",)) if c.attention_sink else None
     self.scale = (c.query_pre_attn_scalar or d) ** -0.5
     # An explicit kernel that cannot run this model fails here, at build time, as a one-line config error.
-    attention_ops.select(policy, dtype=dtype(c.dtype), head_dim=d, q_len=c.max_target_length, kv_len=c.max_target_length, soft_cap=c.attn_logits_soft_cap)
+    attention_ops.select(
+      policy, dtype=dtype(c.dtype), head_dim=d, q_len=c.max_target_length, kv_len=c.max_target_length, soft_cap=c.attn_logits_soft_cap, sinks=c.attention_sink
+    )
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, cache: LayerCache | None = None):
     """-> output [B, S, E]; with a KV cache (decoding), -> (output, updated cache)."""
@@ -55,22 +73,16 @@ class Attention(nnx.Module):
     if self.query_norm is not None:
       q, k = self.query_norm(q), self.key_norm(k)
     c = self.config
-    inv_freq = rope.inverse_frequencies(
-      c.head_dim,
-      c.rope_max_timescale,
-      c.rope_type,
-      c.rope_scaling_factor,
-      c.rope_low_freq_factor,
-      c.rope_high_freq_factor,
-      c.rope_original_max_position_embeddings,
-    )
-    q = rope.apply_rope(q, positions, inv_freq)
-    k = rope.apply_rope(k, positions, inv_freq)
+    inv_freq, rope_scale = rotary(c, c.head_dim, window)
+    rot = dict(interleave=rope.interleaved(c, mla=False), scale=rope_scale)
+    q = rope.apply_rope(q, positions, inv_freq, **rot)
+    k = rope.apply_rope(k, positions, inv_freq, **rot)
     q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
     k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
     v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
+    sinks = self.sinks[...] if self.sinks is not None else None
     if cache is not None:
-      ctx, cache = cache.attend(q, k, v, window, self.scale, c.attn_logits_soft_cap, precision(c.matmul_precision), rules)  # type: ignore[arg-type]
+      ctx, cache = cache.attend(q, k, v, window, self.scale, c.attn_logits_soft_cap, precision(c.matmul_precision), rules, sinks)  # type: ignore[arg-type]
       return self.out(ctx), cache
     ctx = attention_ops.attend(
       q,
@@ -86,6 +98,7 @@ class Attention(nnx.Module):
       precision=precision(c.matmul_precision),
       window_choices=self.window_choices,
       rules=rules,
+      sinks=sinks,
     )
     ctx = checkpoint_name(ctx, "context")
     return checkpoint_name(self.out(ctx), "out_proj")

@@ -2,6 +2,10 @@
 
 Kernels (docs/models.md says which runs where, and why):
 - `xla`: einsums with a materialised [B, K, G, S, T] float32 score tensor; the reference.
+
+Attention sinks (gpt-oss): a learned logit per query head joins every softmax row as one more column with no
+value, so each row's weights sum to less than one. The XLA, chunked and splash kernels take them; cuDNN cannot,
+and autoselected then falls back to XLA with a logged reason.
 - `chunked`: the same maths over blocks of keys with an online softmax and a hand-written backward,
   so forward and backward hold O(S x block) scores instead of O(S^2) (CPU, long sequences).
 - `splash`: TPU Pallas splash attention (inside jax) with segment ids, causal or local masks, GQA, soft cap.
@@ -41,7 +45,9 @@ def _log_once(message: str) -> None:
 # ----------------------------------------------------------------------------------------------- selection
 
 
-def unsupported_reason(kernel: str, policy: Policy, *, dtype, head_dim: int, q_len: int, kv_len: int, soft_cap: float | None) -> str | None:
+def unsupported_reason(
+  kernel: str, policy: Policy, *, dtype, head_dim: int, q_len: int, kv_len: int, soft_cap: float | None, sinks: bool = False
+) -> str | None:
   """Why kernel cannot compute this attention call exactly (None when it can)."""
   if kernel in ("xla", "chunked"):
     return None
@@ -58,13 +64,15 @@ def unsupported_reason(kernel: str, policy: Policy, *, dtype, head_dim: int, q_l
       return f"cuDNN attention needs bfloat16 or float16 activations, got {jnp.dtype(dtype).name}"
     if soft_cap is not None:
       return "cuDNN attention has no logit soft cap"
+    if sinks:
+      return "cuDNN attention has no attention sinks"
     if head_dim % 8 or head_dim > 128:
       return f"cuDNN attention needs head_dim a multiple of 8 up to 128, got {head_dim}"
     return None
   raise ValueError(f"unknown attention kernel {kernel}")
 
 
-def select(policy: Policy, *, dtype, head_dim: int, q_len: int, kv_len: int, soft_cap: float | None) -> str:
+def select(policy: Policy, *, dtype, head_dim: int, q_len: int, kv_len: int, soft_cap: float | None, sinks: bool = False) -> str:
   """The kernel for one attention call under policy.attention; explicit requests that cannot be met are ConfigErrors.
 
   autoselected: the platform's fused kernel (splash on TPU, cuDNN on GPU, chunked on CPU for long sequences),
@@ -77,7 +85,7 @@ def select(policy: Policy, *, dtype, head_dim: int, q_len: int, kv_len: int, sof
   if q_len != kv_len:  # queries against a longer key/value cache (decoding): the fused kernels here are self-attention
     _log_once(f"attention: {q_len} queries against {kv_len} keys run XLA dot-product attention")
     return "xla"
-  facts = dict(dtype=dtype, head_dim=head_dim, q_len=q_len, kv_len=kv_len, soft_cap=soft_cap)
+  facts = dict(dtype=dtype, head_dim=head_dim, q_len=q_len, kv_len=kv_len, soft_cap=soft_cap, sinks=sinks)
   if request == "cudnn":
     reason = unsupported_reason("cudnn", policy, **facts)
     if reason:
@@ -118,61 +126,64 @@ def attend(
   precision: jax.lax.Precision | None = None,
   window_choices: Sequence[int] = (),
   rules: Sequence | None = None,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
   """Causal attention q [B,S,H,D], k [B,T,K,D], v [B,T,K,Dv] (H a multiple of K) -> [B,S,H,Dv] in q's dtype.
 
   positions [B,S]/[B,T] int; segment_ids [B,S] (self-attention, 0 = padding) or None; window: attend to keys with
   q_pos - kv_pos < window (0 = unbounded), an int or a traced scalar taking one of window_choices (scanned layers
   with mixed windows); soft_cap: cap * tanh(logits / cap) or None; scale multiplies q.k. rules: logical axis
-  rules that place the fused kernels' shard_map (batch and heads) under an active mesh.
+  rules that place the fused kernels' shard_map (batch and heads) under an active mesh. sinks [H]: each head's
+  sink logit (None: no sinks).
   """
-  kernel = select(policy, dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1], soft_cap=soft_cap)
+  kernel = select(policy, dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1], soft_cap=soft_cap, sinks=sinks is not None)
   if kernel == "xla":
     mask = attention_mask(q_positions, kv_positions, segment_ids, window)
-    return xla_attention(q, k, v, mask, scale, soft_cap, precision, policy.integer_bf16_rounding)
+    return xla_attention(q, k, v, mask, scale, soft_cap, precision, policy.integer_bf16_rounding, sinks)
   v_dim = v.shape[-1]
   if v_dim != q.shape[-1]:  # the other kernels take one head width: zero value columns, cut from the result (MLA)
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v_dim)))
   if kernel == "chunked":
-    out = chunked_attention(q, k, v, q_positions, kv_positions, segment_ids, window, scale, soft_cap, policy.attention_key_block)
+    out = chunked_attention(q, k, v, q_positions, kv_positions, segment_ids, window, scale, soft_cap, policy.attention_key_block, sinks)
   else:
     if kernel == "splash":
       run = functools.partial(splash_attention, scale=scale, soft_cap=soft_cap, blocks=policy.splash, interpret=policy.interpret_kernels)
     else:
       run = functools.partial(cudnn_attention, scale=scale, max_segments=policy.max_segments_per_seq)
     segments = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
-    out = _per_window(run, q, k, v, segments, window, window_choices, rules)
+    out = _per_window(run, q, k, v, segments, sinks, window, window_choices, rules)
   return out[..., :v_dim]
 
 
-def _per_window(run, q, k, v, segments, window, window_choices, rules) -> jax.Array:
-  """run(q, k, v, segments, window=int) under a batch/head shard_map; a traced window switches between window_choices."""
+def _per_window(run, q, k, v, segments, sinks, window, window_choices, rules) -> jax.Array:
+  """run(q, k, v, segments, sinks, window=int) under a batch/head shard_map; a traced window switches between window_choices."""
 
-  def local(q, k, v, segments):
+  def local(q, k, v, segments, sinks):
     if isinstance(window, int):
-      return run(q, k, v, segments, window=window)
+      return run(q, k, v, segments, sinks, window=window)
     choices = sorted(set(window_choices))
     if not choices:
       raise ValueError("a traced window needs window_choices")
     index = sum(jnp.where(window == w, i, 0) for i, w in enumerate(choices))
-    return jax.lax.switch(index, [functools.partial(run, window=w) for w in choices], q, k, v, segments)
+    return jax.lax.switch(index, [functools.partial(run, window=w) for w in choices], q, k, v, segments, sinks)
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or rules is None:
-    return local(q, k, v, segments)
+    return local(q, k, v, segments, sinks)
   qs = logical_to_spec(("activation_batch", None, "activation_heads", None), rules, mesh)
   kvs = logical_to_spec(("activation_batch", None, "activation_kv_heads", None), rules, mesh)
   ss = logical_to_spec(("activation_batch", None), rules, mesh)
+  hs = None if sinks is None else logical_to_spec(("activation_heads",), rules, mesh)
   if not isinstance(window, int):  # the traced window enters the shard_map replicated
     w_local = jax.shard_map(
-      lambda q, k, v, s, w: _per_window(run, q, k, v, s, w, window_choices, None),
+      lambda q, k, v, s, h, w: _per_window(run, q, k, v, s, h, w, window_choices, None),
       mesh=mesh,
-      in_specs=(qs, kvs, kvs, ss, jax.sharding.PartitionSpec()),
+      in_specs=(qs, kvs, kvs, ss, hs, jax.sharding.PartitionSpec()),
       out_specs=qs,
       check_vma=False,
     )
-    return w_local(q, k, v, segments, window)
-  return jax.shard_map(local, mesh=mesh, in_specs=(qs, kvs, kvs, ss), out_specs=qs, check_vma=False)(q, k, v, segments)
+    return w_local(q, k, v, segments, sinks, window)
+  return jax.shard_map(local, mesh=mesh, in_specs=(qs, kvs, kvs, ss, hs), out_specs=qs, check_vma=False)(q, k, v, segments, sinks)
 
 
 # ----------------------------------------------------------------------------------------------- XLA reference
@@ -203,8 +214,9 @@ def xla_attention(
   soft_cap: float | None,
   precision: jax.lax.Precision | None,
   integer_rounding: bool = False,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
-  """q [B,S,H,D], k [B,T,K,D], v [B,T,K,Dv] (H = K*G) -> [B,S,H,Dv]; logits and softmax in float32."""
+  """q [B,S,H,D], k [B,T,K,D], v [B,T,K,Dv] (H = K*G) -> [B,S,H,Dv]; logits and softmax in float32; sinks [H] or None."""
   b, s, h, d = q.shape
   kv_heads = k.shape[2]
   # Head-major operands ([B, K, G, S, D], [B, K, T, D]) make both einsums plain batched matmuls.
@@ -213,10 +225,20 @@ def xla_attention(
   logits = matmul.einsum("bkgsd,bktd->bkgst", q, k, dtype=q.dtype, precision=precision, out_dtype=jnp.float32) * scale
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
-  logits = jnp.where(mask, logits, NEG_INF)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  probs = masked_softmax(logits, mask, sinks).astype(v.dtype)
   out = matmul.einsum("bkgst,bktd->bkgsd", probs, v, dtype=v.dtype, precision=precision, integer_rounding=integer_rounding)
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, v.shape[-1])
+
+
+def masked_softmax(logits: jax.Array, mask: jax.Array, sinks: jax.Array | None) -> jax.Array:
+  """Softmax over the keys of float32 logits [B, K, G, S, T] where mask allows; sinks [K * G] join each row as one more
+  logit whose weight is dropped (so a row sums to less than one)."""
+  logits = jnp.where(mask, logits, NEG_INF)
+  if sinks is None:
+    return jax.nn.softmax(logits, axis=-1)
+  _, kv_heads, groups, s, _ = logits.shape
+  sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1), (logits.shape[0], kv_heads, groups, s, 1))
+  return jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
 
 
 # ------------------------------------------------------------------------------------------ chunked (O(S) memory)
@@ -233,11 +255,13 @@ def chunked_attention(
   scale: float,
   soft_cap: float | None,
   block: int,
+  sinks: jax.Array | None = None,
 ) -> jax.Array:
   """xla_attention's result, computed over blocks of `block` keys with an online softmax (forward and backward).
 
   Scores never exist beyond one [B, K, G, S, block] float32 tile; the backward recomputes them from the saved
-  log-sum-exp. Keys are padded to a multiple of block (padding is masked out).
+  log-sum-exp. Keys are padded to a multiple of block (padding is masked out). Sinks [H] start each row's running
+  max and sum (a sink of -inf, the default, adds nothing).
   """
   b, s, h, d = q.shape
   t, kv_heads = k.shape[1], k.shape[2]
@@ -256,7 +280,8 @@ def chunked_attention(
   vb = jnp.transpose(v.reshape(b, n, block, kv_heads, d), (1, 0, 3, 2, 4))
   pos_b = jnp.transpose(kv_pos.reshape(b, n, block), (1, 0, 2))  # [N,B,C]
   seg_b = jnp.transpose(kv_seg.reshape(b, n, block), (1, 0, 2))
-  out = _chunked(qh, kb, vb, q_pos, pos_b, q_seg, seg_b, jnp.asarray(window, jnp.int32), scale, soft_cap)
+  sink = jnp.full((h,), -jnp.inf, jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+  out = _chunked(qh, kb, vb, q_pos, pos_b, q_seg, seg_b, jnp.asarray(window, jnp.int32), sink.reshape(kv_heads, h // kv_heads), scale, soft_cap)
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, d)
 
 
@@ -270,13 +295,14 @@ def _tile(q, k_blk, q_pos, pos_blk, q_seg, seg_blk, window, scale, soft_cap):
   return logits, mask[:, None, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _chunked(q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, scale, soft_cap):
-  return _chunked_forward(q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, scale, soft_cap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def _chunked(q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, sink, scale, soft_cap):
+  return _chunked_forward(q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, sink, scale, soft_cap)[0]
 
 
-def _chunked_forward(q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, scale, soft_cap):
+def _chunked_forward(q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, sink, scale, soft_cap):
   stats = q.shape[:-1]  # [B,K,G,S]
+  m0 = jnp.maximum(jnp.broadcast_to(sink[None, :, :, None], stats), NEG_INF)  # the sink is the first logit of every row
 
   def step(carry, xs):
     m, total, acc = carry
@@ -289,18 +315,19 @@ def _chunked_forward(q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, scale, soft_
     pv = jnp.einsum("bkgsc,bkcd->bkgsd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
     return (m_new, total, acc * correction[..., None] + pv), None
 
-  init = (jnp.full(stats, NEG_INF, jnp.float32), jnp.zeros(stats, jnp.float32), jnp.zeros(q.shape, jnp.float32))
+  init = (m0, jnp.exp(sink[None, :, :, None] - m0), jnp.zeros(q.shape, jnp.float32))
   (m, total, acc), _ = jax.lax.scan(step, init, (kb, vb, pos_b, seg_b))
   total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # every query sees itself; guards rows of padding keys only
   out = (acc / total[..., None]).astype(q.dtype)
   lse = m + jnp.log(total)
-  return out, (q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, out, lse)
+  return out, (q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, sink, out, lse)
 
 
 def _chunked_backward(scale, soft_cap, residuals, g):
-  q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, out, lse = residuals
+  q, kb, vb, q_pos, pos_b, q_seg, seg_b, window, sink, out, lse = residuals
   g32 = g.astype(jnp.float32)
   delta = jnp.sum(g32 * out.astype(jnp.float32), axis=-1)  # [B,K,G,S]: rowsum(dO * O)
+  dsink = -jnp.sum(jnp.exp(sink[None, :, :, None] - lse) * delta, axis=(0, 3))  # d out / d sink = -p_sink out
 
   def step(dq, xs):
     k_blk, v_blk, pos_blk, seg_blk = xs
@@ -317,7 +344,7 @@ def _chunked_backward(scale, soft_cap, residuals, g):
     return dq, (dk.astype(k_blk.dtype), dv.astype(v_blk.dtype))
 
   dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), (kb, vb, pos_b, seg_b))
-  return dq.astype(q.dtype), dk, dv, None, None, None, None, None
+  return dq.astype(q.dtype), dk, dv, None, None, None, None, None, dsink
 
 
 _chunked.defvjp(_chunked_forward, _chunked_backward)
@@ -356,8 +383,8 @@ def _splash_kernel(heads: int, q_len: int, kv_len: int, window: int, soft_cap: f
   return kernel_lib.make_splash_mha(multi, block_sizes=sizes, head_shards=1, q_seq_shards=1, attn_logits_soft_cap=soft_cap, interpret=interpret)
 
 
-def splash_attention(q, k, v, segments, *, window: int, scale: float, soft_cap: float | None, blocks, interpret: bool) -> jax.Array:
-  """Splash attention over local shards: q [B,S,H,D], k/v [B,T,K,D], segments [B,S] -> [B,S,H,D]."""
+def splash_attention(q, k, v, segments, sinks=None, *, window: int, scale: float, soft_cap: float | None, blocks, interpret: bool) -> jax.Array:
+  """Splash attention over local shards: q [B,S,H,D], k/v [B,T,K,D], segments [B,S], sinks [H] or None -> [B,S,H,D]."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
 
   kernel = _splash_kernel(q.shape[2], q.shape[1], k.shape[1], int(window), soft_cap, blocks, interpret)
@@ -365,7 +392,7 @@ def splash_attention(q, k, v, segments, *, window: int, scale: float, soft_cap: 
   kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
   def one(q1, k1, v1, s1):
-    return kernel(q1, k1, v1, segment_ids=kernel_lib.SegmentIds(q=s1, kv=s1))
+    return kernel(q1, k1, v1, segment_ids=kernel_lib.SegmentIds(q=s1, kv=s1), sinks=sinks)
 
   return jnp.swapaxes(jax.vmap(one)(qh, kh, vh, segments), 1, 2)
 
@@ -398,9 +425,12 @@ def packed_offsets(segments: jax.Array, max_runs: int) -> tuple[jax.Array, jax.A
   return offsets.astype(jnp.int32), lengths.astype(jnp.int32)
 
 
-def cudnn_attention(q, k, v, segments, *, window: int, scale: float, max_segments: int, implementation: str = "cudnn") -> jax.Array:
+def cudnn_attention(q, k, v, segments, sinks=None, *, window: int, scale: float, max_segments: int, implementation: str = "cudnn") -> jax.Array:
   """cuDNN fused causal attention that honours segments: packed offsets when max_segments > 0 and no window,
-  else a boolean segment mask. implementation='xla' runs the mask path through XLA (CPU tests)."""
+  else a boolean segment mask. implementation='xla' runs the mask path through XLA (CPU tests). No sinks (select
+  never picks cuDNN for a model with them)."""
+  if sinks is not None:
+    raise ValueError("cuDNN attention has no attention sinks")
   if max_segments > 0 and not window and implementation == "cudnn":
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_dpa

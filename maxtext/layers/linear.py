@@ -39,8 +39,8 @@ def dense_kwargs(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs) -> dict[
 class DenseGeneral(nnx.Module):
   """y = x . kernel, contracting the last len(in_shape) axes of x.
 
-  kernel has shape in_shape + out_shape and logical axes `logical_axes`.
-  `lora` is an optional adapter module (see maxtext.layers.lora) added to the output.
+  kernel has shape in_shape + out_shape and logical axes `logical_axes`; use_bias adds a bias of out_shape
+  (zeros at init). `lora` is an optional adapter module (see maxtext.layers.lora) added to the output.
   `quant` (maxtext.layers.quantization) quantizes the product; with `quant.stored` the kernel holds the quantized
   values and `kernel_scale` their scales.
   """
@@ -56,6 +56,7 @@ class DenseGeneral(nnx.Module):
     precision: jax.lax.Precision,
     rngs: nnx.Rngs,
     integer_rounding: bool = False,
+    use_bias: bool = False,
     quant: quantization.Recipe | None = None,
   ):
     self.in_shape = tuple(in_shape)
@@ -74,6 +75,8 @@ class DenseGeneral(nnx.Module):
     else:
       self.kernel = nnx.Param(kernel, logical_axes=tuple(logical_axes))
       self.kernel_scale = None
+    out_axes = tuple(logical_axes)[len(self.in_shape) :]
+    self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype), logical_axes=out_axes) if use_bias else None
     self.lora: nnx.Module | None = None
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -85,6 +88,8 @@ class DenseGeneral(nnx.Module):
       y = quantization.stored_einsum(spec, x, self.kernel[...], self.kernel_scale[...], self.quant, self.dtype)
     else:
       y = quantization.einsum(quantization.trailing_spec(x.ndim, n_in, len(self.out_shape)), x, self.kernel[...], self.quant, self.dtype)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(y.dtype)
     if self.lora is not None:
       y = y + self.lora(x).astype(y.dtype)
     return y

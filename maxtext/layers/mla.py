@@ -4,41 +4,37 @@ Queries: x -> wq (q_lora_rank = 0), or x -> wq_a -> RMSNorm -> wq_b; each head i
 Keys and values: x -> wkv_a gives a kv_lora_rank latent (RMSNorm'd, then wkv_b expands it into per-head
 key-nope and value parts) plus one qk_rope_head_dim rotary key shared by every head.
 The attention itself runs on the same core as every other family (attention_ops.attention_mask/xla_attention).
+
+Decoding with the compressed cache (mla_naive_kvcache=false) caches, per token, the normalised latent c_t and the
+rotated shared key k_rope,t, and attends in the latent space (the absorbed form): with wkv_b = [W_uk | W_uv] per head,
+
+    score_h(t) = scale ((W_uk,h^T q_nope,h) . c_t + q_rope,h . k_rope,t),   o_h = W_uv,h (sum_t softmax_h(t) c_t)
+
+which equals attention over the expanded keys k_h(t) = [W_uk,h c_t | k_rope,t] and values W_uv,h c_t. The naive
+form caches those expanded per-head keys and values instead.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
-from maxtext.layers import attention_ops, rope
+from maxtext.errors import ConfigError
+from maxtext.inference.kv_cache import head_major_attention
+from maxtext.layers import attention_ops, matmul, rope
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.sharding import constrain
 from maxtext.platform import Policy
 
-
-def rope_frequencies(c: MaxTextConfig) -> tuple[np.ndarray, float]:
-  """(inverse frequencies [qk_rope_head_dim // 2], cos/sin scale) of MLA's rotary part."""
-  dim = c.qk_rope_head_dim
-  if c.rope_type == "yarn":
-    inv = rope.yarn_inverse_frequencies(dim, c.rope_max_timescale, c.rope_factor, c.original_max_position_embeddings, c.beta_fast, c.beta_slow, c.rope_truncate)
-    return inv, rope.yarn_mscale(c.rope_factor) if c.rope_attention_scaling else 1.0
-  inv = rope.inverse_frequencies(
-    dim,
-    c.rope_max_timescale,
-    c.rope_type,
-    c.rope_scaling_factor,
-    c.rope_low_freq_factor,
-    c.rope_high_freq_factor,
-    c.rope_original_max_position_embeddings,
-  )
-  return inv, 1.0
+if TYPE_CHECKING:
+  from maxtext.inference.kv_cache import LayerCache
 
 
 def softmax_scale(c: MaxTextConfig) -> float:
@@ -77,25 +73,31 @@ class MLA(nnx.Module):
     # An explicit kernel that cannot run this model fails here, at build time, as a one-line config error.
     attention_ops.select(policy, dtype=dtype(c.dtype), head_dim=qk, q_len=c.max_target_length, kv_len=c.max_target_length, soft_cap=c.attn_logits_soft_cap)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, cache: LayerCache | None = None):
+    """-> output [B, S, E]; with a KV cache (decoding), -> (output, updated cache)."""
     c = self.config
     rules = c.logical_axis_rules
     nope, rope_dim = c.qk_nope_head_dim, c.qk_rope_head_dim
     q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
     q = checkpoint_name(q, "query_proj")
     kv_a = checkpoint_name(self.wkv_a(x), "kv_wa_proj")
-    latent, k_rope = kv_a[..., : c.kv_lora_rank], kv_a[..., c.kv_lora_rank :]
-    kv = checkpoint_name(self.wkv_b(self.kv_norm(latent)), "key_proj")  # [B,S,H,nope+v]
-    k_nope, v = kv[..., :nope], kv[..., nope:]
-    inv_freq, rope_scale = rope_frequencies(c)
-    rot = dict(interleave=c.rope_interleave, scale=rope_scale)
+    latent, k_rope = self.kv_norm(kv_a[..., : c.kv_lora_rank]), kv_a[..., c.kv_lora_rank :]
+    inv_freq, rope_scale = rope.layer_frequencies(c, rope_dim)
+    rot = dict(interleave=rope.interleaved(c, mla=True), scale=rope_scale)
     q_rope = rope.apply_rope(q[..., nope:], positions, inv_freq, **rot)
     k_rope = rope.apply_rope(k_rope[:, :, None, :], positions, inv_freq, **rot)  # [B,S,1,rope], shared by all heads
+    if cache is not None and "latent" in cache.arrays:
+      return self._absorbed(q[..., :nope], q_rope, latent, k_rope, cache)
+    kv = checkpoint_name(self.wkv_b(latent), "key_proj")  # [B,S,H,nope+v]
+    k_nope, v = kv[..., :nope], kv[..., nope:]
     q = jnp.concatenate([q[..., :nope], q_rope], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + (rope_dim,))], axis=-1)
     q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
     k = constrain(k, ("activation_batch", "activation_length", "activation_heads", None), rules)
     v = constrain(v, ("activation_batch", "activation_length", "activation_heads", None), rules)
+    if cache is not None:  # mla_naive_kvcache: per-head keys and values in the cache
+      ctx, cache = cache.attend(q, k, v, 0, self.scale, c.attn_logits_soft_cap, precision(c.matmul_precision), rules)
+      return self.out(ctx), cache
     ctx = attention_ops.attend(
       q,
       k,
@@ -112,3 +114,23 @@ class MLA(nnx.Module):
     )
     ctx = checkpoint_name(ctx, "context")
     return checkpoint_name(self.out(ctx), "out_proj")
+
+  def _absorbed(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+    """Attention in the latent space over a compressed cache (the module docstring): W_uk folded into the queries, W_uv
+    applied to the attended latent. q_nope [B,S,H,nope], q_rope [B,S,H,rope], latent [B,S,R], k_rope [B,S,1,rope]."""
+    c = self.config
+    if self.wkv_b.lora is not None:
+      raise ConfigError(
+        "decoding MLA from its compressed cache folds wkv_b into the queries, which a LoRA adapter on wkv_b prevents; merge the adapter or set mla_naive_kvcache=true"
+      )
+    prec, dt = precision(c.matmul_precision), dtype(c.dtype)
+    nope = c.qk_nope_head_dim
+    kernel = self.wkv_b.kernel[...]  # [R, H, nope + v]
+    new = jnp.concatenate([latent, k_rope[:, :, 0, :].astype(latent.dtype)], axis=-1)[:, None]  # [B, 1, S, R + rope]
+    cache, attended, mask = cache.update({"latent": new}, c.logical_axis_rules)
+    slots = attended["latent"]
+    q_latent = matmul.einsum("bshn,rhn->bshr", q_nope, kernel[..., :nope], dtype=dt, precision=prec)
+    query = jnp.concatenate([q_latent, q_rope.astype(dt)], axis=-1)  # [B, S, H, R + rope]
+    out_latent = head_major_attention(query, slots, slots[..., : c.kv_lora_rank], mask, self.scale, c.attn_logits_soft_cap, prec)
+    ctx = matmul.einsum("bshr,rhv->bshv", out_latent, kernel[..., nope:], dtype=dt, precision=prec)
+    return self.out(ctx), cache

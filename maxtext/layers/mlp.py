@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -17,12 +19,35 @@ ACTIVATIONS = {
   "gelu": lambda x: jax.nn.gelu(x, approximate=True),
   "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
   "relu": jax.nn.relu,
+  "sigmoid": jax.nn.sigmoid,
   "linear": lambda x: x,
 }
+CLAMPED_GLU_ALPHA = 1.702  # gpt-oss's sigmoid gain (HF swiglu_alpha; MaxText uses the same constant)
 
 
 def activation(name: str):
   return ACTIVATIONS[name]
+
+
+def gated(config: MaxTextConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """The experts' gate: (x wi_0, x wi_1) -> the hidden activation before wo.
+
+  act0(h0) * act1(h1); for families with gpt-oss's clamped SwiGLU (mlp_activations_limit = L > 0):
+  g = min(h0, L), u = clip(h1, -L, L), (u + 1) * g * act0(1.702 g), as Hugging Face's GptOssExperts computes it.
+  """
+  from maxtext.models import registry  # layers import no model code at module level
+
+  act0, act1 = activation(config.mlp_activations[0]), activation(config.mlp_activations[-1])
+  limit = config.mlp_activations_limit
+  if not registry.get(config.decoder_block).clamped_glu:
+    return lambda h0, h1: act0(h0) * act1(h1)
+
+  def clamped(h0: jax.Array, h1: jax.Array) -> jax.Array:
+    g = jnp.minimum(h0, jnp.asarray(limit, h0.dtype))
+    u = jnp.clip(h1, -limit, limit)
+    return (u + 1) * g * act0(CLAMPED_GLU_ALPHA * g)
+
+  return clamped
 
 
 class MLP(nnx.Module):

@@ -1,10 +1,17 @@
 """Mixture of experts: routing (Mixtral, Qwen3-MoE, DeepSeek V3), dropless or capacity-limited dispatch, shared experts.
 
-Routing (float32): scores are softmax or sigmoid (routed_score_func) of the router logits. Experts are chosen by
-top-k of the scores plus an optional score-correction bias (routed_bias, DeepSeek's aux-loss-free balancing),
+Routing (float32): scores are softmax or sigmoid (routed_score_func) of the router logits (with routed_bias and
+softmax scores, the router has a trained bias on its logits: gpt-oss). Experts are chosen by top-k of the scores
+plus, with sigmoid scores, an optional score-correction bias (routed_bias, DeepSeek's aux-loss-free balancing),
 optionally only inside the best topk_routing_group of n_routing_groups groups (each group scored by the sum of
 its two best biased scores). The chosen experts' weights are the unbiased scores, renormalised to sum to one
-with norm_topk_prob (always for mixtral), times routed_scaling_factor.
+with norm_topk_prob (always for mixtral; with softmax scores that is a softmax over the chosen experts' logits,
+as gpt-oss computes it), times routed_scaling_factor.
+
+Experts: gated MLPs act0(x wi_0) * act1(x wi_1) -> wo, or gpt-oss's clamped SwiGLU (maxtext.layers.mlp.gated);
+with mlp_bias every projection adds a per-expert bias. With `quantization` every expert product is quantized
+(maxtext.layers.quantization.expert_product); a stored recipe (QLoRA, decoding) keeps each expert weight quantized
+with its `<name>_scale`.
 
 Dispatch: dropless (capacity_factor = -1) sorts the (token, expert) pairs by expert and runs grouped matmuls
 (jax.lax.ragged_dot); with capacity_factor > 0 every expert takes at most
@@ -33,7 +40,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.layers import quantization
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
-from maxtext.layers.mlp import MLP, activation
+from maxtext.layers.mlp import MLP, gated
 from maxtext.mesh import logical_to_spec
 from maxtext.platform import Policy
 
@@ -168,8 +175,17 @@ class MoE(nnx.Module):
     self.precision = precision(c.matmul_precision)
     wdt = dtype(c.weight_dtype)
     e, m, n = c.emb_dim, c.moe_mlp_dim, c.num_experts
+    logit_bias = c.routed_bias and c.routed_score_func != "sigmoid"  # gpt-oss: the router's own bias; deepseek: a score correction
     self.gate = DenseGeneral(
-      (e,), (n,), ("embed", None), dtype=jnp.float32, weight_dtype=wdt, precision=self.precision, rngs=rngs, integer_rounding=policy.integer_bf16_rounding
+      (e,),
+      (n,),
+      ("embed", None),
+      dtype=jnp.float32,
+      weight_dtype=wdt,
+      precision=self.precision,
+      rngs=rngs,
+      integer_rounding=policy.integer_bf16_rounding,
+      use_bias=logit_bias,
     )
     self.quant = policy.quantization
     for name, (fan_in, fan_out), axes in (
@@ -177,62 +193,58 @@ class MoE(nnx.Module):
       ("wi_1", (e, m), ("exp", "embed", "mlp")),
       ("wo", (m, e), ("exp", "mlp", "embed")),
     ):
-      self._expert_weight(name, variance_scaling_init(rngs.params(), (n, fan_in, fan_out), fan_in, wdt), axes)
-    self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias else None
+      param, scale = quantization.expert_weight(variance_scaling_init(rngs.params(), (n, fan_in, fan_out), fan_in, wdt), axes, self.quant)
+      setattr(self, name, param)
+      setattr(self, name + quantization.SCALE_SUFFIX, scale)
+    if c.mlp_bias:
+      self.wi_0_bias = nnx.Param(jnp.zeros((n, m), wdt), logical_axes=("exp", "mlp"))
+      self.wi_1_bias = nnx.Param(jnp.zeros((n, m), wdt), logical_axes=("exp", "mlp"))
+      self.wo_bias = nnx.Param(jnp.zeros((n, e), wdt), logical_axes=("exp", "embed"))
+    else:
+      self.wi_0_bias = self.wi_1_bias = self.wo_bias = None
+    self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias and not logit_bias else None
     self.shared_experts = MLP(c, policy=policy, rngs=rngs, width=c.shared_experts * m) if c.shared_experts else None
 
-  def _expert_weight(self, name: str, w: jax.Array, axes: tuple[str, ...]) -> None:
-    """An expert weight [experts, in, out]; with a stored quantization recipe, its values and `<name>_scale` (per
-    expert and output column, maxtext.layers.quantization)."""
-    if self.quant is None or not self.quant.stored:
-      setattr(self, name, nnx.Param(w, logical_axes=axes))
-      return
-    values, scale = quantization.quantize_kernel(w, 1, self.quant, batch_axes=1)
-    setattr(self, name, nnx.Param(values, logical_axes=axes))
-    scale_axes = (axes[0], *quantization.scale_axes(axes[1:], w.shape[1:], 1, self.quant.weight))
-    setattr(self, f"{name}{quantization.SCALE_SUFFIX}", quantization.KernelScale(scale, logical_axes=scale_axes, in_axes=1, out_axes=1))
+  def _weights(self) -> dict[str, jax.Array]:
+    """The experts' stacked kernels (and biases, with mlp_bias; scales of stored quantized kernels) by name."""
+    names = ("wi_0", "wi_1", "wo") + (("wi_0_bias", "wi_1_bias", "wo_bias") if self.wo_bias is not None else ())
+    names += tuple(n + quantization.SCALE_SUFFIX for n in ("wi_0", "wi_1", "wo") if getattr(self, n + quantization.SCALE_SUFFIX) is not None)
+    return {name: getattr(self, name)[...] for name in names}
 
-  def _scale(self, name: str) -> jax.Array | None:
-    scale = getattr(self, f"{name}{quantization.SCALE_SUFFIX}", None)
-    return None if scale is None else scale[...]
+  def _experts(self, lhs: jax.Array, w: dict[str, jax.Array], project, rows) -> jax.Array:
+    """The experts' gated MLP on dispatched rows: project(h, kernel, scale) is the dispatch path's expert matmul (scale: a
+    stored quantized kernel's, else None) and rows(bias [E, F]) gives each row of h its expert's bias."""
 
-  def _batched(self, lhs: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
-    """[experts, slots, in] x [experts, in, out] -> [experts, slots, out] in the compute dtype (quantized per recipe)."""
-    if self.quant is None:
-      return jnp.einsum("ecd,edf->ecf", lhs, w.astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
-    if scale is not None:
-      return quantization.stored_einsum("ecd,edf->ecf", lhs, w, scale, self.quant, self.dtype)
-    return quantization.einsum("ecd,edf->ecf", lhs, w, self.quant, self.dtype)
+    def proj(h: jax.Array, name: str) -> jax.Array:
+      y = project(h, w[name], w.get(name + quantization.SCALE_SUFFIX))
+      return y + rows(w[name + "_bias"]).astype(y.dtype) if name + "_bias" in w else y
 
-  def _act(self, h0: jax.Array, h1: jax.Array) -> jax.Array:
-    acts = self.config.mlp_activations
-    return activation(acts[0])(h0) * activation(acts[-1])(h1)
+    h = gated(self.config)(checkpoint_name(proj(lhs, "wi_0"), "mlpwi_0"), checkpoint_name(proj(lhs, "wi_1"), "mlpwi_1"))
+    return proj(h, "wo")
 
   def _dropless(self, tokens: jax.Array, r: Routing) -> jax.Array:
     """Every (token, expert) pair computed: sort by expert, grouped matmuls, unsort, weighted sum."""
     routed, order, group_sizes = sort_by_expert(tokens, r.experts, self.config.num_experts)
+    row_expert = r.experts.reshape(-1)[order]
 
-    def grouped(lhs: jax.Array, name: str) -> jax.Array:
-      w, scale = getattr(self, name)[...], self._scale(name)
-      if self.quant is None:
-        return jax.lax.ragged_dot(lhs, w.astype(self.dtype), group_sizes, precision=self.precision)
-      if scale is not None:
-        return quantization.stored_ragged_dot(lhs, w, scale, group_sizes, self.quant, self.dtype)
-      return quantization.ragged_dot(lhs, w, group_sizes, self.quant, self.dtype)
+    def grouped(lhs: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
+      if self.quant is not None:
+        return quantization.expert_product(lhs, w, scale, self.quant, self.dtype, group_sizes)
+      return jax.lax.ragged_dot(lhs, w.astype(self.dtype), group_sizes, precision=self.precision)
 
-    h = self._act(checkpoint_name(grouped(routed, "wi_0"), "mlpwi_0"), checkpoint_name(grouped(routed, "wi_1"), "mlpwi_1"))
-    return unsort_combine(grouped(h, "wo"), order, r.weights)
+    return unsort_combine(self._experts(routed, self._weights(), grouped, lambda b: b[row_expert]), order, r.weights)
 
   def _with_capacity(self, tokens: jax.Array, r: Routing, kept: jax.Array, position: jax.Array, capacity: int) -> jax.Array:
     """Kept pairs scattered into [experts, capacity] buffers, one batched matmul per projection, gathered back."""
     c = self.config
     buffer, slot = pack(tokens, r.experts, kept, position, capacity, c.num_experts)
+    return unpack_combine(self._experts(buffer, self._weights(), self._batched, lambda b: b[:, None, :]), slot, r.weights)
 
-    def batched(lhs: jax.Array, name: str) -> jax.Array:
-      return self._batched(lhs, getattr(self, name)[...], self._scale(name))
-
-    h = self._act(checkpoint_name(batched(buffer, "wi_0"), "mlpwi_0"), checkpoint_name(batched(buffer, "wi_1"), "mlpwi_1"))
-    return unpack_combine(batched(h, "wo"), slot, r.weights)
+  def _batched(self, lhs: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """[experts, rows, in] x [experts, in, out] -> [experts, rows, out] in the compute dtype."""
+    if self.quant is not None:
+      return quantization.expert_product(lhs, w, scale, self.quant, self.dtype)
+    return jnp.einsum("ecd,edf->ecf", lhs, w.astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
 
   def _expert_parallel(self, x: jax.Array, r: Routing, valid: jax.Array, mesh: jax.sharding.AbstractMesh) -> tuple[jax.Array, jax.Array]:
     """Dispatch by all-to-all over the `expert` mesh axis (see the module docstring) -> (y [B,S,E] float32, dropped)."""
@@ -244,12 +256,10 @@ class MoE(nnx.Module):
     x_spec = logical_to_spec(("activation_batch", "activation_length", "activation_embed"), c.logical_axis_rules, mesh)
     routed_spec = jax.sharding.PartitionSpec(*x_spec[:2], None)
     token_axes = tuple(a for part in x_spec for a in ((part,) if isinstance(part, str) else (part or ())))
-    w_spec = jax.sharding.PartitionSpec("expert", None, None)
-    scales = [self._scale(name) for name in ("wi_0", "wi_1", "wo")]
-    stored = scales[0] is not None
+    weights_all = self._weights()
+    w_spec = {name: jax.sharding.PartitionSpec("expert", *([None] * (w.ndim - 1))) for name, w in weights_all.items()}
 
-    def local(x, weights, experts, valid, wi_0, wi_1, wo, *scales):
-      wi_0_scale, wi_1_scale, wo_scale = scales if stored else (None, None, None)
+    def local(x, weights, experts, valid, w):
       lb, ls, _ = x.shape
       t = lb * ls
       tokens, experts, weights = x.reshape(t, e), experts.reshape(t, k), weights.reshape(t, k)
@@ -259,9 +269,8 @@ class MoE(nnx.Module):
       buffer, slot = pack(tokens.astype(self.dtype), experts, kept, position, capacity, n)
       buffer = jax.lax.all_to_all(buffer, "expert", 0, 0, tiled=True)  # [source x local experts, C, E]
       buffer = buffer.reshape(ep, n // ep, capacity, e).swapaxes(0, 1).reshape(n // ep, ep * capacity, e)
-      h0 = checkpoint_name(self._batched(buffer, wi_0, wi_0_scale), "mlpwi_0")
-      h = self._act(h0, checkpoint_name(self._batched(buffer, wi_1, wi_1_scale), "mlpwi_1"))
-      out = self._batched(h, wo, wo_scale).reshape(n // ep, ep, capacity, e).swapaxes(0, 1).reshape(n, capacity, e)
+      out = self._experts(buffer, w, self._batched, lambda b: b[:, None, :])
+      out = out.reshape(n // ep, ep, capacity, e).swapaxes(0, 1).reshape(n, capacity, e)
       out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
       y = unpack_combine(out, slot, weights).reshape(lb, ls, e)
       dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid.reshape(t, 1))
@@ -270,11 +279,11 @@ class MoE(nnx.Module):
     fn = jax.shard_map(
       local,
       mesh=mesh,
-      in_specs=(x_spec, routed_spec, routed_spec, jax.sharding.PartitionSpec(*x_spec[:2]), w_spec, w_spec, w_spec) + ((w_spec,) * 3 if stored else ()),
+      in_specs=(x_spec, routed_spec, routed_spec, jax.sharding.PartitionSpec(*x_spec[:2]), w_spec),
       out_specs=(x_spec, jax.sharding.PartitionSpec()),
     )
     routed = (r.weights.reshape(b, s, k), r.experts.reshape(b, s, k))
-    return fn(x.astype(self.dtype), *routed, valid.reshape(b, s), self.wi_0[...], self.wi_1[...], self.wo[...], *(scales if stored else ()))
+    return fn(x.astype(self.dtype), *routed, valid.reshape(b, s), weights_all)
 
   def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics).

@@ -346,3 +346,27 @@ def stored_ragged_dot(x: jax.Array, values: jax.Array, scale: jax.Array, group_s
     return jax.lax.ragged_dot_general(g.astype(dtype), w, group_sizes, _RAGGED_DLHS, preferred_element_type=jnp.float32)
 
   return _frozen_kernel_product(*varying_alike(x, values, scale), forward, input_grad, group_sizes)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# MoE experts: the one place where the dispatch paths' expert weights and products meet quantization
+
+
+def expert_weight(w: jax.Array, axes: tuple[str, ...], r: Recipe | None) -> tuple[nnx.Param, KernelScale | None]:
+  """An expert weight [experts, in, out] as a parameter; with a stored recipe, its quantized values and the
+  KernelScale to keep beside it as `<name>_scale` (per expert and output column; int4 also per input group)."""
+  if r is None or not r.stored:
+    return nnx.Param(w, logical_axes=axes), None
+  values, scale = quantize_kernel(w, 1, r, batch_axes=1)
+  scale_axes_ = (axes[0], *scale_axes(axes[1:], w.shape[1:], 1, r.weight))
+  return nnx.Param(values, logical_axes=axes), KernelScale(scale, logical_axes=scale_axes_, in_axes=1, out_axes=1)
+
+
+def expert_product(lhs: jax.Array, w: jax.Array, scale: jax.Array | None, r: Recipe, dtype: Any, group_sizes: jax.Array | None = None) -> jax.Array:
+  """An expert projection under recipe r, in dtype: grouped (rows sorted by expert [M, in], group_sizes [experts]) or
+  batched ([experts, rows, in]) against w [experts, in, out], stored (scale given) or quantized at each step."""
+  if group_sizes is not None:
+    return stored_ragged_dot(lhs, w, scale, group_sizes, r, dtype) if scale is not None else ragged_dot(lhs, w, group_sizes, r, dtype)
+  if scale is not None:
+    return stored_einsum("ecd,edf->ecf", lhs, w, scale, r, dtype)
+  return einsum("ecd,edf->ecf", lhs, w, r, dtype)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+  from maxtext.config import MaxTextConfig
 
 
 def inverse_frequencies(
@@ -56,7 +60,30 @@ def yarn_inverse_frequencies(
   return inv / factor * (1.0 - keep) + inv * keep
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, interleave: bool = False, scale: float = 1.0) -> jax.Array:
+def layer_frequencies(c: MaxTextConfig, dim: int, local: bool = False) -> tuple[np.ndarray, float]:
+  """(inverse frequencies [dim // 2], cos/sin scale) of one layer's rotary embedding over `dim` dimensions.
+
+  local: a sliding-window layer; with local_rope_max_timescale set it rotates with that base and no scaling
+  (gemma3). Otherwise rope_type decides: llama3.1 or yarn frequency scaling (yarn also scales cos/sin with
+  rope_attention_scaling), or the default frequencies divided by rope_linear_scaling_factor.
+  """
+  if local and c.local_rope_max_timescale > 0:
+    return inverse_frequencies(dim, c.local_rope_max_timescale), 1.0
+  if c.rope_type == "yarn":
+    inv = yarn_inverse_frequencies(dim, c.rope_max_timescale, c.rope_factor, c.original_max_position_embeddings, c.beta_fast, c.beta_slow, c.rope_truncate)
+    return inv, yarn_mscale(c.rope_factor) if c.rope_attention_scaling else 1.0
+  inv = inverse_frequencies(
+    dim, c.rope_max_timescale, c.rope_type, c.rope_scaling_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_max_position_embeddings
+  )
+  return inv / c.rope_linear_scaling_factor, 1.0
+
+
+def interleaved(c: MaxTextConfig, mla: bool) -> bool:
+  """Whether rotary pairs are interleaved: rope_interleave for MLA and yarn rope, split halves for every other rope."""
+  return c.rope_interleave and (mla or c.rope_type == "yarn")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array, interleave: bool = False, scale: float = 1.0) -> jax.Array:
   """x [B, S, heads, head_dim], positions [B, S] -> rotated x (computed in float32).
 
   Pairs are (x[i], x[i + D/2]), or with interleave (x[2i], x[2i+1]); the interleaved result comes back

@@ -1,6 +1,12 @@
-"""Decoder models: build them, create them already sharded, and map their parameters to shardings."""
+"""Decoder models: build them, create them already sharded, and map their parameters to shardings.
+
+The layers load on first use (`Transformer`, `build`, ...), so the config can read the family registry
+(`maxtext.models.registry`) without pulling in any layer code.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import jax
 from flax import nnx
@@ -9,8 +15,10 @@ from jax.sharding import Mesh, NamedSharding
 from maxtext import platform
 from maxtext.config import MaxTextConfig
 from maxtext.mesh import checked_logical_sharding
-from maxtext.models.decoder import Transformer
 from maxtext.platform import Policy
+
+if TYPE_CHECKING:
+  from maxtext.models.decoder import Transformer
 
 __all__ = ["Transformer", "abstract_model", "build", "create_sharded", "logical_axes", "state_shardings"]
 
@@ -20,12 +28,16 @@ def build(config: MaxTextConfig, rngs: nnx.Rngs | None = None, policy: Policy | 
 
   policy defaults to the local devices' (maxtext.platform.resolve); setup passes the target mesh's.
   """
+  from maxtext.models.decoder import Transformer
+
   policy = policy or platform.resolve(config)
   return Transformer(config, policy=policy, rngs=rngs or nnx.Rngs(config.init_weights_seed))
 
 
 def abstract_model(config: MaxTextConfig, policy: Policy | None = None) -> Transformer:
   """The model with ShapeDtypeStruct parameters: no memory allocated."""
+  from maxtext.models.decoder import Transformer
+
   policy = policy or platform.resolve(config)
   return nnx.eval_shape(lambda: Transformer(config, policy=policy, rngs=nnx.Rngs(config.init_weights_seed)))
 
@@ -54,6 +66,8 @@ def state_shardings(state: nnx.State, config: MaxTextConfig, mesh: Mesh) -> nnx.
 
 def create_sharded(config: MaxTextConfig, mesh: Mesh, seed: int | None = None, policy: Policy | None = None) -> Transformer:
   """Initialise the model with every parameter born sharded (no full host copy); policy defaults to the mesh's."""
+  from maxtext.models.decoder import Transformer
+
   seed = config.init_weights_seed if seed is None else seed
   policy = policy or platform.resolve(config, mesh)
   graphdef, abstract_state = nnx.split(abstract_model(config, policy))
@@ -71,3 +85,11 @@ def create_sharded(config: MaxTextConfig, mesh: Mesh, seed: int | None = None, p
 def sharding_tree(model: Transformer) -> dict[str, NamedSharding]:
   """Current sharding of every parameter, by path (for inspection and tests)."""
   return {"/".join(map(str, path)): v[...].sharding for path, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def __getattr__(name: str):
+  if name == "Transformer":
+    from maxtext.models.decoder import Transformer
+
+    return Transformer
+  raise AttributeError(f"module 'maxtext.models' has no attribute {name!r}")

@@ -46,14 +46,15 @@ def _moe_dense_shapes(c: MaxTextConfig) -> dict[str, tuple[int, int]]:
 
 
 def _attention_norms(c: MaxTextConfig) -> int:
-  """Norm scales inside attention: qk-norm per head, or MLA's latent norms."""
+  """Vectors inside attention: qk-norm scales per head, or MLA's latent norms; q/k/v/o biases and sinks (gpt_oss)."""
   if registry.get(c.decoder_block).mla:
     return c.q_lora_rank + c.kv_lora_rank
-  return 2 * c.head_dim if c.use_qk_norm else 0
+  biases = (c.num_query_heads + 2 * c.num_kv_heads) * c.head_dim + c.emb_dim if c.attention_bias else 0
+  return (2 * c.head_dim if c.use_qk_norm else 0) + biases + (c.num_query_heads if c.attention_sink else 0)
 
 
 def _norms_per_layer(c: MaxTextConfig) -> int:
-  """RMSNorm scales of size emb_dim per layer: 4 for families with post-branch norms (gemma2), else 2."""
+  """RMSNorm scales of size emb_dim per layer: 4 for families with post-branch norms (gemma2, gemma3), else 2."""
   return 4 if registry.get(c.decoder_block).post_norms else 2
 
 
@@ -106,13 +107,14 @@ def params_per_layer(c: MaxTextConfig, active_only: bool = False, dense: bool = 
   """Parameters of one decoder layer (attention, MLP or MoE, norms, optional qk-norm, mHC, LoRA).
 
   A MoE layer holds the router, num_experts (active_only: num_experts_per_tok) routed experts of width
-  moe_mlp_dim, shared experts, and the routing bias; dense=True counts a dense layer of a MoE model
-  (first_num_dense_layers).
+  moe_mlp_dim (with mlp_bias, 2 moe_mlp_dim + emb_dim biases each), shared experts, and the routing bias;
+  dense=True counts a dense layer of a MoE model (first_num_dense_layers).
   """
   total = sum(i * o for i, o in _attention_shapes(c).values()) + _attention_norms(c)
   if c.num_experts > 1 and not dense:
     experts = c.num_experts_per_tok if active_only else c.num_experts
-    total += sum(i * o for i, o in _moe_dense_shapes(c).values()) + experts * 3 * c.emb_dim * c.moe_mlp_dim
+    per_expert = 3 * c.emb_dim * c.moe_mlp_dim + ((2 * c.moe_mlp_dim + c.emb_dim) if c.mlp_bias else 0)
+    total += sum(i * o for i, o in _moe_dense_shapes(c).values()) + experts * per_expert
     total += c.num_experts if c.routed_bias else 0
   else:
     total += sum(i * o for i, o in _dense_mlp_shapes(c).values())
@@ -147,8 +149,8 @@ def param_count(config: MaxTextConfig, include_embedding: bool = True, active_on
 def attended_keys(config: MaxTextConfig) -> int:
   """Keys each query attends to, summed over layers: min(seq, window) on sliding-window layers, seq elsewhere.
 
-  The per-layer windows come from the decoder family (gemma2: even layers local, odd layers global;
-  other families: sliding_window_size on every layer, 0 = full attention).
+  The per-layer windows come from the decoder family (gemma2, gpt_oss: even layers local, odd layers global;
+  gemma3: five local layers then one global; other families: sliding_window_size on every layer, 0 = full attention).
   """
   seq = config.max_target_length
   return sum(min(seq, w) if w > 0 else seq for w in registry.get(config.decoder_block).layer_windows(config))

@@ -107,7 +107,13 @@ class Transformer(nnx.Module):
     return hidden, stats["lb_loss"]
 
   def _run_layers(self, layers: nnx.Module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, windows: list[int]):
-    """A stack (scanned) or list of layers over x -> (x, per-layer MoE statistics stacked on a leading axis)."""
+    """A stack (scanned) or list of layers over x -> (x, per-layer MoE statistics stacked on a leading axis).
+
+    Scanned layers take their window as a scan input when windows differ (gemma2, gemma3, gpt_oss): attention then
+    switches between one kernel per window (attention_ops.attend). Scanning over groups of the windows' period
+    instead (decoding does, for its per-layer caches) measured far more TPU memory in training: XLA copied each
+    group position's slice of every stacked weight out of the loop (benchmarks/README.md).
+    """
     c = self.config
 
     offload = self.policy.offload_layer_inputs

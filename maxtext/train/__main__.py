@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
       "lora.max_lora_adapters > 1 trains each document on its own adapter; set lora.adapter_column to the data column that names it"
       " (one of lora.lora_adapters, or a slot number)"
     )
-  train(config)
+  train(config, ends_process=__name__ == "__main__")  # as the program: a signal after the run exits 0 (maxtext.train.preemption)
 
 
 if __name__ == "__main__":

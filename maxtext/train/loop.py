@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
+from maxtext import memory_limit
 from maxtext.config import MaxTextConfig
+from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
 from maxtext.train import checkpointing, outputs, preflight, run_lock
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train.metrics import MetricsWriter, format_line
+from maxtext.train.preemption import Preemption
 from maxtext.train.run_report import RunReport
 from maxtext.train.step import combine_eval
 
@@ -34,7 +35,7 @@ class TrainResult:
   steps_done: int  # optimizer steps in the final state
   losses: dict[int, float]  # step index -> train loss, for the steps this process ran
   eval_losses: dict[int, float]
-  stop_reason: str  # 'completed', 'target_eval_loss', 'sigterm', 'sigint'
+  stop_reason: str  # 'completed', 'target_eval_loss', 'data_used_up', 'sigterm', 'sigint', 'nothing_to_train'
   state: Any = None
 
 
@@ -48,7 +49,8 @@ def create_data_iterator(config: MaxTextConfig, mesh: jax.sharding.Mesh, split: 
 def restore_or_init(
   setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpointer | None, data_iter: Any, log: Callable[[str], None], formats: Any = None
 ) -> Any:
-  """The run's own latest checkpoint, else load_parameters_path / load_full_state_path, else a fresh init.
+  """The run's own latest checkpoint (with data_iter moved to its data position), else load_parameters_path /
+  load_full_state_path, else a fresh init. data_iter None: the data position is not restored (nor checked).
 
   formats: the compiled step's state formats; the state comes back in them (restored arrays are moved there).
   """
@@ -59,13 +61,14 @@ def restore_or_init(
 def _restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpointer | None, data_iter: Any, log: Callable[[str], None], formats: Any) -> Any:
   config = setup.config
   if ckpt is not None:
-    restored = ckpt.restore_latest(state_lib.checkpointed(setup.abstract_state, config), log)
+    restored = ckpt.restore_latest(state_lib.checkpointed(setup.abstract_state, config), log, data_iter)
     if restored is not None:
-      state, data_state = restored
-      if data_state is not None:
-        data_iter.set_state(data_state)
-      log(f"restored checkpoint at step {int(state['step'])} from {config.checkpoint_dir}")
-      return _with_frozen_base(setup, state, log, formats)
+      step = int(restored.state["step"])
+      log(f"restored checkpoint at step {step} from {config.checkpoint_dir}")
+      warning = checkpointing.schedule_warning(config, restored.schedule_steps, step, ckpt.directory)
+      if warning:
+        log(warning)
+      return _with_frozen_base(setup, restored.state, log, formats)
   if config.load_full_state_path:
     state = checkpointing.restore_full_state(config.load_full_state_path, state_lib.checkpointed(setup.abstract_state, config))
     log(f"loaded full state at step {int(state['step'])} from {config.load_full_state_path}")
@@ -81,41 +84,6 @@ def _with_frozen_base(setup: setup_lib.TrainSetup, state: Any, log: Callable[[st
     return state
   base = checkpointing.load_initial_params(setup.config, setup.init_state(formats)["params"], setup.abstract_state["params"], log, adapters=False)
   return dict(state, params=checkpointing.overlay_params(base, state["params"]))
-
-
-class _Preemption:
-  """Remembers a SIGTERM or SIGINT so the run can finish its step, save and exit cleanly.
-
-  Installed for the whole of train(), so a signal during the checks, an eval or the final (async) save
-  waits for them instead of killing the process with work unsaved.
-  """
-
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-  def __init__(self):
-    self.signal_name = ""
-    self._previous: dict[int, Any] = {}
-
-  @property
-  def requested(self) -> bool:
-    return bool(self.signal_name)
-
-  def __enter__(self) -> _Preemption:
-    for sig in self.SIGNALS:
-      try:
-        self._previous[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread: no handler
-        pass
-    return self
-
-  def _handle(self, signum: int, frame: Any) -> None:
-    if self.signal_name == "SIGINT" and signum == signal.SIGINT:  # a second Ctrl-C: stop now (finished checkpoints stay intact)
-      raise KeyboardInterrupt
-    self.signal_name = self.signal_name or signal.Signals(signum).name
-
-  def __exit__(self, *exc: Any) -> None:
-    for sig, previous in self._previous.items():
-      signal.signal(sig, previous)
 
 
 class _Profiler:
@@ -141,15 +109,6 @@ class _Profiler:
       jax.block_until_ready(state)
       jax.profiler.stop_trace()
       self.active = False
-
-
-def all_processes_agree(flag: bool) -> bool:
-  """True when flag holds on every process (a host sync; only for rare decisions such as the end of eval)."""
-  if jax.process_count() == 1:
-    return flag
-  from jax.experimental import multihost_utils
-
-  return bool(np.all(multihost_utils.process_allgather(np.asarray(flag))))
 
 
 def eval_batches(it: Any, limit: int) -> Any:
@@ -188,25 +147,36 @@ def train(
   mesh: jax.sharding.Mesh | None = None,
   setup: setup_lib.TrainSetup | None = None,
   on_step: Callable[[int], None] | None = None,
+  ends_process: bool = False,
 ) -> TrainResult:
-  """Train to config.steps (or an early stop).
+  """Train to config.steps, or until num_epoch passes over the training data are used up (a normal end: the last
+  step is saved), or an early stop.
 
   mesh defaults to all devices. setup: a TrainSetup built for an equivalent config (same model,
   optimizer, schedule and batch) whose compiled step is reused. on_step(step) runs after each step is logged.
+  ends_process: the process ends when this returns (the CLI); after a normal return a SIGTERM/SIGINT then exits 0
+  at once (maxtext.train.preemption).
 
-  Order: every check (preflight) before anything is written; then the run lock; then checkpoints, restore,
+  Order: a run whose own checkpoint already reaches config.steps says so in one line and touches nothing; every
+  check (preflight) before anything is written; then the run lock; then checkpoints, restore,
   metrics writers and the loop. SIGTERM/SIGINT at any point end in a saved last step (or, before the first
   step, in a clean exit); a full or read-only output ends in a one-line OutputError.
   """
-  with _Preemption() as preemption:
-    checked = preflight.run_checks(config, mesh, setup, log_main)
+  with Preemption(ends_process) as preemption:
+    done = checkpointing.saved_steps(config.checkpoint_dir)[-1:] if config.enable_checkpointing else []
+    if done and done[0] >= config.steps:  # a rerun of a finished run: say so, touch nothing
+      log_main(f"checkpoint at step {done[0]} in {config.checkpoint_dir} already reaches steps={config.steps}; nothing to train (raise steps to train further)")
+      return TrainResult(done[0], {}, {}, "nothing_to_train")
+    with memory_limit.one_line("compiling the train step", preflight.memory_remedy(config)):
+      checked = preflight.run_checks(config, mesh, setup, log_main)
     config = checked.config  # remat_policy=auto and decoder_layer_input=auto resolved
     if preemption.requested:
       log_main(f"received {preemption.signal_name} before the first step: stopped, nothing was written; rerun the same command to start")
       return TrainResult(0, {}, {}, preemption.signal_name.lower())
     with run_lock.hold(run_lock.run_dir(config.checkpoint_dir), log_main):
       try:
-        return _run(config, checked, preemption, on_step)
+        with memory_limit.one_line("before the first train step (restoring or initialising the state)", preflight.memory_remedy(config)):
+          return _run(config, checked, preemption, on_step)
       except Exception as e:
         error = outputs.as_user_error(e, config.checkpoint_dir, checked.checkpoint_bytes, "a checkpoint or metrics")
         if error is None:
@@ -214,7 +184,7 @@ def train(
         raise error from None
 
 
-def _run(config: MaxTextConfig, checked: preflight.Checked, preemption: _Preemption, on_step: Callable[[int], None] | None) -> TrainResult:
+def _run(config: MaxTextConfig, checked: preflight.Checked, preemption: Preemption, on_step: Callable[[int], None] | None) -> TrainResult:
   """Restore or init, then the step loop; runs under the run lock, after every check passed."""
   mesh, setup, data_iter = checked.mesh, checked.setup, checked.data_iter
   ckpt = checkpointing.Checkpointer(config) if config.enable_checkpointing else None
@@ -224,8 +194,6 @@ def _run(config: MaxTextConfig, checked: preflight.Checked, preemption: _Preempt
     with jax.set_mesh(mesh):
       state = restore_or_init(setup, ckpt, data_iter, log_main, state_lib.compiled_formats(checked.step_fn))
     start = int(state["step"])
-    if ckpt is not None:
-      ckpt.note_schedule(config, start, log_main)
     writer = MetricsWriter(config)
     result = _loop(config, checked, preemption, on_step, ckpt, writer, state, start)
     failed = False
@@ -244,7 +212,7 @@ def _run(config: MaxTextConfig, checked: preflight.Checked, preemption: _Preempt
 def _loop(
   config: MaxTextConfig,
   checked: preflight.Checked,
-  preemption: _Preemption,
+  preemption: Preemption,
   on_step: Callable[[int], None] | None,
   ckpt: checkpointing.Checkpointer | None,
   writer: MetricsWriter,
@@ -291,10 +259,13 @@ def _loop(
       ckpt.save(steps_done, state_lib.checkpointed(state, config), data_iter.get_state())
       saved[0] = steps_done
 
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), memory_limit.one_line(lambda: f"in train step {start + len(result.losses)}", preflight.memory_remedy(config)):
     for step in range(start, config.steps):
       profiler.before_step(step, state)
-      batch = next(data_iter)
+      batch = next(data_iter, None)
+      if batch is None:  # num_epoch passes over the data are done: a normal end, the last step is saved below
+        result.stop_reason = "data_used_up"
+        break
       state, metrics = step_fn(state, batch)
       report()
       pending.append((step, metrics))
@@ -307,7 +278,8 @@ def _loop(
         save(done)
       if config.eval_interval > 0 and done % config.eval_interval == 0:
         report(state)
-        ev = _evaluate(config, setup, state, lambda: preemption.requested)
+        with memory_limit.one_line(f"in the eval after step {step}", preflight.memory_remedy(config)):
+          ev = _evaluate(config, setup, state, lambda: preemption.requested)
         if ev is None:
           break  # preempted during the eval
         result.eval_losses[step] = ev["eval_loss"]
@@ -323,7 +295,8 @@ def _loop(
     report(state)
     profiler.stop(state)
     if ckpt is not None:
-      if preemption.requested and saved[0] != result.steps_done:
+      data_end = result.stop_reason == "data_used_up" and config.save_checkpoint_on_completion
+      if (preemption.requested or data_end) and saved[0] != result.steps_done:
         save(result.steps_done)
       ckpt.wait()  # a signal now waits for the final save to finish
   writer.flush()

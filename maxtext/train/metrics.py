@@ -34,15 +34,20 @@ class MetricsWriter:
     self.is_main = jax.process_index() == 0
     self.tensorboard = None
     self.file = None
-    if not self.is_main:
+    self._opened = False  # the TensorBoard directory and the metrics file are made by the first write, so a run
+    # that fails before its first step (e.g. out of memory) leaves neither behind
+
+  def _open(self) -> None:
+    if self._opened or not self.is_main:
       return
-    if config.enable_tensorboard:
+    self._opened = True
+    if self.config.enable_tensorboard:
       from tensorboardX import SummaryWriter
 
-      self.tensorboard = SummaryWriter(config.tensorboard_dir)
-    if config.metrics_file:
+      self.tensorboard = SummaryWriter(self.config.tensorboard_dir)
+    if self.config.metrics_file:
       with self._writing():
-        path = epath.Path(config.metrics_file)
+        path = epath.Path(self.config.metrics_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = path.open("a")
 
@@ -67,6 +72,7 @@ class MetricsWriter:
       return
     if line:
       print(line, flush=True)
+    self._open()
     clean = {k: float(v) for k, v in metrics.items()}
     if self.tensorboard is not None:
       for key, value in clean.items():

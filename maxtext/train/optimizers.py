@@ -23,7 +23,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.config.adapters import is_adapter_path
 from maxtext.config.adapters import slot_axis as lora_slot_axis
 
-NO_DECAY_NAMES = ("scale", "bias")
+NO_DECAY_NAMES = ("scale", "bias", "sinks")  # norm scales, biases (also per-head ones), attention sink logits
 LORA_SLOT_AXIS = "lora_slot"  # the adapter-slot axis of a multi-adapter model, named here for Muon (it has no logical name)
 MUON_BATCH_AXES = ("layers", "exp", LORA_SLOT_AXIS)
 
@@ -37,8 +37,13 @@ def _path_names(path: tuple) -> list[str]:
 
 
 def decay_mask(params: Any) -> Any:
-  """True for parameters that get weight decay: everything except norm scales and biases."""
-  return jax.tree_util.tree_map_with_path(lambda path, _: not any(n in name for name in _path_names(path) for n in NO_DECAY_NAMES), params)
+  """True for parameters that get weight decay: everything except norm scales, biases and sinks."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: not _is_vector_path(_path_names(path)), params)
+
+
+def _is_vector_path(names: list[str]) -> bool:
+  """A norm scale, bias or sink: no weight decay, and AdamW rather than Muon even when it has two axes (a [heads, head_dim] bias)."""
+  return any(n in name for name in names for n in NO_DECAY_NAMES)
 
 
 def _is_adapter_path(names: list[str]) -> bool:
@@ -111,6 +116,8 @@ def _muon_dims_tree(params: Any, slot_axis: int | None = None) -> Any:
   orthogonalised on their own (the slot axis is a batch axis), so no slot's update depends on another's gradient."""
 
   def one(path: tuple, v: Any) -> MuonDimensionNumbers | None:
+    if _is_vector_path(_path_names(path)):
+      return None
     axes = getattr(v, "logical_axes", None)
     if axes and slot_axis is not None and _is_adapter_path(_path_names(path)):
       axes = tuple(LORA_SLOT_AXIS if i == slot_axis else name for i, name in enumerate(axes))

@@ -10,12 +10,17 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 
-from maxtext.errors import UserError
+from maxtext.errors import UserError, gib
 
 FULL = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its disk quota"}
 NOT_WRITABLE = {errno.EROFS: "is read-only", errno.EACCES: "is not writable (permission denied)", errno.EPERM: "is not writable (operation not permitted)"}
-MISPLACED = {errno.ENOTDIR: "lies under a regular file, not a directory", errno.EEXIST: "is a regular file where a directory is needed"}
+MISPLACED = {
+  errno.ENOTDIR: "lies under a regular file, not a directory",
+  errno.EEXIST: "is a regular file where a directory is needed",
+  errno.ENOENT: "cannot be created (this file system refuses it, or a directory on its path vanished)",
+}
 TEXTS = {
   "no space left on device": "is full",
   "disk quota exceeded": "is over its disk quota",
@@ -31,14 +36,6 @@ class OutputError(UserError):
 
 def is_remote(path: str) -> bool:
   return "://" in path
-
-
-def gib(n: float) -> str:
-  """A size for messages: '1.50 GiB (1610612736 bytes)', '338 KiB (345992 bytes)'."""
-  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if n >= scale:
-      return f"{n / scale:.2f} {unit} ({int(n)} bytes)" if unit == "GiB" else f"{n / scale:.0f} {unit} ({int(n)} bytes)"
-  return f"{int(n)} bytes"
 
 
 def _existing_ancestor(path: str) -> str:
@@ -70,6 +67,28 @@ def check_writable(path: str, bytes_needed: int, what: str, is_file: bool = Fals
     raise OutputError(f"{what} {path} needs {gib(bytes_needed)} but {anchor} has {gib(free)} free; free space or choose another location")
 
 
+def check_new_directory(path: str, what: str) -> None:
+  """path can become a new output directory: absent (or an empty directory) under a writable directory; else a
+  one-line OutputError. Creates nothing."""
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise OutputError(f"{what} '{path}' is an existing file, not a directory; name a new directory")
+  if os.path.isdir(path) and os.listdir(path):
+    raise OutputError(f"{what} '{path}' already exists and is not empty; name a new directory (nothing was overwritten)")
+  check_writable(path, 0, what)
+
+
+def check_can_make(path: str, what: str) -> None:
+  """A directory can be made where path will be (permissions do not tell for root, nor for a special file system such
+  as /proc): one is made there and removed, else a one-line OutputError. Call it right before writing path."""
+  if is_remote(path):
+    return
+  anchor = _existing_ancestor(path)
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix=".maxtext-probe-", dir=anchor))
+  except OSError as e:
+    raise OutputError(f"{what} '{path}' cannot be made: creating a directory in {anchor} fails ({e.strerror}); choose a writable location") from None
+
+
 def _read_only(path: str) -> bool:
   try:
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
@@ -93,15 +112,16 @@ def _reason(e: BaseException) -> str | None:
   return None
 
 
-def as_user_error(e: BaseException, path: str, bytes_needed: int, what: str) -> OutputError | None:
-  """An OutputError naming path and the bytes a save needs when e is a full/read-only/misplaced output; else None."""
+RERUN = "Earlier checkpoints are intact; free space or fix the location, then rerun the same command to continue"
+
+
+def as_user_error(e: BaseException, path: str, bytes_needed: int, what: str, advice: str = RERUN) -> OutputError | None:
+  """An OutputError naming path (and the bytes a save needs, when known) when e is a full/read-only/misplaced output; else None."""
   if isinstance(e, UserError):
     return None
   reason = _reason(e)
   if reason is None:
     return None
   where = getattr(e, "filename", None) or path
-  return OutputError(
-    f"writing {what} failed: {where} {reason}; it needs {gib(bytes_needed)} free. Earlier checkpoints are intact; "
-    "free space or fix the location, then rerun the same command to continue"
-  )
+  needs = f"; it needs {gib(bytes_needed)} free" if bytes_needed else ""
+  return OutputError(f"writing {what} failed: {where} {reason}{needs}. {advice}")

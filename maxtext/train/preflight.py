@@ -15,8 +15,8 @@ from typing import Any
 
 import jax
 
+from maxtext import memory_limit, platform
 from maxtext import mesh as mesh_lib
-from maxtext import platform
 from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
@@ -144,28 +144,6 @@ def state_bytes(tree: Any) -> int:
   return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def device_memory() -> tuple[int, str]:
-  """(bytes one device may use, what that figure is): the accelerator's limit, or on CPU the host's available memory per device."""
-  device = jax.local_devices()[0]
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"]), f"{device.device_kind} memory"
-  available = host_available_bytes()
-  per_device = available // max(1, jax.local_device_count())
-  return per_device, f"the host's available memory ({available / 2**30:.2f} GiB) shared by {jax.local_device_count()} CPU devices"
-
-
-def host_available_bytes() -> int:
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def step_bytes(compiled: Any) -> tuple[int, int] | None:
   """(bytes one device needs to run the compiled step, of which temporaries), from XLA's memory analysis."""
   try:
@@ -178,15 +156,22 @@ def step_bytes(compiled: Any) -> tuple[int, int] | None:
   return int(need), int(m.temp_size_in_bytes)
 
 
+def memory_remedy(config: MaxTextConfig) -> str:
+  """The keys that lower a train step's memory, as a clause of a one-line error."""
+  remat = "" if config.remat_policy == "full" else "use remat_policy=full, "
+  return f"lower per_device_batch_size ({config.per_device_batch_size}) or max_target_length ({config.max_target_length}), {remat}or shard over more devices"
+
+
 def check_memory_fit(config: MaxTextConfig, compiled: Any) -> None:
+  """The compiled step's memory within MEMORY_HEADROOM of what a device may use (maxtext.memory_limit: on CPU the
+  smallest of the host's available memory, the cgroup limit, RLIMIT_AS and RLIMIT_DATA)."""
   sizes = step_bytes(compiled)
   if sizes is None:
     return
   need, temp = sizes
-  limit, what = device_memory()
-  if need > MEMORY_HEADROOM * limit:
+  limit = memory_limit.limit_per_device()
+  if need > MEMORY_HEADROOM * limit.bytes:
     raise ConfigError(
-      f"the compiled train step needs {need / 2**30:.2f} GiB per device ({temp / 2**30:.2f} GiB of it temporaries) but {what} allows {limit / 2**30:.2f} GiB; "
-      f"lower per_device_batch_size ({config.per_device_batch_size}) or max_target_length ({config.max_target_length}), "
-      "use remat_policy=full, or shard over more devices"
+      f"the compiled train step needs {need / 2**30:.2f} GiB per device ({temp / 2**30:.2f} GiB of it temporaries) but {limit.what} "
+      f"leaves {limit.bytes / 2**30:.2f} GiB per device; {memory_remedy(config)}"
     )

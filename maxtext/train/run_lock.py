@@ -55,10 +55,16 @@ class RunLock:
     self.path = os.path.join(directory, LOCK_NAME)
     self.log = log
     self._fd: int | None = None
+    self._made: list[str] = []
     self._stop = threading.Event()
     self._heartbeat: threading.Thread | None = None
 
   def acquire(self) -> None:
+    self._made = []  # the directories this lock creates, innermost first
+    d = os.path.abspath(self.directory)
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+      self._made.append(d)
+      d = os.path.dirname(d)
     os.makedirs(self.directory, exist_ok=True)
     while True:
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -127,6 +133,11 @@ class RunLock:
       os.unlink(self.path)
     os.close(self._fd)
     self._fd = None
+    for d in self._made:  # a run that wrote nothing else (e.g. failed before its first save) leaves no directory behind
+      try:
+        os.rmdir(d)
+      except OSError:  # not empty: the run wrote into it
+        break
 
 
 @contextlib.contextmanager

@@ -138,9 +138,17 @@ class RunReport:
     """The closing lines; also writes the run's training-curve PNG (process 0)."""
     c = self.config
     ran = steps_done - self.start
-    how = {"completed": "completed", "target_eval_loss": "stopped at target_eval_loss", "sigterm": "stopped by SIGTERM"}.get(stop_reason, stop_reason)
+    epochs = f"{c.num_epoch} epoch{'s' if c.num_epoch != 1 else ''}"
+    why = f"data used up after {epochs} at step {steps_done}; " if stop_reason == "data_used_up" else ""
+    how = {
+      "completed": "completed",
+      "target_eval_loss": "stopped at target_eval_loss",
+      "data_used_up": "ended",
+      "sigterm": "stopped by SIGTERM",
+      "sigint": "stopped by SIGINT",
+    }.get(stop_reason, stop_reason)
     self.log(
-      f"run {c.run_name} {how} in {duration(time.perf_counter() - self.began)}: steps {self.start} -> {steps_done}, "
+      f"run {c.run_name} {how} in {duration(time.perf_counter() - self.began)}: {why}steps {self.start} -> {steps_done}, "
       f"{count(ran * self.tokens_per_step)} tokens this run"
     )
     losses = []
@@ -163,7 +171,12 @@ class RunReport:
     png = self._write_plot()
     if png:
       self.log(f"plot: {png}")
-    if checkpoint:
+    if checkpoint and stop_reason == "data_used_up":
+      self.log(
+        f"resume: the data is used up, so rerunning this command trains nothing; to train further, start a new run from the last state: "
+        f"run_name=<new name> load_full_state_path={checkpoint}/{checkpointing.ITEM} (its data starts from the beginning)"
+      )
+    elif checkpoint:
       self.log("resume: rerun the same command; it continues from the latest checkpoint (raise steps= to train further)")
 
   def _write_plot(self) -> str | None:

@@ -1,14 +1,10 @@
 """Gemma 2: local (sliding-window) and global attention alternate, post-branch norms, (1 + s) norm scales,
 embeddings scaled by sqrt(emb_dim), soft caps on attention and final logits."""
 
-from maxtext.config import MaxTextConfig
-from maxtext.models.family import Family
+from maxtext.models.family import GEMMA_HF_NORMS, Family, repeating_windows
 
-
-def alternating_windows(config: MaxTextConfig) -> list[int]:
-  """Even layers attend locally within sliding_window_size, odd layers globally."""
-  return [config.sliding_window_size if i % 2 == 0 else 0 for i in range(config.num_decoder_layers)]
-
+# Even layers (0, 2, ...) attend locally within sliding_window_size, odd layers globally.
+alternating_windows = repeating_windows(1)
 
 FAMILY = Family(
   name="gemma2",
@@ -17,10 +13,5 @@ FAMILY = Family(
   zero_centered_norms=True,
   scale_embedding=True,
   layer_windows=alternating_windows,
-  hf_norm_names={
-    "pre_attention_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "pre_mlp_norm": "pre_feedforward_layernorm",
-    "post_mlp_norm": "post_feedforward_layernorm",
-  },
+  hf_norm_names=dict(GEMMA_HF_NORMS),
 )
