@@ -58,7 +58,7 @@ def main(argv: list[str]) -> list[dict]:
   from maxtext.layers.dtypes import bits
   from maxtext.process import prepare
 
-  reference_config = load(args.config, before_devices=prepare)
+  reference_config = load(args.config, devices=prepare)
   mesh = mesh_lib.create(reference_config)
   tokenizer = load_decode_tokenizer(reference_config)
   bos = [tokenizer.bos_id] if reference_config.add_bos and tokenizer.bos_id is not None else []

@@ -19,18 +19,31 @@ from maxtext.config import ConfigError, from_overrides
 from maxtext.layers import quantization
 from maxtext.train import loss as loss_lib
 from tests.test_models import FAMILY_OVERRIDES, TINY
-from tests.test_moe_families import DEEPSEEK, QWEN3_MOE
+from tests.test_moe_families import DEEPSEEK, GEMMA3, GPT_OSS, QWEN3_MOE
 
 FAMILIES = {
   **{name: dict(TINY, decoder_block=name, **overrides) for name, overrides in FAMILY_OVERRIDES.items()},
   "mixtral_capacity": dict(TINY, decoder_block="mixtral", **FAMILY_OVERRIDES["mixtral"], capacity_factor=1.5),
   "qwen3_moe": dict(QWEN3_MOE, dtype="float32"),
   "deepseek": dict(DEEPSEEK, mtp_num_layers=1),
+  "gpt_oss": GPT_OSS,  # biased attention and experts, sinks
+  "gemma3": GEMMA3,
 }
 # Quantized products per forward pass: every attention (MLA: wq_a, wq_b, wkv_a, wkv_b, out) and MLP projection
 # (gated: wi_0, wi_1, wo) and the routed experts (3 grouped matmuls); a scanned stack traces its layer once.
 # Not quantized: the router, attention's own products, the output head, mHC and the MTP module.
-QUANTIZED_DOTS = {"llama2": 7, "mistral": 7, "mixtral": 7, "mixtral_capacity": 7, "qwen3": 7, "gemma2": 7, "qwen3_moe": 7, "deepseek": 19}
+QUANTIZED_DOTS = {
+  "llama2": 7,
+  "mistral": 7,
+  "mixtral": 7,
+  "mixtral_capacity": 7,
+  "qwen3": 7,
+  "gemma2": 7,
+  "qwen3_moe": 7,
+  "deepseek": 19,
+  "gpt_oss": 7,
+  "gemma3": 7,
+}
 
 
 def _batch(config, rows: int = 2, seq: int = 8) -> dict[str, jax.Array]:
@@ -248,11 +261,12 @@ def test_quantized_kv_cache_attends_like_the_float_cache(kv_dtype, axis, toleran
   rng = np.random.default_rng(0)
   q, kk, v = (jnp.asarray(rng.normal(size=(b, s + 1, heads, d)), jnp.float32) for heads in (k * g, k, k))
   per_head = k if axis == "dkv" else 1
+  stored, packed_shape = (jnp.uint8, (b, k, slots, d // 2)) if kv_dtype == "int4" else (kv_dtype, (b, k, slots, d))  # int4: two per byte
   lengths = (jnp.zeros((b,), jnp.int32), jnp.full((b,), s, jnp.int32))
   scales = {"key_scale": jnp.ones((b, per_head, slots, 1)), "value_scale": jnp.ones((b, per_head, slots, 1))}
   caches = {
     "float": LayerCache({"key": jnp.zeros((b, k, slots, d)), "value": jnp.zeros((b, k, slots, d))}, *lengths),
-    "quantized": LayerCache({"key": jnp.zeros((b, k, slots, d), kv_dtype), "value": jnp.zeros((b, k, slots, d), kv_dtype), **scales}, *lengths),
+    "quantized": LayerCache({"key": jnp.zeros(packed_shape, stored), "value": jnp.zeros(packed_shape, stored), **scales}, *lengths),
   }
 
   @jax.jit
@@ -314,3 +328,37 @@ def test_int4_kernels_pack_two_values_per_byte():
   x = jnp.ones((2, 256), jnp.float32)
   dequantized = np.asarray(quantization.unpack_int4(stored, 0), np.float32) * np.repeat(np.asarray(scale), 128, axis=0)
   np.testing.assert_allclose(quantization.stored_einsum("ab,bc->ac", x, stored, scale, r, jnp.float32), np.asarray(x) @ dequantized, rtol=1e-5)
+
+
+def test_stored_int8_experts_with_biases_agree_across_dispatch_paths():
+  """gpt-oss on an int8 QLoRA base: expert kernels stored int8 with their scales, beside the float expert biases. The
+  dropless path (qwix's ragged dot) and expert parallelism's all-to-all into capacity buffers (batched products, the
+  scales split over `expert`, ep4 x fsdp2) give the same loss, within int8's error of the float model's."""
+  from maxtext import mesh as mesh_lib
+  from maxtext.convert.model_params import model_from_flat, path_str
+  from tests.test_moe_families import _batch as moe_batch
+  from tests.test_moe_families import _jit_loss
+
+  base = dict(GPT_OSS, capacity_factor=-1.0)
+  float_config = from_overrides(**base)
+  rng = np.random.default_rng(3)
+  params = nnx.to_flat_state(nnx.state(models.abstract_model(float_config), nnx.Param))
+  flat = {path_str(p): rng.normal(0.0, 0.3, v.shape).astype(np.float32) for p, v in params}  # nonzero biases, active clamps
+  batch = moe_batch(b=8, s=8)
+  ref = float(_jit_loss(model_from_flat(float_config, flat), float_config)(batch).xent)
+  qlora = dict(base, quantization="int8", lora={"enable_lora": True, "lora_rank": 2})
+  dropless = from_overrides(**qlora)
+  model = model_from_flat(dropless, flat)  # the float kernels quantized on load
+  experts = nnx.state(model, nnx.Param)["layers"]["mlp"]
+  assert experts["wi_0"][...].dtype == jnp.int8 and experts["wi_0_scale"][...].dtype == jnp.float32 and experts["wo_bias"][...].dtype == jnp.float32
+  losses = {"dropless": float(_jit_loss(model, dropless)(batch).xent)}
+  ep = dict(capacity_factor=8.0, num_devices=8, ici_fsdp_parallelism=2, ici_expert_parallelism=4)  # room for every pair: nothing dropped
+  config = from_overrides(**dict(qlora, **ep))
+  mesh = mesh_lib.create(config)
+  state = nnx.state(model)
+  state = jax.device_put(state, models.state_shardings(state, config, mesh))
+  graphdef = nnx.graphdef(models.abstract_model(config))
+  with jax.set_mesh(mesh):
+    losses["expert_parallel"] = float(jax.jit(lambda st, bt: loss_lib.loss_sums(nnx.merge(graphdef, st), bt, config))(state, batch).xent)
+  np.testing.assert_allclose(losses["expert_parallel"], losses["dropless"], rtol=1e-4)
+  assert losses["dropless"] != ref and abs(losses["dropless"] - ref) < 0.02 * abs(ref)

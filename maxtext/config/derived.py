@@ -202,6 +202,8 @@ def _check_quantization(c: MaxTextConfig) -> None:
   if c.quantize_kvcache:
     if not c.kv_quant_axis:
       raise ConfigError("quantize_kvcache=true needs kv_quant_axis=dkv or heads_and_dkv (the axes one scale covers); set it")
+    if c.kv_quant_dtype == "int4" and c.head_dim % 2:
+      raise ConfigError(f"kv_quant_dtype=int4 stores two values per byte along head_dim, which is odd ({c.head_dim}); use kv_quant_dtype=int8")
     from maxtext.models import registry  # the config loads before any model code otherwise
 
     if registry.get(c.decoder_block).mla:

@@ -49,10 +49,16 @@ def _quantize_stored(config: MaxTextConfig, flat: dict[str, np.ndarray], expecte
   if not scales:
     return flat
   recipe, out = quantization.recipe(config), dict(flat)
-  for path in scales:
-    kernel = path_str(quantization.kernel_path(path))
-    if kernel in flat:
-      out[kernel], out[path_str(path)] = quantization.quantize_like(jnp.asarray(flat[kernel]), expected[path], recipe)
+  kernels = {path: path_str(quantization.kernel_path(path)) for path in scales}
+  kernels = {path: kernel for path, kernel in kernels.items() if kernel in flat}
+
+  @jax.jit  # one compiled function for every kernel (eager, each op of each shape compiles on its own)
+  def quantize(floats: dict[str, jax.Array]) -> dict[str, tuple[jax.Array, jax.Array]]:
+    return {kernel: quantization.quantize_like(floats[kernel], expected[path], recipe) for path, kernel in kernels.items()}
+
+  quantized = quantize({kernel: jnp.asarray(flat[kernel]) for kernel in kernels.values()})
+  for path, kernel in kernels.items():
+    out[kernel], out[path_str(path)] = quantized[kernel]
   return out
 
 

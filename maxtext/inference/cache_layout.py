@@ -96,7 +96,8 @@ def layer_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: int) ->
   if lay.form == "mla_naive":
     h = c.num_query_heads
     return {"key": (batch, h, slots, c.qk_nope_head_dim + c.qk_rope_head_dim), "value": (batch, h, slots, c.v_head_dim)}
-  shapes = {"key": (batch, c.num_kv_heads, slots, c.head_dim), "value": (batch, c.num_kv_heads, slots, c.head_dim)}
+  d = c.head_dim // 2 if stored_dtype(c) == kv_cache.PACKED_INT4 else c.head_dim
+  shapes = {"key": (batch, c.num_kv_heads, slots, d), "value": (batch, c.num_kv_heads, slots, d)}
   if c.quantize_kvcache:
     scale = (batch, scale_heads(c), slots, 1)
     shapes.update(key_scale=scale, value_scale=scale)
@@ -108,6 +109,12 @@ def kv_dtype(config: MaxTextConfig) -> jnp.dtype:
   return jnp.dtype(config.kv_quant_dtype if config.quantize_kvcache else dtype(config.dtype))
 
 
+def stored_dtype(config: MaxTextConfig) -> jnp.dtype:
+  """The key/value buffers' dtype: kv_dtype, with int4 packed two per byte in uint8 (kv_cache.PACKED_INT4)."""
+  dt = kv_dtype(config)
+  return kv_cache.PACKED_INT4 if dt == jnp.int4 else dt
+
+
 def scale_heads(config: MaxTextConfig) -> int:
   """Scales per token of a quantized cache's keys (or values): one per kv head (kv_quant_axis=dkv) or one."""
   return config.num_kv_heads if config.kv_quant_axis == "dkv" else 1
@@ -115,7 +122,7 @@ def scale_heads(config: MaxTextConfig) -> int:
 
 def abstract(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
   """ShapeDtypeStructs of an empty cache (in config.dtype; quantized keys and values in kv_quant_dtype)."""
-  dt, quantized = dtype(config.dtype), kv_dtype(config)
+  dt, quantized = dtype(config.dtype), stored_dtype(config)
 
   def buffers(window: int, lead: tuple[int, ...] = ()) -> dict[str, jax.ShapeDtypeStruct]:
     shapes = layer_shapes(config, lay, batch, window).items()

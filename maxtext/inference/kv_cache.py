@@ -8,7 +8,9 @@ position array, only keys, values and one length per row.
 
 Quantized (quantize_kvcache): keys and values are stored as int8 or int4 q = round(x / s) with a scale
 s = absmax / q_max per token, over each head's vector (kv_quant_axis=dkv: scales [B, K, T, 1]) or over all of a
-token's heads (heads_and_dkv: [B, 1, T, 1]), in the compute dtype, as buffers 'key_scale' and 'value_scale'.
+token's heads (heads_and_dkv: [B, 1, T, 1]), in the compute dtype, as buffers 'key_scale' and 'value_scale'. int4
+values are stored two per byte along D in uint8 (the stored kernels' packing, maxtext.layers.quantization.pack_int4):
+XLA:CPU keeps int4 arrays unpacked and refuses them between executables (prefill -> decode step).
 Attention reads them without a dequantized copy: logits = (q . k_int) * s_k per key, and the value scales
 multiply the softmax weights before p . v_int.
 """
@@ -22,12 +24,14 @@ import jax
 import jax.numpy as jnp
 
 from maxtext.layers import attention_ops, matmul
+from maxtext.layers.quantization import pack_int4, unpack_int4
 from maxtext.layers.sharding import constrain
 
 CACHE_AXES = ("cache_batch", "cache_heads", "cache_sequence", "cache_kv")  # head-major: attention reads it without a transpose
 LATENT_AXES = ("cache_batch", None, "cache_sequence", "cache_kv")  # MLA's latent: one shared "head"
 AXES = {"key": CACHE_AXES, "value": CACHE_AXES, "latent": LATENT_AXES}
 KV_QMAX = {"int8": 127.0, "int4": 7.0}
+PACKED_INT4 = jnp.dtype(jnp.uint8)  # a cache buffer of this dtype holds int4 values, two per byte along D
 
 
 def axes(name: str, shape: tuple[int, ...]) -> tuple[str | None, ...]:
@@ -40,12 +44,19 @@ def axes(name: str, shape: tuple[int, ...]) -> tuple[str | None, ...]:
 
 def quantize_kv(x: jax.Array, kv_dtype: Any, per_head: bool) -> tuple[jax.Array, jax.Array]:
   """x [B, K, S, D] -> (round(x / s) in kv_dtype, s [B, K or 1, S, 1] in x's dtype), s = absmax / q_max over D
-  (per_head) or over K and D."""
+  (per_head) or over K and D; kv_dtype uint8 (PACKED_INT4): int4 values packed two per byte, [B, K, S, D / 2]."""
+  packed = jnp.dtype(kv_dtype) == PACKED_INT4
+  kv_dtype = jnp.int4 if packed else kv_dtype
   qmax = KV_QMAX[jnp.dtype(kv_dtype).name]
   absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(3,) if per_head else (1, 3), keepdims=True)
   scale = jnp.where(absmax > 0, absmax / qmax, 1.0)
-  q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -qmax, qmax).astype(kv_dtype)
-  return q, scale.astype(x.dtype)
+  q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -qmax, qmax).astype(jnp.int8 if packed else kv_dtype)
+  return (pack_int4(q, 3) if packed else q), scale.astype(x.dtype)
+
+
+def unpacked(values: jax.Array) -> jax.Array:
+  """A cache buffer's values as attention reads them: packed int4 (uint8) unpacked to int8, others as stored."""
+  return unpack_int4(values, 3) if values.dtype == PACKED_INT4 else values
 
 
 def slot_positions(total: jax.Array, size: int) -> jax.Array:
@@ -124,7 +135,8 @@ class LayerCache:
       for name in ("key", "value"):
         new[name], new[f"{name}_scale"] = quantize_kv(new[name].astype(scales.dtype), self.arrays[name].dtype, scales.shape[1] > 1)
     cache, kv, mask = self.update(new, rules, window)
-    return head_major_attention(q, kv["key"], kv["value"], mask, scale, soft_cap, precision, sinks, kv.get("key_scale"), kv.get("value_scale")), cache
+    keys, values = unpacked(kv["key"]), unpacked(kv["value"])
+    return head_major_attention(q, keys, values, mask, scale, soft_cap, precision, sinks, kv.get("key_scale"), kv.get("value_scale")), cache
 
 
 def head_major_attention(
