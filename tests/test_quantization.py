@@ -142,6 +142,7 @@ def test_recipes_and_their_config_errors():
     "must divide max_target_length": dict(quantization="fp8", quantization_local_shard_count=3, max_target_length=16),
     "quantize_logits_proj=true quantizes": dict(quantization="int4w", quantize_logits_proj=True),
     "needs kv_quant_axis": dict(quantize_kvcache=True, kv_quant_axis=""),
+    "two values per byte along head_dim": dict(quantize_kvcache=True, kv_quant_dtype="int4", head_dim=15),
     "checkpoint_is_quantized=true loads": dict(quantization="int8", checkpoint_is_quantized=True),
     "save_quantized_params_path writes": dict(save_quantized_params_path="/tmp/x"),
   }
