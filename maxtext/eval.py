@@ -36,6 +36,8 @@ def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) 
 
   if config.eval_steps <= 0 and config.dataset_type == "synthetic":
     raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
+  if config.use_grpo:
+    raise ConfigError("use_grpo has no eval loss (its rows are sampled); score a GRPO model with maxtext.decode and your reward functions")
   own = epath.Path(config.checkpoint_dir)
   has_own = config.enable_checkpointing and own.exists() and any(p.name.isdigit() for p in own.iterdir())
   if not (has_own or config.load_parameters_path or config.load_full_state_path):
@@ -62,10 +64,12 @@ def main(argv: list[str]) -> None:
   config = load(argv, devices=prepare)
   r = evaluate(config)
   batches = f"{config.eval_steps} batches" if config.eval_steps > 0 else "the whole eval split"
-  print(
-    f"eval over {batches}: eval_loss: {r['eval_loss']:.4f}, perplexity: {r['perplexity']:.2f}, "
-    f"total_weights: {int(r['eval_total_weights'])}, seconds: {r['seconds']:.1f}"
+  scores = (  # DPO reports its rewards on held-out pairs; a perplexity of the DPO loss would mean nothing
+    f"rewards/accuracy: {r['eval_rewards/accuracy']:.3f}, rewards/margin: {r['eval_rewards/margin']:.4f}"
+    if config.use_dpo
+    else f"perplexity: {r['perplexity']:.2f}"
   )
+  print(f"eval over {batches}: eval_loss: {r['eval_loss']:.4f}, {scores}, total_weights: {int(r['eval_total_weights'])}, seconds: {r['seconds']:.1f}")
 
 
 if __name__ == "__main__":

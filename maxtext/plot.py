@@ -2,7 +2,7 @@
 
 A run is read from its TensorBoard events (`<run dir>/tensorboard/`, what every run writes by default) or from a
 JSON-lines `metrics_file`. The PNG has four panels against step: train and eval loss, learning rate,
-tokens/s/device and gradient norm. Each finished run also writes `<run dir>/training_curves.png` this way.
+tokens/s/device and gradient norm; DPO runs add reward accuracy and margin, GRPO runs mean reward and KL. Each finished run also writes `<run dir>/training_curves.png` this way.
 """
 
 from __future__ import annotations
@@ -24,6 +24,13 @@ from maxtext.errors import DataError
 RUN_PNG = "training_curves.png"
 Series = dict[str, dict[int, float]]  # metric name -> {step: value}
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_device", "tokens/s/device"), ("grad_norm", "grad norm"))
+# Panels added when a run logged the metric: DPO's reward accuracy and margin, GRPO's reward and KL.
+OBJECTIVE_PANELS = (
+  ("rewards/accuracy", "DPO reward accuracy"),
+  ("rewards/margin", "DPO reward margin"),
+  ("reward", "GRPO mean reward"),
+  ("kl", "GRPO KL to the reference"),
+)
 
 USAGE = f"""usage: python -m maxtext.plot <run dir | metrics file> [more runs ...] [--out PNG]
 
@@ -90,6 +97,11 @@ def read_run(path: str) -> Series:
   return series
 
 
+def panels_for(runs: Sequence[tuple[str, Series]]) -> tuple[tuple[str, str], ...]:
+  """(metric, title) of each panel: the four of every run, then the objective panels of metrics some run logged."""
+  return PANELS + tuple(p for p in OBJECTIVE_PANELS if any(series.get(p[0]) for _, series in runs))
+
+
 def render(runs: Sequence[tuple[str, Series]]) -> bytes:
   """PNG bytes of the four panels, one colour per run (eval loss dashed)."""
   import matplotlib
@@ -97,13 +109,18 @@ def render(runs: Sequence[tuple[str, Series]]) -> bytes:
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
 
-  fig, axes = plt.subplots(2, 2, figsize=(11, 7), dpi=110)
-  for (key, title), ax in zip(PANELS, axes.flat):
+  panels = panels_for(runs)
+  cols = 2 if len(panels) <= 4 else 3
+  rows = -(-len(panels) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.5 * rows), dpi=110, squeeze=False)
+  for ax in axes.flat[len(panels) :]:
+    ax.set_visible(False)
+  for (key, title), ax in zip(panels, axes.flat):
     for i, (label, series) in enumerate(runs):
       color = f"C{i % 10}"
-      _line(ax, series.get(key, {}), color, f"{label} train" if key == "loss" else label)
-      if key == "loss":
-        _line(ax, series.get("eval_loss", {}), color, f"{label} eval", style="--", marker="o")
+      evals = series.get(f"eval_{key}", {})
+      _line(ax, series.get(key, {}), color, f"{label} train" if evals or key == "loss" else label)
+      _line(ax, evals, color, f"{label} eval", style="--", marker="o")
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

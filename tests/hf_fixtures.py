@@ -17,6 +17,7 @@ FAMILY_CONFIGS = {
   "llama2": lambda: transformers.LlamaConfig(**SMALL, rope_theta=500000.0),
   "llama3.1": lambda: transformers.LlamaConfig(
     **SMALL,
+    attention_bias=True,  # q/k/v/o biases, as some Llama-architecture checkpoints have
     rope_parameters={
       "rope_type": "llama3",
       "rope_theta": 500000.0,
@@ -26,9 +27,9 @@ FAMILY_CONFIGS = {
       "original_max_position_embeddings": 16,
     },
   ),
-  "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=4),
+  "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=4, attention_bias=True),  # MistralAttention ignores attention_bias
   "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
-  "qwen3": lambda: transformers.Qwen3Config(**SMALL, tie_word_embeddings=True),
+  "qwen3": lambda: transformers.Qwen3Config(**SMALL, tie_word_embeddings=True, attention_bias=True),
   "gemma2": lambda: transformers.Gemma2Config(**SMALL, sliding_window=4, query_pre_attn_scalar=16),
   "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
     **SMALL, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]

@@ -46,6 +46,18 @@ def _train_yml(name: str) -> list[str]:
   return [sys.executable, "-m", "maxtext.train", "{tmp}/" + name, *(f"{k}={v}" for k, v in TINY.items() if k != "run_name")]
 
 
+GRAIN_JSONL = ("dataset_type=grain", "grain_file_type=jsonl", "tokenizer_path={sp}", "vocab_size=512")
+GRPO = (
+  *GRAIN_JSONL,
+  "grain_train_files={tmp}/data.jsonl",
+  "use_grpo=true",
+  "train_data_columns=[text]",
+  "decode_sampling_strategy=weighted",
+  "grpo_reward_functions=[maxtext.train.rewards:topic_overlap]",
+  "max_prefill_predict_length=8",
+  "per_device_batch_size=2",
+)
+
 # (id, argv, what the one line must mention)
 CASES = [
   ("lora_module_path_not_a_regex", _train("lora.lora_module_path=("), "lora.lora_module_path"),
@@ -81,6 +93,15 @@ CASES = [
     _train("quantization=int8", "lora.enable_lora=true", "checkpoint_is_quantized=true", "load_parameters_path={run}/r/checkpoints/1"),
     "holds float kernels",
   ),
+  ("dpo_and_grpo_together", _train("use_dpo=true", "use_grpo=true", "dataset_type=grain"), "use_dpo and use_grpo are both true"),
+  (
+    "dpo_data_without_rejected_column",
+    _train(*GRAIN_JSONL, "grain_train_files={tmp}/chosen_only.jsonl", "use_dpo=true", "train_data_columns=[chosen,rejected]"),
+    "no column 'rejected'",
+  ),
+  ("grpo_num_generations_below_2", _train(*GRPO, "num_generations=1"), "num_generations=1"),
+  ("grpo_reward_function_does_not_import", _train(*GRPO, "grpo_reward_functions=[no_such_module:score]"), "module 'no_such_module' does not import"),
+  ("pipeline_stages_not_dividing_devices", _train("ici_pipeline_parallelism=2"), "'ici_pipeline_parallelism': 2"),
   ("convert_truncated_safetensors", [*CONVERT, "--hf-dir", "{tmp}/hf_truncated"], "not a readable safetensors file"),
   ("convert_hidden_size_disagrees", [*CONVERT, "--hf-dir", "{tmp}/hf_wrong_size"], "does not fit hidden_size"),
   # convert: every bad --out is one line, and the process ends (a writer left waiting used to keep it alive)
@@ -154,6 +175,7 @@ def _make_inputs(tmp: Path) -> None:
   (tmp / "locked" / "r").mkdir(parents=True)  # held by this (live) test process
   (tmp / "locked" / "r" / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now"}))
   (tmp / "data.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(8)))
+  (tmp / "chosen_only.jsonl").write_text("".join(json.dumps({"chosen": f"answer {i}"}) + "\n" for i in range(8)))
   _hf_dir(tmp / "hf_truncated", 16, 16)
   weights = tmp / "hf_truncated" / "model.safetensors"
   weights.write_bytes(weights.read_bytes()[:1000])

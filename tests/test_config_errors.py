@@ -80,9 +80,9 @@ CASES = [
   ("model_name_path", [BASE, "model_name=../base"], {}, "invalid value for 'model_name': '../base'"),
   (
     "unsupported_maxtext_key",
-    [BASE, "ici_pipeline_parallelism=2"],
+    [BASE, "ici_tensor_transpose_parallelism=2"],
     {},
-    "'ici_pipeline_parallelism' (on the command line) is a MaxText option this project does not implement",
+    "'ici_tensor_transpose_parallelism' (on the command line) is a MaxText option this project does not implement",
   ),
   (
     "unsupported_in_env",
@@ -99,10 +99,10 @@ CASES = [
     "product_mismatch",
     [BASE, "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"],
     {},
-    "ici parallelism product 4 (1 x 2 x 1 x 2 x 1) != 8 devices per slice",
+    "ici parallelism product 4 (1 x 1 x 2 x 1 x 1 x 2 x 1) != 8 devices per slice",
   ),
   ("parallelism_zero", [BASE, "ici_tensor_parallelism=0"], {}, "invalid value for 'ici_tensor_parallelism': 0"),
-  ("dcn_mismatch", [BASE, "dcn_data_parallelism=2"], {}, "dcn parallelism product 2 (2 x 1 x 1 x 1 x 1) != 1 slices"),
+  ("dcn_mismatch", [BASE, "dcn_data_parallelism=2"], {}, "dcn parallelism product 2 (2 x 1 x 1 x 1 x 1 x 1 x 1) != 1 slices"),
   ("heads_not_multiple", [BASE, "base_num_query_heads=6", "base_num_kv_heads=4"], {}, "num_query_heads 6 is not a multiple of num_kv_heads 4"),
   ("experts_per_tok", [BASE, "num_experts=2", "num_experts_per_tok=4"], {}, "num_experts_per_tok 4 > num_experts 2"),
   ("routing_groups", [BASE, "num_experts=8", "n_routing_groups=3", "topk_routing_group=1"], {}, "group-limited routing needs n_routing_groups dividing"),
@@ -129,11 +129,56 @@ CASES = [
     {},
     "warmup_steps_fraction + wsd_decay_steps_fraction > 1",
   ),
+  ("stages_not_dividing_devices", [BASE, "ici_pipeline_parallelism=3"], {}, "'ici_pipeline_parallelism': 3, 'ici_fsdp_parallelism': -1"),
+  (
+    "layers_not_dividing_stages",
+    [BASE, "ici_pipeline_parallelism=4", "num_layers_per_pipeline_stage=3"],
+    {},
+    "16 decoder layers do not split into 4 stages (ici_pipeline_parallelism x dcn_pipeline_parallelism) x num_layers_per_pipeline_stage 3",
+  ),
+  (
+    "microbatches_not_multiple_of_stages",
+    [BASE, "ici_pipeline_parallelism=2", "num_pipeline_microbatches=3"],
+    {},
+    "num_pipeline_microbatches 3 is not a positive multiple of the 2 pipeline stages",
+  ),
+  (
+    "microbatches_vs_batch",
+    [BASE, "ici_pipeline_parallelism=2", "num_pipeline_microbatches=16", "per_device_batch_size=1"],
+    {},
+    "does not divide the global batch of 8",
+  ),
+  (
+    "circular_delay_microbatches",
+    [BASE, "ici_pipeline_parallelism=2", "pipeline_delay_activation_forwarding=true", "num_pipeline_microbatches=2"],
+    {},
+    "needs num_pipeline_microbatches >= 2 x 2",
+  ),
+  ("pipeline_keys_without_stages", [BASE, "num_pipeline_microbatches=4"], {}, "num_pipeline_microbatches configure pipeline parallelism"),
+  ("pipeline_unscanned", [BASE, "ici_pipeline_parallelism=2", "scan_layers=false"], {}, "set scan_layers=true"),
+  (
+    "context_seq_not_divisible",
+    [BASE, "ici_context_parallelism=4", "max_target_length=100"],
+    {},
+    "max_target_length 100 is not divisible by 2 x 4 context shards",
+  ),
+  ("context_strategy_unknown", [BASE, "context_parallel_strategy=rings"], {}, "invalid value for 'context_parallel_strategy' (command line): 'rings'"),
   ("no_config_file", [], {}, "no config file given"),
   ("key_value_first", ["steps=5"], {}, "the first argument must be a YAML config file, got 'steps=5'"),
 ]
 
-CLI_CASES = ["unknown_key", "typo_in_yaml", "wrong_type_int", "bad_yaml", "missing_file", "base_config_cycle", "product_mismatch", "model_conflict"]
+CLI_CASES = [
+  "unknown_key",
+  "typo_in_yaml",
+  "wrong_type_int",
+  "bad_yaml",
+  "missing_file",
+  "base_config_cycle",
+  "product_mismatch",
+  "model_conflict",
+  "layers_not_dividing_stages",
+  "context_seq_not_divisible",
+]
 
 
 def _prepare(tmp_path: Path, argv: list[str]) -> tuple[list[str], Path]:

@@ -107,14 +107,16 @@ def test_global_parameter_scale_split(scale, layers, heads, emb):
 
 def test_parallelism_fill():
   c = from_overrides(num_devices=8, ici_tensor_parallelism=2)
-  assert c.mesh_axes == ["data", "fsdp", "sequence", "tensor", "expert"]
-  assert c.ici_parallelism == [1, 4, 1, 2, 1] and c.dcn_parallelism == [1, 1, 1, 1, 1]
+  assert c.mesh_axes == ["data", "stage", "fsdp", "sequence", "context", "tensor", "expert"]
+  assert c.ici_parallelism == [1, 1, 4, 1, 1, 2, 1] and c.dcn_parallelism == [1, 1, 1, 1, 1, 1, 1]
   c = from_overrides(num_devices=8, ici_fsdp_parallelism=1, ici_data_parallelism=-1)
-  assert c.ici_parallelism == [8, 1, 1, 1, 1]
+  assert c.ici_parallelism == [8, 1, 1, 1, 1, 1, 1]
   c = load([BASE, "ici_fsdp_parallelism=2", "ici_sequence_parallelism=2"], env={}, num_devices=4)
-  assert c.ici_parallelism == [1, 2, 2, 1, 1]
+  assert c.ici_parallelism == [1, 1, 2, 2, 1, 1, 1]
   c = load([BASE], env={}, num_devices=8, num_slices=2)
-  assert c.ici_parallelism == [1, 4, 1, 1, 1] and c.dcn_parallelism == [2, 1, 1, 1, 1] and c.num_slices == 2
+  assert c.ici_parallelism == [1, 1, 4, 1, 1, 1, 1] and c.dcn_parallelism == [2, 1, 1, 1, 1, 1, 1] and c.num_slices == 2
+  c = load([BASE, "dcn_data_parallelism=1", "dcn_pipeline_parallelism=-1", "ici_context_parallelism=2"], env={}, num_devices=8, num_slices=2)
+  assert c.ici_parallelism == [1, 1, 2, 1, 2, 1, 1] and c.dcn_parallelism == [1, 2, 1, 1, 1, 1, 1]
   c = load([BASE, "mesh_axes=[fsdp,data]", "logical_axis_rules=[[embed,[fsdp]]]", "data_sharding=[data]"], env={}, num_devices=8)
   assert c.ici_parallelism == [8, 1]
 
@@ -142,9 +144,9 @@ def test_run_name_output_dirs_and_schedule(tmp_path):
 
 def test_devices_from_jax_and_compile_topology():
   c = load([BASE], env={})
-  assert c.num_devices == 8 and c.ici_parallelism == [1, 8, 1, 1, 1]  # conftest: 8 simulated CPU devices
+  assert c.num_devices == 8 and c.ici_parallelism == [1, 1, 8, 1, 1, 1, 1]  # conftest: 8 simulated CPU devices
   c = load([BASE, "compile_topology=v5e-16", "compile_topology_num_slices=2"], env={})
-  assert (c.num_devices, c.num_slices, c.ici_parallelism[1], c.dcn_parallelism[0]) == (32, 2, 16, 2)
+  assert (c.num_devices, c.num_slices, c.ici_parallelism[2], c.dcn_parallelism[0]) == (32, 2, 16, 2)
 
 
 def test_explain_cli_json_and_text(tmp_path):
@@ -159,7 +161,7 @@ def test_explain_cli_json_and_text(tmp_path):
   assert table["adam_b1"] == {"value": 0.9, "source": "base.yml"}
   assert table["emb_dim"] == {"value": 1024, "source": "derived"}
   assert table["lora.lora_rank"]["source"] == "base.yml"
-  assert table["ici_parallelism"]["value"] == [1, 8, 1, 1, 1]
+  assert table["ici_parallelism"]["value"] == [1, 1, 8, 1, 1, 1, 1]
   assert table["checkpoint_dir"]["value"] == os.path.join(str(tmp_path), "x", "checkpoints", "")
   assert not any(tmp_path.iterdir())
   text = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)

@@ -50,7 +50,7 @@ def test_round_trip_is_bit_identical(saved, name):
     assert back[k].dtype == v.dtype and np.array_equal(back[k], v), k
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gemma3", "gpt_oss", "deepseek", "deepseek_plain"])
+@pytest.mark.parametrize("name", ["llama3.1", "qwen3_moe", "gemma3", "gpt_oss", "deepseek", "deepseek_plain"])
 def test_export_loads_in_transformers_with_the_same_logits(saved, tokens, tmp_path, name):
   """maxtext -> config.json + safetensors (hf_config_from, maxtext_to_hf) -> transformers gives the original logits."""
   import transformers
@@ -63,3 +63,21 @@ def test_export_loads_in_transformers_with_the_same_logits(saved, tokens, tmp_pa
   safetensors_io.write(tmp_path, hf_config.hf_config_from(config), tensors)
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
   np.testing.assert_allclose(hf_logits(exported, tokens), hf_logits(torch_model, tokens), atol=1e-5, rtol=0)
+
+
+def test_attention_bias_follows_what_transformers_builds():
+  """attention_bias reaches maxtext where the HF class puts q/k/v/o biases (llama: parity above), is ignored as Mistral ignores
+  it, is refused for MLA; a mistral model with biases has no HF export."""
+  from maxtext.config import ConfigError, from_overrides
+  from maxtext.convert import hf_config
+
+  def overrides(name: str, **extra) -> dict:
+    return hf_config.overrides_from_hf({**FAMILY_CONFIGS[name]().to_dict(), **extra})
+
+  assert overrides("llama2", attention_bias=True)["attention_bias"] is True
+  assert "attention_bias" not in overrides("mixtral", attention_bias=True)
+  with pytest.raises(ConfigError, match="attention biases, which maxtext's deepseek attention does not have"):
+    overrides("deepseek", attention_bias=True)
+  mistral = from_overrides(num_devices=1, decoder_block="mistral", attention_bias=True)
+  with pytest.raises(ConfigError, match="MistralForCausalLM has no attention biases"):
+    hf_config.hf_config_from(mistral)

@@ -30,7 +30,7 @@ def test_maxtext_base_yml_loads_and_lists_keys_without_effect():
   assert inert.isdisjoint(all_keys())  # only keys the schema lacks
   assert table["use_iota_embed"]["value"] is False
   assert config.steps == 150_001 and config.learning_rate == pytest.approx(3e-5)  # MaxText's values of keys implemented here
-  assert config.mesh_axes == ["data", "fsdp", "sequence", "tensor", "expert"]  # MaxText's default axes read as ours
+  assert config.mesh_axes == ["data", "stage", "fsdp", "sequence", "context", "tensor", "expert"]  # MaxText's default axes read as ours
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -52,12 +52,13 @@ def test_model_file_axis_rules_update_by_name():
 
 
 def test_not_implemented_key_at_default_is_accepted_else_one_line_error():
-  config, sources = load_with_sources([BASE, "ici_pipeline_parallelism=1", "use_iota_embed=false"], env={}, num_devices=1)
-  assert sources.maxtext_only == {"ici_pipeline_parallelism": 1, "use_iota_embed": False}
+  config, sources = load_with_sources([BASE, "ici_tensor_transpose_parallelism=1", "use_iota_embed=false"], env={}, num_devices=1)
+  assert sources.maxtext_only == {"ici_tensor_transpose_parallelism": 1, "use_iota_embed": False}
   with pytest.raises(
-    ConfigError, match=r"'ici_pipeline_parallelism' \(on the command line\) is a MaxText option this project does not implement; only its MaxText default 1"
+    ConfigError,
+    match=r"'ici_tensor_transpose_parallelism' \(on the command line\) is a MaxText option this project does not implement; only its MaxText default 1",
   ):
-    load([BASE, "ici_pipeline_parallelism=2"], env={}, num_devices=1)
+    load([BASE, "ici_tensor_transpose_parallelism=2"], env={}, num_devices=1)
   with pytest.raises(ConfigError, match="'use_post_attn_norm'"):  # true only where this project does it (gemma2)
     load([BASE, "use_post_attn_norm=true"], env={}, num_devices=1)
   load([BASE, "decoder_block=gemma2", "use_post_attn_norm=true"], env={}, num_devices=1)

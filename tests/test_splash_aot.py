@@ -119,3 +119,15 @@ def test_state_layouts_are_the_compilers_so_stacked_kernels_are_not_relaid_every
   query = state_lib.compiled_formats(chosen)["params"]["layers"]["attention"]["query"]["kernel"]
   query = query.get_value() if hasattr(query, "get_value") else query  # an nnx.Variable holding the Format
   assert query.layout.major_to_minor != (0, 1, 2, 3)
+
+
+def test_final_soft_cap_keeps_no_second_copy_of_the_logits():
+  """With a final logit soft cap the fused loss keeps only the raw (bfloat16) logits: the float32 capped ones are
+  recomputed, and their logsumexp needs no max pass, which made XLA write a second [tokens, vocab] float32 array
+  (7.8 GiB per device for gemma2-27b at batch 2 x 4096 on v5p-32; benchmarks/README.md)."""
+  from maxtext.aot.compile import compile_for_topology
+
+  head = dict(vocab_size=16384, max_target_length=512, logits_via_embedding=True)
+  logits_bytes = 1 * 512 * 16384 * 4
+  capped, plain = (compile_for_topology(from_overrides(**{**MODEL, **head}, final_logits_soft_cap=cap)).memory.temp_bytes for cap in (30.0, 0.0))
+  assert capped < plain + logits_bytes / 2, (capped, plain)

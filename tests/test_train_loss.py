@@ -125,3 +125,26 @@ def test_fused_loss_gradient_equals_autodiff_of_the_logits(head, compute_dtype, 
   for a, b in zip(g_f, g_r):
     assert a.dtype == b.dtype
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol * float(jnp.max(jnp.abs(b.astype(jnp.float32)))))
+
+
+def test_bfloat16_logits_are_rounded_once_and_stay_within_bfloat16_of_float32_ones(head):
+  """logits_dot_in_fp32=false (MaxText's default): the head's logits are the float32 product rounded to bfloat16 once
+  (the fused loss keeps that bfloat16 array, half the float32 one); loss and gradients stay within bfloat16 rounding
+  of logits_dot_in_fp32=true (float32 operands and logits)."""
+  hidden, w, batch = head
+  hidden = hidden.astype(jnp.bfloat16)
+  targets, mask = batch["targets"], (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  bf16, fp32 = (OutputHead(w, jnp.bfloat16, soft_cap=3.0, dot_in_fp32=f) for f in (False, True))
+  exact = jnp.einsum("...e,ev->...v", hidden.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32), precision="highest")
+  logits = dataclasses.replace(bf16, soft_cap=0.0).logits(hidden)
+  assert logits.dtype == jnp.float32 and bool(jnp.all(logits == logits.astype(jnp.bfloat16).astype(jnp.float32)))
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(exact), rtol=2**-8, atol=1e-6)  # rounded once: half a bfloat16 ulp
+
+  def loss(out):
+    return jax.jit(jax.value_and_grad(lambda h, k: dataclasses.replace(out, kernel=k).loss_sums(h, targets, mask, 0.0)[0], argnums=(0, 1)))(hidden, w)
+
+  (l_b, g_b), (l_f, g_f) = loss(bf16), loss(fp32)
+  np.testing.assert_allclose(float(l_b), float(l_f), rtol=2e-3)
+  for a, b in zip(g_b, g_f):
+    b = np.asarray(b, np.float32)
+    np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=2e-2, atol=2e-2 * float(np.max(np.abs(b))))

@@ -60,7 +60,7 @@ def topology_mesh(config: MaxTextConfig) -> Mesh:
 def compile_for_topology(config: MaxTextConfig, log: Callable[[str], None] | None = None) -> CompileResult:
   """Compile the train step for config's topology; remat_policy=auto and decoder_layer_input=auto are resolved first
   (the choice goes to log)."""
-  from maxtext.models.counting import training_flops_per_step
+  from maxtext.models.counting import step_flops
   from maxtext.train import setup as setup_lib
 
   mesh = topology_mesh(config)
@@ -70,7 +70,7 @@ def compile_for_topology(config: MaxTextConfig, log: Callable[[str], None] | Non
   if step is None:
     with jax.set_mesh(mesh):
       step = memory.compile_step(setup_lib.build(config, mesh), hbm)
-  flops = training_flops_per_step(config) / 1e12
+  flops = step_flops(config) / 1e12
   int8 = count_int8_products(step.compiled.as_text()) if step.compiled is not None and config.quantization == "int8" else 0
   state = state_breakdown(step.setup.abstract_state)
   return CompileResult(step.compiled, step.memory, step.seconds, flops, list(mesh.devices.flat), config, choice, state, int8)

@@ -15,7 +15,7 @@ from maxtext.errors import ConfigError, echo
 if TYPE_CHECKING:
   from maxtext.config.maxtext_config import MaxTextConfig
 
-PARALLEL_AXES = ("data", "fsdp", "sequence", "tensor", "expert")
+PARALLEL_AXES = ("data", "stage", "fsdp", "sequence", "context", "tensor", "expert")
 
 # Keys naming one local file or directory, and keys holding comma-separated globs: made absolute once, here,
 # so a relative path means the same thing to every library (Orbax refuses relative checkpoint paths).
@@ -98,9 +98,14 @@ def scale_dims(global_parameter_scale: int) -> dict[str, int]:
   return {"layers": 2**q, "heads": 2 ** (q + (r > 0)), "emb": 2 ** (q + (r > 1))}
 
 
+def parallelism_key(kind: str, axis: str) -> str:
+  """The config key of one mesh axis: ici_<axis>_parallelism / dcn_<axis>_parallelism ('stage' is MaxText's *_pipeline_parallelism)."""
+  return f"{kind}_{'pipeline' if axis == 'stage' else axis}_parallelism"
+
+
 def fill_parallelism(values: list[int], total: int, kind: str, mesh_axes: list[str]) -> list[int]:
   """Fill the one -1 so the product equals total; error if impossible."""
-  names = [f"{kind}_{a}_parallelism" for a in mesh_axes]
+  names = [parallelism_key(kind, a) for a in mesh_axes]
   if any(v == 0 or v < -1 for v in values):
     bad = next(n for n, v in zip(names, values) if v == 0 or v < -1)
     raise ConfigError(f"invalid value for '{bad}': {values[names.index(bad)]}; use a positive integer or -1 to fill")
@@ -146,6 +151,7 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
     raise ConfigError(f"num_experts_per_tok {c.num_experts_per_tok} > num_experts {c.num_experts}; lower num_experts_per_tok")
   _check_moe_fields(c)
   _check_quantization(c)
+  _check_post_training(c)
   _check_family_fields(c)
   if c.load_parameters_path and c.load_full_state_path:
     raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one")
@@ -256,6 +262,136 @@ def _check_moe_fields(c: MaxTextConfig) -> None:
     raise ConfigError("deepseek MLA needs kv_lora_rank >= 1, an even qk_rope_head_dim >= 2 and v_head_dim >= 1; fix the MLA keys")
 
 
+def _check_post_training(c: MaxTextConfig) -> None:
+  """DPO and GRPO keys (docs/post_training.md); reward functions are imported by the preflight checks."""
+  if c.use_dpo and c.use_grpo:
+    raise ConfigError("use_dpo and use_grpo are both true; a run optimises one objective, set only one")
+  method = "use_dpo" if c.use_dpo else "use_grpo" if c.use_grpo else ""
+  if not method:
+    return
+  if c.use_sft:
+    raise ConfigError(f"use_sft and {method} are both true; {method} builds its own rows from the data, set use_sft=false")
+  off = {k: v for k, v in {"mtp_num_layers": c.mtp_num_layers, "z_loss_multiplier": c.z_loss_multiplier}.items() if v}
+  if off:
+    raise ConfigError(f"{', '.join(off)} add next-token losses that {method} does not use; set them to 0 (override_model_config=true for a model file's)")
+  if c.dataset_type == "synthetic":
+    raise ConfigError(f"{method} reads {'preference pairs' if c.use_dpo else 'prompts'} from data records; use dataset_type grain, tfds, hf or embedded")
+  if c.use_dpo:
+    if len(c.train_data_columns) not in (2, 3):
+      raise ConfigError(
+        f"use_dpo reads train_data_columns [chosen, rejected] or [prompt, chosen, rejected], got {c.train_data_columns}; name the columns of your pairs"
+      )
+    if not c.use_truncation:
+      raise ConfigError("use_dpo keeps both responses of a pair in one row, truncating them to fit; set use_truncation=true")
+    return
+  if len(c.train_data_columns) != 1:
+    raise ConfigError(f"use_grpo reads one prompt column, train_data_columns [prompt], got {c.train_data_columns}; name the prompt column")
+  if c.num_generations < 2:
+    raise ConfigError(f"num_generations={c.num_generations}: GRPO compares completions within a group of one prompt; set num_generations >= 2")
+  if c.decode_sampling_strategy == "greedy":
+    raise ConfigError(
+      "use_grpo samples num_generations different completions per prompt, but decode_sampling_strategy=greedy makes them identical; "
+      "set decode_sampling_strategy=weighted (or topk, nucleus)"
+    )
+  if not c.grpo_reward_functions:
+    raise ConfigError("use_grpo needs rewards: set grpo_reward_functions=[module:function, ...] (see docs/post_training.md)")
+  if c.grpo_reward_weights and len(c.grpo_reward_weights) != len(c.grpo_reward_functions):
+    raise ConfigError(
+      f"grpo_reward_weights has {len(c.grpo_reward_weights)} weights for {len(c.grpo_reward_functions)} grpo_reward_functions; give one weight per function or none"
+    )
+  if c.eval_interval > 0:
+    raise ConfigError("use_grpo has no eval split loss (its rows are sampled); set eval_interval=-1")
+  if c.lora.enable_lora and c.lora.max_lora_adapters > 1 and not c.lora.adapter_column:
+    raise ConfigError(
+      "use_grpo with lora.max_lora_adapters > 1 samples each prompt with its own adapter; set lora.adapter_column to the prompt column naming it"
+    )
+  if c.max_prefill_predict_length >= c.max_target_length:
+    raise ConfigError(
+      f"use_grpo: prompts of up to max_prefill_predict_length={c.max_prefill_predict_length} tokens leave no room for completions within "
+      f"max_target_length={c.max_target_length}; lower the first or raise the second"
+    )
+
+
+def axis_size(ici: list[int], dcn: list[int], mesh_axes: list[str], axis: str) -> int:
+  """Devices along one mesh axis (ICI x DCN); 1 for an axis the mesh lacks."""
+  if axis not in mesh_axes:
+    return 1
+  i = list(mesh_axes).index(axis)
+  return ici[i] * dcn[i]
+
+
+PIPELINE_ONLY_KEYS = (
+  "num_pipeline_microbatches",
+  "num_pipeline_repeats",
+  "num_layers_per_pipeline_stage",
+  "pipeline_fsdp_ag_once",
+  "pipeline_delay_activation_forwarding",
+)
+_PIPELINE_KEY_DEFAULTS = {"num_pipeline_microbatches": -1, "num_pipeline_repeats": -1, "num_layers_per_pipeline_stage": 1}
+STAGE_KEYS = "ici_pipeline_parallelism x dcn_pipeline_parallelism"
+CONTEXT_KEYS = "ici_context_parallelism x dcn_context_parallelism"
+
+
+def _pipeline_values(c: MaxTextConfig, stages: int, layers: int, batch: int, batch_shards: int) -> dict[str, int]:
+  """num_pipeline_repeats and num_pipeline_microbatches, resolved, after the checks a pipeline needs."""
+  if stages == 1:
+    set_keys = [k for k in PIPELINE_ONLY_KEYS if getattr(c, k) != _PIPELINE_KEY_DEFAULTS.get(k, False)]
+    if set_keys:
+      raise ConfigError(
+        f"{', '.join(set_keys)} configure pipeline parallelism, but {STAGE_KEYS} is 1; set ici_pipeline_parallelism or dcn_pipeline_parallelism > 1, or drop them"
+      )
+    return {"num_pipeline_repeats": 1, "num_pipeline_microbatches": 1}
+  if not c.scan_layers:
+    raise ConfigError(f"pipeline parallelism ({STAGE_KEYS} = {stages}) runs scanned layers; set scan_layers=true")
+  lps = c.num_layers_per_pipeline_stage
+  piped = layers - c.first_num_dense_layers
+  what = f"{piped} decoder layers" + (f" after first_num_dense_layers {c.first_num_dense_layers}" if c.first_num_dense_layers else "")
+  if piped % (stages * lps):
+    raise ConfigError(
+      f"{what} do not split into {stages} stages ({STAGE_KEYS}) x num_layers_per_pipeline_stage {lps} x whole repeats; change num_layers_per_pipeline_stage or the stage count"
+    )
+  repeats = piped // (stages * lps)
+  if c.num_pipeline_repeats not in (-1, repeats):
+    raise ConfigError(
+      f"num_pipeline_repeats {c.num_pipeline_repeats} disagrees with {what} / ({stages} stages x num_layers_per_pipeline_stage {lps}) = {repeats}; leave it at -1"
+    )
+  delay = 2 if c.pipeline_delay_activation_forwarding else 1
+  micro = c.num_pipeline_microbatches if c.num_pipeline_microbatches != -1 else stages * delay
+  if micro < 1 or micro % stages:
+    raise ConfigError(
+      f"num_pipeline_microbatches {micro} is not a positive multiple of the {stages} pipeline stages ({STAGE_KEYS}); change num_pipeline_microbatches"
+    )
+  if batch % micro:
+    raise ConfigError(
+      f"num_pipeline_microbatches {micro} does not divide the global batch of {batch} sequences (per_device_batch_size x devices); change one of them"
+    )
+  if (batch // micro) % batch_shards:
+    raise ConfigError(
+      f"each of the num_pipeline_microbatches {micro} microbatches holds {batch // micro} sequences, not divisible by the {batch_shards} batch shards "
+      "(data_sharding axes); raise per_device_batch_size or lower num_pipeline_microbatches"
+    )
+  if repeats > 1 and micro < delay * stages:
+    raise ConfigError(
+      f"the circular schedule (num_pipeline_repeats {repeats}) with pipeline_delay_activation_forwarding needs num_pipeline_microbatches >= 2 x {stages} stages, got {micro}"
+    )
+  return {"num_pipeline_repeats": repeats, "num_pipeline_microbatches": micro}
+
+
+def _check_context(c: MaxTextConfig, context: int, sequence: int) -> None:
+  if context == 1:
+    return
+  chunks = 2 * context if c.context_parallel_load_balance else context
+  if c.max_target_length % chunks:
+    how = (
+      f"2 x {context} context shards ({CONTEXT_KEYS}; context_parallel_load_balance cuts 2 chunks per shard)"
+      if c.context_parallel_load_balance
+      else f"{context} context shards ({CONTEXT_KEYS})"
+    )
+    raise ConfigError(f"max_target_length {c.max_target_length} is not divisible by {how}; change max_target_length or the context parallelism")
+  if sequence > 1:
+    raise ConfigError(f"context parallelism ({CONTEXT_KEYS} = {context}) and sequence parallelism both split the sequence; use one of them")
+
+
 def _check_family_fields(c: MaxTextConfig) -> None:
   """Attention and rope keys that need a family (or each other) to mean something."""
   from maxtext.models import registry  # the config loads before any model code otherwise
@@ -293,8 +429,8 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
   if devices % slices:
     raise ConfigError(f"{devices} devices do not split evenly into {slices} slices")
   axes = list(c.mesh_axes)
-  ici = fill_parallelism([getattr(c, f"ici_{a}_parallelism") for a in axes], devices // slices, "ici", axes)
-  dcn = fill_parallelism([getattr(c, f"dcn_{a}_parallelism") for a in axes], slices, "dcn", axes)
+  ici = fill_parallelism([getattr(c, parallelism_key("ici", a)) for a in axes], devices // slices, "ici", axes)
+  dcn = fill_parallelism([getattr(c, parallelism_key("dcn", a)) for a in axes], slices, "dcn", axes)
 
   _check_quantization_tiles(c, slices if c.quantization_local_shard_count == -1 else c.quantization_local_shard_count)
   micro = devices * c.per_device_batch_size
@@ -303,6 +439,15 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
       f"per_device_batch_size {c.per_device_batch_size} x {devices} devices = {micro} sequences is not a positive whole number; change per_device_batch_size"
     )
   micro = int(micro)
+  if c.use_grpo and (micro * c.gradient_accumulation_steps) % c.num_generations:
+    raise ConfigError(
+      f"use_grpo: a batch of {micro * c.gradient_accumulation_steps} rows does not hold whole groups of num_generations={c.num_generations} completions; "
+      "make the global batch a multiple of num_generations"
+    )
+  layers = c.base_num_decoder_layers * mult["layers"]
+  batch_shards = math.prod(axis_size(ici, dcn, axes, a) for a in set(c.data_sharding))
+  pipeline = _pipeline_values(c, axis_size(ici, dcn, axes, "stage"), layers, micro, batch_shards)
+  _check_context(c, axis_size(ici, dcn, axes, "context"), axis_size(ici, dcn, axes, "sequence"))
 
   run_name = c.run_name or f"{c.model_name}_{datetime.datetime.now():%Y-%m-%d-%H-%M}"
   check_run_name(run_name)
@@ -317,7 +462,8 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
     "num_kv_heads": kv_heads,
     "mlp_dim": c.base_mlp_dim * mult["heads"],
     "moe_mlp_dim": (c.base_moe_mlp_dim if c.base_moe_mlp_dim != -1 else c.base_mlp_dim) * mult["heads"],
-    "num_decoder_layers": c.base_num_decoder_layers * mult["layers"],
+    "num_decoder_layers": layers,
+    **pipeline,
     "num_devices": devices,
     "num_slices": slices,
     "ici_parallelism": ici,

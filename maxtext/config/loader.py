@@ -204,8 +204,9 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
     value = _yaml_load(text, f"the value of '{key}'" if key else "a command-line value") if text.strip() else text
   except yaml.YAMLError:
     return text
-  if field is not None and field.annotation is str and (isinstance(value, bool | int | float) or any(c in text for c in "\n\r\t\0")):
-    return text  # a number stays the text typed; so does a line break, which YAML would fold into a space
+  quoted = text.lstrip()[:1] in ("'", '"')  # a quoted YAML string means what YAML reads (from_overrides writes these)
+  if field is not None and field.annotation is str and (isinstance(value, bool | int | float) or (not quoted and any(c in text for c in "\n\r\t\0"))):
+    return text  # a number stays the text typed; so does an unquoted line break, which YAML would fold into a space
   return value
 
 

@@ -50,7 +50,9 @@ class Checkpointing(Section):
   checkpoint_period: int = Field(10_000, gt=0, description="Save a checkpoint every this many steps.")
   max_num_checkpoints_to_keep: int | None = Field(None, description="Keep at most this many checkpoints (at least 1); None keeps all.")
   save_checkpoint_on_completion: bool = Field(True, description="Save a checkpoint after the last step.")
-  load_parameters_path: str = Field("", description="Orbax params checkpoint to start from (fresh optimizer, step 0).")
+  load_parameters_path: str = Field(
+    "", description="Orbax params checkpoint to start from (fresh optimizer, step 0): a step directory, or a run's checkpoints/ (its newest step)."
+  )
   load_full_state_path: str = Field("", description="Orbax full-state checkpoint to start from (params, optimizer, step).")
   save_quantized_params_path: str = Field(
     "", description="decode: write the loaded parameters, their kernels quantized per `quantization` (with scales), as a params checkpoint here."
@@ -87,7 +89,7 @@ class ModelArchitecture(Section):
   vocab_size: int = Field(32_000, gt=0, description="Vocabulary size of the embedding and output logits.")
   normalization_layer_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
   use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head before rotary embedding (qwen3, gemma3).")
-  attention_bias: bool = Field(False, description="Learned biases on the query, key, value and output projections (gpt_oss).")
+  attention_bias: bool = Field(False, description="q/k/v/o projection biases (gpt_oss; HF attention_bias of llama, qwen3, gemma).")
 
 
 class Attention(Section):
@@ -200,6 +202,9 @@ class Logits(Section):
   logits_via_embedding: bool = Field(False, description="Tie the output projection to the token embedding.")
   normalize_embedding_logits: bool = Field(False, description="With tied embeddings, divide logits by sqrt(emb_dim).")
   final_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on output logits; None -> off.")
+  logits_dot_in_fp32: bool = Field(
+    False, description="Output logits matmul on float32 operands with float32 logits; false -> dtype operands, logits rounded to dtype, then float32."
+  )
 
 
 class Quantization(Section):
@@ -225,44 +230,75 @@ class Quantization(Section):
 
 
 class HardwareAndMesh(Section):
-  mesh_axes: list[str] = Field(["data", "fsdp", "sequence", "tensor", "expert"], min_length=1, description="Mesh axis names, outermost first.")
+  mesh_axes: list[str] = Field(
+    ["data", "stage", "fsdp", "sequence", "context", "tensor", "expert"], min_length=1, description="Mesh axis names, outermost first."
+  )
+  context_parallel_strategy: Literal["all_gather", "ring"] = Field(
+    "all_gather",
+    description="Attention over a context-sharded sequence: all_gather (keys and values gathered, queries stay sharded) or ring "
+    "(key/value blocks rotate with ppermute, merged by log-sum-exp).",
+  )
+  context_parallel_load_balance: bool = Field(
+    True, description="Reorder the sequence (dual-chunk swap) so every context shard gets equal causal work; undone for per-token outputs."
+  )
 
 
 class IciParallelism(Section):
   ici_data_parallelism: int = Field(1, description="Data parallelism within a slice; -1 fills.")
+  ici_pipeline_parallelism: int = Field(1, description="Pipeline stages within a slice (mesh axis 'stage'); -1 fills.")
   ici_fsdp_parallelism: int = Field(-1, description="Fully sharded data parallelism within a slice; -1 fills.")
   ici_sequence_parallelism: int = Field(1, description="Sequence parallelism within a slice; -1 fills.")
+  ici_context_parallelism: int = Field(1, description="Context parallelism within a slice (sequence split, attention gathers or rings K/V); -1 fills.")
   ici_tensor_parallelism: int = Field(1, description="Tensor parallelism within a slice; -1 fills.")
   ici_expert_parallelism: int = Field(1, description="Expert parallelism within a slice; -1 fills.")
 
 
 class DcnParallelism(Section):
   dcn_data_parallelism: int = Field(-1, description="Data parallelism across slices; -1 fills.")
+  dcn_pipeline_parallelism: int = Field(1, description="Pipeline stages across slices (mesh axis 'stage'); -1 fills.")
   dcn_fsdp_parallelism: int = Field(1, description="FSDP across slices; -1 fills.")
   dcn_sequence_parallelism: int = Field(1, description="Sequence parallelism across slices; -1 fills.")
+  dcn_context_parallelism: int = Field(1, description="Context parallelism across slices; -1 fills.")
   dcn_tensor_parallelism: int = Field(1, description="Tensor parallelism across slices; -1 fills.")
   dcn_expert_parallelism: int = Field(1, description="Expert parallelism across slices; -1 fills.")
 
 
+class PipelineParallelism(Section):
+  num_layers_per_pipeline_stage: int = Field(
+    1, gt=0, description="Consecutive layers a stage runs per visit; below layers/stages the schedule is circular (num_pipeline_repeats > 1)."
+  )
+  num_pipeline_repeats: int = Field(
+    -1, description="Visits of each microbatch to each stage: layers / (stages x num_layers_per_pipeline_stage); -1 -> that value (derived)."
+  )
+  num_pipeline_microbatches: int = Field(
+    -1, description="Microbatches the pipeline splits each batch into; a multiple of the stages; -1 -> stages (x2 with delayed forwarding)."
+  )
+  pipeline_fsdp_ag_once: bool = Field(False, description="All-gather a stage's FSDP-sharded weights once per step (held gathered), not once per microbatch.")
+  pipeline_delay_activation_forwarding: bool = Field(
+    False, description="Forward a stage's output one iteration late, so the transfer overlaps the next compute; doubles the bubble, microbatches >= 2 x stages."
+  )
+
+
 DEFAULT_LOGICAL_AXIS_RULES: list[list] = [
   ["activation_batch", ["data", "fsdp", "expert"]],
-  ["activation_length", ["sequence"]],
+  ["activation_length", ["sequence", "context"]],
   ["activation_embed", []],
   ["activation_heads", ["tensor"]],
   ["activation_kv_heads", ["tensor"]],
   ["activation_mlp", ["tensor"]],
   ["activation_vocab", ["tensor"]],
   ["activation_exp", ["expert"]],
-  ["embed", ["fsdp", "sequence", "expert"]],
-  ["q_lora", ["fsdp", "sequence", "expert"]],
-  ["kv_lora", ["fsdp", "sequence", "expert"]],
+  ["embed", ["fsdp", "sequence", "context", "expert"]],
+  ["q_lora", ["fsdp", "sequence", "context", "expert"]],
+  ["kv_lora", ["fsdp", "sequence", "context", "expert"]],
   ["vocab", ["tensor"]],
   ["heads", ["tensor"]],
   ["kv_heads", ["tensor"]],
   ["mlp", ["tensor"]],
   ["exp", ["expert"]],
   ["head_dim", []],
-  ["layers", []],
+  ["layers", ["stage"]],
+  ["dense_layers", []],
   ["norm", []],
   ["mhc", []],
   ["cache_batch", ["data", "fsdp", "expert"]],
@@ -380,6 +416,26 @@ class DatasetGeneral(Section):
   sft_train_on_completion_only: bool = Field(True, description="SFT: train only on assistant tokens.")
   chat_template: str = Field("", description="SFT: Jinja chat template; empty -> the tokenizer's own.")
   chat_template_path: str = Field("", description="SFT: file holding a Jinja chat template.")
+
+
+class FineTuning(Section):
+  use_dpo: bool = Field(
+    False, description="Direct preference optimisation on train_data_columns [chosen, rejected] or [prompt, chosen, rejected] (docs/post_training.md)."
+  )
+  dpo_beta: float = Field(0.1, gt=0, description="DPO: beta, the strength of the implicit KL to the reference model.")
+  dpo_label_smoothing: float = Field(0.0, ge=0, le=1, description="DPO: label smoothing eps, the assumed share of flipped preference labels.")
+  use_grpo: bool = Field(False, description="GRPO: sample num_generations completions per prompt, score them, update (docs/post_training.md).")
+
+
+class RL(Section):
+  num_generations: int = Field(2, description="GRPO: completions sampled per prompt (a group); at least 2.")
+  num_iterations: int = Field(1, gt=0, description="GRPO: optimizer updates per rollout batch, reusing its old log-probabilities.")
+  grpo_beta: float = Field(0.08, ge=0, description="GRPO: weight of the KL to the reference model; 0 -> no reference.")
+  grpo_epsilon: float = Field(0.2, gt=0, lt=1, description="GRPO: the probability ratio is clipped to [1 - epsilon, 1 + epsilon].")
+  grpo_reward_functions: list[str] = Field(
+    [], description="GRPO: reward functions 'module:function', each (prompts, completions, **row columns) -> one float per completion."
+  )
+  grpo_reward_weights: list[float] = Field([], description="GRPO: weight of each reward function in the total reward; [] -> all 1.")
 
 
 class Tokenizer(Section):

@@ -35,6 +35,10 @@ HF_MODEL_TYPES = {
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek")
 WINDOWED_TYPES = ("gemma2", "gemma3_text", "gpt_oss")  # model types whose layer_types alternate sliding and full attention
+# Model types whose transformers attention puts a bias on q, k, v and o exactly when attention_bias is true (maxtext's
+# attention_bias); MistralAttention and MixtralAttention have no biases whatever the key says.
+BIASED_ATTENTION_TYPES = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
+UNBIASED_ATTENTION_TYPES = ("mistral", "mixtral")
 # Gemma3TextConfig defaults for the fields a multimodal Gemma 3 config.json may leave out of its text_config.
 GEMMA3_TEXT_DEFAULTS = {
   "vocab_size": 262_208,
@@ -264,10 +268,10 @@ def overrides_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
   }
   if hf.get("mlp_bias"):
     raise ConfigError("config.json uses dense MLP biases, which maxtext's dense MLPs do not have")
-  if hf.get("attention_bias") and (model_type not in ("llama", "mistral", "gpt_oss")):
-    raise ConfigError(f"config.json uses attention biases, which maxtext's {family.name} attention does not have")
-  if hf.get("attention_bias"):
+  if hf.get("attention_bias") and model_type in BIASED_ATTENTION_TYPES:
     out["attention_bias"] = True
+  elif hf.get("attention_bias") and model_type not in UNBIASED_ATTENTION_TYPES:
+    raise ConfigError(f"config.json uses attention biases, which maxtext's {family.name} attention does not have")
   if model_type == "gemma3_text" and hf.get("use_bidirectional_attention"):
     raise ConfigError("config.json sets use_bidirectional_attention; maxtext's gemma3 is a causal decoder")
   window = hf.get("sliding_window")
@@ -312,6 +316,8 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
     raise ConfigError(f"gpt_oss with mlp_activations {c.mlp_activations} has no Hugging Face equivalent; use [sigmoid, linear]")
   if c.mhc_expansion_rate > 1:
     raise ConfigError("mHC connectors have no Hugging Face equivalent; export a model with mhc_expansion_rate=1")
+  if c.attention_bias and HF_MODEL_TYPES[c.decoder_block] in UNBIASED_ATTENTION_TYPES:
+    raise ConfigError(f"{HF_ARCHITECTURES[c.decoder_block]} has no attention biases; export a {c.decoder_block} model with attention_bias=false")
   rope = _rope_export(c, mla=registry.get(c.decoder_block).mla)
   hf: dict[str, Any] = {
     "architectures": [HF_ARCHITECTURES[c.decoder_block]],

@@ -30,6 +30,10 @@ def create_iterator(config: MaxTextConfig, mesh: Mesh, split: str = "train") -> 
   from maxtext.data.pipeline import local_batches
 
   process_index, process_count = jax.process_index(), jax.process_count()
+  if config.use_grpo:  # GRPO reads prompts; its rows are sampled (maxtext.train.grpo)
+    from maxtext.data.prompts import create_prompt_iterator
+
+    return create_prompt_iterator(config, mesh, split, process_index, process_count)
   local_batch = local_batch_size(config, mesh, process_count)
   dataset, description = local_batches(config, split, process_index, process_count, local_batch)
   return DataIterator(dataset, config, mesh, split, description, process_index, process_count)

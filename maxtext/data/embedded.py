@@ -2,6 +2,10 @@
 
 Every 10th topic (sorted by name) is held out as the eval split. With no tokenizer_path, a sentencepiece tokenizer
 of vocab_size tokens is trained on the train topics on first use and cached under base_output_directory.
+
+Each record holds the topic as 'text', and for post-training (docs/post_training.md) 'prompt' (its first
+PROMPT_WORDS words), 'chosen' (the next RESPONSE_WORDS words) and 'rejected' (those words in a shuffled order):
+preference pairs of fluent over scrambled text, and prompts whose rewards may read the topic.
 """
 
 from __future__ import annotations
@@ -9,20 +13,33 @@ from __future__ import annotations
 import os
 
 import grain
+import numpy as np
 
 from maxtext.data.sources import Source
 from maxtext.tokenizer.train import train_sentencepiece
 
 EVAL_EVERY = 10
+PROMPT_WORDS = 8
+RESPONSE_WORDS = 12
+
+
+def record(index: int, text: str) -> dict[str, str]:
+  """{'text', 'prompt', 'chosen', 'rejected'} of a topic (rejected: chosen's words permuted, seeded by index)."""
+  words = text.split()
+  prompt, response = words[:PROMPT_WORDS], words[PROMPT_WORDS : PROMPT_WORDS + RESPONSE_WORDS]
+  order = np.random.default_rng(index).permutation(len(response))
+  if len(response) > 1 and np.array_equal(order, np.arange(len(response))):
+    order = np.roll(order, 1)
+  return {"text": text, "prompt": " ".join(prompt), "chosen": " ".join(response), "rejected": " ".join(response[i] for i in order)}
 
 
 def documents(split: str) -> list[tuple[str, dict[str, str]]]:
-  """(where, {'text': ...}) of each topic in the split."""
+  """(where, record) of each topic in the split."""
   from pydoc_data.topics import topics
 
   names = sorted(topics)
   held_out = split != "train"
-  return [(f"pydoc_data topic '{name}'", {"text": topics[name]}) for i, name in enumerate(names) if (i % EVAL_EVERY == 0) == held_out]
+  return [(f"pydoc_data topic '{name}'", record(i, topics[name])) for i, name in enumerate(names) if (i % EVAL_EVERY == 0) == held_out]
 
 
 def source(split: str) -> Source:

@@ -126,6 +126,10 @@ class DataIterator:
       if cause is not None:
         raise cause from None
       raise
+    return self._local_rows(batch)
+
+  def _local_rows(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A batch as grain gives it -> this process's int32 rows (a short eval batch padded with empty rows)."""
     batch = {k: np.asarray(batch[k], np.int32) for k in self.keys}
     rows = batch["inputs"].shape[0]
     if rows < self.local_batch:  # the last eval batch: pad with empty rows (on the base model)

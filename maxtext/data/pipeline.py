@@ -9,7 +9,7 @@ import grain.experimental as gx
 import numpy as np
 
 from maxtext.config import MaxTextConfig, adapters
-from maxtext.data import embedded, features, sources
+from maxtext.data import embedded, features, preference, sources
 from maxtext.data.sft import resolve_chat_template
 from maxtext.errors import ConfigError
 from maxtext.tokenizer import Tokenizer, load_tokenizer
@@ -31,10 +31,9 @@ def resolve_tokenizer(config: MaxTextConfig) -> Tokenizer:
 
 
 def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer) -> features.DocumentEncoder:
+  """The record encoder of the run's objective: documents, SFT conversations, DPO pairs or GRPO prompts."""
   template = resolve_chat_template(config.chat_template, config.chat_template_path, tokenizer.chat_template) if config.use_sft else None
-  return features.DocumentEncoder(
-    tokenizer,
-    config.train_data_columns,
+  kwargs = dict(
     add_bos=config.add_bos,
     add_eos=config.add_eos,
     use_sft=config.use_sft,
@@ -43,6 +42,13 @@ def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer) -> features.Docume
     adapter_column=config.lora.adapter_column,
     adapter_names=adapter_names(config),
   )
+  if config.use_dpo:
+    return preference.PairEncoder(tokenizer, config.train_data_columns, max_length=config.max_target_length, **kwargs)
+  if config.use_grpo:
+    from maxtext.data.prompts import PromptEncoder
+
+    return PromptEncoder(tokenizer, config.train_data_columns, max_length=config.max_prefill_predict_length, **kwargs)
+  return features.DocumentEncoder(tokenizer, config.train_data_columns, **kwargs)
 
 
 def adapter_names(config: MaxTextConfig) -> list[str]:
@@ -68,10 +74,9 @@ def open_source(config: MaxTextConfig, split: str, process_index: int, process_c
   raise ConfigError(f"dataset_type '{kind}' has no file pipeline; use grain, tfds, hf, embedded or synthetic")
 
 
-def local_batches(config: MaxTextConfig, split: str, process_index: int, process_count: int, local_batch: int) -> tuple[grain.IterDataset, str]:
-  """This process's batches (dicts of int32 [local_batch, max_target_length]) and a description of the data."""
-  if config.max_segments_per_seq == 0 or config.max_segments_per_seq < -1:
-    raise ConfigError(f"invalid value for 'max_segments_per_seq': {config.max_segments_per_seq}; use -1 (no limit) or a positive integer")
+def encoded_documents(config: MaxTextConfig, split: str, process_index: int, process_count: int) -> tuple[grain.IterDataset, sources.Source]:
+  """This process's share of the split's records, shuffled and repeated num_epoch times, through the run's encoder
+  (records with nothing to learn dropped), and the source they come from."""
   training = split == "train"
   shuffle = training and config.enable_data_shuffling
   num_epoch = config.num_epoch if training else 1
@@ -79,7 +84,6 @@ def local_batches(config: MaxTextConfig, split: str, process_index: int, process
     raise ConfigError(f"invalid value for 'data_shuffle_seed': {config.data_shuffle_seed}; use an integer in [0, 2**32)")
   encoder = make_encoder(config, resolve_tokenizer(config))
   source = open_source(config, split, process_index, process_count, num_epoch)
-  length = config.max_target_length
 
   if source.random_access:
     ds: Any = source.dataset
@@ -97,29 +101,47 @@ def local_batches(config: MaxTextConfig, split: str, process_index: int, process
     if shuffle:
       ds = gx.WindowShuffleIterDataset(ds, window_size=config.grain_shuffle_buffer_size, seed=config.data_shuffle_seed)
     ds = ds.map(encoder).filter(is_document)
+  return ds, source
 
-  if config.use_truncation:
-    ds = ds.map(Truncate(length))
+
+def local_batches(config: MaxTextConfig, split: str, process_index: int, process_count: int, local_batch: int) -> tuple[grain.IterDataset, str]:
+  """This process's batches (dicts of int32 [local_batch, max_target_length]) and a description of the data."""
+  if config.max_segments_per_seq == 0 or config.max_segments_per_seq < -1:
+    raise ConfigError(f"invalid value for 'max_segments_per_seq': {config.max_segments_per_seq}; use -1 (no limit) or a positive integer")
+  ds, source = encoded_documents(config, split, process_index, process_count)
+  length = config.max_target_length
+  segments = None if config.max_segments_per_seq == -1 else config.max_segments_per_seq
+  if config.use_dpo:  # elements are whole pairs, already shifted and truncated to fit a row
+    packed = features.packed_features(bool(config.lora.adapter_column)) + preference.META_FEATURES
+    meta, finalize, pad = preference.META_FEATURES, preference.finalize_packed_pairs, PadPair(length)
+    segments = None if segments is None else max(1, segments // 2)  # a pair is two segments
   else:
-    ds = gx.FlatMapIterDataset(ds, features.ChunkTransform(length))
+    ds = ds.map(Truncate(length)) if config.use_truncation else gx.FlatMapIterDataset(ds, features.ChunkTransform(length))
+    packed = features.packed_features(bool(config.lora.adapter_column))
+    meta, finalize, pad = (), features.finalize_packed, Pad(length)
   if config.packing:
     ds = gx.FirstFitPackIterDataset(
       ds,
-      length_struct={name: length for name in features.packed_features(bool(config.lora.adapter_column))},
+      length_struct={name: length for name in packed},
       num_packing_bins=max(local_batch, MIN_PACKING_BINS),
       shuffle_bins=False,
-      max_sequences_per_bin=None if config.max_segments_per_seq == -1 else config.max_segments_per_seq,
-    ).map(features.finalize_packed)
+      meta_features=meta,
+      max_sequences_per_bin=segments,
+    ).map(finalize)
   else:
-    ds = ds.map(Pad(length))
-  ds = ds.batch(local_batch, drop_remainder=training)
+    ds = ds.map(pad)
+  return prefetched(config, ds.batch(local_batch, drop_remainder=split == "train"), source), source.description
+
+
+def prefetched(config: MaxTextConfig, ds: grain.IterDataset, source: sources.Source) -> grain.IterDataset:
+  """ds read ahead: by worker processes for random-access sources (grain_worker_count > 0), else by a thread."""
   if source.random_access and config.grain_worker_count > 0:
     _ensure_absl_flags_parsed()  # grain's worker processes read absl flags
     options = grain.MultiprocessingOptions(num_workers=config.grain_worker_count, per_worker_buffer_size=max(1, config.grain_prefetch_buffer_size))
     ds = ds.mp_prefetch(options)
   elif config.grain_prefetch_buffer_size > 0:
     ds = gx.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=config.grain_prefetch_buffer_size)
-  return ds, source.description
+  return ds
 
 
 def _ensure_absl_flags_parsed() -> None:
@@ -147,6 +169,11 @@ class Pad:
 
   def __call__(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return features.pad_row(row, self.length)
+
+
+class PadPair(Pad):
+  def __call__(self, element: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return preference.pad_pair(element, self.length)
 
 
 def streamed_share(ds: grain.IterDataset, process_index: int, process_count: int) -> grain.IterDataset:

@@ -32,7 +32,17 @@ def check_adapter(config: MaxTextConfig) -> list[str] | None:
   return [name]
 
 
+def check_training_only_axes(config: MaxTextConfig) -> None:
+  """Decoding runs no pipeline and no context parallelism: a config that asks for either is a one-line error."""
+  from maxtext.config.derived import axis_size
+
+  for axis, keys in (("stage", "ici_pipeline_parallelism, dcn_pipeline_parallelism"), ("context", "ici_context_parallelism, dcn_context_parallelism")):
+    if axis_size(config.ici_parallelism, config.dcn_parallelism, config.mesh_axes, axis) > 1:
+      raise ConfigError(f"decode does not use the '{axis}' mesh axis (training only); set {keys} to 1 (checkpoints do not depend on them)")
+
+
 def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
+  check_training_only_axes(config)
   if config.hf_model_path:
     config = hf_config(argv, config.hf_model_path)
   sampling = SamplingParams.from_config(config)

@@ -56,7 +56,9 @@ class Generator:
     max_prefill_length: int | None = None,
     eos_id: int | None = None,
     mesh: Mesh | None = None,
+    fixed_bucket: bool = False,
   ):
+    """fixed_bucket: pad every prompt batch to max_prefill_length (one prefill compile for all prompt lengths)."""
     c = model.config
     self.config = c
     self.sampling = sampling or SamplingParams()
@@ -65,6 +67,7 @@ class Generator:
     self.check_lengths(self.max_target_length, self.max_prefill_length)
     self.eos_id = -1 if eos_id is None else int(eos_id)
     self.mesh = mesh
+    self.fixed_bucket = fixed_bucket
     self.layout = cache_layout.layout(c, self.max_target_length)
     self.graphdef, self.state = nnx.split(model)
     self.prefill = jax.jit(self._prefill)
@@ -187,7 +190,8 @@ class Generator:
     for p in prompts:
       self.check_prompt(p, self.max_prefill_length, self.config.vocab_size)
     rows = -(-len(prompts) // self.batch_multiple()) * self.batch_multiple()
-    tokens = np.zeros((rows, prefill_bucket(max(len(p) for p in prompts), self.max_prefill_length)), np.int32)
+    width = self.max_prefill_length if self.fixed_bucket else prefill_bucket(max(len(p) for p in prompts), self.max_prefill_length)
+    tokens = np.zeros((rows, width), np.int32)
     lengths = np.ones((rows,), np.int32)
     for i, p in enumerate(prompts):
       tokens[i, : len(p)] = p
@@ -216,22 +220,33 @@ class Generator:
   def _mesh_context(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def generate(self, prompts: Sequence[Sequence[int]], seed: int = 0, adapter_ids: Sequence[int | str] | None = None) -> Result:
+  def generate(
+    self,
+    prompts: Sequence[Sequence[int]],
+    seed: int = 0,
+    adapter_ids: Sequence[int | str] | None = None,
+    *,
+    state: nnx.State | None = None,
+    key: jax.Array | None = None,
+  ) -> Result:
     """Generated tokens for each prompt (compiled once per batch size and prompt bucket), with timings.
 
     adapter_ids: each prompt's LoRA adapter (name, slot or -1 for the base) when the model holds several; one batch
-    may mix them.
+    may mix them. state: parameters to decode with instead of the model's own (same structure, shardings and
+    layouts, e.g. a train state's live parameters: nothing is copied). key: the sampling key instead of key(seed).
     """
+    state = self.state if state is None else state
+    key = jax.random.key(seed) if key is None else key
     tokens, lengths = self.pad(prompts)
     slots = self.adapter_slots(adapter_ids, len(prompts), tokens.shape[0])
     prefill, loop = self._executables_for(tokens, lengths, slots)
     with self._mesh_context():
       start = time.perf_counter()
-      cache, logits = prefill(self.state, tokens, lengths, slots)
+      cache, logits = prefill(state, tokens, lengths, slots)
       logits.block_until_ready()
       prefill_seconds = time.perf_counter() - start
       start = time.perf_counter()
-      out, counts, _ = jax.device_get(loop(self.state, cache, logits, lengths, jax.random.key(seed), jnp.int32(self.eos_id), slots))
+      out, counts, _ = jax.device_get(loop(state, cache, logits, lengths, key, jnp.int32(self.eos_id), slots))
       decode_seconds = time.perf_counter() - start
     generated = [out[i, : counts[i]].tolist() for i in range(len(prompts))]
     return Result(generated, int(lengths[: len(prompts)].sum()), prefill_seconds, int(counts[: len(prompts)].sum()), decode_seconds)

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
-from maxtext.layers import attention_ops, rope
+from maxtext.layers import attention_ops, context_parallel, rope
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
@@ -59,6 +59,7 @@ class Attention(nnx.Module):
       self.query_norm = self.key_norm = None
     self.sinks = nnx.Param(jnp.zeros((h,), dtype(c.weight_dtype)), logical_axes=("heads",)) if c.attention_sink else None
     self.scale = (c.query_pre_attn_scalar or d) ** -0.5
+    self.context = context_parallel.Layout.of(c)
     # An explicit kernel that cannot run this model fails here, at build time, as a one-line config error.
     attention_ops.select(
       policy, dtype=dtype(c.dtype), head_dim=d, q_len=c.max_target_length, kv_len=c.max_target_length, soft_cap=c.attn_logits_soft_cap, sinks=c.attention_sink
@@ -99,6 +100,7 @@ class Attention(nnx.Module):
       window_choices=self.window_choices,
       rules=rules,
       sinks=sinks,
+      context=self.context,
     )
     ctx = checkpoint_name(ctx, "context")
     return checkpoint_name(self.out(ctx), "out_proj")

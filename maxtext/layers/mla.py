@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
 from maxtext.inference.kv_cache import head_major_attention
-from maxtext.layers import attention_ops, matmul, rope
+from maxtext.layers import attention_ops, context_parallel, matmul, rope
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
@@ -70,6 +70,7 @@ class MLA(nnx.Module):
     self.wkv_b = DenseGeneral((c.kv_lora_rank,), (h, c.qk_nope_head_dim + c.v_head_dim), ("kv_lora", "heads", "head_dim"), **kw)
     self.out = DenseGeneral((h, c.v_head_dim), (e,), ("heads", "head_dim", "embed"), **kw)
     self.scale = softmax_scale(c)
+    self.context = context_parallel.Layout.of(c)
     # An explicit kernel that cannot run this model fails here, at build time, as a one-line config error.
     attention_ops.select(policy, dtype=dtype(c.dtype), head_dim=qk, q_len=c.max_target_length, kv_len=c.max_target_length, soft_cap=c.attn_logits_soft_cap)
 
@@ -111,6 +112,7 @@ class MLA(nnx.Module):
       policy=self.policy,
       precision=precision(c.matmul_precision),
       rules=rules,
+      context=self.context,
     )
     ctx = checkpoint_name(ctx, "context")
     return checkpoint_name(self.out(ctx), "out_proj")

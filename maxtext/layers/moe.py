@@ -78,13 +78,16 @@ def route(logits: jax.Array, config: MaxTextConfig, bias: jax.Array | None = Non
 
 def load_balance_loss(probs: jax.Array, experts: jax.Array, valid: jax.Array) -> jax.Array:
   """Switch-style auxiliary loss: E * sum_e (fraction of routed slots to e) * (mean router prob of e), over valid tokens."""
-  num_experts = probs.shape[-1]
   w = valid.astype(jnp.float32)[:, None]
-  denom = jnp.maximum(jnp.sum(w), 1.0)
-  chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=1)  # [T,E]
-  frac = jnp.sum(chosen * w, axis=0) / (denom * experts.shape[-1])
-  mean_prob = jnp.sum(probs * w, axis=0) / denom
-  return num_experts * jnp.sum(frac * mean_prob)
+  chosen = jax.nn.one_hot(experts, probs.shape[-1], dtype=jnp.float32).sum(axis=1)  # [T,E]
+  return load_balance_from_sums(jnp.sum(chosen * w, axis=0), jnp.sum(probs * w, axis=0), jnp.sum(w), experts.shape[-1])
+
+
+def load_balance_from_sums(load: jax.Array, prob_sum: jax.Array, tokens: jax.Array, k: int) -> jax.Array:
+  """load_balance_loss from its sums over valid tokens: load [..., E] routed slots, prob_sum [..., E] router
+  probabilities, tokens [...] the count. Sums add over microbatches, so a pipeline gets the full batch's loss."""
+  denom = jnp.maximum(tokens, 1.0)[..., None]
+  return load.shape[-1] * jnp.sum(load / (denom * k) * (prob_sum / denom), axis=-1)
 
 
 def bias_update(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
@@ -161,8 +164,8 @@ def unpack_combine(out: jax.Array, slot: jax.Array, weights: jax.Array) -> jax.A
 
 def empty_stats(num_experts: int) -> dict[str, jax.Array]:
   """The statistics of a layer without experts (same structure as MoE's)."""
-  zero = jnp.zeros((), jnp.float32)
-  return {"lb_loss": zero, "dropped": zero, "load": jnp.zeros((num_experts,), jnp.float32)}
+  zero, experts = jnp.zeros((), jnp.float32), jnp.zeros((num_experts,), jnp.float32)
+  return {"lb_loss": zero, "dropped": zero, "load": experts, "router_probs": experts, "tokens": zero}
 
 
 class MoE(nnx.Module):
@@ -289,7 +292,8 @@ class MoE(nnx.Module):
     """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics).
 
     Statistics: lb_loss (load-balance loss), dropped (valid (token, expert) pairs over capacity),
-    load [num_experts] (valid tokens routed to each expert, before dropping).
+    load [num_experts] (valid tokens routed to each expert, before dropping), router_probs [num_experts] and tokens (the sums
+    of valid tokens' router probabilities and of valid tokens, from which load_balance_from_sums gives lb_loss).
     """
     c = self.config
     b, s, e = x.shape
@@ -313,5 +317,13 @@ class MoE(nnx.Module):
     y = y.astype(self.dtype).reshape(b, s, e)
     if self.shared_experts is not None:
       y = y + self.shared_experts(x)
-    stats = {"lb_loss": load_balance_loss(r.probs, r.experts, valid), "dropped": dropped, "load": load}
+    w = valid.astype(jnp.float32)
+    probs, tokens = jnp.einsum("te,t->e", r.probs, w), jnp.sum(w)
+    stats = {
+      "lb_loss": load_balance_from_sums(load, probs, tokens, c.num_experts_per_tok),
+      "dropped": dropped,
+      "load": load,
+      "router_probs": probs,
+      "tokens": tokens,
+    }
     return checkpoint_name(y, "mlpwo"), stats

@@ -265,6 +265,31 @@ def training_flops_per_step(config: MaxTextConfig) -> float:
   return float(tokens * per_token + attention)
 
 
+def forward_flops_per_step(config: MaxTextConfig) -> float:
+  """Model FLOPs of one forward pass over the global batch without gradients (a reference or scoring pass):
+  2 per active parameter per token (the embedding lookup excluded, the output matmul included) plus the causal
+  attention scores, 2 T x keys x heads x attention_width per layer."""
+  c = config
+  tokens = c.global_batch_size_to_train_on * c.max_target_length
+  params = param_count(c, include_embedding=False, active_only=True) - mtp_params(c, active_only=True) + c.vocab_size * c.emb_dim
+  seq = c.max_target_length
+  keys = [min(seq, w) if w > 0 else seq for w in registry.get(c.decoder_block).layer_windows(c)]
+  return float(2 * tokens * params + sum(2 * tokens * k * c.num_query_heads * attention_width(c) for k in keys))
+
+
+def step_flops(config: MaxTextConfig) -> float:
+  """Model FLOPs of one train step as the run's objective makes it: one training pass, plus DPO's reference forward;
+  GRPO: num_iterations training passes plus the scoring forwards (old log-probabilities when num_iterations > 1,
+  reference log-probabilities when grpo_beta > 0). GRPO's rollout decoding is not counted (its length varies)."""
+  c = config
+  if c.use_dpo:
+    return training_flops_per_step(c) + forward_flops_per_step(c)
+  if c.use_grpo:
+    forwards = int(c.num_iterations > 1) + int(c.grpo_beta > 0)
+    return c.num_iterations * training_flops_per_step(c) + forwards * forward_flops_per_step(c)
+  return training_flops_per_step(c)
+
+
 def flops_per_device_per_step(config: MaxTextConfig) -> float:
-  """training_flops_per_step divided evenly over config.num_devices."""
-  return training_flops_per_step(config) / config.num_devices
+  """step_flops divided evenly over config.num_devices."""
+  return step_flops(config) / config.num_devices

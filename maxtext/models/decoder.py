@@ -2,44 +2,57 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
-from maxtext.layers import lora
+from maxtext.layers import context_parallel, lora
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.embed import Embed
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
+from maxtext.layers.moe import load_balance_from_sums
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.output_head import OutputHead
 from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.layers.sharding import constrain
-from maxtext.models import registry, remat
+from maxtext.models import pipeline, registry, remat
 from maxtext.models.decoder_layer import DecoderLayer
 from maxtext.models.mtp import MTPBlock
 from maxtext.platform import Policy
 
-LAYERS_AXIS = "layers"
+LAYERS_AXIS = pipeline.LAYERS_AXIS
+DENSE_LAYERS_AXIS = "dense_layers"  # DeepSeek's leading dense layers: a stack of their own, outside any pipeline
 
 
-def _prepend_layers_axis(variable: nnx.Variable) -> nnx.Variable:
+def _prepend_axis(variable: nnx.Variable, name: str) -> nnx.Variable:
   axes = variable.get_metadata().get("logical_axes") or (None,) * (variable[...].ndim - 1)
-  return variable.replace(logical_axes=(LAYERS_AXIS,) + tuple(axes))
+  return variable.replace(logical_axes=(name,) + tuple(axes))
 
 
 def stacked_layers(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs, count: int | None = None, dense: bool = False) -> DecoderLayer:
-  """One DecoderLayer whose parameters have a leading [count] axis (logical name 'layers'; count defaults to all layers)."""
+  """One DecoderLayer whose parameters have a leading [count] axis (count defaults to all layers).
+
+  The main stack's axis is 'layers' (sharded over `stage`, held in the pipeline's train-state order: each layer gets
+  the random key of its plain index, so a pipelined model starts with the same weights); dense=True builds DeepSeek's
+  leading dense layers, axis 'dense_layers'.
+  """
   family = registry.get(config.decoder_block)
   keys = jax.random.split(rngs.params(), config.num_decoder_layers if count is None else count)
+  plan = None if dense else pipeline.Plan.of(config)
+  if plan is not None:
+    keys = keys[plan.order()]
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(0), dense=dense)))
   state = jax.vmap(lambda k: nnx.state(DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(k), dense=dense)))(keys)
-  state = jax.tree.map(_prepend_layers_axis, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+  name = DENSE_LAYERS_AXIS if dense else LAYERS_AXIS
+  state = jax.tree.map(lambda v: _prepend_axis(v, name), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
   return nnx.merge(graphdef, state)
 
 
@@ -106,6 +119,37 @@ class Transformer(nnx.Module):
     hidden, _, stats = self.forward_hidden(tokens, positions, segment_ids, adapter_ids)
     return hidden, stats["lb_loss"]
 
+  def pipelined_layers(
+    self, plan: pipeline.Plan, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, adapter_ids: jax.Array | None, windows: list[int]
+  ):
+    """The main layer stack under the pipeline schedule -> (x, per-layer MoE statistics, train-state order)."""
+    c = self.config
+    graphdef, state = nnx.split(self.layers)
+    offload = self.policy.offload_layer_inputs
+    static_window = windows[0] if len(set(windows)) == 1 else None
+    lps = plan.layers_per_stage
+
+    def stage_fn(w_s: Any, r: jax.Array, h: jax.Array, win_s: jax.Array, rows: tuple):
+      positions_k, segments_k, adapters_k = rows
+
+      def body(h, i):
+        h = checkpoint_name(h, remat.LAYER_INPUT)
+        w = jax.tree.map(lambda a: checkpoint_name(a[r * lps + i], remat.SLICED_WEIGHTS), w_s)  # sliced inside the remat region
+        layer = nnx.merge(graphdef, tied_to_carry(w, h, dtype(c.dtype)))
+        return layer(h, positions_k, segments_k, static_window if static_window is not None else win_s[r * lps + i])
+
+      body = remat.wrap(body, c.remat_policy, prevent_cse=False, offload_input=offload, sliced_weights=True)
+      with lora.adapter_rows(adapters_k) if adapters_k is not None else contextlib.nullcontext():
+        return jax.lax.scan(body, h, jnp.arange(lps))
+
+    rows = (positions, segment_ids, adapter_ids)
+    fsdp_axes = set(dict((name, tuple(axes)) for name, axes in c.logical_axis_rules).get("embed", ()))
+    order = plan.order()
+    y, stats = pipeline.run(plan, stage_fn, state, x, rows, np.asarray(windows)[order], c.logical_axis_rules, fsdp_axes)
+    # Loads, router probabilities and token counts were summed over microbatches: the full batch's load-balance loss.
+    stats["lb_loss"] = load_balance_from_sums(stats["load"], stats["router_probs"], stats["tokens"], c.num_experts_per_tok)
+    return y, stats
+
   def _run_layers(self, layers: nnx.Module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, windows: list[int]):
     """A stack (scanned) or list of layers over x -> (x, per-layer MoE statistics stacked on a leading axis).
 
@@ -151,9 +195,11 @@ class Transformer(nnx.Module):
     adapter_ids [B] or [B, S]: the LoRA slot of each row or token when lora.max_lora_adapters > 1 (None: slot 0).
     """
     with lora.adapter_rows(adapter_ids):
-      return self._forward_hidden(tokens, positions, segment_ids)
+      return self._forward_hidden(tokens, positions, segment_ids, adapter_ids)
 
-  def _forward_hidden(self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+  def _forward_hidden(
+    self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None, adapter_ids: jax.Array | None
+  ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     c = self.config
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -164,7 +210,11 @@ class Transformer(nnx.Module):
     if self.dense_layers is not None:
       x, dense_stats = self._run_layers(self.dense_layers, x, positions, segment_ids, windows[:n_dense])
       lb = lb + jnp.sum(dense_stats["lb_loss"])
-    x, stats = self._run_layers(self.layers, x, positions, segment_ids, windows[n_dense:])
+    plan = pipeline.Plan.of(c)
+    if plan is None:
+      x, stats = self._run_layers(self.layers, x, positions, segment_ids, windows[n_dense:])
+    else:
+      x, stats = self.pipelined_layers(plan, x, positions, segment_ids, adapter_ids, windows[n_dense:])
     x = collapse_streams(x, c)
     hidden = self.final_norm(x)
     lb = (lb + jnp.sum(stats["lb_loss"])) * (c.load_balance_loss_weight / c.num_decoder_layers)
@@ -188,6 +238,7 @@ class Transformer(nnx.Module):
       self.policy.integer_bf16_rounding,
       c.num_vocab_tiling,
       dataclasses.replace(self.policy.quantization, stored=False) if c.quantize_logits_proj else None,
+      c.logits_dot_in_fp32,
     )
 
   def logits(self, hidden: jax.Array) -> jax.Array:
@@ -197,5 +248,14 @@ class Transformer(nnx.Module):
   def __call__(
     self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
   ) -> jax.Array:
-    hidden, _ = self.hidden_states(tokens, positions, segment_ids, adapter_ids)
-    return self.logits(hidden)
+    """tokens [B, S] -> logits [B, S, vocab]; under context parallelism with load balance the sequence runs in the
+    shards' order and the logits come back in natural order."""
+    layout = context_parallel.Layout.of(self.config)
+    if layout is None or not layout.load_balance:
+      hidden, _ = self.hidden_states(tokens, positions, segment_ids, adapter_ids)
+      return self.logits(hidden)
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    per_token = lambda x: layout.reorder(x) if x is not None and x.ndim == 2 else x  # noqa: E731
+    hidden, _ = self.hidden_states(layout.reorder(tokens), layout.reorder(positions), per_token(segment_ids), per_token(adapter_ids))
+    return layout.restore(self.logits(hidden))

@@ -49,18 +49,22 @@ def shift_left(x: jax.Array, k: int) -> jax.Array:
   return jnp.concatenate([x[:, k:], jnp.zeros_like(x[:, :k])], axis=1)
 
 
-def mtp_xent_sum(model, pre_norm: jax.Array, batch: dict[str, jax.Array], config: MaxTextConfig) -> jax.Array:
-  """mtp_loss_scaling_factor x mean over modules of each module's summed cross entropy (over targets it can see)."""
+def mtp_xent_sum(model, pre_norm: jax.Array, batch: dict[str, jax.Array], config: MaxTextConfig, layout=None) -> jax.Array:
+  """mtp_loss_scaling_factor x mean over modules of each module's summed cross entropy (over targets it can see).
+
+  batch in natural order; pre_norm (and the modules' attention) in the order of the context-parallel layout, which
+  the shifted per-token arrays are put in too (None: natural order)."""
   c = config
+  order = (lambda x: x) if layout is None else layout.reorder
   tokens, targets = batch["inputs"], batch["targets"]
-  positions, segments = batch["inputs_position"], batch["inputs_segmentation"]
+  positions, segments = order(batch["inputs_position"]), batch["inputs_segmentation"]
   head = model.output_head()
   window = model.family.layer_windows(c)[-1]
   h, total = pre_norm, jnp.zeros((), jnp.float32)
   for k, block in enumerate(model.mtp, start=1):
-    h, normed = block(h, model.embed_tokens(shift_left(tokens, k)), positions, segments, window)
+    h, normed = block(h, model.embed_tokens(order(shift_left(tokens, k))), positions, order(segments), window)
     same_document = shift_left(segments, k) == segments
     mask = ((shift_left(batch["targets_segmentation"], k) != 0) & same_document).astype(jnp.float32)
-    xent, _ = head.loss_sums(normed, shift_left(targets, k), mask, 0.0)
+    xent, _ = head.loss_sums(normed, order(shift_left(targets, k)), order(mask), 0.0)
     total = total + xent
   return total * (c.mtp_loss_scaling_factor / c.mtp_num_layers)

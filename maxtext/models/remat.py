@@ -20,6 +20,7 @@ OFFLOADED: dict[str, str] = {"minimal_offloaded": "minimal", "qkv_proj_offloaded
 
 
 LAYER_INPUT = "decoder_layer_input"
+SLICED_WEIGHTS = "pipeline_layer_weights"  # a layer's weights sliced from a pipeline stage's stack: recomputed, never saved
 
 
 def policy(name: str, offload_input: bool = False):
@@ -46,12 +47,16 @@ def policy(name: str, offload_input: bool = False):
   )
 
 
-def wrap(fn: Callable, name: str, prevent_cse: bool, offload_input: bool = False) -> Callable:
+def wrap(fn: Callable, name: str, prevent_cse: bool, offload_input: bool = False, sliced_weights: bool = False) -> Callable:
   """fn rematerialised under the named policy ('none' returns fn unchanged).
 
   With offload_input, fn must name its input with `checkpoint_name(h, LAYER_INPUT)` before any other use of it: the
   backward pass then recomputes from the host copy and the device keeps no copy of the input.
+  sliced_weights: fn slices its layer's weights out of a larger stack and names them SLICED_WEIGHTS (pipeline stages);
+  under 'none' everything else is saved, so the backward pass re-slices instead of keeping a copy per visit.
   """
   if name == "none":
+    if sliced_weights:
+      return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_anything_except_these_names(SLICED_WEIGHTS), prevent_cse=prevent_cse)
     return fn
   return jax.checkpoint(fn, policy=policy(name, offload_input), prevent_cse=prevent_cse)

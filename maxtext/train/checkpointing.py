@@ -33,6 +33,7 @@ from etils import epath
 from maxtext.config import MaxTextConfig
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import ConfigError, UserError
+from maxtext.models import pipeline
 from maxtext.train import outputs
 
 ITEM = "items"
@@ -49,8 +50,12 @@ class Restored:
 
 
 def item_path(path: str) -> epath.Path:
-  """Accept either a step directory (<ckpt>/<step>) or its item directory (<ckpt>/<step>/items)."""
+  """Accept a step directory (<ckpt>/<step>), its item directory (<ckpt>/<step>/items), or a run's checkpoint
+  directory (<run>/checkpoints: its newest saved step)."""
   p = epath.Path(path)
+  newest = latest_saved_step(str(p)) if p.is_dir() and not (p / ITEM).is_dir() else None
+  if newest is not None:
+    p = epath.Path(newest)
   if (p / ITEM).is_dir():
     p = p / ITEM
   if not p.is_dir():
@@ -79,13 +84,14 @@ class Checkpointer:
     return self.directory / DATA_DIR / str(step) / f"process_{jax.process_index() if process is None else process}.json"
 
   def save(self, step: int, state: Any, data_state: dict[str, Any] | None) -> None:
-    """Save the state after `step` optimizer steps with its schedule record (async when async_checkpointing); the
-    data-iterator state is written first, so a finished step always has one."""
+    """Save the state after `step` optimizer steps with its schedule record (async when async_checkpointing), its
+    layers in plain order; the data-iterator state is written first, so a finished step always has one."""
     self.directory.mkdir(parents=True, exist_ok=True)
     if data_state is not None:
       f = self._data_file(step)
       f.parent.mkdir(parents=True, exist_ok=True)
       f.write_text(json.dumps(data_state))
+    state = pipeline.to_storage(state, self.config)
     record = {SCHEDULE_KEY: self.config.learning_rate_schedule_steps}
     self.manager.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardSave(state), SCHEDULE: ocp.args.JsonSave(record)}), force=True)
     self._prune_data_states(keep={step, *self.manager.all_steps()})
@@ -124,7 +130,7 @@ class Checkpointer:
       if not all_processes_agree(problem is None) and problem is None:
         problem = "another process cannot use it"
       if problem is None:
-        return Restored(restored, schedule)
+        return Restored(pipeline.from_storage(restored, self.config), schedule)
       if data_iter is not None:
         data_iter.set_state(initial)
       self._set_aside(step, problem, log)
@@ -518,18 +524,18 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
     path = config.load_parameters_path
     check_base_quantization(config, path, abstract_params)
     restored, lacking = restore_some_params(path, base_target(config, abstract_params), "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
-    params = overlay_params(params, quantize_restored(config, restored, abstract_params))
+    params = overlay_params(params, pipeline.from_storage(quantize_restored(config, restored, abstract_params), config))
     note = f" ({len(lacking)} adapter/connector arrays it lacks keep their init)" if lacking else ""
     stored = stored_kernels(abstract_params)
     how = (
       "" if not stored else " (quantized kernels)" if config.checkpoint_is_quantized else f" ({len(stored)} kernels quantized to {config.quantization} on load)"
     )
-    log(f"loaded parameters from {path}{how}{note}")
+    log(f"loaded parameters from {item_path(path).parent}{how}{note}")  # the step a checkpoints/ directory stood for
   if adapters and config.lora.lora_restore_path:
     if not config.lora.enable_lora:
       raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")
     wanted = nnx.filter_state(abstract_params, nnx.Any(LoRAParam, MHCParam))
     restored, _ = restore_some_params(config.lora.lora_restore_path, wanted, "lora.lora_restore_path", may_lack=MHCParam)
-    params = overlay_params(params, restored)
+    params = overlay_params(params, pipeline.from_storage(restored, config))
     log(f"loaded LoRA adapters from {config.lora.lora_restore_path}")
   return params

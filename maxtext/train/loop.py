@@ -9,19 +9,18 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from flax import nnx
 
 from maxtext import memory_limit
 from maxtext.config import MaxTextConfig
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
-from maxtext.train import checkpointing, outputs, preflight, run_lock
+from maxtext.models import pipeline
+from maxtext.train import checkpointing, outputs, preflight, reference, run_lock
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train.metrics import MetricsWriter, format_line
 from maxtext.train.preemption import Preemption
 from maxtext.train.run_report import RunReport
-from maxtext.train.step import combine_eval
 
 
 class NonFiniteLossError(UserError):
@@ -71,15 +70,18 @@ def _restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpoint
       return _with_frozen_base(setup, restored.state, log, formats)
   if config.load_full_state_path:
     state = checkpointing.restore_full_state(config.load_full_state_path, state_lib.checkpointed(setup.abstract_state, config))
+    state = pipeline.from_storage(state, config)
     log(f"loaded full state at step {int(state['step'])} from {config.load_full_state_path}")
     return _with_frozen_base(setup, state, log, formats)
   state = setup.init_state(formats)
   state["params"] = checkpointing.load_initial_params(config, state["params"], setup.abstract_state["params"], log)
-  return state
+  return reference.attach_after_load(config, state)
 
 
 def _with_frozen_base(setup: setup_lib.TrainSetup, state: Any, log: Callable[[str], None], formats: Any) -> Any:
-  """A LoRA checkpoint holds only the trainable parameters: add the frozen base (load_parameters_path or the seeded init)."""
+  """A LoRA checkpoint holds only the trainable parameters: add the frozen base (load_parameters_path or the seeded init).
+  A DPO/GRPO checkpoint leaves out the frozen reference: rebuild it."""
+  state = reference.attach_on_restore(setup, state, log)
   if not setup.config.lora.enable_lora:
     return state
   base = checkpointing.load_initial_params(setup.config, setup.init_state(formats)["params"], setup.abstract_state["params"], log, adapters=False)
@@ -126,14 +128,13 @@ def eval_batches(it: Any, limit: int) -> Any:
 def _evaluate(config: MaxTextConfig, setup: setup_lib.TrainSetup, state: Any, interrupted: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
   """Eval metrics over the eval split, or None when interrupted() turns true between batches (a preemption)."""
   it = create_data_iterator(config, setup.mesh, "eval")
-  other = state.get("other", nnx.State({}))
   sums = []
   for batch in eval_batches(it, config.eval_steps):
     if interrupted():
       preflight.close_iterator(it)
       return None
-    sums.append(setup.jit_eval(state["params"], other, batch))
-  return combine_eval(jax.device_get(sums))
+    sums.append(setup.eval_on(state, batch))
+  return setup.objective.combine_eval(jax.device_get(sums))
 
 
 def log_main(message: str) -> None:
@@ -262,13 +263,22 @@ def _loop(
   with jax.set_mesh(mesh), memory_limit.one_line(lambda: f"in train step {start + len(result.losses)}", preflight.memory_remedy(config)):
     for step in range(start, config.steps):
       profiler.before_step(step, state)
-      batch = next(data_iter, None)
-      if batch is None:  # num_epoch passes over the data are done: a normal end, the last step is saved below
-        result.stop_reason = "data_used_up"
-        break
-      state, metrics = step_fn(state, batch)
-      report()
-      pending.append((step, metrics))
+      if checked.trainer is not None:  # GRPO: rollout, scoring and update (maxtext.train.grpo); done when it returns
+        done_step = checked.trainer.step(state, step)
+        if done_step is None:  # num_epoch passes over the prompts are done: a normal end, the last step is saved below
+          result.stop_reason = "data_used_up"
+          break
+        state, metrics = done_step
+        pending.append((step, metrics))
+        report()
+      else:
+        batch = next(data_iter, None)
+        if batch is None:  # num_epoch passes over the data are done: a normal end, the last step is saved below
+          result.stop_reason = "data_used_up"
+          break
+        state, metrics = step_fn(state, batch)
+        report()
+        pending.append((step, metrics))
       done = step + 1
       result.steps_done = done
       if preemption.requested:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtext.config import MaxTextConfig
+from maxtext.layers import context_parallel
 from maxtext.models.mtp import mtp_xent_sum
 
 
@@ -33,13 +34,27 @@ def zero_sums(config: MaxTextConfig) -> LossSums:
 
 
 def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, training: bool = True) -> LossSums:
-  """Forward the model on a batch and return the summed losses over its real target tokens (MTP only when training)."""
+  """Forward the model on a batch and return the summed losses over its real target tokens (MTP only when training).
+
+  Under context parallelism with load balance the per-token arrays are first put in the shards' order; the sums do
+  not depend on it (multi-token prediction reorders its shifted targets the same way).
+  """
+  layout = context_parallel.Layout.of(config)
+  natural, batch = batch, context_parallel.reorder_batch(batch, layout)
   hidden, pre_norm, stats = model.forward_hidden(
     batch["inputs"], positions=batch["inputs_position"], segment_ids=batch["inputs_segmentation"], adapter_ids=batch.get("adapter_ids")
   )
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   targets = batch["targets"]
   xent, z = model.output_head().loss_sums(hidden, targets, mask, config.z_loss_multiplier)
-  mtp = mtp_xent_sum(model, pre_norm, batch, config) if training and config.mtp_num_layers else jnp.zeros((), jnp.float32)
+  mtp = mtp_xent_sum(model, pre_norm, natural, config, layout) if training and config.mtp_num_layers else jnp.zeros((), jnp.float32)
   lb, dropped = jnp.asarray(stats["lb_loss"], jnp.float32), jnp.asarray(stats["dropped"], jnp.float32)
   return LossSums(xent, z, jnp.sum(mask), lb, mtp, dropped, jnp.asarray(stats["load"], jnp.float32))
+
+
+def token_log_probs(model: Any, batch: dict[str, jax.Array], temperature: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """(log p(target) per position [B, S] in float32 under softmax(logits / temperature), the forward's MoE statistics)."""
+  hidden, _, stats = model.forward_hidden(
+    batch["inputs"], positions=batch["inputs_position"], segment_ids=batch["inputs_segmentation"], adapter_ids=batch.get("adapter_ids")
+  )
+  return model.output_head().token_log_probs(hidden, batch["targets"], temperature), stats

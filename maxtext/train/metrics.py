@@ -14,6 +14,23 @@ from etils import epath
 from maxtext.config import MaxTextConfig
 from maxtext.train import outputs
 
+# Metrics of the DPO and GRPO objectives that the step line shows when a step reports them (TensorBoard and the
+# metrics file get every metric).
+OBJECTIVE_LINE_KEYS = (
+  ("rewards/chosen", ".4f"),
+  ("rewards/rejected", ".4f"),
+  ("rewards/accuracy", ".3f"),
+  ("rewards/margin", ".4f"),
+  ("reward", ".4f"),
+  ("reward_std", ".4f"),
+  ("kl", ".5f"),
+  ("clip_fraction", ".3f"),
+  ("completion_length", ".1f"),
+  ("rollout_share", ".2f"),
+  ("scoring_share", ".2f"),
+  ("update_share", ".2f"),
+)
+
 
 def format_line(step: int, m: dict[str, float]) -> str:
   line = (
@@ -21,6 +38,7 @@ def format_line(step: int, m: dict[str, float]) -> str:
     f"Tokens/s/device: {m['tokens_per_device']:.3f}, total_weights: {int(m['total_weights'])}, loss: {m['loss']:.4f}, "
     f"lr: {m['lr']:.4e}, grad_norm: {m['grad_norm']:.4f}, MFU: {100 * m['mfu']:.2f}%"
   )
+  line += "".join(f", {key}: {m[key]:{fmt}}" for key, fmt in OBJECTIVE_LINE_KEYS if key in m)
   if m.get("skipped"):
     line += ", skipped (loss spike)"
   return line

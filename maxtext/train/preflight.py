@@ -36,6 +36,7 @@ class Checked:
   data_iter: Any  # the train iterator, at its start
   checkpoint_bytes: int  # size of one checkpoint of the train state
   choice: remat_auto.Choice | None = None  # how the auto keys were resolved here (None: not auto, or by train_compile)
+  trainer: Any = None  # GRPO: the rollout-score-update driver (maxtext.train.grpo.Trainer) that runs each step
 
 
 def run_checks(
@@ -45,6 +46,10 @@ def run_checks(
   check_quantization(config)
   if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
     raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
+  if config.use_grpo:  # a reward function that does not import fails before anything is built
+    from maxtext.train import rewards
+
+    rewards.load(config.grpo_reward_functions, config.grpo_reward_weights)
   mesh = setup.mesh if setup is not None else mesh or mesh_lib.create(config)
   choice = None
   if config.compiled_trainstep_file:  # the auto keys take what train_compile chose; the stamp check compares the rest
@@ -70,7 +75,12 @@ def run_checks(
   with jax.set_mesh(mesh):  # traced as the loop would run it
     step_fn = compiled_step(config, setup, mesh)
   check_memory_fit(config, step_fn)
-  return Checked(config, mesh, setup, step_fn, data_iter, checkpoint_bytes, choice)
+  trainer = None
+  if config.use_grpo:  # reward functions imported, tokenizer loaded, rollout decoder built
+    from maxtext.train import grpo
+
+    trainer = grpo.prepare(config, setup, step_fn, data_iter)
+  return Checked(config, mesh, setup, step_fn, data_iter, checkpoint_bytes, choice, trainer)
 
 
 def check_quantization(config: MaxTextConfig) -> None:

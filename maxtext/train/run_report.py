@@ -16,6 +16,7 @@ import jax
 from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.layers.quantization import Recipe
+from maxtext.models import pipeline
 from maxtext.platform import Policy
 from maxtext.train import checkpointing, perf
 
@@ -91,6 +92,9 @@ class RunReport:
       f"batch: {c.global_batch_size_to_train_on} sequences x {c.max_target_length} tokens = {self.tokens_per_step:,} tokens per step"
       + (f" ({c.gradient_accumulation_steps} accumulated micro-batches)" if c.gradient_accumulation_steps > 1 else "")
     )
+    pipelined = pipeline.banner(c)
+    if pipelined:
+      self.log(pipelined)
     if c.remat_policy != "none":
       remat = f"{c.remat_policy} (remat_policy=auto)" if self.choice and self.choice.auto_policy else c.remat_policy
       self.log(f"remat: {remat}; {remat_auto.saved_input(self.policy.offload_layer_inputs, c.decoder_layer_input, self.choice)}")

@@ -23,7 +23,7 @@ from maxtext import mesh as mesh_lib
 from maxtext import platform
 from maxtext.config import MaxTextConfig
 from maxtext.data.synthetic import BATCH_KEYS
-from maxtext.train import optimizers
+from maxtext.train import optimizers, reference
 from maxtext.train import state as state_lib
 from maxtext.train import step as step_lib
 
@@ -46,9 +46,10 @@ class TrainSetup:
   state_shardings: Any
   batch_shardings: dict[str, NamedSharding]
   jit_step: Any  # jax.jit(train_step), donates the state; under compiler_state_layouts only .lower().compile() runs it
-  jit_eval: Any  # jax.jit(eval_step)
+  jit_eval: Any  # jax.jit(eval_step): (params, other, reference, batch) -> the objective's sums
   init_fn: Callable[[], state_lib.TrainState]
   policy: platform.Policy  # the platform policy the model and step were built with
+  objective: step_lib.Objective  # what the step minimises (next-token loss, DPO, GRPO)
 
   @functools.cached_property
   def jit_init(self) -> Any:
@@ -59,6 +60,22 @@ class TrainSetup:
     """jit_step compiled for abstract_state and abstract_batch (its memory_analysis() is what a step needs)."""
     return self.jit_step.lower(self.abstract_state, self.abstract_batch).compile()
 
+  @functools.cached_property
+  def rollout(self) -> Any:
+    """GRPO: the rollout decoder over this setup's parameters (maxtext.inference.rollout), compiled per prompt bucket on first use."""
+    from maxtext.data.pipeline import resolve_tokenizer
+    from maxtext.inference.rollout import Rollout
+
+    other = self.abstract_state.get("other", nnx.State({}))
+    return Rollout(self.config, self.graphdef, self.abstract_state["params"], other, self.mesh, resolve_tokenizer(self.config).eos_id)
+
+  @functools.cached_property
+  def score_fn(self) -> Any:
+    """GRPO: the jitted forward giving a rollout batch's old and reference log-probabilities (None when it needs neither)."""
+    from maxtext.train.grpo import make_score_fn
+
+    return make_score_fn(self.config, self)
+
   def init_state(self, formats: Any = None) -> state_lib.TrainState:
     """The fresh initial state, born sharded (parameters never exist unsharded); given formats (a compiled
     step's `state_lib.compiled_formats`), born in that step's device layouts too."""
@@ -66,8 +83,16 @@ class TrainSetup:
       return self.jit_init()
     return jax.jit(self.init_fn, out_shardings=formats)()
 
+  def init_params(self) -> Any:
+    """Only the seeded initial parameters, born sharded (the rest of the state is never built)."""
+    return jax.jit(lambda: self.init_fn()["params"], out_shardings=self.state_shardings["params"])()
+
   def param_shardings(self) -> Any:
     return self.state_shardings["params"]
+
+  def eval_on(self, state: state_lib.TrainState, batch: dict[str, jax.Array]) -> Any:
+    """The objective's sums over one eval batch, for the parameters of `state`."""
+    return self.jit_eval(state["params"], state.get("other", nnx.State({})), state.get(reference.KEY, nnx.State({})), batch)
 
 
 def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = None, policy: platform.Policy | None = None) -> TrainSetup:
@@ -86,19 +111,23 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
   batch_shardings = {k: data for k in BATCH_KEYS}
   shape = (config.global_batch_size_to_train_on, config.max_target_length)
   abstract_batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data) for k in BATCH_KEYS}
+  rows = NamedSharding(mesh, PartitionSpec(data.spec[0] if data.spec else None))
   if config.lora.enable_lora and config.lora.max_lora_adapters > 1 and config.lora.adapter_column:  # each token's adapter slot, from the data
     batch_shardings["adapter_ids"] = data
     abstract_batch["adapter_ids"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data)
   elif config.lora.enable_lora and config.lora.max_lora_adapters > 1:  # each row's adapter slot, from the caller's batches
-    rows = NamedSharding(mesh, PartitionSpec(data.spec[0] if data.spec else None))
     batch_shardings["adapter_ids"] = rows
     abstract_batch["adapter_ids"] = jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=rows)
+  objective = step_lib.objective_for(config)
+  for key, (per_token, dt) in objective.extra_batch.items():
+    batch_shardings[key] = data if per_token else rows
+    abstract_batch[key] = jax.ShapeDtypeStruct(shape if per_token else shape[:1], dt, sharding=batch_shardings[key])
   replicated = NamedSharding(mesh, PartitionSpec())
 
-  train_step = step_lib.make_train_step(config, graphdef, optimizer, mesh)
+  train_step = step_lib.make_train_step(config, graphdef, optimizer, mesh, objective)
   step_state = state_lib.step_formats(state_shardings, policy.compiler_state_layouts)
   jit_step = jax.jit(train_step, in_shardings=(step_state, batch_shardings), out_shardings=(step_state, replicated), donate_argnums=0)
-  eval_step = step_lib.make_eval_step(config, graphdef, mesh)
-  eval_in = (state_shardings["params"], state_shardings.get("other", nnx.State({})), batch_shardings)
+  eval_step = step_lib.make_eval_step(config, graphdef, mesh, objective)
+  eval_in = (state_shardings["params"], state_shardings.get("other", nnx.State({})), state_shardings.get(reference.KEY, nnx.State({})), batch_shardings)
   jit_eval = jax.jit(eval_step, in_shardings=eval_in, out_shardings=replicated)
-  return TrainSetup(config, mesh, graphdef, abstract_state, abstract_batch, state_shardings, batch_shardings, jit_step, jit_eval, init_fn, policy)
+  return TrainSetup(config, mesh, graphdef, abstract_state, abstract_batch, state_shardings, batch_shardings, jit_step, jit_eval, init_fn, policy, objective)

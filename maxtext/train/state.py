@@ -4,7 +4,8 @@
      "params": nnx.State,             every nnx.Param of the model (trainable and frozen)
      "opt_state": optax state,        over the trainable subset only
      "spike": {"losses", "count"},    only with skip_step_on_spikes
-     "other": nnx.State}              only if the model holds non-Param variables
+     "other": nnx.State,              only if the model holds non-Param variables
+     "reference": nnx.State}          only for DPO/GRPO: frozen initial parameters (maxtext.train.reference)
 
 Trainable parameters are the subset of "params" that `trainable_filter(config)` selects;
 the rest stay frozen (LoRA marks its adapters here). Checkpoints store this dict as is.
@@ -23,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
+from maxtext.train import reference
 
 TrainState = dict[str, Any]
 
@@ -44,9 +46,11 @@ def trainable_filter(config: MaxTextConfig) -> nnx.filterlib.Filter:
 def checkpointed(state: TrainState, config: MaxTextConfig) -> TrainState:
   """The part of a train state (or abstract state) that checkpoints hold.
 
-  All of it, except that a LoRA run leaves out its frozen base parameters: they come back from
-  load_parameters_path (or the seeded init) when the run resumes.
+  All of it, except that a LoRA run leaves out its frozen base parameters and a DPO/GRPO run its frozen reference:
+  they come back from load_parameters_path (or the seeded init) when the run resumes.
   """
+  if reference.KEY in state:
+    state = {k: v for k, v in state.items() if k != reference.KEY}
   if not config.lora.enable_lora:
     return state
   return dict(state, params=split_params(state["params"], config)[0])
@@ -119,6 +123,8 @@ def make_init_fn(config: MaxTextConfig, build_model: Callable[..., nnx.Module], 
       state["spike"] = {"losses": jnp.zeros((config.skip_step_interval,), jnp.float32), "count": jnp.zeros((), jnp.int32)}
     if jax.tree.leaves(other):
       state["other"] = other
+    if reference.stores_copy(config, params):
+      state[reference.KEY] = reference.initial(config, params)
     return state
 
   return init

@@ -1,9 +1,14 @@
-"""The pure train and eval steps: (state, batch) -> (state, metrics), built once per run."""
+"""The pure train and eval steps: (state, batch) -> (state, metrics), built once per run.
+
+What a step minimises is its `Objective`: next-token cross entropy (`LanguageModel`, pretraining and SFT), DPO
+(maxtext.train.dpo) or GRPO (maxtext.train.grpo). The step around it is shared: gradient accumulation over
+micro-batches, the optimizer update at the schedule's rate, spike skipping and the MoE routing-bias update.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +19,121 @@ from jax.sharding import Mesh
 from maxtext.config import MaxTextConfig
 from maxtext.layers.moe import update_routing_biases
 from maxtext.train import loss as loss_lib
+from maxtext.train import reference as reference_lib
 from maxtext.train.schedules import learning_rate_schedule
 from maxtext.train.state import TrainState, split_params
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
+
+
+class Objective(Protocol):
+  """What a train step minimises, as sums over a (micro-)batch divided by a weight counted over the whole batch."""
+
+  uses_reference: bool  # the step builds the reference model (maxtext.train.reference) and passes it to `sums`
+  iterations: int  # optimizer updates per batch (GRPO's num_iterations), all at the step's learning rate
+  extra_batch: dict[str, tuple[bool, Any]]  # batch keys beside the token rows: key -> (per token (else per row), dtype)
+
+  def weight(self, batch: Batch) -> jax.Array:
+    """The normaliser of the whole batch (real target tokens, pairs, sequences), counted before micro-batching."""
+
+  def sums(self, policy: Any, reference: Any, batch: Batch, training: bool) -> Any:
+    """A pytree of float32 sums over the batch's rows; `reference` is None unless uses_reference."""
+
+  def zero_sums(self) -> Any:
+    """Zeros shaped like `sums` (the start of gradient accumulation)."""
+
+  def loss(self, sums: Any, weight: jax.Array) -> jax.Array:
+    """The scalar minimised, from one micro-batch's sums (its gradient) or the whole batch's (the reported loss)."""
+
+  def metrics(self, sums: Any, weight: jax.Array) -> Metrics:
+    """Per-step metrics beside loss, grad_norm and lr (total_weights among them)."""
+
+  def routing_load(self, sums: Any) -> jax.Array:
+    """[MoE layers, num_experts] tokens routed in the forward pass (the aux-loss-free bias update reads it)."""
+
+  def combine_eval(self, sums: list[dict[str, Any]]) -> dict[str, float]:
+    """Eval metrics over several batches' sums: at least eval_loss and eval_total_weights."""
+
+
+class LanguageModel:
+  """Next-token cross entropy, token-weighted, plus z-loss, multi-token prediction and the MoE load-balance loss:
+  loss = (sum xent + sum z + sum mtp) / real target tokens + mean MoE aux."""
+
+  uses_reference = False
+  iterations = 1
+  extra_batch: dict[str, tuple[bool, Any]] = {}
+
+  def __init__(self, config: MaxTextConfig):
+    self.config = config
+
+  def weight(self, batch: Batch) -> jax.Array:
+    return jnp.maximum(jnp.sum(batch["targets_segmentation"] != 0).astype(jnp.float32), 1.0)
+
+  def sums(self, policy: Any, reference: Any, batch: Batch, training: bool) -> loss_lib.LossSums:
+    return loss_lib.loss_sums(policy, batch, self.config, training=training)
+
+  def zero_sums(self) -> loss_lib.LossSums:
+    return loss_lib.zero_sums(self.config)
+
+  def loss(self, sums: loss_lib.LossSums, weight: jax.Array) -> jax.Array:
+    return (sums.xent + sums.z_loss + sums.mtp) / weight + sums.aux / self.config.gradient_accumulation_steps
+
+  def metrics(self, sums: loss_lib.LossSums, weight: jax.Array) -> Metrics:
+    c = self.config
+    return {
+      "z_loss": sums.z_loss / weight,
+      "moe_lb_loss": sums.aux / c.gradient_accumulation_steps,
+      **({"mtp_loss": sums.mtp / weight} if c.mtp_num_layers else {}),
+      **({"moe_dropped_tokens": sums.dropped} if c.capacity_factor > 0 and c.num_experts > 1 else {}),
+      "total_weights": sums.weights,
+    }
+
+  def routing_load(self, sums: loss_lib.LossSums) -> jax.Array:
+    return sums.load
+
+  def combine_eval(self, sums: list[dict[str, Any]]) -> dict[str, float]:
+    return combine_eval(sums)
+
+
+class SummedTerms:
+  """Base of the post-training objectives: sums are a dict of float32 terms (their `loss` term summed over the
+  batch) plus the policy forward's MoE load-balance loss `aux` and routing `load`; loss = loss / weight + mean aux."""
+
+  TERMS: tuple[str, ...] = ("loss",)  # the objective's summed terms
+
+  def __init__(self, config: MaxTextConfig):
+    self.config = config
+
+  def with_moe(self, terms: dict[str, jax.Array], stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {**terms, "aux": jnp.asarray(stats["lb_loss"], jnp.float32), "load": jnp.asarray(stats["load"], jnp.float32)}
+
+  def zero_sums(self) -> dict[str, jax.Array]:
+    c = self.config
+    zero = jnp.zeros((), jnp.float32)
+    return {**{k: zero for k in (*self.TERMS, "aux")}, "load": jnp.zeros((c.num_decoder_layers - c.first_num_dense_layers, c.num_experts), jnp.float32)}
+
+  def loss(self, sums: dict[str, jax.Array], weight: jax.Array) -> jax.Array:
+    return sums["loss"] / weight + self.mean_aux(sums)
+
+  def mean_aux(self, sums: dict[str, jax.Array]) -> jax.Array:
+    return sums["aux"] / self.config.gradient_accumulation_steps
+
+  def routing_load(self, sums: dict[str, jax.Array]) -> jax.Array:
+    return sums["load"]
+
+
+def objective_for(config: MaxTextConfig) -> Objective:
+  """The objective config selects: DPO (use_dpo), GRPO (use_grpo) or next-token prediction."""
+  if config.use_dpo:
+    from maxtext.train.dpo import DPO
+
+    return DPO(config)
+  if config.use_grpo:
+    from maxtext.train.grpo import GRPO
+
+    return GRPO(config)
+  return LanguageModel(config)
 
 
 def _micro_batches(batch: Batch, steps: int) -> Batch:
@@ -36,74 +151,90 @@ def _spike_check(spike: dict[str, jax.Array], loss: jax.Array, config: MaxTextCo
   return skip, {"losses": new_window, "count": jnp.where(skip, count, count + 1)}
 
 
-def make_train_step(config: MaxTextConfig, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, mesh: Mesh) -> Callable:
-  """The pure train step. Gradients are token-weighted over gradient_accumulation_steps micro-batches."""
+def make_train_step(
+  config: MaxTextConfig, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, mesh: Mesh, objective: Objective | None = None
+) -> Callable:
+  """The pure train step: gradients weighted by objective.weight over gradient_accumulation_steps micro-batches,
+  objective.iterations updates on the batch at the learning rate of state['step'], which then advances by one."""
+  objective = objective or objective_for(config)
   schedule = learning_rate_schedule(config)
   accum = config.gradient_accumulation_steps
 
-  def objective(trainable, frozen, other, batch, total_weights):
-    model = nnx.merge(graphdef, trainable, frozen, other)
-    sums = loss_lib.loss_sums(model, batch, config)
-    return (sums.xent + sums.z_loss + sums.mtp) / total_weights + sums.aux / accum, sums
+  def grad_objective(trainable, frozen, other, reference_trainable, batch, weight):
+    policy = nnx.merge(graphdef, trainable, frozen, other)
+    reference = None if reference_trainable is None else nnx.merge(graphdef, jax.lax.stop_gradient(reference_trainable), frozen, other)
+    sums = objective.sums(policy, reference, batch, True)
+    return objective.loss(sums, weight), sums
 
-  grad_fn = jax.value_and_grad(objective, has_aux=True)
+  grad_fn = jax.value_and_grad(grad_objective, has_aux=True)
+
+  def update(state: TrainState, batch: Batch, weight: jax.Array, lr: jax.Array) -> tuple[TrainState, Metrics]:
+    trainable, frozen = split_params(state["params"], config)
+    other = state.get("other", nnx.State({}))
+    reference_trainable = reference_lib.reference_trainable(config, state, trainable) if objective.uses_reference else None
+    if accum == 1:
+      (_, sums), grads = grad_fn(trainable, frozen, other, reference_trainable, batch, weight)
+    else:
+
+      def micro_step(carry, micro):
+        g_acc, s_acc = carry
+        (_, s), g = grad_fn(trainable, frozen, other, reference_trainable, micro, weight)
+        return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s)), None
+
+      zeros = jax.tree.map(jnp.zeros_like, trainable)
+      (grads, sums), _ = jax.lax.scan(micro_step, (zeros, objective.zero_sums()), _micro_batches(batch, accum))
+    # The norm and the update both read every gradient. Without the barrier XLA fuses the slice that keeps this
+    # device's shard of a batch-summed gradient into both readers, and the whole sum (the full float32 [emb, vocab]
+    # output-kernel gradient) stays alive until the update (figure: benchmarks/README.md, figures behind code comments).
+    grads = jax.lax.optimization_barrier(grads)
+    loss = objective.loss(sums, weight)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], trainable)
+    new_trainable = optax.apply_updates(trainable, jax.tree.map(lambda u: lr * u, updates))
+    new_state = dict(state, params=nnx.merge_state(new_trainable, frozen), opt_state=opt_state)
+    if config.routed_bias_update_rate > 0:
+      new_state["other"] = update_routing_biases(other, objective.routing_load(sums), config)
+    metrics = {"loss": loss, **objective.metrics(sums, weight), "grad_norm": grad_norm, "lr": lr}
+    if config.skip_step_on_spikes:
+      skip, new_state["spike"] = _spike_check(state["spike"], loss, config)
+      for key in ("params", "opt_state", "other") if "other" in state else ("params", "opt_state"):
+        new_state[key] = jax.tree.map(lambda new, old: jnp.where(skip, old, new), new_state[key], state[key])
+      metrics["skipped"] = skip.astype(jnp.float32)
+    return new_state, metrics
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      trainable, frozen = split_params(state["params"], config)
-      other = state.get("other", nnx.State({}))
-      total_weights = jnp.maximum(jnp.sum(batch["targets_segmentation"] != 0).astype(jnp.float32), 1.0)
-      if accum == 1:
-        (_, sums), grads = grad_fn(trainable, frozen, other, batch, total_weights)
-      else:
-
-        def micro_step(carry, micro):
-          g_acc, s_acc = carry
-          (_, s), g = grad_fn(trainable, frozen, other, micro, total_weights)
-          return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, s)), None
-
-        zeros = jax.tree.map(jnp.zeros_like, trainable)
-        (grads, sums), _ = jax.lax.scan(micro_step, (zeros, loss_lib.zero_sums(config)), _micro_batches(batch, accum))
-      # The norm and the update both read every gradient. Without the barrier XLA fuses the slice that keeps this
-      # device's shard of a batch-summed gradient into both readers, and the whole sum (the full float32 [emb, vocab]
-      # output-kernel gradient) stays alive until the update (figure: benchmarks/README.md, figures behind code comments).
-      grads = jax.lax.optimization_barrier(grads)
-      aux = sums.aux / accum
-      loss = (sums.xent + sums.z_loss + sums.mtp) / total_weights + aux
-      grad_norm = optax.tree.norm(grads)
+      weight = objective.weight(batch)
       lr = schedule(state["step"])
-      updates, opt_state = optimizer.update(grads, state["opt_state"], trainable)
-      new_trainable = optax.apply_updates(trainable, jax.tree.map(lambda u: lr * u, updates))
-      new_state = dict(state, step=state["step"] + 1, params=nnx.merge_state(new_trainable, frozen), opt_state=opt_state)
-      if config.routed_bias_update_rate > 0:
-        new_state["other"] = update_routing_biases(other, sums.load, config)
-      metrics = {
-        "loss": loss,
-        "z_loss": sums.z_loss / total_weights,
-        "moe_lb_loss": aux,
-        **({"mtp_loss": sums.mtp / total_weights} if config.mtp_num_layers else {}),
-        **({"moe_dropped_tokens": sums.dropped} if config.capacity_factor > 0 and config.num_experts > 1 else {}),
-        "total_weights": sums.weights,
-        "grad_norm": grad_norm,
-        "lr": lr,
-      }
-      if config.skip_step_on_spikes:
-        skip, new_state["spike"] = _spike_check(state["spike"], loss, config)
-        for key in ("params", "opt_state", "other") if "other" in state else ("params", "opt_state"):
-          new_state[key] = jax.tree.map(lambda new, old: jnp.where(skip, old, new), new_state[key], state[key])
-        metrics["skipped"] = skip.astype(jnp.float32)
-      return new_state, metrics
+      if objective.iterations == 1:
+        new_state, metrics = update(state, batch, weight, lr)
+      else:  # several updates on one batch: metrics are their means
+
+        def one(s, _):
+          return update(s, batch, weight, lr)
+
+        new_state, per_update = jax.lax.scan(one, state, length=objective.iterations)
+        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), per_update)
+      return dict(new_state, step=state["step"] + 1), metrics
 
   return train_step
 
 
-def make_eval_step(config: MaxTextConfig, graphdef: nnx.GraphDef, mesh: Mesh) -> Callable:
-  """(params, other, batch) -> summed losses of one eval batch."""
+def make_eval_step(config: MaxTextConfig, graphdef: nnx.GraphDef, mesh: Mesh, objective: Objective | None = None) -> Callable:
+  """(params, other, reference, batch) -> the objective's sums over one eval batch (reference: the state's
+  'reference' entry, an empty State when it has none)."""
+  objective = objective or objective_for(config)
 
-  def eval_step(params: nnx.State, other: nnx.State, batch: Batch) -> Metrics:
+  def eval_step(params: nnx.State, other: nnx.State, reference: nnx.State, batch: Batch) -> Any:
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      sums = loss_lib.loss_sums(nnx.merge(graphdef, params, other), batch, config, training=False)
-      return sums._asdict()
+      policy = nnx.merge(graphdef, params, other)
+      ref_model = None
+      if objective.uses_reference:
+        trainable, frozen = split_params(params, config)
+        ref_trainable = reference_lib.reference_trainable(config, {"reference": reference}, trainable)
+        ref_model = nnx.merge(graphdef, ref_trainable, frozen, other)
+      sums = objective.sums(policy, ref_model, batch, False)
+      return sums._asdict() if hasattr(sums, "_asdict") else sums
 
   return eval_step
 

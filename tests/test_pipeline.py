@@ -1,0 +1,225 @@
+"""Pipeline parallelism on 8 simulated CPU devices (float32): losses, gradients, training and checkpoints equal the
+unpipelined model's.
+
+Each model's parameters are initialised and perturbed once, on the host, and placed into every layout; its unpipelined
+reference is computed once and serves its cases (tests/test_context_parallel.py's too).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxtext import mesh as mesh_lib
+from maxtext import models
+from maxtext.config import from_overrides
+from maxtext.models import pipeline
+from maxtext.train import loss as loss_lib
+
+SMALL = dict(
+  base_emb_dim=32,
+  base_num_query_heads=4,
+  base_num_kv_heads=2,
+  head_dim=8,
+  base_mlp_dim=64,
+  base_num_decoder_layers=8,
+  vocab_size=128,
+  max_target_length=16,
+  per_device_batch_size=2,
+  dataset_type="synthetic",
+  dtype="float32",
+  matmul_precision="highest",
+)
+MODELS = {
+  "llama": dict(remat_policy="full", max_target_length=32),  # GQA (4 query, 2 key/value heads)
+  "mixtral": dict(
+    decoder_block="mixtral",
+    num_experts=4,
+    num_experts_per_tok=2,
+    load_balance_loss_weight=0.1,
+    sliding_window_size=8,
+    attn_logits_soft_cap=20.0,
+    max_target_length=32,
+    remat_policy="minimal",
+  ),
+  "gemma2_mhc_lora": {
+    "decoder_block": "gemma2",
+    "sliding_window_size": 4,
+    "attn_logits_soft_cap": 50.0,
+    "final_logits_soft_cap": 30.0,
+    "mhc_expansion_rate": 4,
+    "lora.enable_lora": True,
+    "lora.lora_rank": 4,
+    "remat_policy": "none",
+  },
+}
+# (model, pipeline and mesh keys): 2 and 4 stages, 1 and 2 repeats, 4 and 8 microbatches, with fsdp, tensor and expert
+# axes (test_ten_training_steps_... adds 4 stages x 2 repeats x 8 microbatches with fsdp and pipeline_fsdp_ag_once).
+CASES = [
+  ("llama", dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2, num_layers_per_pipeline_stage=2, num_pipeline_microbatches=4)),
+  ("mixtral", dict(ici_pipeline_parallelism=2, ici_expert_parallelism=2, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=4, num_pipeline_microbatches=4)),
+  (
+    "gemma2_mhc_lora",
+    dict(
+      ici_pipeline_parallelism=4,
+      ici_tensor_parallelism=2,
+      num_layers_per_pipeline_stage=1,
+      num_pipeline_microbatches=8,
+      pipeline_delay_activation_forwarding=True,
+    ),
+  ),
+]
+
+
+def config_for(model: str, **keys):
+  return from_overrides(num_devices=8, **{**SMALL, **MODELS[model], **keys})
+
+
+def packed_batch(config, seed: int = 0) -> dict[str, np.ndarray]:
+  """Random tokens; every other row packs two documents (segment ids 1, 2; positions restart)."""
+  rng = np.random.default_rng(seed)
+  b, s = config.global_batch_size_to_train_on, config.max_target_length
+  tokens = rng.integers(1, config.vocab_size, (b, s + 1)).astype(np.int32)
+  segments = np.ones((b, s), np.int32)
+  segments[::2, s // 2 :] = 2
+  positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()
+  positions[::2, s // 2 :] -= s // 2
+  batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], inputs_segmentation=segments, targets_segmentation=segments)
+  batch.update(inputs_position=positions, targets_position=positions)
+  if config.lora.max_lora_adapters > 1:
+    batch["adapter_ids"] = (np.arange(b) % config.lora.max_lora_adapters).astype(np.int32)
+  return batch
+
+
+@functools.cache
+def initial_params(model: str) -> dict[str, np.ndarray]:
+  """The model's parameters in plain layer order, by path, perturbed from their init (so that every gradient, mHC
+  connectors' and LoRA's included, is far from zero); made once per model, laid out for each config by `placed`."""
+  state = nnx.state(models.build(config_for(model)), nnx.Param)  # eager: cheaper than compiling the init
+  rng = np.random.default_rng(0)
+  return {"/".join(map(str, k)): np.asarray(v.get_value()) + 0.05 * rng.standard_normal(v.shape).astype(np.float32) for k, v in nnx.to_flat_state(state)}
+
+
+def placed(model: str, config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
+  """initial_params(model) in this config's train-state layer order, sharded over mesh."""
+  graphdef, abstract, rest = nnx.split(models.abstract_model(config), nnx.Param, ...)
+  assert not jax.tree.leaves(rest)
+  shardings = models.state_shardings(abstract, config, mesh)
+  plan, values = pipeline.Plan.of(config), initial_params(model)
+  flat = []
+  for (path, var), (_, sharding) in zip(nnx.to_flat_state(abstract), nnx.to_flat_state(shardings), strict=True):
+    value = values["/".join(map(str, path))]
+    if plan is not None and var.get_metadata()["logical_axes"][0] == pipeline.LAYERS_AXIS:
+      value = value[plan.order()]
+    flat.append((path, var.replace(value=jax.device_put(value, sharding))))
+  return graphdef, nnx.from_flat_state(flat)
+
+
+def loss_and_grads(model: str, config) -> tuple[float, dict[str, np.ndarray]]:
+  """Loss and gradients (plain layer order, by path) of the model's initial_params on packed_batch."""
+  mesh = mesh_lib.create(config, jax.devices()[: config.num_devices])
+  with jax.set_mesh(mesh):
+    graphdef, params = placed(model, config, mesh)
+    batch = packed_batch(config)
+
+    def objective(params):
+      sums = loss_lib.loss_sums(nnx.merge(graphdef, params), batch, config)
+      return (sums.xent + sums.z_loss) / sums.weights + sums.aux
+
+    loss, grads = jax.jit(jax.value_and_grad(objective))(params)
+  grads = pipeline.to_storage(grads, config)
+  return float(loss), {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(grads)}
+
+
+@functools.cache
+def reference(model: str) -> tuple[float, dict[str, np.ndarray]]:
+  return loss_and_grads(model, config_for(model))
+
+
+@pytest.mark.parametrize("model,keys", CASES, ids=[f"{m}-{k['ici_pipeline_parallelism']}stages-{k['num_pipeline_microbatches']}mb" for m, k in CASES])
+def test_pipelined_loss_and_gradients_equal_unpipelined(model, keys):
+  config = config_for(model, **keys)
+  plan = pipeline.Plan.of(config)
+  assert plan.stages == keys["ici_pipeline_parallelism"] and plan.microbatches == keys["num_pipeline_microbatches"]
+  ref_loss, ref_grads = reference(model)
+  loss, grads = loss_and_grads(model, config)
+  assert loss == pytest.approx(ref_loss, rel=1e-5)
+  assert grads.keys() == ref_grads.keys()
+  assert_gradients_close(grads, ref_grads)
+
+
+def assert_gradients_close(grads: dict[str, np.ndarray], ref: dict[str, np.ndarray], rel: float = 1e-5) -> None:
+  """Every parameter's gradient within rel of its norm, or of 1% of the largest parameter gradient's norm where that
+  is larger: float32 reduction order alone moves mHC's tiny residual-mixing gradients by ~1e-3 of themselves
+  (measured between two unpipelined meshes), far below the other gradients. The whole gradient within rel too."""
+  norms = {name: np.linalg.norm(g) for name, g in ref.items()}
+  floor = 0.01 * max(norms.values())
+  for name, g in ref.items():
+    assert norms[name] > 0, name
+    assert np.linalg.norm(grads[name] - g) <= rel * max(norms[name], floor), name
+  total = np.sqrt(sum(np.sum((grads[k] - g) ** 2) for k, g in ref.items()))
+  assert total <= rel * np.sqrt(sum(n**2 for n in norms.values()))
+
+
+TRAIN = dict(learning_rate=1e-3, warmup_steps_fraction=0.0, enable_tensorboard=False, async_checkpointing=False, run_name="r")
+PIPELINED = dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1, num_pipeline_microbatches=8, pipeline_fsdp_ag_once=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """(config, setup, state after 10 steps) without and with a circular 4-stage pipeline, from the same init and batches."""
+  from maxtext.train import setup as setup_lib
+
+  runs = {}
+  for name, keys in (("plain", {}), ("pipelined", PIPELINED)):
+    config = config_for("llama", base_output_directory=str(tmp_path_factory.mktemp(name)), **TRAIN, **keys)
+    mesh = mesh_lib.create(config, jax.devices()[: config.num_devices])
+    with jax.set_mesh(mesh):
+      setup = setup_lib.build(config, mesh)
+      state = setup.init_state()
+      for step in range(10):
+        state, metrics = setup.jit_step(state, packed_batch(config, seed=step))
+    runs[name] = (config, setup, jax.block_until_ready(state))
+  return runs
+
+
+def plain_params(state, config) -> dict[str, np.ndarray]:
+  return {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(pipeline.to_storage(state["params"], config))}
+
+
+def test_ten_training_steps_give_the_unpipelined_parameters(trained):
+  (config, _, state), (pp_config, _, pp_state) = trained["plain"], trained["pipelined"]
+  assert pipeline.Plan.of(pp_config).repeats == 2
+  ref, got = plain_params(state, config), plain_params(pp_state, pp_config)
+  for name, value in ref.items():  # Adam's normalised steps turn float32 noise in near-zero gradients into single-element
+    assert np.linalg.norm(got[name] - value) <= 1e-5 * np.linalg.norm(value), name  # differences: compare whole parameters
+  assert "pipeline: circular (2 repeats of 1 layers per stage), 4 stages, 8 microbatches, 19 iterations, bubble 15.8%" in pipeline.banner(pp_config)
+
+
+def test_checkpoint_round_trip_across_pipeline_degrees_is_bitwise(trained):
+  """Saved without a pipeline, restored under 4 stages (circular), saved again and restored without: the same bits;
+  the checkpoint on disk holds the plain layer order both times."""
+  from maxtext.train.checkpointing import Checkpointer
+
+  (config, setup, state), (pp_config, pp_setup, _) = trained["plain"], trained["pipelined"]
+  Checkpointer(config).save(10, state, None)
+  pp_ckpt = Checkpointer(pp_config.model_copy(update={"checkpoint_dir": config.checkpoint_dir}))
+  with jax.set_mesh(pp_setup.mesh):
+    restored = pp_ckpt.restore_latest(pp_setup.abstract_state).state
+  order = pipeline.Plan.of(pp_config).order()
+  kernel = np.asarray(dict(nnx.to_flat_state(restored["params"]))[("layers", "mlp", "wo", "kernel")].get_value())
+  np.testing.assert_array_equal(kernel, np.asarray(state["params"]["layers"]["mlp"]["wo"]["kernel"].get_value())[order])
+  pp_ckpt.directory = pp_ckpt.directory.parent / "again"
+  pp_ckpt.manager = Checkpointer(pp_config.model_copy(update={"checkpoint_dir": str(pp_ckpt.directory)})).manager
+  pp_ckpt.save(10, restored, None)
+  back = Checkpointer(config.model_copy(update={"checkpoint_dir": str(pp_ckpt.directory)}))
+  with jax.set_mesh(setup.mesh):
+    again = back.restore_latest(setup.abstract_state).state
+  for (path, a), (_, b) in zip(nnx.to_flat_state(state["params"]), nnx.to_flat_state(again["params"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(b.get_value()), np.asarray(a.get_value()), err_msg=str(path))
+  for a, b in zip(jax.tree.leaves(state["opt_state"]), jax.tree.leaves(again["opt_state"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
