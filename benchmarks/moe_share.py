@@ -1,9 +1,10 @@
 """Time of MoE routing, dispatch and combine in one train step, measured apart from the step.
 
-The same functions the MoE layer runs (maxtext.layers.moe: route, sort_by_expert/unsort_combine or
-pack/unpack_combine) are compiled with identity experts, forward and backward, on one device's tokens
-of one micro-batch, timed, and multiplied by the MoE layers (plus MTP modules) and micro-batches per
-step. With remat the step recomputes the forward once more, so the share is a lower bound.
+The same functions the MoE layer runs (maxtext.layers.moe.route, then maxtext.layers.moe_dispatch's sort_pairs,
+take_pairs and combine_sorted for the sorted paths, or expert_slots, pack and unpack_combine for the dense path
+with per-expert buffers) are compiled with identity experts, forward and backward, on one device's tokens of one
+micro-batch, timed, and multiplied by the MoE layers (plus MTP modules) and micro-batches per step. With remat the
+step recomputes the forward once more, so the share is a lower bound.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import time
 import jax
 import jax.numpy as jnp
 
+from maxtext import platform
 from maxtext.config import MaxTextConfig
-from maxtext.layers import moe
+from maxtext.layers import moe, moe_dispatch
 from maxtext.layers.dtypes import dtype
 
 
@@ -28,16 +30,21 @@ def routing_dispatch_seconds(config: MaxTextConfig, repeats: int = 10) -> float:
   gate = jax.random.normal(kg, (c.emb_dim, c.num_experts), jnp.float32) * c.emb_dim**-0.5
   bias = jnp.zeros((c.num_experts,), jnp.float32) if c.routed_bias else None
 
+  sparse = platform.moe_dispatch(c, platform.local_platform()) != "dense"
+  seq = c.max_target_length
+  capacity = moe.expert_capacity(seq, c) if c.capacity_factor > 0 else 0
+
   def one_layer(x: jax.Array, gate: jax.Array) -> jax.Array:
     r = moe.route(x.astype(jnp.float32) @ gate, c, bias)
-    if c.capacity_factor > 0:
-      capacity = moe.expert_capacity(tokens, c)
-      position = moe.capacity_positions(r.experts, c.num_experts)
-      buffer, slot = moe.pack(x, r.experts, position < capacity, position, capacity, c.num_experts)
-      y = moe.unpack_combine(buffer, slot, r.weights)
+    positions = moe.capacity_positions(r.experts.reshape(-1, seq, c.num_experts_per_tok), c.num_experts).reshape(r.experts.shape)
+    kept = positions < capacity if capacity else None
+    if sparse:
+      pairs = moe_dispatch.sort_pairs(r.experts, kept, c.num_experts)
+      rows = moe_dispatch.take_pairs(x, pairs.order, pairs.inverse, c.num_experts_per_tok)
+      y = moe_dispatch.combine_sorted(rows, pairs, r.weights, kept)
     else:
-      routed, order, _ = moe.sort_by_expert(x, r.experts, c.num_experts)
-      y = moe.unsort_combine(routed, order, r.weights)
+      slot, slots = moe_dispatch.expert_slots(r.experts, positions, seq, capacity, c.num_experts)
+      y = moe_dispatch.unpack_combine(moe_dispatch.pack(x, slot, slots, c.num_experts), slot, r.weights)
     return jnp.sum(y)
 
   fn = jax.jit(jax.grad(one_layer, argnums=(0, 1)))

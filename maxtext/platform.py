@@ -39,6 +39,30 @@ FUSED_ATTENTION = {"tpu": "splash", "gpu": "cudnn", "cpu": "chunked"}  # each pl
 CPU_CHUNKED_ATTENTION_FROM = 2048
 CPU_ATTENTION_KEY_BLOCK = 512
 
+MOE_DISPATCHES = ("megablox", "tokamax", "ragged_dot", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEDefault:
+  """What MaxText's default keys (sparse_matmul=true, megablox=true) run on one platform, by shape class: the shape
+  class is num_experts / num_experts_per_tok, the FLOPs multiple of computing every expert for every token."""
+
+  grouped: str  # the grouped-matmul path: megablox (TPU Pallas kernel) | ragged_dot
+  dense_up_to: float = 0.0  # run the dense dispatch instead when num_experts / num_experts_per_tok <= this
+
+
+MOE_DEFAULTS = {
+  # TPU: the Pallas grouped matmul (MaxText's default); dense dispatch spends E/k times the FLOPs and [E, T] buffers.
+  "tpu": MoEDefault("megablox"),
+  # GPU: not yet measured on a GPU with this path. The one GPU figure (before this path, shared/gpu/README.md): a
+  # Mixtral-shaped step (8 experts, top 2) took 0.700 s with ragged_dot and 0.443 s with a dense per-expert dispatch,
+  # so dense where it costs at most 4x the routed FLOPs, ragged_dot beyond. To be replaced by the GPU issue's figures.
+  "gpu": MoEDefault("ragged_dot", dense_up_to=4.0),
+  # CPU: measured with benchmarks/moe_paths.py (benchmarks/README.md, "The dispatch paths on CPU": dense fastest at 8 experts, top 2).
+  "cpu": MoEDefault("ragged_dot", dense_up_to=4.0),
+}
+TOKAMAX_IMPLEMENTATION = {"tpu": "mosaic_tpu", "gpu": None, "cpu": "xla"}  # tokamax on CPU has only its XLA path
+
 
 class PolicyKeys(Protocol):
   """The config keys this module reads (maxtext.config.MaxTextConfig has them), besides splash_blocks' sa_* keys."""
@@ -48,6 +72,11 @@ class PolicyKeys(Protocol):
   max_segments_per_seq: int
   decoder_layer_input: str
   quantization: str  # with the keys maxtext.layers.quantization.recipe reads when it is set
+  sparse_matmul: bool
+  megablox: bool
+  use_tokamax_gmm: bool
+  num_experts: int
+  num_experts_per_tok: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +113,9 @@ class Policy:
   offload_layer_inputs: bool = False  # keep each decoder layer's saved input in pinned host memory (decoder_layer_input=offload)
   host_offload: bool = False  # pinned host memory may hold activations: decoder_layer_input=auto tries it when HBM is short (TPU)
   quantization: Recipe | None = None  # config.quantization's matmul recipe (qwix); its `native` says whether this platform's units take it
+  moe_dispatch: str = "ragged_dot"  # how MoE layers run their experts: megablox | tokamax | ragged_dot | dense (moe_dispatch())
+  tokamax_implementation: str | None = None  # use_tokamax_gmm: tokamax's ragged_dot implementation; None lets tokamax choose
+  ragged_all_to_all: bool = True  # expert-parallel dropless exchange by ragged_all_to_all (XLA:CPU lacks it: a padded all_to_all)
 
 
 def splash_blocks(config: PolicyKeys) -> SplashBlocks:
@@ -111,6 +143,9 @@ def for_platform(config: PolicyKeys, platform: str, interpret: bool = False) -> 
     offload_layer_inputs=config.decoder_layer_input == "offload",  # auto is resolved by compiling (maxtext.aot.remat_auto)
     host_offload=platform == "tpu",
     quantization=_quantization_recipe(config, platform),
+    moe_dispatch=moe_dispatch(config, platform),
+    tokamax_implementation=TOKAMAX_IMPLEMENTATION[platform],
+    ragged_all_to_all=not cpu,
   )
 
 
@@ -126,6 +161,30 @@ def _quantization_recipe(config: PolicyKeys, platform: str) -> Recipe | None:
   from maxtext.layers.quantization import recipe  # imports JAX and qwix: only for runs that quantize
 
   return recipe(config, native=config.quantization in NATIVE_FORMATS[platform])
+
+
+def moe_dispatch(config: PolicyKeys, platform: str) -> str:
+  """MaxText's keys pick the path: sparse_matmul=false -> dense; megablox=false -> ragged_dot; use_tokamax_gmm ->
+  tokamax. MaxText's defaults (both true) pick this platform's measured choice (MOE_DEFAULTS), by shape class.
+  With `quantization`, megablox and tokamax become ragged_dot: their kernels take no quantized operands (qwix's
+  ragged_dot_qt runs the quantized grouped matmuls; the train banner says so)."""
+  path = keyed_moe_dispatch(config, platform)
+  return "ragged_dot" if config.quantization and path in ("megablox", "tokamax") else path
+
+
+def keyed_moe_dispatch(config: PolicyKeys, platform: str) -> str:
+  """The path MaxText's MoE keys pick on platform, before `quantization` is considered (moe_dispatch)."""
+  c = config
+  if not c.sparse_matmul:
+    return "dense"
+  if not c.megablox:
+    return "ragged_dot"
+  if c.use_tokamax_gmm:
+    return "tokamax"
+  default = MOE_DEFAULTS[platform]
+  if c.num_experts > 1 and c.num_experts / c.num_experts_per_tok <= default.dense_up_to:
+    return "dense"
+  return default.grouped
 
 
 def platform_of(devices: Iterable[jax.Device]) -> str:

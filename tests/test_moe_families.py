@@ -173,8 +173,9 @@ def test_bias_update_raises_underloaded_and_lowers_overloaded_experts():
 def test_capacity_drops_late_tokens_and_counts_them():
   experts = jnp.asarray([[0, 1], [0, 2], [0, 1], [0, 3]])
   np.testing.assert_array_equal(moe.capacity_positions(experts, 4), [[0, 0], [1, 0], [2, 1], [3, 0]])
-  config = from_overrides(**dict(QWEN3_MOE, capacity_factor=1.0, dtype="float32"))  # 16 tokens x 2 / 4 experts -> capacity 8
-  assert moe.expert_capacity(16, config) == 8
+  np.testing.assert_array_equal(moe.capacity_positions(jnp.stack([experts, experts[::-1]]), 4)[1], [[0, 0], [1, 0], [2, 0], [3, 1]])
+  config = from_overrides(**dict(QWEN3_MOE, capacity_factor=1.0, dtype="float32"))  # per sequence: 8 tokens x 2 / 4 experts -> 4
+  assert moe.expert_capacity(8, config) == 4
   x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 8, 16)), jnp.float32)
   valid = jnp.ones((2, 8), bool)
 
@@ -184,15 +185,14 @@ def test_capacity_drops_late_tokens_and_counts_them():
     return layer(x, valid), moe.route(layer.gate(x.reshape(16, 16)), config).experts
 
   (y, stats), experts = run(1.0)
-  loads = np.bincount(np.asarray(experts).reshape(-1), minlength=4)
-  assert float(stats["dropped"]) == np.maximum(loads - 8, 0).sum()
-  np.testing.assert_array_equal(stats["load"], loads)
+  per_row = np.stack([np.bincount(row.reshape(-1), minlength=4) for row in np.asarray(experts).reshape(2, 16)])
+  assert float(stats["dropped"]) == np.maximum(per_row - 4, 0).sum() > 0
+  np.testing.assert_array_equal(stats["load"], per_row.sum(0))
   (y_roomy, s_roomy), _ = run(4.0)
   (y_dropless, _), _ = run(-1.0)
   np.testing.assert_allclose(y_roomy, y_dropless, atol=1e-5)
   assert float(s_roomy["dropped"]) == 0
-  if loads.max() > 8:
-    assert not np.allclose(y, y_roomy, atol=1e-5)
+  assert not np.allclose(y, y_roomy, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -228,39 +228,6 @@ def test_deepseek_round_trips_through_hf_names_with_mtp_and_experts(deepseek_mod
   no_mtp = config.model_copy(update={"mtp_num_layers": 0})
   assert not any(k.startswith("mtp/") for k in hf_params.hf_to_maxtext(hf, no_mtp))
   assert isinstance(model_from_flat(config, back), models.Transformer)
-
-
-EP_TINY = dict(QWEN3_MOE, num_experts=8, num_experts_per_tok=2, base_emb_dim=32, base_num_kv_heads=2, base_num_decoder_layers=2)
-
-
-def test_expert_parallel_all_to_all_equals_one_device(capacity_factor: float = 4.0):
-  """ep4 x fsdp2 on 8 devices: tokens reach experts by all-to-all in shard_map; the loss equals one device's.
-
-  With capacity (no token dropped at this factor); the dropless all-to-all path is checked by
-  tests/test_models.py (mixtral, fsdp4 x ep2, logits against one device).
-  """
-  from maxtext import mesh as mesh_lib
-
-  base = dict(EP_TINY, dtype="float32", capacity_factor=capacity_factor)
-  single = from_overrides(**base)
-  model = _build(single)
-  flat = {k: np.asarray(v) for k, v in flat_params(model).items()}
-  batch = _batch(b=8, s=8)
-  ref = _jit_loss(model, single)(batch)
-  config = from_overrides(**dict(base, num_devices=8, ici_fsdp_parallelism=2, ici_expert_parallelism=4))
-  mesh = mesh_lib.create(config)
-  sharded = model_from_flat(config, flat, mesh)
-  assert sharded.layers.mlp.wi_0[...].sharding.spec[1] == "expert"
-  graphdef, state = nnx.split(sharded)
-  fn = jax.jit(lambda st, bt: loss_lib.loss_sums(nnx.merge(graphdef, st), bt, config))
-  with jax.set_mesh(mesh):
-    lowered = fn.lower(state, batch)
-    out = lowered.compile()(state, batch)
-  assert "all-to-all" in lowered.compile().as_text()
-  np.testing.assert_allclose(out.xent, ref.xent, rtol=1e-6)
-  np.testing.assert_allclose(out.aux, ref.aux, atol=1e-6)
-  np.testing.assert_array_equal(out.load, ref.load)
-  assert float(out.dropped) == float(ref.dropped) == 0
 
 
 def test_gpt_oss_biased_experts_agree_across_dispatch_paths():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import math
 import os
 import re
@@ -243,6 +244,8 @@ def _check_moe_fields(c: MaxTextConfig) -> None:
       )
   if c.capacity_factor != -1 and c.capacity_factor <= 0:
     raise ConfigError(f"invalid value for 'capacity_factor': {c.capacity_factor}; use -1 (dropless) or a positive number")
+  if c.num_experts > 1 and c.sparse_matmul and c.megablox and c.use_tokamax_gmm and importlib.util.find_spec("tokamax") is None:
+    raise ConfigError("use_tokamax_gmm=true needs the tokamax package; pip install tokamax (or the `tpu` extra), or set use_tokamax_gmm=false")
   if c.routed_bias_update_rate > 0 and not c.routed_bias:
     raise ConfigError("routed_bias_update_rate > 0 updates the routing bias, but routed_bias is false; set routed_bias=true")
   if c.base_moe_mlp_dim != -1 and c.base_moe_mlp_dim < 1:

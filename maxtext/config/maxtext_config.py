@@ -18,6 +18,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   s.Rope,
   s.YarnRope,
   s.MoEGeneral,
+  s.MoEKernels,
   s.DeepSeekMoE,
   s.MTP,
   s.ManifoldConstrainedHyperConnections,

@@ -170,6 +170,36 @@ class MoEGeneral(Section):
   norm_topk_prob: bool = Field(False, description="Renormalise the top-k routing weights to sum to 1 (mixtral always does).")
 
 
+class MoEKernels(Section):
+  sparse_matmul: bool = Field(
+    True, description="Experts run as grouped matmuls over tokens sorted by expert; false: dense dispatch (batched matmuls over per-expert buffers)."
+  )
+  megablox: bool = Field(
+    True,
+    description="With sparse_matmul: the platform's grouped-matmul kernel (TPU: Pallas megablox; GPU/CPU: the platform policy's measured choice, "
+    "docs/config.md); false: jax.lax.ragged_dot.",
+  )
+  use_tokamax_gmm: bool = Field(False, description="With sparse_matmul and megablox: tokamax's grouped matmul (pip install tokamax).")
+  wi_tile_fwd_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wi forward grouped matmul.")
+  wi_tile_fwd_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wi forward grouped matmul.")
+  wi_tile_fwd_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wi forward grouped matmul.")
+  wi_tile_dlhs_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wi input-gradient grouped matmul.")
+  wi_tile_dlhs_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wi input-gradient grouped matmul.")
+  wi_tile_dlhs_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wi input-gradient grouped matmul.")
+  wi_tile_drhs_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wi weight-gradient grouped matmul.")
+  wi_tile_drhs_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wi weight-gradient grouped matmul.")
+  wi_tile_drhs_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wi weight-gradient grouped matmul.")
+  wo_tile_fwd_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wo forward grouped matmul.")
+  wo_tile_fwd_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wo forward grouped matmul.")
+  wo_tile_fwd_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wo forward grouped matmul.")
+  wo_tile_dlhs_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wo input-gradient grouped matmul.")
+  wo_tile_dlhs_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wo input-gradient grouped matmul.")
+  wo_tile_dlhs_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wo input-gradient grouped matmul.")
+  wo_tile_drhs_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wo weight-gradient grouped matmul.")
+  wo_tile_drhs_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wo weight-gradient grouped matmul.")
+  wo_tile_drhs_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wo weight-gradient grouped matmul.")
+
+
 class DeepSeekMoE(Section):
   first_num_dense_layers: int = Field(0, ge=0, description="The first this many layers use a dense MLP (base_mlp_dim) instead of experts.")
   shared_experts: int = Field(0, ge=0, description="Always-on experts per MoE layer, fused into one MLP of width shared_experts x moe_mlp_dim.")

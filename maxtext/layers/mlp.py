@@ -29,17 +29,21 @@ def activation(name: str):
   return ACTIVATIONS[name]
 
 
-def gated(config: MaxTextConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """The experts' gate: (x wi_0, x wi_1) -> the hidden activation before wo.
-
-  act0(h0) * act1(h1); for families with gpt-oss's clamped SwiGLU (mlp_activations_limit = L > 0):
-  g = min(h0, L), u = clip(h1, -L, L), (u + 1) * g * act0(1.702 g), as Hugging Face's GptOssExperts computes it.
-  """
+def glu_limit(config: MaxTextConfig) -> float:
+  """The clamp of the experts' gated activation: mlp_activations_limit for families with gpt-oss's clamped SwiGLU, else 0."""
   from maxtext.models import registry  # layers import no model code at module level
 
-  act0, act1 = activation(config.mlp_activations[0]), activation(config.mlp_activations[-1])
-  limit = config.mlp_activations_limit
-  if not registry.get(config.decoder_block).clamped_glu:
+  return float(config.mlp_activations_limit) if registry.get(config.decoder_block).clamped_glu else 0.0
+
+
+def glu(activations: tuple[str, ...], limit: float = 0.0) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """The experts' gate: (h0, h1) = (x wi_0, x wi_1) -> the hidden activation before wo.
+
+  act0(h0) * act1(h1); with gpt-oss's clamped SwiGLU (limit L > 0, glu_limit): g = min(h0, L), u = clip(h1, -L, L),
+  (u + 1) * g * act0(1.702 g), as Hugging Face's GptOssExperts computes it.
+  """
+  act0, act1 = activation(activations[0]), activation(activations[-1])
+  if limit <= 0:
     return lambda h0, h1: act0(h0) * act1(h1)
 
   def clamped(h0: jax.Array, h1: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Mixture of experts: routing (Mixtral, Qwen3-MoE, DeepSeek V3), dropless or capacity-limited dispatch, shared experts.
+"""Mixture of experts: routing (Mixtral, Qwen3-MoE, DeepSeek V3, gpt-oss), dropless or capacity-limited dispatch, shared experts.
 
 Routing (float32): scores are softmax or sigmoid (routed_score_func) of the router logits (with routed_bias and
 softmax scores, the router has a trained bias on its logits: gpt-oss). Experts are chosen by top-k of the scores
@@ -8,22 +8,18 @@ its two best biased scores). The chosen experts' weights are the unbiased scores
 with norm_topk_prob (always for mixtral; with softmax scores that is a softmax over the chosen experts' logits,
 as gpt-oss computes it), times routed_scaling_factor.
 
-Experts: gated MLPs act0(x wi_0) * act1(x wi_1) -> wo, or gpt-oss's clamped SwiGLU (maxtext.layers.mlp.gated);
+Experts: gated MLPs act0(x wi_0) * act1(x wi_1) -> wo, or gpt-oss's clamped SwiGLU (maxtext.layers.mlp.glu);
 with mlp_bias every projection adds a per-expert bias. With `quantization` every expert product is quantized
-(maxtext.layers.quantization.expert_product); a stored recipe (QLoRA, decoding) keeps each expert weight quantized
-with its `<name>_scale`.
+(maxtext.layers.quantization.expert_product, through moe_dispatch.expert_matmul); a stored recipe (QLoRA, decoding)
+keeps each expert weight quantized with its `<name>_scale`.
 
-Dispatch: dropless (capacity_factor = -1) sorts the (token, expert) pairs by expert and runs grouped matmuls
-(jax.lax.ragged_dot); with capacity_factor > 0 every expert takes at most
-ceil(capacity_factor x tokens x k / experts) tokens (earlier tokens first), the rest are dropped (counted in
-the metrics), and experts run as one batched matmul over [experts, capacity] buffers.
-
-Expert parallelism: when the active mesh has an `expert` axis of size ep > 1, each device owns
-num_experts / ep experts. Routing runs on the global (sharded) arrays; then, in shard_map, every device
-packs its own tokens into [experts, capacity] buffers, an all-to-all over `expert` sends each expert's
-slots to the device that owns it, the owner runs its experts, and a second all-to-all brings the results
-back. Capacity then applies per data shard; without capacity_factor it is the shard's token count, which
-no expert can exceed (dropless, at the price of buffers num_experts / k times the routed pairs).
+Dispatch (maxtext.layers.moe_dispatch): every device dispatches its own tokens in one shard_map, by the platform
+policy's path (maxtext.platform.moe_dispatch, from MaxText's sparse_matmul / megablox / use_tokamax_gmm keys):
+grouped matmuls over the (token, expert) pairs sorted by expert, or batched matmuls over [experts, slots] buffers.
+Dropless by default (capacity_factor = -1); with capacity_factor > 0 each expert takes at most
+ceil(capacity_factor x seq_len x k / experts) pairs of each sequence (earlier tokens first), the rest are dropped
+and counted. With the experts split over a mesh axis that also splits the tokens (`expert`), rows travel to their
+experts' devices by ragged_all_to_all (no capacity padding).
 """
 
 from __future__ import annotations
@@ -37,10 +33,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
-from maxtext.layers import quantization
+from maxtext.layers import grouped_matmul as gmm
+from maxtext.layers import moe_dispatch, quantization
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
-from maxtext.layers.mlp import MLP, gated
+from maxtext.layers.mlp import MLP, glu_limit
 from maxtext.mesh import logical_to_spec
 from maxtext.platform import Policy
 
@@ -115,51 +112,83 @@ def update_routing_biases(other: nnx.State, load: jax.Array, config: MaxTextConf
   return nnx.from_flat_state(leaves)
 
 
-def expert_capacity(tokens: int, config: MaxTextConfig) -> int:
-  """Slots per expert: ceil(capacity_factor x tokens x k / experts) (at least 1)."""
+def expert_capacity(seq_len: int, config: MaxTextConfig) -> int:
+  """Slots per expert in each sequence: ceil(capacity_factor x seq_len x k / experts) (at least 1)."""
   c = config
-  return max(1, math.ceil(c.capacity_factor * tokens * c.num_experts_per_tok / c.num_experts))
+  return max(1, math.ceil(c.capacity_factor * seq_len * c.num_experts_per_tok / c.num_experts))
 
 
 def capacity_positions(experts: jax.Array, num_experts: int) -> jax.Array:
-  """[T, k] experts -> each pair's arrival index at its expert, earlier tokens first (a token's k picks in order)."""
-  flat = jax.nn.one_hot(experts.reshape(-1), num_experts, dtype=jnp.int32)  # [T*k, E]
-  before = jnp.cumsum(flat, axis=0) - flat
-  return jnp.sum(before * flat, axis=-1).reshape(experts.shape)
+  """experts [..., S, k] -> each pair's arrival index at its expert within its sequence, earlier tokens first."""
+  return moe_dispatch.sequence_positions(experts, num_experts)
 
 
-def sort_by_expert(tokens: jax.Array, experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Dropless dispatch: tokens [T, E], experts [T, k] -> (pairs sorted by expert [T*k, E], their order, group sizes)."""
-  k = experts.shape[-1]
-  flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  return tokens[order // k], order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+def grouped_tiles(config: MaxTextConfig) -> tuple[gmm.Tiles, gmm.Tiles]:
+  """Megablox blocks (rows, contracted, produced) of wi_0/wi_1 and of wo, from MaxText's wi_tile_*/wo_tile_* keys."""
+  c = config
+  wi = gmm.Tiles(
+    fwd=(c.wi_tile_fwd_batch_seq, c.wi_tile_fwd_embed_dim, c.wi_tile_fwd_mlp_dim),
+    dlhs=(c.wi_tile_dlhs_batch_seq, c.wi_tile_dlhs_mlp_dim, c.wi_tile_dlhs_embed_dim),
+    drhs=(c.wi_tile_drhs_batch_seq, c.wi_tile_drhs_embed_dim, c.wi_tile_drhs_mlp_dim),
+  )
+  wo = gmm.Tiles(
+    fwd=(c.wo_tile_fwd_batch_seq, c.wo_tile_fwd_mlp_dim, c.wo_tile_fwd_embed_dim),
+    dlhs=(c.wo_tile_dlhs_batch_seq, c.wo_tile_dlhs_embed_dim, c.wo_tile_dlhs_mlp_dim),
+    drhs=(c.wo_tile_drhs_batch_seq, c.wo_tile_drhs_mlp_dim, c.wo_tile_drhs_embed_dim),
+  )
+  return wi, wo
 
 
-def unsort_combine(out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
-  """Dropless combine: expert outputs [T*k, E] in sorted order -> weighted sum per token [T, E] (float32)."""
-  t, k = weights.shape
-  slots = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
-  return jnp.einsum("tke,tk->te", slots.astype(jnp.float32), weights)
+def dispatch_plan(config: MaxTextConfig, policy: Policy, seq_len: int) -> moe_dispatch.Plan:
+  """The static dispatch of a MoE layer: the policy's path (maxtext.platform.moe_dispatch), tiles, capacity per sequence."""
+  c = config
+  path = policy.moe_dispatch
+  kernel = gmm.Kernel("ragged_dot" if path == "dense" else path, interpret=policy.interpret_kernels, tokamax_implementation=policy.tokamax_implementation)
+  wi, wo = grouped_tiles(c)
+  return moe_dispatch.Plan(
+    num_experts=c.num_experts,
+    k=c.num_experts_per_tok,
+    sparse=path != "dense",
+    kernel=kernel,
+    wi_tiles=wi,
+    wo_tiles=wo,
+    capacity=expert_capacity(seq_len, c) if c.capacity_factor > 0 else 0,
+    activations=tuple(c.mlp_activations),
+    glu_limit=glu_limit(c),
+    quantization=policy.quantization,
+    dtype=dtype(c.dtype),
+    integer_rounding=policy.integer_bf16_rounding,
+    ragged_all_to_all=policy.ragged_all_to_all,
+  )
 
 
-def pack(tokens: jax.Array, experts: jax.Array, kept: jax.Array, position: jax.Array, capacity: int, num_experts: int) -> tuple[jax.Array, jax.Array]:
-  """Capacity dispatch: kept (token, expert) pairs into [experts, capacity, E] buffers; returns (buffers, slot of each pair).
+def dispatch_layout(
+  batch: int, seq_len: int, rules, mesh: jax.sharding.AbstractMesh, scales: tuple[tuple[str | None, ...], tuple[str | None, ...]] | None = None
+) -> moe_dispatch.Layout:
+  """Mesh axes of the dispatch: tokens split as `activation_batch` x `activation_length` (the longest prefix of each
+  rule's axes that divides the dimension), weights as stored; experts exchanged over their axes when those split tokens.
+  scales: the logical axes of wi_0/wi_1's and wo's stored quantized scales (maxtext.layers.quantization.expert_weight)."""
 
-  Dropped pairs point at one extra overflow row that is cut off (and reads zeros in unpack_combine).
-  """
-  k = experts.shape[-1]
-  slot = jnp.where(kept, experts * capacity + position, num_experts * capacity)
-  buffer = jnp.zeros((num_experts * capacity + 1, tokens.shape[-1]), tokens.dtype)
-  buffer = buffer.at[slot.reshape(-1)].set(jnp.repeat(tokens, k, axis=0))[:-1]
-  return buffer.reshape(num_experts, capacity, -1), slot
+  def axes(part) -> tuple[str, ...]:
+    return (part,) if isinstance(part, str) else tuple(part or ())
 
+  def dividing(names: tuple[str, ...], size: int) -> tuple[str, ...]:
+    while names and size % math.prod(mesh.shape[a] for a in names):
+      names = names[:-1]
+    return names
 
-def unpack_combine(out: jax.Array, slot: jax.Array, weights: jax.Array) -> jax.Array:
-  """Capacity combine: expert outputs [experts, capacity, E] -> weighted sum per token [T, E] (float32); dropped pairs add 0."""
-  flat = out.reshape(-1, out.shape[-1])
-  gathered = jnp.concatenate([flat, jnp.zeros((1, flat.shape[-1]), flat.dtype)])[slot]  # [T, k, E]
-  return jnp.einsum("tke,tk->te", gathered.astype(jnp.float32), weights)
+  tokens = logical_to_spec(("activation_batch", "activation_length"), rules, mesh)
+  batch_axes, length_axes = dividing(axes(tokens[0]), batch), dividing(axes(tokens[1]), seq_len)
+
+  def stored(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    spec = tuple(axes(p) for p in logical_to_spec(names, rules, mesh))
+    return spec + ((),) * (len(names) - len(spec))
+
+  wi, wo = stored(("exp", "embed", "mlp")), stored(("exp", "mlp", "embed"))
+  wi_bias, wo_bias = stored(("exp", "mlp")), stored(("exp", "embed"))
+  wi_scale, wo_scale = (stored(names) for names in scales) if scales else (((), (), ()),) * 2
+  experts = wi[0] if wi[0] and set(wi[0]) <= set(batch_axes + length_axes) else ()
+  return moe_dispatch.Layout(batch_axes, length_axes, experts, wi, wo, wi_bias, wo_bias, wi_scale, wo_scale, tuple(mesh.shape.items()))
 
 
 def empty_stats(num_experts: int) -> dict[str, jax.Array]:
@@ -174,6 +203,7 @@ class MoE(nnx.Module):
   def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs):
     c = config
     self.config = c
+    self.policy = policy
     self.dtype = dtype(c.dtype)
     self.precision = precision(c.matmul_precision)
     wdt = dtype(c.weight_dtype)
@@ -190,13 +220,12 @@ class MoE(nnx.Module):
       integer_rounding=policy.integer_bf16_rounding,
       use_bias=logit_bias,
     )
-    self.quant = policy.quantization
     for name, (fan_in, fan_out), axes in (
       ("wi_0", (e, m), ("exp", "embed", "mlp")),
       ("wi_1", (e, m), ("exp", "embed", "mlp")),
       ("wo", (m, e), ("exp", "mlp", "embed")),
-    ):
-      param, scale = quantization.expert_weight(variance_scaling_init(rngs.params(), (n, fan_in, fan_out), fan_in, wdt), axes, self.quant)
+    ):  # with a stored recipe (QLoRA, decoding): quantized values and their `<name>_scale`
+      param, scale = quantization.expert_weight(variance_scaling_init(rngs.params(), (n, fan_in, fan_out), fan_in, wdt), axes, policy.quantization)
       setattr(self, name, param)
       setattr(self, name + quantization.SCALE_SUFFIX, scale)
     if c.mlp_bias:
@@ -207,86 +236,6 @@ class MoE(nnx.Module):
       self.wi_0_bias = self.wi_1_bias = self.wo_bias = None
     self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias and not logit_bias else None
     self.shared_experts = MLP(c, policy=policy, rngs=rngs, width=c.shared_experts * m) if c.shared_experts else None
-
-  def _weights(self) -> dict[str, jax.Array]:
-    """The experts' stacked kernels (and biases, with mlp_bias; scales of stored quantized kernels) by name."""
-    names = ("wi_0", "wi_1", "wo") + (("wi_0_bias", "wi_1_bias", "wo_bias") if self.wo_bias is not None else ())
-    names += tuple(n + quantization.SCALE_SUFFIX for n in ("wi_0", "wi_1", "wo") if getattr(self, n + quantization.SCALE_SUFFIX) is not None)
-    return {name: getattr(self, name)[...] for name in names}
-
-  def _experts(self, lhs: jax.Array, w: dict[str, jax.Array], project, rows) -> jax.Array:
-    """The experts' gated MLP on dispatched rows: project(h, kernel, scale) is the dispatch path's expert matmul (scale: a
-    stored quantized kernel's, else None) and rows(bias [E, F]) gives each row of h its expert's bias."""
-
-    def proj(h: jax.Array, name: str) -> jax.Array:
-      y = project(h, w[name], w.get(name + quantization.SCALE_SUFFIX))
-      return y + rows(w[name + "_bias"]).astype(y.dtype) if name + "_bias" in w else y
-
-    h = gated(self.config)(checkpoint_name(proj(lhs, "wi_0"), "mlpwi_0"), checkpoint_name(proj(lhs, "wi_1"), "mlpwi_1"))
-    return proj(h, "wo")
-
-  def _dropless(self, tokens: jax.Array, r: Routing) -> jax.Array:
-    """Every (token, expert) pair computed: sort by expert, grouped matmuls, unsort, weighted sum."""
-    routed, order, group_sizes = sort_by_expert(tokens, r.experts, self.config.num_experts)
-    row_expert = r.experts.reshape(-1)[order]
-
-    def grouped(lhs: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
-      if self.quant is not None:
-        return quantization.expert_product(lhs, w, scale, self.quant, self.dtype, group_sizes)
-      return jax.lax.ragged_dot(lhs, w.astype(self.dtype), group_sizes, precision=self.precision)
-
-    return unsort_combine(self._experts(routed, self._weights(), grouped, lambda b: b[row_expert]), order, r.weights)
-
-  def _with_capacity(self, tokens: jax.Array, r: Routing, kept: jax.Array, position: jax.Array, capacity: int) -> jax.Array:
-    """Kept pairs scattered into [experts, capacity] buffers, one batched matmul per projection, gathered back."""
-    c = self.config
-    buffer, slot = pack(tokens, r.experts, kept, position, capacity, c.num_experts)
-    return unpack_combine(self._experts(buffer, self._weights(), self._batched, lambda b: b[:, None, :]), slot, r.weights)
-
-  def _batched(self, lhs: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
-    """[experts, rows, in] x [experts, in, out] -> [experts, rows, out] in the compute dtype."""
-    if self.quant is not None:
-      return quantization.expert_product(lhs, w, scale, self.quant, self.dtype)
-    return jnp.einsum("ecd,edf->ecf", lhs, w.astype(self.dtype), precision=self.precision, preferred_element_type=jnp.float32).astype(self.dtype)
-
-  def _expert_parallel(self, x: jax.Array, r: Routing, valid: jax.Array, mesh: jax.sharding.AbstractMesh) -> tuple[jax.Array, jax.Array]:
-    """Dispatch by all-to-all over the `expert` mesh axis (see the module docstring) -> (y [B,S,E] float32, dropped)."""
-    c = self.config
-    b, s, e = x.shape
-    k, n, ep = c.num_experts_per_tok, c.num_experts, mesh.shape["expert"]
-    if n % ep:
-      raise ValueError(f"num_experts {n} is not divisible by the expert mesh axis {ep}")
-    x_spec = logical_to_spec(("activation_batch", "activation_length", "activation_embed"), c.logical_axis_rules, mesh)
-    routed_spec = jax.sharding.PartitionSpec(*x_spec[:2], None)
-    token_axes = tuple(a for part in x_spec for a in ((part,) if isinstance(part, str) else (part or ())))
-    weights_all = self._weights()
-    w_spec = {name: jax.sharding.PartitionSpec("expert", *([None] * (w.ndim - 1))) for name, w in weights_all.items()}
-
-    def local(x, weights, experts, valid, w):
-      lb, ls, _ = x.shape
-      t = lb * ls
-      tokens, experts, weights = x.reshape(t, e), experts.reshape(t, k), weights.reshape(t, k)
-      capacity = expert_capacity(t, c) if c.capacity_factor > 0 else t
-      position = capacity_positions(experts, n)
-      kept = position < capacity
-      buffer, slot = pack(tokens.astype(self.dtype), experts, kept, position, capacity, n)
-      buffer = jax.lax.all_to_all(buffer, "expert", 0, 0, tiled=True)  # [source x local experts, C, E]
-      buffer = buffer.reshape(ep, n // ep, capacity, e).swapaxes(0, 1).reshape(n // ep, ep * capacity, e)
-      out = self._experts(buffer, w, self._batched, lambda b: b[:, None, :])
-      out = out.reshape(n // ep, ep, capacity, e).swapaxes(0, 1).reshape(n, capacity, e)
-      out = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
-      y = unpack_combine(out, slot, weights).reshape(lb, ls, e)
-      dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid.reshape(t, 1))
-      return y, jax.lax.psum(dropped, token_axes) if token_axes else dropped
-
-    fn = jax.shard_map(
-      local,
-      mesh=mesh,
-      in_specs=(x_spec, routed_spec, routed_spec, jax.sharding.PartitionSpec(*x_spec[:2]), w_spec),
-      out_specs=(x_spec, jax.sharding.PartitionSpec()),
-    )
-    routed = (r.weights.reshape(b, s, k), r.experts.reshape(b, s, k))
-    return fn(x.astype(self.dtype), *routed, valid.reshape(b, s), weights_all)
 
   def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics).
@@ -303,18 +252,16 @@ class MoE(nnx.Module):
     chosen = jax.nn.one_hot(r.experts, c.num_experts, dtype=jnp.float32)  # [T,k,E]
     load = jnp.einsum("tke,t->e", chosen, valid.astype(jnp.float32))
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and mesh.shape.get("expert", 1) > 1:
-      y, dropped = self._expert_parallel(x, r, valid, mesh)
-    elif c.capacity_factor > 0:
-      capacity = expert_capacity(b * s, c)
-      position = capacity_positions(r.experts, c.num_experts)
-      kept = position < capacity
-      y = self._with_capacity(tokens, r, kept, position, capacity)
-      dropped = jnp.sum(jnp.where(kept, 0.0, 1.0) * valid[:, None])
-    else:
-      y = self._dropless(tokens, r)
-      dropped = jnp.zeros((), jnp.float32)
-    y = y.astype(self.dtype).reshape(b, s, e)
+    single = mesh.empty or mesh.size == 1
+    # the stored scales' logical axes: the last three (a scanned stack puts its layers axis first)
+    scale_axes = None if self.wi_0_scale is None else tuple(v.get_metadata()["logical_axes"][-3:] for v in (self.wi_0_scale, self.wo_scale))
+    layout = moe_dispatch.Layout() if single else dispatch_layout(b, s, c.logical_axis_rules, mesh, scale_axes)
+    names = moe_dispatch.ExpertWeights._fields
+    weights = moe_dispatch.ExpertWeights(*(None if p is None else p[...] for p in (getattr(self, name) for name in names)))
+    routed = (r.weights.reshape(b, s, -1), r.experts.reshape(b, s, -1))
+    plan = dispatch_plan(c, self.policy, s)
+    y, dropped = moe_dispatch.dispatch(x.astype(self.dtype), *routed, valid.reshape(b, s), weights, layout, plan, None if single else mesh)
+    y = y.astype(self.dtype)
     if self.shared_experts is not None:
       y = y + self.shared_experts(x)
     w = valid.astype(jnp.float32)

@@ -362,11 +362,14 @@ def expert_weight(w: jax.Array, axes: tuple[str, ...], r: Recipe | None) -> tupl
   return nnx.Param(values, logical_axes=axes), KernelScale(scale, logical_axes=scale_axes_, in_axes=1, out_axes=1)
 
 
-def expert_product(lhs: jax.Array, w: jax.Array, scale: jax.Array | None, r: Recipe, dtype: Any, group_sizes: jax.Array | None = None) -> jax.Array:
+def expert_product(
+  lhs: jax.Array, w: jax.Array, scale: jax.Array | None, r: Recipe, dtype: Any, group_sizes: jax.Array | None = None, spec: str | None = None
+) -> jax.Array:
   """An expert projection under recipe r, in dtype: grouped (rows sorted by expert [M, in], group_sizes [experts]) or
-  batched ([experts, rows, in]) against w [experts, in, out], stored (scale given) or quantized at each step."""
+  batched (the einsum spec, e.g. "ecd,edf->ecf" over [experts, slots, in]) against w [experts, in, out], stored (scale
+  given) or quantized at each step."""
   if group_sizes is not None:
     return stored_ragged_dot(lhs, w, scale, group_sizes, r, dtype) if scale is not None else ragged_dot(lhs, w, group_sizes, r, dtype)
   if scale is not None:
-    return stored_einsum("ecd,edf->ecf", lhs, w, scale, r, dtype)
-  return einsum("ecd,edf->ecf", lhs, w, r, dtype)
+    return stored_einsum(spec, lhs, w, scale, r, dtype)
+  return einsum(spec, lhs, w, r, dtype)

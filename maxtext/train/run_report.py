@@ -17,7 +17,7 @@ from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.layers.quantization import Recipe
 from maxtext.models import pipeline
-from maxtext.platform import Policy
+from maxtext.platform import Policy, keyed_moe_dispatch
 from maxtext.train import checkpointing, perf
 
 
@@ -92,6 +92,11 @@ class RunReport:
       f"batch: {c.global_batch_size_to_train_on} sequences x {c.max_target_length} tokens = {self.tokens_per_step:,} tokens per step"
       + (f" ({c.gradient_accumulation_steps} accumulated micro-batches)" if c.gradient_accumulation_steps > 1 else "")
     )
+    if c.num_experts > 1:
+      capacity = f"capacity_factor {c.capacity_factor}" if c.capacity_factor > 0 else "dropless"
+      keyed = keyed_moe_dispatch(c, self.policy.platform)
+      forced = f" (quantization: {keyed} takes no quantized operands)" if keyed != self.policy.moe_dispatch else ""
+      self.log(f"experts: {c.num_experts}, top {c.num_experts_per_tok}, {capacity}; dispatch {self.policy.moe_dispatch}{forced} (docs/models.md, MoE dispatch)")
     pipelined = pipeline.banner(c)
     if pipelined:
       self.log(pipelined)
