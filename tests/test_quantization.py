@@ -14,7 +14,7 @@ import pytest
 import qwix
 from flax import nnx
 
-from maxtext import models
+from maxtext import models, platform
 from maxtext.config import ConfigError, from_overrides
 from maxtext.layers import quantization
 from maxtext.train import loss as loss_lib
@@ -25,12 +25,12 @@ FAMILIES = {
   **{name: dict(TINY, decoder_block=name, **overrides) for name, overrides in FAMILY_OVERRIDES.items()},
   "mixtral_capacity": dict(TINY, decoder_block="mixtral", **FAMILY_OVERRIDES["mixtral"], capacity_factor=1.5),
   "qwen3_moe": dict(QWEN3_MOE, dtype="float32"),
-  "deepseek": dict(DEEPSEEK, mtp_num_layers=1),
+  "deepseek": dict(DEEPSEEK, mtp_num_layers=1, megablox=False),  # the sorted (grouped) dispatch; the other MoE families' shapes take CPU's dense one
   "gpt_oss": GPT_OSS,  # biased attention and experts, sinks
   "gemma3": GEMMA3,
 }
 # Quantized products per forward pass: every attention (MLA: wq_a, wq_b, wkv_a, wkv_b, out) and MLP projection
-# (gated: wi_0, wi_1, wo) and the routed experts (3 grouped matmuls); a scanned stack traces its layer once.
+# (gated: wi_0, wi_1, wo) and the routed experts (3 grouped or batched matmuls); a scanned stack traces its layer once.
 # Not quantized: the router, attention's own products, the output head, mHC and the MTP module.
 QUANTIZED_DOTS = {
   "llama2": 7,
@@ -135,6 +135,11 @@ def test_recipes_and_their_config_errors():
   qlora = quantization.recipe(from_overrides(**base, quantization="int4w", lora={"enable_lora": True}))
   assert (qlora.weight, qlora.activation, qlora.stored) == ("int4", None, True)
   assert quantization.recipe(from_overrides(**base)) is None
+  moe_keys = dict(FAMILIES["mixtral"], num_devices=1, num_experts=16)  # TPU's default dispatch: megablox, or tokamax by its key
+  for keys in ({}, {"use_tokamax_gmm": True}):
+    keyed = from_overrides(**moe_keys, **keys)
+    assert platform.moe_dispatch(keyed, "tpu") in ("megablox", "tokamax")  # their kernels take no quantized operands:
+    assert platform.moe_dispatch(keyed.model_copy(update={"quantization": "int8"}), "tpu") == "ragged_dot"
   errors = {
     "applies to quantization=fp8_full": dict(quantization="fp8", act_quantization_calibration_method="absmax,0.9"),
     "invalid value for 'weight_quantization_calibration_method'": dict(quantization="fp8_full", weight_quantization_calibration_method="percentile"),
@@ -333,8 +338,9 @@ def test_int4_kernels_pack_two_values_per_byte():
 
 def test_stored_int8_experts_with_biases_agree_across_dispatch_paths():
   """gpt-oss on an int8 QLoRA base: expert kernels stored int8 with their scales, beside the float expert biases. The
-  dropless path (qwix's ragged dot) and expert parallelism's all-to-all into capacity buffers (batched products, the
-  scales split over `expert`, ep4 x fsdp2) give the same loss, within int8's error of the float model's."""
+  sorted dropless dispatch (qwix's ragged dot on the stored experts) and expert parallelism's all-to-all into capacity
+  buffers (the dense dispatch's batched products, weights and scales split over `expert` and gathered over `fsdp`,
+  ep4 x fsdp2) give the same loss, within int8's error of the float model's."""
   from maxtext import mesh as mesh_lib
   from maxtext.convert.model_params import model_from_flat, path_str
   from tests.test_moe_families import _batch as moe_batch
@@ -348,12 +354,12 @@ def test_stored_int8_experts_with_biases_agree_across_dispatch_paths():
   batch = moe_batch(b=8, s=8)
   ref = float(_jit_loss(model_from_flat(float_config, flat), float_config)(batch).xent)
   qlora = dict(base, quantization="int8", lora={"enable_lora": True, "lora_rank": 2})
-  dropless = from_overrides(**qlora)
+  dropless = from_overrides(**qlora, megablox=False)
   model = model_from_flat(dropless, flat)  # the float kernels quantized on load
   experts = nnx.state(model, nnx.Param)["layers"]["mlp"]
   assert experts["wi_0"][...].dtype == jnp.int8 and experts["wi_0_scale"][...].dtype == jnp.float32 and experts["wo_bias"][...].dtype == jnp.float32
   losses = {"dropless": float(_jit_loss(model, dropless)(batch).xent)}
-  ep = dict(capacity_factor=8.0, num_devices=8, ici_fsdp_parallelism=2, ici_expert_parallelism=4)  # room for every pair: nothing dropped
+  ep = dict(capacity_factor=8.0, sparse_matmul=False, num_devices=8, ici_fsdp_parallelism=2, ici_expert_parallelism=4)  # room for every pair: nothing dropped
   config = from_overrides(**dict(qlora, **ep))
   mesh = mesh_lib.create(config)
   state = nnx.state(model)
