@@ -187,8 +187,8 @@ def trailing_spec(x_ndim: int, n_in: int, n_out: int) -> str:
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
   """Grouped matmul [M, K] x [G, K, N] (rows grouped by group_sizes) with int8/fp8 operands: qwix's ragged_dot_qt
-  (per-row activation scales, per-group-and-column weight scales; gradients straight-through on the quantized
-  operands, or with e5m2 incoming gradients for fp8)."""
+  (per-row activation scales, weight scales per column over all groups, absmax calibration; gradients straight-through
+  on the quantized operands, or with e5m2 incoming gradients for fp8)."""
   grad = qtype(r.gradient) if r.gradient else None
   config = ragged_dot_qt.RaggedDotQtConfig(lhs_qtype=qtype(r.activation), rhs_qtype=qtype(r.weight), dlhs_grad_qtype=grad, drhs_grad_qtype=grad)
   lhs, rhs = varying_alike(lhs.astype(dtype), rhs.astype(dtype))
