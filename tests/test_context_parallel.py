@@ -1,6 +1,7 @@
 """Context parallelism on 8 simulated CPU devices (float32): losses and gradients equal the model without it, for 2, 4
 and 8 context shards, both strategies, with and without load balance, on packed rows, with GQA and a sliding window;
-splash (Pallas interpret mode) over context shards equals the XLA reference, forward and backward."""
+the chunked kernel and splash (Pallas interpret mode) over context shards, with attention sinks, equal the XLA
+reference, forward and backward."""
 
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ from maxtext.layers import attention_ops as ops
 from maxtext.layers import context_parallel as cp
 from maxtext.platform import Policy
 from tests import test_pipeline as pp
-from tests.test_attention_kernels import SCALE, SMALL_BLOCKS, forward_and_grads, packed_batch, reference
+from tests.test_attention_kernels import SCALE, SMALL_BLOCKS, packed_batch
 
 # The pipeline tests' models and unpipelined references: llama (GQA) and mixtral (sliding window, soft cap, experts),
 # 32 tokens per row, packed rows. The ring merges the chunked kernel's blocks; attention=flash puts all_gather on it too.
 CASES = [
   ("llama", dict(ici_context_parallelism=2, ici_fsdp_parallelism=4, attention="flash")),
   ("llama", dict(ici_context_parallelism=8, ici_fsdp_parallelism=1, context_parallel_strategy="ring")),
-  ("mixtral", dict(ici_context_parallelism=4, ici_tensor_parallelism=2, ici_fsdp_parallelism=1, context_parallel_load_balance=False)),
   (
     "mixtral",
     dict(ici_context_parallelism=4, ici_expert_parallelism=2, ici_fsdp_parallelism=1, context_parallel_strategy="ring", context_parallel_load_balance=False),
@@ -54,55 +54,36 @@ def test_dual_chunk_order_balances_causal_work():
 RULES = [(name, tuple(axes)) for name, axes in DEFAULT_LOGICAL_AXIS_RULES]
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
-def test_splash_over_context_shards_equals_reference(strategy):
-  """2 shards, load-balanced, packed rows, GQA (4 query / 2 key heads split over `tensor`); the ring case adds a window
-  and a soft cap: splash runs per shard with its slice of the mask info, ring blocks merge by log-sum-exp."""
-  window, cap = (37, 5.0) if strategy == "ring" else (0, None)
-  q, k, v, seg, pos = packed_batch(batch=2, seq=512, heads=4, kv_heads=2)
-  layout = cp.Layout(2, strategy, True)
-  q, k, v, seg, pos = (layout.reorder(x) for x in (q, k, v, seg, pos))
-  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("fsdp", "context", "tensor"))
-  policy = Policy("tpu", attention="flash", fused_attention="splash", interpret_kernels=True, splash=SMALL_BLOCKS)
-
-  def split(q, k, v):
-    kw = dict(q_positions=pos, kv_positions=pos, segment_ids=seg, window=window, soft_cap=cap, scale=SCALE, policy=policy, rules=RULES)
-    return ops.attend(q, k, v, **kw, context=layout)
-
-  with jax.set_mesh(mesh):
-    actual = forward_and_grads(jax.jit(split), q, k, v)
-  expected = forward_and_grads(jax.jit(lambda q, k, v: reference(q, k, v, seg, pos, window, cap)), q, k, v)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    np.testing.assert_allclose(a, e, atol=2e-5, rtol=0)
+SINKS = jnp.asarray([0.7, -0.4, 1.1, 0.2], jnp.float32)  # one sink logit per query head (gpt-oss)
+KERNEL_CASES = [("chunked", "all_gather"), ("chunked", "ring"), ("splash", "all_gather"), ("splash", "ring")]
 
 
-SINK_CASES = [("chunked", "all_gather"), ("chunked", "ring"), ("splash", "all_gather"), ("splash", "ring")]
-
-
-@pytest.mark.parametrize("kernel,strategy", SINK_CASES, ids=[f"{k}-{s}" for k, s in SINK_CASES])
-def test_sinks_over_context_shards_equal_reference(kernel, strategy):
-  """Attention sinks (gpt-oss) under context parallelism, load-balanced, packed rows, GQA, window and soft cap: the
-  output and the gradients of q, k, v and the sinks equal the XLA reference (the ring counts each row's sink once)."""
+@pytest.mark.parametrize("kernel,strategy", KERNEL_CASES, ids=[f"{k}-{s}" for k, s in KERNEL_CASES])
+def test_kernels_with_sinks_over_context_shards_equal_reference(kernel, strategy):
+  """Packed rows (load-balanced, but for the chunked all-gather case), GQA (4 query / 2 key heads split over `tensor`), attention sinks (gpt-oss), and for the
+  ring a window and a soft cap: the output and the gradients of q, k, v and the sinks equal the XLA reference. The
+  chunked kernel runs on 4 context shards; splash (Pallas interpret mode) on 2, per shard with its slice of the mask
+  info. The ring merges blocks by log-sum-exp and counts each row's sink once."""
   splash = kernel == "splash"
   shards, seq = (2, 512) if splash else (4, 64)
+  window, cap = (37, 5.0) if strategy == "ring" else (0, None)
   q, k, v, seg, pos = packed_batch(batch=2, seq=seq, heads=4, kv_heads=2)
-  sinks = jnp.asarray([0.7, -0.4, 1.1, 0.2], jnp.float32)
-  layout = cp.Layout(shards, strategy, True)
+  layout = cp.Layout(shards, strategy, load_balance=splash or strategy == "ring")
   q, k, v, seg, pos = (layout.reorder(x) for x in (q, k, v, seg, pos))
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8 // shards // 2, shards, 2), ("fsdp", "context", "tensor"))
   if splash:
     policy = Policy("tpu", attention="flash", fused_attention="splash", interpret_kernels=True, splash=SMALL_BLOCKS)
   else:
     policy = Policy("cpu", attention="flash", attention_key_block=8)
-  kw = dict(q_positions=pos, kv_positions=pos, segment_ids=seg, window=37, soft_cap=5.0, scale=SCALE, policy=policy, rules=RULES)
-  mask = ops.attention_mask(pos, pos, seg, 37)
+  kw = dict(q_positions=pos, kv_positions=pos, segment_ids=seg, window=window, soft_cap=cap, scale=SCALE, policy=policy, rules=RULES)
+  mask = ops.attention_mask(pos, pos, seg, window)
 
   def with_grads(fn):
-    return fn(q, k, v, sinks), jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), (0, 1, 2, 3))(q, k, v, sinks)
+    return fn(q, k, v, SINKS), jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), (0, 1, 2, 3))(q, k, v, SINKS)
 
   with jax.set_mesh(mesh):
     actual = with_grads(jax.jit(lambda q, k, v, s: ops.attend(q, k, v, **kw, sinks=s, context=layout)))
-  expected = with_grads(jax.jit(lambda q, k, v, s: ops.xla_attention(q, k, v, mask, SCALE, 5.0, jax.lax.Precision.HIGHEST, sinks=s)))
+  expected = with_grads(jax.jit(lambda q, k, v, s: ops.xla_attention(q, k, v, mask, SCALE, cap, jax.lax.Precision.HIGHEST, sinks=s)))
   assert float(jnp.abs(expected[1][3]).min()) > 1e-3  # the sinks get a gradient
   np.testing.assert_allclose(actual[0], expected[0], atol=2e-5, rtol=0)
   for name, a, e in zip(("q", "k", "v", "sinks"), actual[1], expected[1], strict=True):
