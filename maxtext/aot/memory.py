@@ -160,3 +160,14 @@ def compile_step(setup: Any, hbm_bytes: int) -> CompiledStep:
     args = shard_bytes((setup.abstract_state, setup.abstract_batch))
     return CompiledStep(setup, None, from_oom_error(e, args, hbm_bytes), time.perf_counter() - start)
   return CompiledStep(setup, compiled, from_compiled(compiled, hbm_bytes), time.perf_counter() - start)
+
+
+def print_report(report: MemoryReport, summary: dict[str, Any], chip: str) -> None:
+  """The compile commands' ending: the per-device memory lines and one JSON line; DoesNotFit (exit 3) past the HBM."""
+  import json
+
+  for line in report.lines():
+    print(line)
+  print(json.dumps(summary), flush=True)
+  if not report.fits:
+    raise DoesNotFit(report.does_not_fit_message(chip))
