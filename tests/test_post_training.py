@@ -383,7 +383,7 @@ def _prompt_data(files: str) -> dict:
 
 
 def test_prompt_records_carry_their_columns(tmp_path):
-  from maxtext.data.prompts import create_prompt_iterator
+  from maxtext.data.prompt_iterator import create_prompt_iterator
 
   rows = [{"prompt": f"say {i}", "target": str(i), "extra": i} for i in range(8)]
   config = tiny_config(
