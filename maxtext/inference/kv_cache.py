@@ -14,8 +14,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from maxtext.layers import attention_ops, matmul
+from maxtext.layers import matmul
 from maxtext.layers.sharding import constrain
+from maxtext.layers.xla_attention import masked_softmax
 
 CACHE_AXES = ("cache_batch", "cache_heads", "cache_sequence", "cache_kv")  # head-major: attention reads it without a transpose
 LATENT_AXES = ("cache_batch", None, "cache_sequence", "cache_kv")  # MLA's latent: one shared "head"
@@ -107,7 +108,7 @@ def head_major_attention(
 ) -> jax.Array:
   """q [B, S, H, D] over head-major keys [B, K, T, D] and values [B, K, T, Dv] (H = K * G), mask [B, S, T] -> [B, S, H, Dv].
 
-  The XLA einsum path of attention_ops.xla_attention, with the cache read in its stored layout (no transpose
+  The XLA einsum path of xla_attention.xla_attention, with the cache read in its stored layout (no transpose
   of the cache per step); logits and softmax in float32.
   """
   b, s, h, d = q.shape
@@ -116,6 +117,6 @@ def head_major_attention(
   logits = matmul.einsum("bkgsd,bktd->bkgst", q, keys, dtype=q.dtype, precision=precision, out_dtype=jnp.float32) * scale
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
-  probs = attention_ops.masked_softmax(logits, mask[:, None, None], sinks).astype(values.dtype)
+  probs = masked_softmax(logits, mask[:, None, None], sinks).astype(values.dtype)
   out = matmul.einsum("bkgst,bktd->bkgsd", probs, values, dtype=values.dtype, precision=precision)
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, values.shape[-1])
