@@ -159,7 +159,7 @@ def test_lora_reference_is_the_base_model_with_adapters_off():
   """With LoRA the reference shares the base parameters: its logits equal those of the same model built without LoRA."""
   from maxtext.layers.lora import LoRAParam
   from maxtext.train import reference
-  from maxtext.train.state import split_params
+  from maxtext.train.trainable import split_params
 
   lora = tiny_config(num_devices=1, lora={"enable_lora": True, "lora_rank": 2}, **DPO_KEYS)
   lora_setup, base_setup = (setup_lib.build(c, mesh_for(c)) for c in (lora, tiny_config(num_devices=1, **DPO_KEYS)))

@@ -41,8 +41,8 @@ from maxtext.errors import ConfigError
 from maxtext.train import reference as reference_lib
 from maxtext.train import rewards as rewards_lib
 from maxtext.train.loss import token_log_probs
-from maxtext.train.state import split_params
 from maxtext.train.step import SummedTerms
+from maxtext.train.trainable import split_params
 
 ADVANTAGE_EPS = 1e-4
 OLD_KEY, REFERENCE_KEY = "old_log_probs", "reference_log_probs"

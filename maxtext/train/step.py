@@ -21,7 +21,8 @@ from maxtext.layers.moe import update_routing_biases
 from maxtext.train import loss as loss_lib
 from maxtext.train import reference as reference_lib
 from maxtext.train.schedules import learning_rate_schedule
-from maxtext.train.state import TrainState, split_params
+from maxtext.train.state import TrainState
+from maxtext.train.trainable import split_params
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
