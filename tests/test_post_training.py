@@ -97,11 +97,11 @@ def test_dpo_step_loss_equals_a_hand_computation(dpo_run):
   """The compiled train step on a batch of packed marker pairs, policy = initial parameters + noise, reference = the
   frozen initial copy in the state (counted in the step's memory): loss and rewards equal a float64 hand computation
   from the models' logits."""
-  from maxtext.train import preflight
+  from maxtext.aot import memory
 
   config, setup, batch = dpo_run[:3]
-  params_bytes = preflight.state_bytes(setup.abstract_state["params"])
-  assert preflight.state_bytes(setup.abstract_state["reference"]) == params_bytes  # a full frozen copy, an argument of the step
+  params_bytes = memory.state_bytes(setup.abstract_state["params"])
+  assert memory.state_bytes(setup.abstract_state["reference"]) == params_bytes  # a full frozen copy, an argument of the step
   assert "reference" in setup.compiled_step.args_info[0][0]  # the memory checks (preflight, train_compile) count it
   with jax.set_mesh(setup.mesh):
     state = setup.init_state()
