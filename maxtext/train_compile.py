@@ -41,6 +41,9 @@ def main(argv: list[str]) -> None:
   print(
     f"compiled in {result.compile_seconds:.1f}s; model TFLOPs per step {result.tflops_per_step:.2f} ({result.tflops_per_step / config.num_devices:.3f} per device)"
   )
+  print(result.state_line(config))
+  if config.quantization == "int8":
+    print(f"compiled executable: {result.int8_products} int8 x int8 matmul instructions (dot/convolution with two s8 operands)")
   for line in result.memory.lines():
     print(line)
   print(json.dumps(result.summary()), flush=True)

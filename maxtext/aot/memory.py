@@ -12,6 +12,7 @@ from typing import Any
 import jax
 
 from maxtext.errors import UserError
+from maxtext.layers.dtypes import bits
 from maxtext.memory_limit import is_out_of_memory  # noqa: F401 - callers use memory.is_out_of_memory
 
 EXIT_DOES_NOT_FIT = 3
@@ -109,11 +110,12 @@ def from_compiled(compiled: jax.stages.Compiled, hbm_bytes: int) -> MemoryReport
 
 
 def shard_bytes(tree: Any) -> int:
-  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (or arrays): the largest shard, counted per leaf."""
+  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (or arrays): the largest shard, counted per leaf
+  (int4 packed two per byte)."""
   total = 0
   for leaf in jax.tree.leaves(tree):
     shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
-    total += math.prod(shape) * jax.numpy.dtype(leaf.dtype).itemsize
+    total += math.prod(shape) * bits(leaf.dtype) // 8
   return total
 
 

@@ -41,6 +41,7 @@ def run_checks(
   config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None, setup: setup_lib.TrainSetup | None = None, log: Callable[[str], None] | None = None
 ) -> Checked:
   platform.check_hardware(config)
+  check_quantization(config)
   if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
     raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
   if config.use_grpo:  # a reward function that does not import fails before anything is built
@@ -80,6 +81,20 @@ def run_checks(
   return Checked(config, mesh, setup, step_fn, data_iter, checkpoint_bytes, choice, trainer)
 
 
+def check_quantization(config: MaxTextConfig) -> None:
+  """Quantization keys that training cannot honour: weight-only int4 on trained kernels, decode-only keys."""
+  if config.quantization == "int4w" and not config.lora.enable_lora:
+    raise ConfigError(
+      "quantization=int4w stores frozen kernels in int4, but training without LoRA updates every kernel; set lora.enable_lora=true (QLoRA) or use int8, fp8 or fp8_full"
+    )
+  if config.quantize_kvcache:
+    raise ConfigError("quantize_kvcache=true quantizes the decoding KV cache; training keeps none: drop it here and pass it to python -m maxtext.decode")
+  if config.save_quantized_params_path:
+    raise ConfigError(
+      "save_quantized_params_path is written by python -m maxtext.decode (quantize a checkpoint once, then decode from it); drop it from training"
+    )
+
+
 def check_outputs(config: MaxTextConfig, checkpoint_bytes: int) -> None:
   """Every output location is a (future) directory we may write, with room for one checkpoint."""
   if config.enable_checkpointing:
@@ -106,7 +121,9 @@ def check_restore_paths(config: MaxTextConfig, setup: setup_lib.TrainSetup, chec
 
   params = setup.abstract_state["params"]
   if config.load_parameters_path:
-    checkpointing.match_params(config.load_parameters_path, params, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
+    checkpointing.check_base_quantization(config, config.load_parameters_path, params)
+    target = checkpointing.base_target(config, params)
+    checkpointing.match_params(config.load_parameters_path, target, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
   if config.lora.lora_restore_path:
     if not config.lora.enable_lora:
       raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")
