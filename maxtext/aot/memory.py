@@ -1,4 +1,5 @@
-"""Per-device memory of a compiled step, against the chip's HBM; parses XLA's out-of-memory errors."""
+"""Per-device memory of a compiled step, against the chip's HBM (and the sizes the run's preflight checks compare);
+parses XLA's out-of-memory errors."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from maxtext.layers.dtypes import bits
 from maxtext.memory_limit import is_out_of_memory  # noqa: F401 - callers use memory.is_out_of_memory
 
 EXIT_DOES_NOT_FIT = 3
+MEMORY_HEADROOM = 0.95  # share of a device's memory the compiled train step (and GRPO's rollout) may plan to use
 GIB = 1024**3
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}
 _SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
@@ -160,6 +162,23 @@ def compile_step(setup: Any, hbm_bytes: int) -> CompiledStep:
     args = shard_bytes((setup.abstract_state, setup.abstract_batch))
     return CompiledStep(setup, None, from_oom_error(e, args, hbm_bytes), time.perf_counter() - start)
   return CompiledStep(setup, compiled, from_compiled(compiled, hbm_bytes), time.perf_counter() - start)
+
+
+def state_bytes(tree: Any) -> int:
+  """Bytes of a pytree of arrays (or ShapeDtypeStructs) over all devices together (shard_bytes: one device's)."""
+  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def step_bytes(compiled: Any) -> tuple[int, int] | None:
+  """(bytes one device needs to run the compiled step, of which temporaries), from XLA's memory analysis."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - some backends and deserialized executables have no analysis
+    return None
+  if m is None:
+    return None
+  need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes + m.generated_code_size_in_bytes
+  return int(need), int(m.temp_size_in_bytes)
 
 
 def print_report(report: MemoryReport, summary: dict[str, Any], chip: str) -> None:

@@ -23,9 +23,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxtext.layers import attention_ops, matmul
+from maxtext.layers import matmul
 from maxtext.layers.quantization import pack_int4, unpack_int4
 from maxtext.layers.sharding import constrain
+from maxtext.layers.xla_attention import masked_softmax
 
 CACHE_AXES = ("cache_batch", "cache_heads", "cache_sequence", "cache_kv")  # head-major: attention reads it without a transpose
 LATENT_AXES = ("cache_batch", None, "cache_sequence", "cache_kv")  # MLA's latent: one shared "head"
@@ -153,7 +154,7 @@ def head_major_attention(
 ) -> jax.Array:
   """q [B, S, H, D] over head-major keys [B, K, T, D] and values [B, K, T, Dv] (H = K * G), mask [B, S, T] -> [B, S, H, Dv].
 
-  The XLA einsum path of attention_ops.xla_attention, with the cache read in its stored layout (no transpose
+  The XLA einsum path of xla_attention.xla_attention, with the cache read in its stored layout (no transpose
   of the cache per step); logits and softmax in float32. Quantized keys/values come with their scales
   [B, K or 1, T, 1], applied to the logits and to the softmax weights.
   """
@@ -165,7 +166,7 @@ def head_major_attention(
     logits = logits * per_key(key_scale).astype(jnp.float32)
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
-  probs = attention_ops.masked_softmax(logits, mask[:, None, None], sinks)
+  probs = masked_softmax(logits, mask[:, None, None], sinks)
   out_dtype = values.dtype
   if value_scale is not None:
     probs, out_dtype = probs * per_key(value_scale).astype(jnp.float32), q.dtype
