@@ -7,7 +7,12 @@ loop, the KV cache's bytes against batch x sum over layers (slots x values per s
 head_dim per slot, or for MLA's compressed cache kv_lora_rank + qk_rope_head_dim (printed beside the naive
 per-head size), and whether the decode step ever compiled more than once. The batch-1 step is compared with the
 weight-streaming bound: parameter bytes / this host's measured streaming bandwidth (step_profile.py's probe).
-Parameters are a random init of the config's model (the speed does not depend on their values).
+Parameters are a random init of the config's model (the speed does not depend on their values); with
+`quantization` its kernels are stored quantized, as `python -m maxtext.decode` holds them.
+
+--baseline also builds the same model with quantization off and an unquantized KV cache (dtype as configured) and
+times the two decode steps interleaved (one step of each, repeated): the row then adds the baseline's cache bytes,
+step time and tokens/s and the ratios (quantized / baseline), which noise on a shared host affects alike.
 """
 
 from __future__ import annotations
@@ -33,11 +38,31 @@ def median_seconds(fn, *args, repeats: int) -> float:
   return statistics.median(times)
 
 
+class Stepper:
+  """One generator's decode steps from a prefilled cache, each timed until its logits are ready."""
+
+  def __init__(self, gen, tokens: np.ndarray, lengths: np.ndarray):
+    prefill, _ = gen._executables_for(tokens, lengths)
+    self.gen = gen
+    self.cache, logits = prefill(gen.state, tokens, lengths, None)
+    self.next_tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+    self.cache, logits = gen.step(gen.state, self.cache, self.next_tokens)  # compiles the step for this batch size
+    logits.block_until_ready()
+    self.times: list[float] = []
+
+  def step(self) -> None:
+    start = time.perf_counter()
+    self.cache, logits = self.gen.step(self.gen.state, self.cache, self.next_tokens)
+    logits.block_until_ready()
+    self.times.append(time.perf_counter() - start)
+
+
 def main(argv: list[str]) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
   parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
   parser.add_argument("--unstack", action="store_true", help="decode with the stacked layers split per layer (maxtext.inference.unstack)")
+  parser.add_argument("--baseline", action="store_true", help="also time the model with quantization off and an unquantized cache, interleaved")
   parser.add_argument("config", nargs="+", help="<config.yml> key=value ...")
   args = parser.parse_args(argv)
 
@@ -48,18 +73,24 @@ def main(argv: list[str]) -> list[dict]:
   from maxtext.config import load
   from maxtext.inference import cache_layout
   from maxtext.inference.generate import Generator
+  from maxtext.inference.loading import serving_policy
   from maxtext.inference.unstack import unstack_layers
+  from maxtext.layers.dtypes import bits
   from maxtext.process import prepare
 
   config = load(args.config, devices=prepare)
   mesh = mesh_lib.create(config)
-  model = models.create_sharded(config, mesh)
-  param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+  def generator(config):
+    model = models.create_sharded(config, mesh, policy=serving_policy(config, mesh))
+    param_bytes = sum(x.size * bits(x.dtype) // 8 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return Generator(unstack_layers(model) if args.unstack else model, mesh=mesh), param_bytes
+
+  gen, param_bytes = generator(config)
+  base_config = config.model_copy(update={"quantization": "", "quantize_kvcache": False, "quantize_logits_proj": False})
+  base_gen, base_param_bytes = generator(base_config) if args.baseline else (None, 0)
   bandwidth = stream_gb_per_s()
   bound_s = param_bytes / (bandwidth * 1e9)
-  if args.unstack:
-    model = unstack_layers(model)
-  gen = Generator(model, mesh=mesh)
   print(cache_layout.describe(config, args.batches[0], gen.layout), file=sys.stderr)
   prompt_length = config.max_prefill_predict_length
   rows = []
@@ -67,22 +98,19 @@ def main(argv: list[str]) -> list[dict]:
   for batch in args.batches:
     prompts = rng.integers(0, config.vocab_size, size=(batch, prompt_length)).tolist()
     compile_s = gen.compile(batch, prompt_length)
+    if base_gen:
+      base_gen.compile(batch, prompt_length)
     tokens, lengths = gen.pad(prompts)
     prefill, _ = gen._executables_for(tokens, lengths)
     with jax.set_mesh(mesh):
       prefill_s = median_seconds(prefill, gen.state, tokens, lengths, None, repeats=5)
-      cache, logits = prefill(gen.state, tokens, lengths, None)
-      next_tokens = jnp.argmax(logits, -1).astype(jnp.int32)
-      cache, logits = gen.step(gen.state, cache, next_tokens)  # compiles the step for this batch size
+      runs = [Stepper(gen, tokens, lengths)] + ([Stepper(base_gen, tokens, lengths)] if base_gen else [])
       compiles = gen.step._cache_size()
-      times = []
       for _ in range(args.steps):
-        start = time.perf_counter()
-        cache, logits = gen.step(gen.state, cache, next_tokens)
-        logits.block_until_ready()
-        times.append(time.perf_counter() - start)
-      step_s = statistics.median(times)
-      kv_bytes, length_bytes = cache_layout.nbytes(cache)
+        for run in runs:  # interleaved: both models see the same moments of a shared host
+          run.step()
+      times, step_s = runs[0].times, statistics.median(runs[0].times)
+      kv_bytes, length_bytes = cache_layout.nbytes(runs[0].cache)
     result = gen.generate(prompts)  # the on-device loop: prompt_length + generated = max_target_length per row
     loop_steps = result.decode_tokens / batch
     row = {
@@ -110,7 +138,23 @@ def main(argv: list[str]) -> list[dict]:
       "step_over_bound": round(step_s / bound_s, 2),
       "min_step_over_bound": round(min(times) / bound_s, 2),
       "device": jax.devices()[0].device_kind,
+      "quantization": config.quantization,
+      "kv_cache": f"{config.kv_quant_dtype} ({config.kv_quant_axis})" if config.quantize_kvcache else config.dtype,
     }
+    if base_gen:
+      base = runs[1]
+      base_step_s = statistics.median(base.times)
+      base_kv = cache_layout.nbytes(base.cache)[0]
+      row.update(
+        baseline_param_bytes=base_param_bytes,
+        baseline_kv_cache_bytes=base_kv,
+        baseline_decode_step_s=round(base_step_s, 5),
+        baseline_decode_tokens_per_s=round(batch / base_step_s, 1),
+        kv_cache_bytes_vs_baseline=round(kv_bytes / base_kv, 4),
+        param_bytes_vs_baseline=round(param_bytes / base_param_bytes, 4),
+        decode_speed_vs_baseline=round(base_step_s / step_s, 3),
+        decode_speed_vs_baseline_min=round(min(base.times) / min(times), 3),
+      )
     print(json.dumps(row), flush=True)
     rows.append(row)
   return rows

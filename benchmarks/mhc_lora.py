@@ -35,6 +35,7 @@ def build(config_args: list[str]) -> dict:
   from maxtext.config import load
   from maxtext.process import prepare
   from maxtext.train import state as state_lib
+  from maxtext.train import trainable as trainable_lib
   from maxtext.train.loop import create_data_iterator
 
   config = load(config_args, devices=prepare)
@@ -43,7 +44,7 @@ def build(config_args: list[str]) -> dict:
     state = step.init_state()
     batch = jax.block_until_ready(next(create_data_iterator(config, step.mesh, "train")))
   abstract = step.setup.abstract_state
-  trainable, _ = state_lib.split_params(abstract["params"], config)
+  trainable, _ = trainable_lib.split_params(abstract["params"], config)
   sizes = {
     "compile_seconds": round(step.compile_seconds, 3),
     "param_bytes": _bytes(abstract["params"]),

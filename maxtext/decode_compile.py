@@ -7,7 +7,6 @@ HBM and one JSON line. Exit 0: fits; 3: does not fit; 2: user error.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -26,24 +25,16 @@ USAGE = config_usage(
 @entry(USAGE)
 def main(argv: list[str]) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices need no local accelerator
-  from maxtext import topology
   from maxtext.aot import memory
   from maxtext.aot.decode import compile_decode_step
-  from maxtext.config import ConfigError, load
+  from maxtext.aot.devices import load_for_topology
 
-  config = load(argv)
-  if not config.compile_topology:
-    raise ConfigError("compile_topology is not set; pass e.g. compile_topology=v5p-64 (names: docs/tpu.md)")
-  chip = topology.parse(config.compile_topology).chip.generation
+  config, chip = load_for_topology(argv, "v5p-64")
   print(f"compiling a decode step of {config.model_name} for {config.compile_topology} ({config.num_devices} devices)", flush=True)
   result = compile_decode_step(config)
   print(result.cache_line)
   print(f"compiled in {result.compile_seconds:.1f}s; batch {result.batch}, KV cache {memory.gib(result.cache_bytes_per_device)} GiB per device")
-  for line in result.memory.lines():
-    print(line)
-  print(json.dumps(result.summary()), flush=True)
-  if not result.memory.fits:
-    raise memory.DoesNotFit(result.memory.does_not_fit_message(chip))
+  memory.print_report(result.memory, result.summary(), chip)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from maxtext.errors import ConfigError
 if TYPE_CHECKING:
   import jax  # imported where devices are read: `import maxtext` chooses the platform without importing JAX
 
+  from maxtext.layers.quantization import Recipe
+
 PLATFORMS = ("cpu", "gpu", "tpu")
 _TPU_NODES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")  # v2-v4 expose /dev/accel*, v5e/v5p/v6e /dev/vfio/<n>
 _GPU_NODES = ("/dev/nvidia[0-9]*",)
@@ -69,6 +71,7 @@ class PolicyKeys(Protocol):
   attention: str
   max_segments_per_seq: int
   decoder_layer_input: str
+  quantization: str  # with the keys maxtext.layers.quantization.recipe reads when it is set
   sparse_matmul: bool
   megablox: bool
   use_tokamax_gmm: bool
@@ -109,6 +112,7 @@ class Policy:
   compiler_state_layouts: bool = False  # XLA picks the train state's device layouts (TPU: no per-step relayout of stacked kernels)
   offload_layer_inputs: bool = False  # keep each decoder layer's saved input in pinned host memory (decoder_layer_input=offload)
   host_offload: bool = False  # pinned host memory may hold activations: decoder_layer_input=auto tries it when HBM is short (TPU)
+  quantization: Recipe | None = None  # config.quantization's matmul recipe (qwix); its `native` says whether this platform's units take it
   moe_dispatch: str = "ragged_dot"  # how MoE layers run their experts: megablox | tokamax | ragged_dot | dense (moe_dispatch())
   tokamax_implementation: str | None = None  # use_tokamax_gmm: tokamax's ragged_dot implementation; None lets tokamax choose
   ragged_all_to_all: bool = True  # expert-parallel dropless exchange by ragged_all_to_all (XLA:CPU lacks it: a padded all_to_all)
@@ -138,15 +142,38 @@ def for_platform(config: PolicyKeys, platform: str, interpret: bool = False) -> 
     compiler_state_layouts=platform == "tpu",
     offload_layer_inputs=config.decoder_layer_input == "offload",  # auto is resolved by compiling (maxtext.aot.remat_auto)
     host_offload=platform == "tpu",
+    quantization=_quantization_recipe(config, platform),
     moe_dispatch=moe_dispatch(config, platform),
     tokamax_implementation=TOKAMAX_IMPLEMENTATION[platform],
     ragged_all_to_all=not cpu,
   )
 
 
+# Matmul formats the platform's units take natively, per mode (else XLA converts them to bf16: same numerics, no speedup).
+# TPU v4-v6e and NVIDIA GPUs multiply int8 with int32 accumulation; fp8 needs NVIDIA sm_89+ (checked in `resolve`);
+# XLA:CPU runs int8 dots as integer dots and converts fp8 to float.
+NATIVE_FORMATS = {"cpu": ("int8",), "gpu": ("int8", "fp8", "fp8_full"), "tpu": ("int8",)}
+
+
+def _quantization_recipe(config: PolicyKeys, platform: str) -> Recipe | None:
+  if not config.quantization:
+    return None
+  from maxtext.layers.quantization import recipe  # imports JAX and qwix: only for runs that quantize
+
+  return recipe(config, native=config.quantization in NATIVE_FORMATS[platform])
+
+
 def moe_dispatch(config: PolicyKeys, platform: str) -> str:
   """MaxText's keys pick the path: sparse_matmul=false -> dense; megablox=false -> ragged_dot; use_tokamax_gmm ->
-  tokamax. MaxText's defaults (both true) pick this platform's measured choice (MOE_DEFAULTS), by shape class."""
+  tokamax. MaxText's defaults (both true) pick this platform's measured choice (MOE_DEFAULTS), by shape class.
+  With `quantization`, megablox and tokamax become ragged_dot: their kernels take no quantized operands (qwix's
+  ragged_dot_qt runs the quantized grouped matmuls; the train banner says so)."""
+  path = keyed_moe_dispatch(config, platform)
+  return "ragged_dot" if config.quantization and path in ("megablox", "tokamax") else path
+
+
+def keyed_moe_dispatch(config: PolicyKeys, platform: str) -> str:
+  """The path MaxText's MoE keys pick on platform, before `quantization` is considered (moe_dispatch)."""
   c = config
   if not c.sparse_matmul:
     return "dense"
@@ -172,8 +199,13 @@ def resolve(config: PolicyKeys, mesh: jax.sharding.Mesh | None = None) -> Policy
   """The policy for the mesh's devices (a TPU topology under AOT), else for JAX's local devices."""
   import jax
 
-  devices = mesh.devices.flat if mesh is not None else jax.local_devices()
-  return for_platform(config, platform_of(devices))
+  devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()
+  policy = for_platform(config, platform_of(devices))
+  if policy.quantization is not None:
+    from maxtext.layers.quantization import check_devices
+
+    check_devices(policy.quantization, devices)
+  return policy
 
 
 def _nodes(patterns: Iterable[str]) -> list[str]:

@@ -6,7 +6,6 @@ per-device memory against the chip's HBM, and ends with one JSON line. Exit 0: f
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -24,15 +23,11 @@ USAGE = config_usage(
 @entry(USAGE)
 def main(argv: list[str]) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices need no local accelerator
-  from maxtext import topology
   from maxtext.aot import compile as aot_compile
   from maxtext.aot import executable, memory, remat_auto
-  from maxtext.config import ConfigError, load
+  from maxtext.aot.devices import load_for_topology
 
-  config = load(argv)
-  if not config.compile_topology:
-    raise ConfigError("compile_topology is not set; pass e.g. compile_topology=v5p-8 (names: docs/tpu.md)")
-  chip = topology.parse(config.compile_topology).chip.generation
+  config, chip = load_for_topology(argv, "v5p-8")
   where = f"{config.compile_topology} x {config.compile_topology_num_slices} slice(s) ({config.num_devices} devices)"
   print(f"compiling the train step of {config.model_name} for {where}: ici {config.ici_parallelism}, dcn {config.dcn_parallelism}", flush=True)
   result = aot_compile.compile_for_topology(config, log=lambda line: print(line, flush=True))
@@ -41,11 +36,10 @@ def main(argv: list[str]) -> None:
   print(
     f"compiled in {result.compile_seconds:.1f}s; model TFLOPs per step {result.tflops_per_step:.2f} ({result.tflops_per_step / config.num_devices:.3f} per device)"
   )
-  for line in result.memory.lines():
-    print(line)
-  print(json.dumps(result.summary()), flush=True)
-  if not result.memory.fits:
-    raise memory.DoesNotFit(result.memory.does_not_fit_message(chip))
+  print(result.state_line(config))
+  if config.quantization == "int8":
+    print(f"compiled executable: {result.int8_products} int8 x int8 matmul instructions (dot/convolution with two s8 operands)")
+  memory.print_report(result.memory, result.summary(), chip)
   if config.compiled_trainstep_file:
     executable.save(config.compiled_trainstep_file, result.compiled, result.config, result.devices)  # auto keys resolved
     print(f"saved the compiled train step to {config.compiled_trainstep_file}", file=sys.stderr)

@@ -35,6 +35,10 @@ FIELDS = {
   "tflops_per_step",
   "remat_policy",
   "decoder_layer_input",
+  "params_bytes",
+  "opt_state_bytes",
+  "quantized_kernel_bytes",
+  "int8_products",
 }
 
 

@@ -307,15 +307,16 @@ def test_auto_offloads_layer_inputs_only_when_the_step_does_not_fit_otherwise():
 def test_remat_auto_resolves_from_compiled_memory_and_logs():
   from maxtext import mesh as mesh_lib
   from maxtext.aot import remat_auto
+  from maxtext.train import setup as setup_lib
 
   config = from_overrides(num_devices=1, remat_policy="auto", **{**MODEL, "max_target_length": 16, "base_num_decoder_layers": 1})
   mesh = mesh_lib.create(config, jax.devices()[:1])
   lines = []
-  resolved, choice = remat_auto.resolve(config, mesh, hbm_bytes=1024, log=lines.append)  # nothing fits in 1 KiB: two compiles, then full
+  resolved, choice = remat_auto.resolve(config, mesh, setup_lib.build, hbm_bytes=1024, log=lines.append)  # nothing fits in 1 KiB: two compiles, then full
   assert resolved.remat_policy == "full" and resolved.decoder_layer_input == "device" and len(lines) == 1 and not choice.fits
   assert lines[0].startswith("remat_policy=auto and decoder_layer_input=auto chose remat_policy=full") and "no policy that saves more fits" in lines[0]
   assert "save_dot_except_mlpwi/device" in lines[0] and "save_qkv_proj/device" in lines[0]
-  assert remat_auto.resolve(resolved, mesh) == (resolved, None)  # named values stay
+  assert remat_auto.resolve(resolved, mesh, setup_lib.build) == (resolved, None)  # named values stay
 
 
 def test_queries_against_a_longer_cache_run_xla_under_every_request():

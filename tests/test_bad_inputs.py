@@ -84,6 +84,15 @@ CASES = [
   ),
   ("restart_with_another_model_shape", _train("base_output_directory={run}", "base_mlp_dim=128"), "shape"),
   ("run_directory_locked_by_a_live_run", _train("base_output_directory={tmp}/locked"), "in use by another run"),
+  ("quantization_unknown_mode", _train("quantization=int3"), "'quantization'"),
+  ("quantization_int4w_training_without_lora", _train("quantization=int4w"), "lora.enable_lora=true"),
+  ("quantize_kvcache_in_training", _train("quantize_kvcache=true"), "python -m maxtext.decode"),
+  ("quantize_kvcache_on_mla", _train("decoder_block=deepseek", "quantize_kvcache=true"), "(MLA) caches a compressed latent"),
+  (
+    "checkpoint_is_quantized_on_a_float_checkpoint",
+    _train("quantization=int8", "lora.enable_lora=true", "checkpoint_is_quantized=true", "load_parameters_path={run}/r/checkpoints/1"),
+    "holds float kernels",
+  ),
   ("dpo_and_grpo_together", _train("use_dpo=true", "use_grpo=true", "dataset_type=grain"), "use_dpo and use_grpo are both true"),
   (
     "dpo_data_without_rejected_column",

@@ -87,8 +87,8 @@ CASES = [
   (
     "unsupported_in_env",
     [BASE],
-    {"M_QUANTIZATION": "int8"},
-    "'quantization' (from environment variable M_QUANTIZATION) is a MaxText option this project does not implement",
+    {"M_USE_IOTA_EMBED": "true"},
+    "'use_iota_embed' (from environment variable M_USE_IOTA_EMBED) is a MaxText option this project does not implement",
   ),
   ("derived_key", [BASE, "emb_dim=512"], {}, "config key 'emb_dim' (on the command line) is derived and cannot be set"),
   ("derived_key_batch", [BASE, "global_batch_size_to_train_on=8"], {}, "is derived and cannot be set"),

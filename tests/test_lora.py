@@ -20,6 +20,7 @@ from maxtext.models.counting import param_count
 from maxtext.train import checkpointing
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
+from maxtext.train import trainable as trainable_lib
 from maxtext.train.loop import restore_or_init, train
 from tests.test_mhc import jit_logits
 from tests.test_models import FAMILY_OVERRIDES, tiny, tokens
@@ -139,7 +140,7 @@ def lora_runs(tmp_path_factory):
   config = tiny_config(run_name="lora", lora=LORA, mhc_expansion_rate=2, **kw)
   setup = setup_lib.build(config, mesh_for(config))
   with jax.set_mesh(setup.mesh):
-    _, frozen = state_lib.split_params(setup.init_state()["params"], config)
+    _, frozen = trainable_lib.split_params(setup.init_state()["params"], config)
   base = jax.tree.map(lambda x: 1.5 * x + 0.01, frozen)  # a plain model's parameters, unlike the seeded init
   checkpointing.save_params(str(tmp / "base"), base)
   full = train(config, setup=setup)
@@ -196,8 +197,8 @@ def test_lora_restore_path_and_wrong_shape(lora_runs):
 
 
 def test_checkpointed_view_and_trainable_filter():
-  assert state_lib.trainable_filter(tiny_config()) is nnx.Param
-  assert state_lib.trainable_filter(tiny_config(lora=LORA)) is LoRAParam
+  assert trainable_lib.trainable_filter(tiny_config()) is nnx.Param
+  assert trainable_lib.trainable_filter(tiny_config(lora=LORA)) is LoRAParam
   state = {"step": 0, "params": nnx.state(models.abstract_model(tiny_config(lora=LORA, mhc_expansion_rate=2)))}
   kept = state_lib.checkpointed(state, tiny_config(lora=LORA, mhc_expansion_rate=2))["params"]
   kinds = {type(v) for _, v in nnx.to_flat_state(kept)}

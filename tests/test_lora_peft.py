@@ -15,7 +15,7 @@ from maxtext import from_hf
 from maxtext.convert import hf_params
 from maxtext.convert import peft as lora_peft
 from maxtext.convert.__main__ import main
-from maxtext.convert.model_params import flat_params
+from maxtext.convert.model_params import flat_params, model_from_flat
 from maxtext.layers.lora import LoRAParam
 from maxtext.train import checkpointing
 from tests.hf_fixtures import hf_logits, save_tiny_model
@@ -135,6 +135,30 @@ def test_cli_lora_to_peft_merge_and_peft_to_lora(adapted, toks, tmp_path, capsys
     err = out.err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0], (argv, out.err)
   assert not (tmp_path / "x3").exists() and not (tmp_path / "x4").exists()
+
+
+def test_peft_adapter_trained_on_an_int8_base_loads_onto_the_float_model(adapted, toks, tmp_path):
+  """QLoRA: our model holds the base in int8 (w8a8 products). Its exported adapter on the float model in transformers
+  gives logits that differ from ours by int8's own error on the base (our float-base logits vs our int8-base logits,
+  to 1e-3), here under 3% of the logits' range."""
+  peft = pytest.importorskip("peft")
+
+  _, torch_model, _, config, flat, _ = adapted
+  small = {k: v * 0.2 if "/lora/" in k else v for k, v in flat.items()}  # adapters of a trained run's size
+  logits = {}
+  for mode in ("", "int8"):
+    model = model_from_flat(config.model_copy(update={"quantization": mode}), small)  # int8: kernels quantized here
+    logits[mode] = jit_logits(model, toks)
+  assert nnx.state(model, nnx.Param)["layers"]["attention"]["query"]["kernel"][...].dtype == np.int8
+  tensors, adapter_config = lora_peft.to_peft(_adapters(small), config)
+  lora_peft.write(tmp_path, tensors, adapter_config)
+  with torch.no_grad():
+    wrapped = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(tmp_path)).eval()
+    theirs = wrapped(torch.as_tensor(toks, dtype=torch.long)).logits.float().numpy()
+  int8_error = np.abs(logits["int8"] - logits[""]).max()
+  np.testing.assert_allclose(theirs, logits[""], atol=1e-4, rtol=0)
+  assert abs(np.abs(theirs - logits["int8"]).max() - int8_error) < 1e-3
+  assert 0 < int8_error < 0.03 * np.ptp(logits[""])
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])

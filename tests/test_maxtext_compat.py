@@ -26,7 +26,7 @@ def test_maxtext_base_yml_loads_and_lists_keys_without_effect():
   config, sources = load_with_sources([MT_BASE], env={}, num_devices=1)
   table = resolved(config, sources)
   inert = {k for k, v in table.items() if maxtext_keys.NOT_IMPLEMENTED in v["source"]}
-  assert "use_iota_embed" in inert and "quantization" in inert
+  assert "use_iota_embed" in inert and "replicate_quant_scale" in inert
   assert inert.isdisjoint(all_keys())  # only keys the schema lacks
   assert table["use_iota_embed"]["value"] is False
   assert config.steps == 150_001 and config.learning_rate == pytest.approx(3e-5)  # MaxText's values of keys implemented here

@@ -86,7 +86,7 @@ def test_policy_names_the_fused_attention_kernel_and_every_field_says_why():
 def test_measured_yardstick_is_cached_per_host(tmp_path, monkeypatch):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   measured = []
-  monkeypatch.setattr(perf, "measure_matmul_tflops", lambda n=0: measured.append(n) or 0.25)
+  monkeypatch.setattr(perf, "measure_matmul_tflops", lambda n=0, fmt="bf16": measured.append(n) or 0.25)
   config = from_overrides(num_devices=1)
   first, second = perf.Yardstick.of(config), perf.Yardstick.of(config)
   assert measured == [0] and first.tflops == second.tflops == 0.25  # measured once, then read back

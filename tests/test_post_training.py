@@ -97,11 +97,11 @@ def test_dpo_step_loss_equals_a_hand_computation(dpo_run):
   """The compiled train step on a batch of packed marker pairs, policy = initial parameters + noise, reference = the
   frozen initial copy in the state (counted in the step's memory): loss and rewards equal a float64 hand computation
   from the models' logits."""
-  from maxtext.train import preflight
+  from maxtext.aot import memory
 
   config, setup, batch = dpo_run[:3]
-  params_bytes = preflight.state_bytes(setup.abstract_state["params"])
-  assert preflight.state_bytes(setup.abstract_state["reference"]) == params_bytes  # a full frozen copy, an argument of the step
+  params_bytes = memory.state_bytes(setup.abstract_state["params"])
+  assert memory.state_bytes(setup.abstract_state["reference"]) == params_bytes  # a full frozen copy, an argument of the step
   assert "reference" in setup.compiled_step.args_info[0][0]  # the memory checks (preflight, train_compile) count it
   with jax.set_mesh(setup.mesh):
     state = setup.init_state()
@@ -159,7 +159,7 @@ def test_lora_reference_is_the_base_model_with_adapters_off():
   """With LoRA the reference shares the base parameters: its logits equal those of the same model built without LoRA."""
   from maxtext.layers.lora import LoRAParam
   from maxtext.train import reference
-  from maxtext.train.state import split_params
+  from maxtext.train.trainable import split_params
 
   lora = tiny_config(num_devices=1, lora={"enable_lora": True, "lora_rank": 2}, **DPO_KEYS)
   lora_setup, base_setup = (setup_lib.build(c, mesh_for(c)) for c in (lora, tiny_config(num_devices=1, **DPO_KEYS)))
@@ -383,7 +383,7 @@ def _prompt_data(files: str) -> dict:
 
 
 def test_prompt_records_carry_their_columns(tmp_path):
-  from maxtext.data.prompts import create_prompt_iterator
+  from maxtext.data.prompt_iterator import create_prompt_iterator
 
   rows = [{"prompt": f"say {i}", "target": str(i), "extra": i} for i in range(8)]
   config = tiny_config(

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from maxtext import memory_limit
+from maxtext.aot import memory
 from maxtext.errors import ConfigError
 from maxtext.train import checkpointing, outputs, preflight, run_lock
 from maxtext.train import loop as loop_lib
@@ -232,7 +233,7 @@ def test_metrics_file_that_cannot_be_created_is_one_line(tmp_path, monkeypatch, 
 def test_a_step_that_does_not_fit_is_refused_with_the_numbers(shared_setup, monkeypatch):
   config = shared_setup.config
   preflight.check_memory_fit(config, shared_setup.compiled_step)  # the tiny step fits
-  need = preflight.step_bytes(shared_setup.compiled_step)
+  need = memory.step_bytes(shared_setup.compiled_step)
   assert need is not None and 0 < need[1] <= need[0]
   monkeypatch.setattr(memory_limit, "limit_per_device", lambda: memory_limit.Limit(need[0] // 2, "test memory"))
   with pytest.raises(

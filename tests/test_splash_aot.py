@@ -38,10 +38,11 @@ def test_layer_inputs_leave_hbm_for_host_memory_on_tpu_when_the_step_needs_it():
   stack, and the device's total falls by nearly as much. (Which candidate fits is tests/test_attention_kernels.py's.)"""
   from maxtext.aot import remat_auto
   from maxtext.aot.compile import topology_mesh
+  from maxtext.train import setup as setup_lib
 
   auto = from_overrides(**{**MODEL, "base_num_decoder_layers": 4, "base_emb_dim": 512, "max_target_length": 1024})
   lines = []
-  resolved, choice = remat_auto.resolve(auto, topology_mesh(auto), 1, lines.append)  # 1 byte: the inputs go to the host
+  resolved, choice = remat_auto.resolve(auto, topology_mesh(auto), setup_lib.build, 1, lines.append)  # 1 byte: the inputs go to the host
   assert (resolved.remat_policy, resolved.decoder_layer_input, choice.fits) == ("full", "offload", False)
   stack = 4 * 1 * 1024 * 512 * 2
   offload = choice.step.memory  # the chosen candidate's compile, handed on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,8 @@ class CompileResult:
   devices: list[jax.Device]
   config: MaxTextConfig  # the config compiled: remat_policy=auto and decoder_layer_input=auto resolved
   choice: remat_auto.Choice | None = None  # how they were resolved (None: neither was auto)
+  state_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # per device: params, of which stored quantized kernels, opt_state
+  int8_products: int = 0  # dot/convolution instructions of the compiled executable whose operands are both s8
 
   def summary(self) -> dict[str, Any]:
     """The machine-readable report (the last line train_compile prints)."""
@@ -35,7 +38,15 @@ class CompileResult:
       "tflops_per_step": float(f"{self.tflops_per_step:.6g}"),
       "remat_policy": self.config.remat_policy,
       "decoder_layer_input": self.config.decoder_layer_input,
+      **{f"{name}_bytes": n for name, n in self.state_bytes.items()},
+      "int8_products": self.int8_products,
     }
+
+  def state_line(self, config: MaxTextConfig) -> str:
+    """What the train state holds per device (the bulk of the arguments)."""
+    b = self.state_bytes
+    stored = f" ({memory.gib(b['quantized_kernel'])} GiB of it kernels stored {config.quantization} with their scales)" if b.get("quantized_kernel") else ""
+    return f"train state per device: parameters {memory.gib(b['params'])} GiB{stored}, optimizer state {memory.gib(b['opt_state'])} GiB"
 
 
 def topology_mesh(config: MaxTextConfig) -> Mesh:
@@ -54,10 +65,35 @@ def compile_for_topology(config: MaxTextConfig, log: Callable[[str], None] | Non
 
   mesh = topology_mesh(config)
   hbm = topology.parse(config.compile_topology).chip.hbm_bytes
-  config, choice = remat_auto.resolve(config, mesh, hbm, log)
+  config, choice = remat_auto.resolve(config, mesh, setup_lib.build, hbm, log)
   step = choice.step if choice is not None else None  # the chosen candidate, compiled while choosing
   if step is None:
     with jax.set_mesh(mesh):
       step = memory.compile_step(setup_lib.build(config, mesh), hbm)
   flops = step_flops(config) / 1e12
-  return CompileResult(step.compiled, step.memory, step.seconds, flops, list(mesh.devices.flat), config, choice)
+  int8 = count_int8_products(step.compiled.as_text()) if step.compiled is not None and config.quantization == "int8" else 0
+  state = state_breakdown(step.setup.abstract_state)
+  return CompileResult(step.compiled, step.memory, step.seconds, flops, list(mesh.devices.flat), config, choice, state, int8)
+
+
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[")
+_PRODUCT = re.compile(r"=\s*\w+\[[^\]]*\]\S*\s+(?:convolution|dot)\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
+
+
+def count_int8_products(hlo: str) -> int:
+  """Matmul instructions (dot, or convolution as TPUs write them) of an HLO module whose two operands are s8: the
+  int8 x int8 products, accumulated in int32 by the matrix units."""
+  types = {m.group(1): m.group(2) for m in map(_DEFINITION.match, hlo.splitlines()) if m}
+  return sum(types.get(a) == types.get(b) == "s8" for a, b in _PRODUCT.findall(hlo))
+
+
+def state_breakdown(state: Any) -> dict[str, int]:
+  """Per-device bytes of the train state's parameters (and of the kernels stored quantized among them) and optimizer state."""
+  from maxtext.train.checkpointing import stored_kernels
+
+  quantized = [leaf for kernel, _, scale in stored_kernels(state["params"]).values() for leaf in (kernel.get_value(), scale.get_value())]
+  return {
+    "params": memory.shard_bytes(state["params"]),
+    "quantized_kernel": memory.shard_bytes(quantized),
+    "opt_state": memory.shard_bytes(state["opt_state"]),
+  }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 
@@ -45,3 +46,13 @@ def topology_devices(topo: topology.Topology, num_slices: int = 1) -> list[jax.D
       f"libtpu returned {len(devices)} devices for {topo.name} x {num_slices} slices, expected {expected}; update libtpu to the version jax[tpu] pins"
     )
   return devices
+
+
+def load_for_topology(argv: list[str], example: str) -> tuple[Any, str]:
+  """(config, chip generation) for a compile command: compile_topology must be set (example: a topology name for the error)."""
+  from maxtext.config import load
+
+  config = load(argv)
+  if not config.compile_topology:
+    raise ConfigError(f"compile_topology is not set; pass e.g. compile_topology={example} (names: docs/tpu.md)")
+  return config, topology.parse(config.compile_topology).chip.generation

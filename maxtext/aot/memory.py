@@ -1,4 +1,5 @@
-"""Per-device memory of a compiled step, against the chip's HBM; parses XLA's out-of-memory errors."""
+"""Per-device memory of a compiled step, against the chip's HBM (and the sizes the run's preflight checks compare);
+parses XLA's out-of-memory errors."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from typing import Any
 import jax
 
 from maxtext.errors import UserError
+from maxtext.layers.dtypes import bits
 from maxtext.memory_limit import is_out_of_memory  # noqa: F401 - callers use memory.is_out_of_memory
 
 EXIT_DOES_NOT_FIT = 3
+MEMORY_HEADROOM = 0.95  # share of a device's memory the compiled train step (and GRPO's rollout) may plan to use
 GIB = 1024**3
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": GIB, "T": 1024**4}
 _SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
@@ -107,11 +110,12 @@ def from_compiled(compiled: jax.stages.Compiled, hbm_bytes: int) -> MemoryReport
 
 
 def shard_bytes(tree: Any) -> int:
-  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (or arrays): the largest shard, counted per leaf."""
+  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (or arrays): the largest shard, counted per leaf
+  (int4 packed two per byte)."""
   total = 0
   for leaf in jax.tree.leaves(tree):
     shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
-    total += math.prod(shape) * jax.numpy.dtype(leaf.dtype).itemsize
+    total += math.prod(shape) * bits(leaf.dtype) // 8
   return total
 
 
@@ -158,3 +162,31 @@ def compile_step(setup: Any, hbm_bytes: int) -> CompiledStep:
     args = shard_bytes((setup.abstract_state, setup.abstract_batch))
     return CompiledStep(setup, None, from_oom_error(e, args, hbm_bytes), time.perf_counter() - start)
   return CompiledStep(setup, compiled, from_compiled(compiled, hbm_bytes), time.perf_counter() - start)
+
+
+def state_bytes(tree: Any) -> int:
+  """Bytes of a pytree of arrays (or ShapeDtypeStructs) over all devices together (shard_bytes: one device's)."""
+  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def step_bytes(compiled: Any) -> tuple[int, int] | None:
+  """(bytes one device needs to run the compiled step, of which temporaries), from XLA's memory analysis."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - some backends and deserialized executables have no analysis
+    return None
+  if m is None:
+    return None
+  need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes + m.generated_code_size_in_bytes
+  return int(need), int(m.temp_size_in_bytes)
+
+
+def print_report(report: MemoryReport, summary: dict[str, Any], chip: str) -> None:
+  """The compile commands' ending: the per-device memory lines and one JSON line; DoesNotFit (exit 3) past the HBM."""
+  import json
+
+  for line in report.lines():
+    print(line)
+  print(json.dumps(summary), flush=True)
+  if not report.fits:
+    raise DoesNotFit(report.does_not_fit_message(chip))

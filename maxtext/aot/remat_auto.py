@@ -2,7 +2,7 @@
 
 A candidate is a remat policy with a place for each layer's saved input: `device` (HBM) or `offload` (pinned host
 memory). It fits when the compiled train step's arguments + outputs - aliased + temporaries stay within
-(1 - MARGIN) of the device memory (XLA's memory analysis of the real step, `maxtext.train.setup.build(...).jit_step`).
+(1 - MARGIN) of the device memory (XLA's memory analysis of the real step: the caller's setup builder, `maxtext.train.setup.build(...).jit_step`).
 Among the candidates that fit, the choice has the least recomputation, then the least host traffic:
 
 - remat policies are tried from saving everything (`none`) to saving nothing (`full`); memory falls along the list,
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -142,22 +143,25 @@ def with_choice(config: MaxTextConfig, policy: str, layer_input: str) -> MaxText
 
 
 def resolve(
-  config: MaxTextConfig, mesh: jax.sharding.Mesh, hbm_bytes: int | None = None, log: Callable[[str], None] | None = None
+  config: MaxTextConfig,
+  mesh: jax.sharding.Mesh,
+  build: Callable[[MaxTextConfig, jax.sharding.Mesh], Any],
+  hbm_bytes: int | None = None,
+  log: Callable[[str], None] | None = None,
 ) -> tuple[MaxTextConfig, Choice | None]:
   """config with remat_policy=auto and decoder_layer_input=auto replaced by the choice (unchanged, and no choice,
-  when neither is auto); logs the choice. The chosen candidate's compiled step, when it was compiled, comes with the
-  choice (`Choice.step`), so the caller does not compile it again."""
+  when neither is auto); logs the choice. build(candidate, mesh) gives the candidate's train setup
+  (maxtext.train.setup.build), whose step is compiled. The chosen candidate's compiled step, when it was compiled,
+  comes with the choice (`Choice.step`), so the caller does not compile it again."""
   if config.remat_policy != "auto" and config.decoder_layer_input != "auto":
     return config, None
-  from maxtext.train import setup as setup_lib
-
   offload_possible = platform.resolve(config, mesh).host_offload and config.scan_layers
   hbm = hbm_bytes if hbm_bytes is not None else memory_limit.limit_per_device(list(mesh.devices.flat)).bytes
   steps: dict[tuple[str, str], memory.CompiledStep] = {}
 
   def total_bytes(candidate: MaxTextConfig) -> int | None:
     with jax.set_mesh(mesh):
-      step = memory.compile_step(setup_lib.build(candidate, mesh), hbm)
+      step = memory.compile_step(build(candidate, mesh), hbm)
     steps[(candidate.remat_policy, candidate.decoder_layer_input)] = step
     return None if step.compiled is None else step.memory.total_bytes
 

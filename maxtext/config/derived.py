@@ -29,7 +29,11 @@ PATH_KEYS = (
   "tokenizer_path",
   "chat_template_path",
   "compiled_trainstep_file",
+  "save_quantized_params_path",
 )
+QUANTIZATION_CALIBRATION_KEYS = ("weight_quantization_calibration_method", "act_quantization_calibration_method", "bwd_quantization_calibration_method")
+_CALIBRATION = re.compile(r"^(absmax(,[0-9.eE+-]+)?|rms,[0-9.eE+-]+|fixed,[0-9.eE+-]+(,[0-9.eE+-]+)?)$")  # qwix's calibration methods
+GRADIENT_QUANTIZED = ("fp8", "fp8_full")  # modes whose backward products quantize the incoming gradient
 GLOB_KEYS = ("grain_train_files", "grain_eval_files", "hf_train_files", "hf_eval_files")
 NESTED_PATH_KEYS = (("lora", "lora_restore_path"),)
 
@@ -147,6 +151,7 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
   if c.num_experts_per_tok > c.num_experts:
     raise ConfigError(f"num_experts_per_tok {c.num_experts_per_tok} > num_experts {c.num_experts}; lower num_experts_per_tok")
   _check_moe_fields(c)
+  _check_quantization(c)
   _check_post_training(c)
   _check_family_fields(c)
   if c.load_parameters_path and c.load_full_state_path:
@@ -173,6 +178,54 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
   missing = [a for a in c.data_sharding if a not in c.mesh_axes]
   if missing:
     raise ConfigError(f"data_sharding names {missing}, not in mesh_axes {c.mesh_axes}; fix one of the two")
+
+
+def _check_quantization(c: MaxTextConfig) -> None:
+  """Cross-field checks of the quantization keys (one-line ConfigErrors)."""
+  for key in QUANTIZATION_CALIBRATION_KEYS:
+    value = getattr(c, key)
+    if not _CALIBRATION.match(value):
+      raise ConfigError(f"invalid value for '{key}': {value!r}; use absmax, absmax,<c>, rms,<c> or fixed,<lo>,<hi>")
+    if value != "absmax" and c.quantization != "fp8_full":
+      raise ConfigError(f"{key}={value} applies to quantization=fp8_full (int8, fp8 and int4w scale by absmax each step); set quantization=fp8_full or drop it")
+  shards = c.quantization_local_shard_count
+  if shards == 0 or shards < -1:
+    raise ConfigError(f"invalid value for 'quantization_local_shard_count': {shards}; use -1 (one per slice) or a positive number")
+  if shards != -1 and (not c.quantization or c.quantization not in GRADIENT_QUANTIZED):
+    raise ConfigError(
+      f"quantization_local_shard_count={shards} tiles the quantized weight gradients of fp8 and fp8_full; "
+      f"quantization='{c.quantization}' keeps gradients in {c.dtype}: drop it"
+    )
+  if c.quantize_logits_proj and c.quantization in ("", "int4w"):
+    raise ConfigError(
+      f"quantize_logits_proj=true quantizes the output projection's weights and activations; quantization='{c.quantization}' does not (use int8, fp8 or fp8_full)"
+    )
+  if c.checkpoint_is_quantized and not (c.quantization and c.load_parameters_path):
+    raise ConfigError(
+      "checkpoint_is_quantized=true loads quantized kernels from load_parameters_path; set load_parameters_path and the quantization they were saved with"
+    )
+  if c.save_quantized_params_path and not c.quantization:
+    raise ConfigError("save_quantized_params_path writes kernels quantized per `quantization`, which is off; set quantization=int8, fp8, fp8_full or int4w")
+  if c.quantize_kvcache:
+    if not c.kv_quant_axis:
+      raise ConfigError("quantize_kvcache=true needs kv_quant_axis=dkv or heads_and_dkv (the axes one scale covers); set it")
+    if c.kv_quant_dtype == "int4" and c.head_dim % 2:
+      raise ConfigError(f"kv_quant_dtype=int4 stores two values per byte along head_dim, which is odd ({c.head_dim}); use kv_quant_dtype=int8")
+    from maxtext.models import registry  # the config loads before any model code otherwise
+
+    if registry.get(c.decoder_block).mla:
+      raise ConfigError(
+        f"quantize_kvcache=true quantizes keys and values per kv head; decoder_block={c.decoder_block} (MLA) caches a compressed latent,"
+        " which stays in the compute dtype here; drop quantize_kvcache"
+      )
+
+
+def _check_quantization_tiles(config: MaxTextConfig, tiles: int) -> None:
+  """The weight gradient's token axis (each row's max_target_length tokens) must split into `tiles` equal tiles."""
+  if tiles > 1 and config.max_target_length % tiles:
+    raise ConfigError(
+      f"quantization_local_shard_count {tiles} must divide max_target_length {config.max_target_length} (the weight gradient's token axis); pick a divisor"
+    )
 
 
 def _check_moe_fields(c: MaxTextConfig) -> None:
@@ -382,6 +435,7 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
   ici = fill_parallelism([getattr(c, parallelism_key("ici", a)) for a in axes], devices // slices, "ici", axes)
   dcn = fill_parallelism([getattr(c, parallelism_key("dcn", a)) for a in axes], slices, "dcn", axes)
 
+  _check_quantization_tiles(c, slices if c.quantization_local_shard_count == -1 else c.quantization_local_shard_count)
   micro = devices * c.per_device_batch_size
   if micro < 1 or micro != int(micro):
     raise ConfigError(

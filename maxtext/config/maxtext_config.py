@@ -23,6 +23,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   s.MTP,
   s.ManifoldConstrainedHyperConnections,
   s.Logits,
+  s.Quantization,
   s.HardwareAndMesh,
   s.IciParallelism,
   s.DcnParallelism,

@@ -27,6 +27,7 @@ MATCHES_BUILT_IN: dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
   # the layer period follows from the family's windows (gpt_oss: 2 in MaxText's files)
   "inhomogeneous_layer_cycle_interval": lambda value, c: value == {"gpt_oss": 2, "gemma2": 2, "gemma3": 6}.get(c.get("decoder_block")),
   "base_moe_mlp_dim": lambda value, c: value in (-1, c.get("base_mlp_dim")),  # experts are base_mlp_dim wide here
+  "use_qwix_quantization": lambda value, c: value is True,  # `quantization` always runs on qwix here (MaxText's false picks AQT)
 }
 
 

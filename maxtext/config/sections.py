@@ -29,7 +29,11 @@ class RunInfo(Section):
   enable_tensorboard: bool = Field(True, description="Write TensorBoard event files under the run's tensorboard dir.")
   metrics_file: str = Field("", description="If set, append one JSON line of metrics per step to this file.")
   init_weights_seed: int = Field(0, description="PRNG seed for parameter initialisation.")
-  device_peak_tflops: float = Field(0.0, ge=0, description="Peak bf16 TFLOP/s per device for MFU; 0 -> chip table, or measured once on CPU.")
+  device_peak_tflops: float = Field(
+    0.0,
+    ge=0,
+    description="Peak TFLOP/s per device for MFU, in the run's matmul format (int8 TOP/s with quantization=int8); 0 -> chip table, or measured once on CPU.",
+  )
 
 
 class Distributed(Section):
@@ -50,6 +54,12 @@ class Checkpointing(Section):
     "", description="Orbax params checkpoint to start from (fresh optimizer, step 0): a step directory, or a run's checkpoints/ (its newest step)."
   )
   load_full_state_path: str = Field("", description="Orbax full-state checkpoint to start from (params, optimizer, step).")
+  save_quantized_params_path: str = Field(
+    "", description="decode: write the loaded parameters, their kernels quantized per `quantization` (with scales), as a params checkpoint here."
+  )
+  checkpoint_is_quantized: bool = Field(
+    False, description="load_parameters_path holds quantized kernels and scales (save_quantized_params_path output), loaded as they are."
+  )
 
 
 class DataTypes(Section):
@@ -224,6 +234,28 @@ class Logits(Section):
   final_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on output logits; None -> off.")
   logits_dot_in_fp32: bool = Field(
     False, description="Output logits matmul on float32 operands with float32 logits; false -> dtype operands, logits rounded to dtype, then float32."
+  )
+
+
+class Quantization(Section):
+  quantization: Literal["", "int8", "fp8", "fp8_full", "int4w"] = Field(
+    "",
+    description="Matmul quantization with qwix (docs/quantization.md): int8 weights and activations; fp8 e4m3 forward, e5m2 gradients; "
+    "fp8_full fp8 with the calibration keys (static scaling); int4w int4 weights (LoRA base, decode); '' off.",
+  )
+  quantization_local_shard_count: int = Field(
+    -1, description="fp8/fp8_full: the weight gradient's quantized contraction (token) axis gets this many scale tiles; -1 -> one per slice."
+  )
+  weight_quantization_calibration_method: str = Field(
+    "absmax", description="fp8_full: weight scale: absmax[,s], rms,s or fixed,lo,hi (static); other modes use absmax."
+  )
+  act_quantization_calibration_method: str = Field("absmax", description="fp8_full: activation scale, as weight_quantization_calibration_method.")
+  bwd_quantization_calibration_method: str = Field("absmax", description="fp8_full: gradient scale, as weight_quantization_calibration_method.")
+  quantize_logits_proj: bool = Field(False, description="Quantize the output (logits) projection too; otherwise it stays in the compute dtype.")
+  quantize_kvcache: bool = Field(False, description="decode: keep keys and values in kv_quant_dtype with scales.")
+  kv_quant_dtype: Literal["int8", "int4"] = Field("int8", description="decode: the quantized KV cache's integer type.")
+  kv_quant_axis: Literal["", "dkv", "heads_and_dkv"] = Field(
+    "heads_and_dkv", description="decode: axes one KV-cache scale covers: dkv (each head's vector), heads_and_dkv (all heads of a token)."
   )
 
 

@@ -195,15 +195,16 @@ def read(peft_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
   return _load(weights), adapter_config
 
 
-def _abstract_params(config: MaxTextConfig) -> Any:
-  """The config's parameters as sharded ShapeDtypeStructs (an nnx.State), for restoring."""
+def _abstract_params(config: MaxTextConfig, policy: Any = None) -> Any:
+  """The config's parameters (of the model `policy` builds; default: the local platform's) as sharded ShapeDtypeStructs
+  (an nnx.State), for restoring."""
   import jax
   from flax import nnx
 
   from maxtext import mesh as mesh_lib
   from maxtext import models
 
-  abstract = nnx.state(models.abstract_model(config), nnx.Param)
+  abstract = nnx.state(models.abstract_model(config, policy), nnx.Param)
   shardings = models.state_shardings(abstract, config, mesh_lib.create(config))
   return jax.tree.map(
     lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)

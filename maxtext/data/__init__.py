@@ -31,7 +31,7 @@ def create_iterator(config: MaxTextConfig, mesh: Mesh, split: str = "train") -> 
 
   process_index, process_count = jax.process_index(), jax.process_count()
   if config.use_grpo:  # GRPO reads prompts; its rows are sampled (maxtext.train.grpo)
-    from maxtext.data.prompts import create_prompt_iterator
+    from maxtext.data.prompt_iterator import create_prompt_iterator
 
     return create_prompt_iterator(config, mesh, split, process_index, process_count)
   local_batch = local_batch_size(config, mesh, process_count)

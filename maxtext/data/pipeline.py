@@ -9,7 +9,7 @@ import grain.experimental as gx
 import numpy as np
 
 from maxtext.config import MaxTextConfig, adapters
-from maxtext.data import embedded, features, preference, sources
+from maxtext.data import embedded, features, preference, prompts, sources
 from maxtext.data.sft import resolve_chat_template
 from maxtext.errors import ConfigError
 from maxtext.tokenizer import Tokenizer, load_tokenizer
@@ -45,9 +45,7 @@ def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer) -> features.Docume
   if config.use_dpo:
     return preference.PairEncoder(tokenizer, config.train_data_columns, max_length=config.max_target_length, **kwargs)
   if config.use_grpo:
-    from maxtext.data.prompts import PromptEncoder
-
-    return PromptEncoder(tokenizer, config.train_data_columns, max_length=config.max_prefill_predict_length, **kwargs)
+    return prompts.PromptEncoder(tokenizer, config.train_data_columns, max_length=config.max_prefill_predict_length, **kwargs)
   return features.DocumentEncoder(tokenizer, config.train_data_columns, **kwargs)
 
 

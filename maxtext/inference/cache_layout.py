@@ -9,7 +9,8 @@ scan_layers=false) keep unstacked caches in `tail`.
 
 What a layer caches per token: keys and values of each kv head (grouped-query attention); for MLA, with
 mla_naive_kvcache=true, keys and values of every head, else the compressed latent and the shared rotary key
-(kv_lora_rank + qk_rope_head_dim values, one "head").
+(kv_lora_rank + qk_rope_head_dim values, one "head"). With quantize_kvcache (grouped-query attention only) keys
+and values are kv_quant_dtype, each with a scale per token (and per kv head with kv_quant_axis=dkv).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
-from maxtext.inference.kv_cache import AXES
-from maxtext.layers.dtypes import dtype
+from maxtext.inference import kv_cache
+from maxtext.layers.dtypes import bits, dtype
 from maxtext.models import registry
 from maxtext.models.family import period
 
@@ -35,7 +36,8 @@ STACK_AXIS = "cache_layers"
 @dataclasses.dataclass
 class DecodeCache:
   """Per layer stack: scan holds, per group position j, {name: [num_groups, B, K, T_j, D]}; tail, per leftover layer,
-  {name: [B, K, T, D]}. lengths [B]: tokens cached per row."""
+  {name: [B, K, T, D]}. lengths [B]: tokens cached per row. A quantized cache adds {'key_scale', 'value_scale'}
+  [..., B, K or 1, T, 1]."""
 
   scan: tuple[tuple[dict[str, jax.Array], ...], ...]
   tail: tuple[tuple[dict[str, jax.Array], ...], ...]
@@ -94,15 +96,37 @@ def layer_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: int) ->
   if lay.form == "mla_naive":
     h = c.num_query_heads
     return {"key": (batch, h, slots, c.qk_nope_head_dim + c.qk_rope_head_dim), "value": (batch, h, slots, c.v_head_dim)}
-  return {"key": (batch, c.num_kv_heads, slots, c.head_dim), "value": (batch, c.num_kv_heads, slots, c.head_dim)}
+  d = c.head_dim // 2 if stored_dtype(c) == kv_cache.PACKED_INT4 else c.head_dim
+  shapes = {"key": (batch, c.num_kv_heads, slots, d), "value": (batch, c.num_kv_heads, slots, d)}
+  if c.quantize_kvcache:
+    scale = (batch, scale_heads(c), slots, 1)
+    shapes.update(key_scale=scale, value_scale=scale)
+  return shapes
+
+
+def kv_dtype(config: MaxTextConfig) -> jnp.dtype:
+  """The cache's key/value dtype: kv_quant_dtype with quantize_kvcache, else the compute dtype."""
+  return jnp.dtype(config.kv_quant_dtype if config.quantize_kvcache else dtype(config.dtype))
+
+
+def stored_dtype(config: MaxTextConfig) -> jnp.dtype:
+  """The key/value buffers' dtype: kv_dtype, with int4 packed two per byte in uint8 (kv_cache.PACKED_INT4)."""
+  dt = kv_dtype(config)
+  return kv_cache.PACKED_INT4 if dt == jnp.int4 else dt
+
+
+def scale_heads(config: MaxTextConfig) -> int:
+  """Scales per token of a quantized cache's keys (or values): one per kv head (kv_quant_axis=dkv) or one."""
+  return config.num_kv_heads if config.kv_quant_axis == "dkv" else 1
 
 
 def abstract(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
-  """ShapeDtypeStructs of an empty cache (in config.dtype)."""
-  dt = dtype(config.dtype)
+  """ShapeDtypeStructs of an empty cache (in config.dtype; quantized keys and values in kv_quant_dtype)."""
+  dt, quantized = dtype(config.dtype), stored_dtype(config)
 
   def buffers(window: int, lead: tuple[int, ...] = ()) -> dict[str, jax.ShapeDtypeStruct]:
-    return {name: jax.ShapeDtypeStruct(lead + shape, dt) for name, shape in layer_shapes(config, lay, batch, window).items()}
+    shapes = layer_shapes(config, lay, batch, window).items()
+    return {name: jax.ShapeDtypeStruct(lead + shape, dt if name.endswith("_scale") else quantized) for name, shape in shapes}
 
   scan = tuple(tuple(buffers(s.windows[j], (s.num_groups,)) for j in range(s.period)) for s in lay.stacks)
   tail = tuple(tuple(buffers(s.windows[i]) for i in s.tail_layers) for s in lay.stacks)
@@ -112,8 +136,8 @@ def abstract(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
 def logical_axes(cache: DecodeCache) -> DecodeCache:
   """Logical axis names of every cache array (MaxText's cache_* names; a stacked cache adds cache_layers)."""
   return DecodeCache(
-    tuple(tuple({k: (STACK_AXIS, *AXES[k]) for k in g} for g in stack) for stack in cache.scan),
-    tuple(tuple({k: AXES[k] for k in t} for t in stack) for stack in cache.tail),
+    tuple(tuple({k: (STACK_AXIS, *kv_cache.axes(k, x.shape[1:])) for k, x in g.items()} for g in stack) for stack in cache.scan),
+    tuple(tuple({k: kv_cache.axes(k, x.shape) for k, x in t.items()} for t in stack) for stack in cache.tail),
     ("cache_batch",),
   )
 
@@ -129,9 +153,9 @@ def zeros(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
 
 
 def nbytes(cache: DecodeCache) -> tuple[int, int]:
-  """(bytes of the cached keys and values or latents, bytes of the per-row lengths)."""
+  """(bytes of the cached keys and values or latents, with their scales when quantized; bytes of the per-row lengths)."""
   buffers = [x for groups in (*cache.scan, *cache.tail) for g in groups for x in g.values()]
-  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in buffers), int(np.prod(cache.lengths.shape)) * 4
+  return sum(int(np.prod(x.shape)) * bits(x.dtype) // 8 for x in buffers), int(np.prod(cache.lengths.shape)) * 4
 
 
 def values_per_slot(config: MaxTextConfig, form: str) -> int:
@@ -146,9 +170,13 @@ def values_per_slot(config: MaxTextConfig, form: str) -> int:
 
 
 def theoretical_bytes(config: MaxTextConfig, batch: int, lay: Layout, form: str | None = None) -> int:
-  """batch x sum over layers of slots x values_per_slot x bytes per element (form: another cache form, e.g. MLA's naive)."""
-  per_slot = batch * values_per_slot(config, form or lay.form) * jnp.dtype(dtype(config.dtype)).itemsize
-  return per_slot * sum(lay.slots(w) for w in lay.windows)
+  """batch x sum over layers of slots x (values_per_slot x bits per value + scales x bits per scale) / 8 (form: another
+  cache form, e.g. MLA's naive)."""
+  form = form or lay.form
+  per_slot = values_per_slot(config, form) * bits(kv_dtype(config) if form == "kv" else dtype(config.dtype))
+  if form == "kv" and config.quantize_kvcache:
+    per_slot += 2 * scale_heads(config) * bits(dtype(config.dtype))
+  return batch * per_slot * sum(lay.slots(w) for w in lay.windows) // 8
 
 
 def describe(config: MaxTextConfig, batch: int, lay: Layout) -> str:
@@ -156,7 +184,8 @@ def describe(config: MaxTextConfig, batch: int, lay: Layout) -> str:
   size = theoretical_bytes(config, batch, lay)
   line = (
     f"KV cache: {size / 2**20:,.2f} MiB for batch {batch} x {lay.max_length} tokens over {len(lay.windows)} layers "
-    f"({values_per_slot(config, lay.form):,} values per token and layer, {jnp.dtype(dtype(config.dtype)).name})"
+    f"({values_per_slot(config, lay.form):,} values per token and layer, {kv_dtype(config).name}"
+    f"{f' with {2 * scale_heads(config)} scales' if config.quantize_kvcache else ''})"
   )
   if lay.form == "mla_latent":
     naive = theoretical_bytes(config, batch, lay, "mla_naive")

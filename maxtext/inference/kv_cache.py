@@ -5,21 +5,59 @@ layer has T = max_target_length slots (nothing wraps); a sliding-window layer ha
 slots, a ring buffer that keeps exactly the window. Rows fill positions 0, 1, 2, ... contiguously, so the
 position in every slot follows from the row's token count alone (`slot_positions`): the cache stores no
 position array, only keys, values and one length per row.
+
+Quantized (quantize_kvcache): keys and values are stored as int8 or int4 q = round(x / s) with a scale
+s = absmax / q_max per token, over each head's vector (kv_quant_axis=dkv: scales [B, K, T, 1]) or over all of a
+token's heads (heads_and_dkv: [B, 1, T, 1]), in the compute dtype, as buffers 'key_scale' and 'value_scale'. int4
+values are stored two per byte along D in uint8 (the stored kernels' packing, maxtext.layers.quantization.pack_int4):
+XLA:CPU keeps int4 arrays unpacked and refuses them between executables (prefill -> decode step).
+Attention reads them without a dequantized copy: logits = (q . k_int) * s_k per key, and the value scales
+multiply the softmax weights before p . v_int.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from maxtext.layers import attention_ops, matmul
+from maxtext.layers import matmul
+from maxtext.layers.quantization import pack_int4, unpack_int4
 from maxtext.layers.sharding import constrain
+from maxtext.layers.xla_attention import masked_softmax
 
 CACHE_AXES = ("cache_batch", "cache_heads", "cache_sequence", "cache_kv")  # head-major: attention reads it without a transpose
 LATENT_AXES = ("cache_batch", None, "cache_sequence", "cache_kv")  # MLA's latent: one shared "head"
 AXES = {"key": CACHE_AXES, "value": CACHE_AXES, "latent": LATENT_AXES}
+KV_QMAX = {"int8": 127.0, "int4": 7.0}
+PACKED_INT4 = jnp.dtype(jnp.uint8)  # a cache buffer of this dtype holds int4 values, two per byte along D
+
+
+def axes(name: str, shape: tuple[int, ...]) -> tuple[str | None, ...]:
+  """Logical axes of a cache buffer [B, K, T, D] by name; a scale [B, K or 1, T, 1] is split like its keys except on
+  its axes of size 1."""
+  if not name.endswith("_scale"):
+    return AXES[name]
+  return tuple(a if n > 1 else None for a, n in zip(AXES[name.removesuffix("_scale")], shape))
+
+
+def quantize_kv(x: jax.Array, kv_dtype: Any, per_head: bool) -> tuple[jax.Array, jax.Array]:
+  """x [B, K, S, D] -> (round(x / s) in kv_dtype, s [B, K or 1, S, 1] in x's dtype), s = absmax / q_max over D
+  (per_head) or over K and D; kv_dtype uint8 (PACKED_INT4): int4 values packed two per byte, [B, K, S, D / 2]."""
+  packed = jnp.dtype(kv_dtype) == PACKED_INT4
+  kv_dtype = jnp.int4 if packed else kv_dtype
+  qmax = KV_QMAX[jnp.dtype(kv_dtype).name]
+  absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(3,) if per_head else (1, 3), keepdims=True)
+  scale = jnp.where(absmax > 0, absmax / qmax, 1.0)
+  q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -qmax, qmax).astype(jnp.int8 if packed else kv_dtype)
+  return (pack_int4(q, 3) if packed else q), scale.astype(x.dtype)
+
+
+def unpacked(values: jax.Array) -> jax.Array:
+  """A cache buffer's values as attention reads them: packed int4 (uint8) unpacked to int8, others as stored."""
+  return unpack_int4(values, 3) if values.dtype == PACKED_INT4 else values
 
 
 def slot_positions(total: jax.Array, size: int) -> jax.Array:
@@ -36,7 +74,8 @@ class LayerCache:
 
   arrays: head-major [B, K, T, D] buffers by name: 'key' and 'value' (grouped-query attention, and MLA's naive
   form with per-head keys and values), or 'latent' (MLA's compressed form: K = 1, each slot the normalised
-  kv_lora_rank latent followed by the rotary key). lengths [B]: tokens already cached per row; new_lengths [B]:
+  kv_lora_rank latent followed by the rotary key); a quantized cache adds 'key_scale' and 'value_scale'
+  [B, K or 1, T, 1]. lengths [B]: tokens already cached per row; new_lengths [B]:
   how many of this call's S input tokens are real (the rest is right padding). The call's tokens sit at
   positions lengths + 0 .. lengths + S - 1.
   """
@@ -69,7 +108,7 @@ class LayerCache:
       from_new = (index >= 0)[:, None, :, None]
       take = jnp.clip(index, 0, s - 1)[:, None, :, None]
       kept = {name: jnp.where(from_new, jnp.take_along_axis(x, take, axis=2), self.arrays[name]) for name, x in new.items()}
-    kept = {name: constrain(x, AXES[name], rules) for name, x in kept.items()}
+    kept = {name: constrain(x, axes(name, x.shape), rules) for name, x in kept.items()}
     mask = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])
     if window:
       mask &= (q_pos[:, :, None] - kv_pos[:, None, :]) < window
@@ -91,8 +130,14 @@ class LayerCache:
 
     Returns (context [B, S, H, Dv], updated cache). sinks [H]: each head's sink logit, or None.
     """
-    cache, kv, mask = self.update({"key": jnp.swapaxes(k, 1, 2), "value": jnp.swapaxes(v, 1, 2)}, rules, window)  # head-major like the cache
-    return head_major_attention(q, kv["key"], kv["value"], mask, scale, soft_cap, precision, sinks), cache
+    new = {"key": jnp.swapaxes(k, 1, 2), "value": jnp.swapaxes(v, 1, 2)}  # head-major like the cache
+    if "key_scale" in self.arrays:
+      scales = self.arrays["key_scale"]
+      for name in ("key", "value"):
+        new[name], new[f"{name}_scale"] = quantize_kv(new[name].astype(scales.dtype), self.arrays[name].dtype, scales.shape[1] > 1)
+    cache, kv, mask = self.update(new, rules, window)
+    keys, values = unpacked(kv["key"]), unpacked(kv["value"])
+    return head_major_attention(q, keys, values, mask, scale, soft_cap, precision, sinks, kv.get("key_scale"), kv.get("value_scale")), cache
 
 
 def head_major_attention(
@@ -104,18 +149,31 @@ def head_major_attention(
   soft_cap: float | None,
   precision: jax.lax.Precision,
   sinks: jax.Array | None = None,
+  key_scale: jax.Array | None = None,
+  value_scale: jax.Array | None = None,
 ) -> jax.Array:
   """q [B, S, H, D] over head-major keys [B, K, T, D] and values [B, K, T, Dv] (H = K * G), mask [B, S, T] -> [B, S, H, Dv].
 
-  The XLA einsum path of attention_ops.xla_attention, with the cache read in its stored layout (no transpose
-  of the cache per step); logits and softmax in float32.
+  The XLA einsum path of xla_attention.xla_attention, with the cache read in its stored layout (no transpose
+  of the cache per step); logits and softmax in float32. Quantized keys/values come with their scales
+  [B, K or 1, T, 1], applied to the logits and to the softmax weights.
   """
   b, s, h, d = q.shape
   kv_heads = keys.shape[1]
   q = jnp.transpose(q.reshape(b, s, kv_heads, h // kv_heads, d), (0, 2, 3, 1, 4))  # [B, K, G, S, D]
   logits = matmul.einsum("bkgsd,bktd->bkgst", q, keys, dtype=q.dtype, precision=precision, out_dtype=jnp.float32) * scale
+  if key_scale is not None:
+    logits = logits * per_key(key_scale).astype(jnp.float32)
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
-  probs = attention_ops.masked_softmax(logits, mask[:, None, None], sinks).astype(values.dtype)
-  out = matmul.einsum("bkgst,bktd->bkgsd", probs, values, dtype=values.dtype, precision=precision)
+  probs = masked_softmax(logits, mask[:, None, None], sinks)
+  out_dtype = values.dtype
+  if value_scale is not None:
+    probs, out_dtype = probs * per_key(value_scale).astype(jnp.float32), q.dtype
+  out = matmul.einsum("bkgst,bktd->bkgsd", probs.astype(out_dtype), values, dtype=out_dtype, precision=precision)
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, values.shape[-1])
+
+
+def per_key(kv_scale: jax.Array) -> jax.Array:
+  """Cache scales [B, K or 1, T, 1] -> [B, K or 1, 1, 1, T], broadcasting over the logits [B, K, G, S, T]."""
+  return jnp.swapaxes(kv_scale, 2, 3)[:, :, None]

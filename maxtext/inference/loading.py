@@ -3,6 +3,7 @@ and its tokenizer, checked before anything is compiled."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
@@ -10,10 +11,11 @@ import yaml
 from flax import nnx
 from jax.sharding import Mesh
 
-from maxtext import models
+from maxtext import models, platform
 from maxtext.config import MaxTextConfig, load
 from maxtext.errors import ConfigError, DataError
 from maxtext.models.decoder import Transformer
+from maxtext.platform import Policy
 from maxtext.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -29,20 +31,38 @@ def hf_config(argv: Sequence[str], hf_dir: str, **load_kwargs) -> MaxTextConfig:
   return load([argv[0], *(a for a in arch if a.split("=", 1)[0] not in given), *argv[1:]], **load_kwargs)
 
 
+def serving_policy(config: MaxTextConfig, mesh: Mesh) -> Policy:
+  """The mesh's platform policy, with quantized kernels held quantized (loaded so, or quantized on load)."""
+  policy = platform.resolve(config, mesh)
+  return policy if policy.quantization is None else dataclasses.replace(policy, quantization=policy.quantization.storing())
+
+
 def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = print) -> Transformer:
-  """The model to decode with, its parameters sharded over mesh.
+  """The model to decode with, its parameters sharded over mesh; with `quantization`, its kernels stored quantized.
 
   Sources, first that applies: hf_model_path; else load_parameters_path (plus lora.lora_restore_path); else the
   run's own latest checkpoint (<base_output_directory>/<run_name>/checkpoints). With lora.enable_lora and no
   lora.lora_restore_path, the run's own checkpoint supplies the adapters over load_parameters_path's base.
+  save_quantized_params_path: the loaded (quantized) parameters are also written there as a params checkpoint.
   """
+  model = _load(config, mesh, serving_policy(config, mesh), log)
+  if config.save_quantized_params_path:
+    from maxtext.train.checkpointing import save_params
+
+    save_params(config.save_quantized_params_path, nnx.state(model, nnx.Param))
+    log(f"wrote the {config.quantization} parameters to {config.save_quantized_params_path} (load them with checkpoint_is_quantized=true)")
+  return model
+
+
+def _load(config: MaxTextConfig, mesh: Mesh, policy: Policy, log: Callable[[str], None]) -> Transformer:
+  from maxtext.convert.peft import _abstract_params
+
   if config.hf_model_path:
     from maxtext.convert import hf_params, safetensors_io
     from maxtext.convert.model_params import model_from_flat
 
     log(f"loading Hugging Face model {config.hf_model_path}")
-    return model_from_flat(config, hf_params.hf_to_maxtext(safetensors_io.read_tensors(config.hf_model_path), config), mesh)
-  from maxtext.convert.peft import _abstract_params
+    return model_from_flat(config, hf_params.hf_to_maxtext(safetensors_io.read_tensors(config.hf_model_path), config), mesh, policy)
   from maxtext.train.checkpointing import item_path, latest_saved_step, load_initial_params
 
   own = latest_saved_step(config.checkpoint_dir)
@@ -62,9 +82,9 @@ def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = p
   for path in (config.load_parameters_path, config.lora.lora_restore_path):
     if path:
       item_path(path)  # a missing path fails here, before any parameter is allocated
-  model = models.create_sharded(config, mesh)
+  model = models.create_sharded(config, mesh, policy=policy)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  params = load_initial_params(config, params, _abstract_params(config), log)
+  params = load_initial_params(config, params, _abstract_params(config, policy), log)
   return nnx.merge(graphdef, params, rest)
 
 

@@ -34,6 +34,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtext.config import MaxTextConfig
 from maxtext.config.derived import axis_size
+from maxtext.layers.chunked_attention import ChunkedBlocks, chunked_attention
+from maxtext.layers.xla_attention import attention_mask, xla_attention
 from maxtext.mesh import logical_to_spec
 from maxtext.platform import Policy
 
@@ -103,19 +105,16 @@ def attend(
   soft_cap: float | None,
   scale: float,
   policy: Policy,
+  kernel: str,
   precision: jax.lax.Precision | None,
   window_choices: Sequence[int],
   rules: Sequence,
   sinks: jax.Array | None = None,
 ) -> jax.Array:
   """attention_ops.attend's self-attention (positions [B,S] shared by queries and keys; sinks [H] or None) over a
-  context-sharded sequence (see the module docstring)."""
-  from maxtext.layers import attention_ops as ops
-
+  context-sharded sequence (see the module docstring), with the kernel attention_ops.select chose."""
   mesh = jax.sharding.get_abstract_mesh()
   shards = mesh.shape[CONTEXT_AXIS]
-  length = q.shape[1]
-  kernel = ops.select(policy, dtype=q.dtype, head_dim=q.shape[-1], q_len=length, kv_len=length, soft_cap=soft_cap, sinks=sinks is not None)
   segments = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
   batch_axes = logical_to_spec(("activation_batch",), rules, mesh)[0]
   q_heads = logical_to_spec(("activation_heads",), rules, mesh)[0]
@@ -141,12 +140,12 @@ def attend(
       k, v, kp, kv_seg = gather(k), gather(v), gather(kp), gather(seg)
       w = w if traced_window else window
       if kernel == "xla":
-        mask = ops.attention_mask(qp, kp, seg, w, kv_segment_ids=kv_seg)
-        return ops.xla_attention(q, k, v, mask, scale, soft_cap, precision, policy.integer_bf16_rounding, sinks)
+        mask = attention_mask(qp, kp, seg, w, kv_segment_ids=kv_seg)
+        return xla_attention(q, k, v, mask, scale, soft_cap, precision, policy.integer_bf16_rounding, sinks)
       if kernel == "cudnn":  # keys in shard order: the mask comes from positions and segment ids, window included (no sinks: select)
-        mask = ops.attention_mask(qp, kp, seg, w, kv_segment_ids=kv_seg)[:, 0]
+        mask = attention_mask(qp, kp, seg, w, kv_segment_ids=kv_seg)[:, 0]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
-      return ops.chunked_attention(q, k, v, qp, kp, seg, w, scale, soft_cap, policy.attention_key_block, sinks, kv_segment_ids=kv_seg)
+      return chunked_attention(q, k, v, qp, kp, seg, w, scale, soft_cap, policy.attention_key_block, sinks, kv_segment_ids=kv_seg)
 
   fn = jax.shard_map(local, mesh=mesh, in_specs=(qs, kvs, kvs, rows, rows, rows, heads, PartitionSpec()), out_specs=qs, check_vma=False)
   return fn(q, k, v, positions, positions, segments, sinks, w)
@@ -173,8 +172,6 @@ def _ring(q, k, v, q_pos, kv_pos, seg, sinks, window, scale, soft_cap, block, sh
 
 def _ring_blocks(q, blocks, q_pos, seg, sinks, block: int, t: int):
   """Ring step t's chunked operands; the sinks join the first step's block only (they count once per row)."""
-  from maxtext.layers.attention_ops import ChunkedBlocks
-
   k, v, kv_pos, kv_seg = blocks
   return ChunkedBlocks.of(q, k, v, q_pos, kv_pos, seg, kv_seg, block, sinks if t == 0 else None)
 

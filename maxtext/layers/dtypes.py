@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -15,6 +17,12 @@ def dtype(name: str) -> jnp.dtype:
 
 def precision(name: str) -> jax.lax.Precision:
   return PRECISIONS[name]
+
+
+def bits(dt: Any) -> int:
+  """Bits per element (int4: 4; TPUs and GPUs pack two per byte)."""
+  dt = jnp.dtype(dt)
+  return jnp.iinfo(dt).bits if jnp.issubdtype(dt, jnp.integer) else jnp.finfo(dt).bits if jnp.issubdtype(dt, jnp.floating) else 8 * dt.itemsize
 
 
 def cast(x: jax.Array, to: jnp.dtype, integer_rounding: bool = False) -> jax.Array:

@@ -1,4 +1,4 @@
-"""DenseGeneral: a linear map over trailing input axes to an output shape, with an optional LoRA adapter."""
+"""DenseGeneral: a linear map over trailing input axes to an output shape, with an optional LoRA adapter and quantization."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtext.layers import matmul
+from maxtext.layers import matmul, quantization
 from maxtext.layers.dtypes import dtype, precision
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ def dense_kwargs(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs) -> dict[
     precision=precision(config.matmul_precision),
     rngs=rngs,
     integer_rounding=policy.integer_bf16_rounding,
+    quant=policy.quantization,
   )
 
 
@@ -40,6 +41,8 @@ class DenseGeneral(nnx.Module):
 
   kernel has shape in_shape + out_shape and logical axes `logical_axes`; use_bias adds a bias of out_shape
   (zeros at init). `lora` is an optional adapter module (see maxtext.layers.lora) added to the output.
+  `quant` (maxtext.layers.quantization) quantizes the product; with `quant.stored` the kernel holds the quantized
+  values and `kernel_scale` their scales.
   """
 
   def __init__(
@@ -54,20 +57,37 @@ class DenseGeneral(nnx.Module):
     rngs: nnx.Rngs,
     integer_rounding: bool = False,
     use_bias: bool = False,
+    quant: quantization.Recipe | None = None,
   ):
     self.in_shape = tuple(in_shape)
     self.out_shape = tuple(out_shape)
     self.dtype = dtype
     self.precision = precision
     self.integer_rounding = integer_rounding  # the platform policy's bf16 rounding (maxtext.layers.dtypes.cast)
+    self.quant = quant
     shape = self.in_shape + self.out_shape
-    self.kernel = nnx.Param(variance_scaling_init(rngs.params(), shape, math.prod(self.in_shape), weight_dtype), logical_axes=tuple(logical_axes))
+    kernel = variance_scaling_init(rngs.params(), shape, math.prod(self.in_shape), weight_dtype)
+    if quant is not None and quant.stored:
+      values, scale = quantization.quantize_kernel(kernel, len(self.in_shape), quant)
+      self.kernel = nnx.Param(values, logical_axes=tuple(logical_axes))
+      axes = quantization.scale_axes(logical_axes, shape, len(self.in_shape), quant.weight)
+      self.kernel_scale = quantization.KernelScale(scale, logical_axes=axes, in_axes=len(self.in_shape), out_axes=len(self.out_shape))
+    else:
+      self.kernel = nnx.Param(kernel, logical_axes=tuple(logical_axes))
+      self.kernel_scale = None
     out_axes = tuple(logical_axes)[len(self.in_shape) :]
     self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype), logical_axes=out_axes) if use_bias else None
     self.lora: nnx.Module | None = None
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = matmul.contract_trailing(x, self.kernel[...], len(self.in_shape), dtype=self.dtype, precision=self.precision, integer_rounding=self.integer_rounding)
+    n_in = len(self.in_shape)
+    if self.quant is None:
+      y = matmul.contract_trailing(x, self.kernel[...], n_in, dtype=self.dtype, precision=self.precision, integer_rounding=self.integer_rounding)
+    elif self.kernel_scale is not None:
+      spec = quantization.trailing_spec(x.ndim, n_in, len(self.out_shape))
+      y = quantization.stored_einsum(spec, x, self.kernel[...], self.kernel_scale[...], self.quant, self.dtype)
+    else:
+      y = quantization.einsum(quantization.trailing_spec(x.ndim, n_in, len(self.out_shape)), x, self.kernel[...], self.quant, self.dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
     if self.lora is not None:

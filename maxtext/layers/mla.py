@@ -3,7 +3,7 @@
 Queries: x -> wq (q_lora_rank = 0), or x -> wq_a -> RMSNorm -> wq_b; each head is [nope | rope].
 Keys and values: x -> wkv_a gives a kv_lora_rank latent (RMSNorm'd, then wkv_b expands it into per-head
 key-nope and value parts) plus one qk_rope_head_dim rotary key shared by every head.
-The attention itself runs on the same core as every other family (attention_ops.attention_mask/xla_attention).
+The attention itself runs on the same core as every other family (xla_attention.attention_mask/xla_attention).
 
 Decoding with the compressed cache (mla_naive_kvcache=false) caches, per token, the normalised latent c_t and the
 rotated shared key k_rope,t, and attends in the latent space (the absorbed form): with wkv_b = [W_uk | W_uv] per head,

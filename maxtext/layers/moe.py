@@ -9,7 +9,9 @@ with norm_topk_prob (always for mixtral; with softmax scores that is a softmax o
 as gpt-oss computes it), times routed_scaling_factor.
 
 Experts: gated MLPs act0(x wi_0) * act1(x wi_1) -> wo, or gpt-oss's clamped SwiGLU (maxtext.layers.mlp.glu);
-with mlp_bias every projection adds a per-expert bias.
+with mlp_bias every projection adds a per-expert bias. With `quantization` every expert product is quantized
+(maxtext.layers.quantization.expert_product, through moe_dispatch.expert_matmul); a stored recipe (QLoRA, decoding)
+keeps each expert weight quantized with its `<name>_scale`.
 
 Dispatch (maxtext.layers.moe_dispatch): every device dispatches its own tokens in one shard_map, by the platform
 policy's path (maxtext.platform.moe_dispatch, from MaxText's sparse_matmul / megablox / use_tokamax_gmm keys):
@@ -32,7 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
 from maxtext.layers import grouped_matmul as gmm
-from maxtext.layers import moe_dispatch
+from maxtext.layers import moe_dispatch, quantization
 from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
 from maxtext.layers.mlp import MLP, glu_limit
@@ -153,15 +155,19 @@ def dispatch_plan(config: MaxTextConfig, policy: Policy, seq_len: int) -> moe_di
     capacity=expert_capacity(seq_len, c) if c.capacity_factor > 0 else 0,
     activations=tuple(c.mlp_activations),
     glu_limit=glu_limit(c),
+    quantization=policy.quantization,
     dtype=dtype(c.dtype),
     integer_rounding=policy.integer_bf16_rounding,
     ragged_all_to_all=policy.ragged_all_to_all,
   )
 
 
-def dispatch_layout(batch: int, seq_len: int, rules, mesh: jax.sharding.AbstractMesh) -> moe_dispatch.Layout:
+def dispatch_layout(
+  batch: int, seq_len: int, rules, mesh: jax.sharding.AbstractMesh, scales: tuple[tuple[str | None, ...], tuple[str | None, ...]] | None = None
+) -> moe_dispatch.Layout:
   """Mesh axes of the dispatch: tokens split as `activation_batch` x `activation_length` (the longest prefix of each
-  rule's axes that divides the dimension), weights as stored; experts exchanged over their axes when those split tokens."""
+  rule's axes that divides the dimension), weights as stored; experts exchanged over their axes when those split tokens.
+  scales: the logical axes of wi_0/wi_1's and wo's stored quantized scales (maxtext.layers.quantization.expert_weight)."""
 
   def axes(part) -> tuple[str, ...]:
     return (part,) if isinstance(part, str) else tuple(part or ())
@@ -180,8 +186,9 @@ def dispatch_layout(batch: int, seq_len: int, rules, mesh: jax.sharding.Abstract
 
   wi, wo = stored(("exp", "embed", "mlp")), stored(("exp", "mlp", "embed"))
   wi_bias, wo_bias = stored(("exp", "mlp")), stored(("exp", "embed"))
+  wi_scale, wo_scale = (stored(names) for names in scales) if scales else (((), (), ()),) * 2
   experts = wi[0] if wi[0] and set(wi[0]) <= set(batch_axes + length_axes) else ()
-  return moe_dispatch.Layout(batch_axes, length_axes, experts, wi, wo, wi_bias, wo_bias, tuple(mesh.shape.items()))
+  return moe_dispatch.Layout(batch_axes, length_axes, experts, wi, wo, wi_bias, wo_bias, wi_scale, wo_scale, tuple(mesh.shape.items()))
 
 
 def empty_stats(num_experts: int) -> dict[str, jax.Array]:
@@ -213,9 +220,14 @@ class MoE(nnx.Module):
       integer_rounding=policy.integer_bf16_rounding,
       use_bias=logit_bias,
     )
-    self.wi_0 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
-    self.wi_1 = nnx.Param(variance_scaling_init(rngs.params(), (n, e, m), e, wdt), logical_axes=("exp", "embed", "mlp"))
-    self.wo = nnx.Param(variance_scaling_init(rngs.params(), (n, m, e), m, wdt), logical_axes=("exp", "mlp", "embed"))
+    for name, (fan_in, fan_out), axes in (
+      ("wi_0", (e, m), ("exp", "embed", "mlp")),
+      ("wi_1", (e, m), ("exp", "embed", "mlp")),
+      ("wo", (m, e), ("exp", "mlp", "embed")),
+    ):  # with a stored recipe (QLoRA, decoding): quantized values and their `<name>_scale`
+      param, scale = quantization.expert_weight(variance_scaling_init(rngs.params(), (n, fan_in, fan_out), fan_in, wdt), axes, policy.quantization)
+      setattr(self, name, param)
+      setattr(self, name + quantization.SCALE_SUFFIX, scale)
     if c.mlp_bias:
       self.wi_0_bias = nnx.Param(jnp.zeros((n, m), wdt), logical_axes=("exp", "mlp"))
       self.wi_1_bias = nnx.Param(jnp.zeros((n, m), wdt), logical_axes=("exp", "mlp"))
@@ -241,10 +253,11 @@ class MoE(nnx.Module):
     load = jnp.einsum("tke,t->e", chosen, valid.astype(jnp.float32))
     mesh = jax.sharding.get_abstract_mesh()
     single = mesh.empty or mesh.size == 1
-    layout = moe_dispatch.Layout() if single else dispatch_layout(b, s, c.logical_axis_rules, mesh)
-    weights = moe_dispatch.ExpertWeights(
-      *(None if p is None else p[...] for p in (self.wi_0, self.wi_1, self.wo, self.wi_0_bias, self.wi_1_bias, self.wo_bias))
-    )
+    # the stored scales' logical axes: the last three (a scanned stack puts its layers axis first)
+    scale_axes = None if self.wi_0_scale is None else tuple(v.get_metadata()["logical_axes"][-3:] for v in (self.wi_0_scale, self.wo_scale))
+    layout = moe_dispatch.Layout() if single else dispatch_layout(b, s, c.logical_axis_rules, mesh, scale_axes)
+    names = moe_dispatch.ExpertWeights._fields
+    weights = moe_dispatch.ExpertWeights(*(None if p is None else p[...] for p in (getattr(self, name) for name in names)))
     routed = (r.weights.reshape(b, s, -1), r.experts.reshape(b, s, -1))
     plan = dispatch_plan(c, self.policy, s)
     y, dropped = moe_dispatch.dispatch(x.astype(self.dtype), *routed, valid.reshape(b, s), weights, layout, plan, None if single else mesh)

@@ -28,6 +28,12 @@ dropless).
 Weights enter the shard_map as stored (float32, sharded); each expert matmul gathers its weight in the compute
 dtype, and its weight gradient (float32 accumulation, written in the compute dtype) is summed over the devices that
 shared the weight and reduce-scattered back to the stored sharding (`expert_matmul`).
+
+Quantization (the plan's recipe): every expert matmul is qwix's quantized product (maxtext.layers.quantization.
+expert_product: ragged_dot_qt grouped, dot_general_qt batched) on the gathered weight, or on the gathered stored
+values and scales of a frozen quantized base (QLoRA, decoding), which take no gradient. Grouped matmuls then run
+as XLA's ragged dot: megablox and tokamax take no quantized operands, so the platform policy resolves their paths
+to `ragged_dot` when `quantization` is set (maxtext.platform.moe_dispatch).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.layers import grouped_matmul as gmm
+from maxtext.layers import quantization
 from maxtext.layers.dtypes import cast
 from maxtext.layers.matmul import product
 
@@ -52,7 +59,8 @@ Axes = tuple[str, ...]
 
 class ExpertWeights(NamedTuple):
   """Stacked expert weights, [E, emb, mlp] for wi_0/wi_1 and [E, mlp, emb] for wo (the local experts inside the
-  dispatch), and with mlp_bias their per-expert biases, [E, mlp] and [E, emb]."""
+  dispatch), with mlp_bias their per-expert biases, [E, mlp] and [E, emb], and for a stored quantized base the
+  weights' scales ([E, 1 or groups, out]: maxtext.layers.quantization.expert_weight)."""
 
   wi_0: jax.Array
   wi_1: jax.Array
@@ -60,6 +68,9 @@ class ExpertWeights(NamedTuple):
   wi_0_bias: jax.Array | None = None
   wi_1_bias: jax.Array | None = None
   wo_bias: jax.Array | None = None
+  wi_0_scale: jax.Array | None = None
+  wi_1_scale: jax.Array | None = None
+  wo_scale: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +89,7 @@ class Plan:
   glu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU (maxtext.layers.mlp.glu)
   integer_rounding: bool = False  # float32 -> bfloat16 by integer ops (CPU policy)
   ragged_all_to_all: bool = True  # False: the exchange runs as a padded all_to_all (XLA:CPU)
+  quantization: quantization.Recipe | None = None  # quantized expert products (the platform policy's recipe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +103,8 @@ class Layout:
   wo: tuple[Axes, Axes, Axes] = ((), (), ())  # stored sharding of wo [E, mlp, emb]
   wi_bias: tuple[Axes, Axes] = ((), ())  # stored sharding of wi_0_bias/wi_1_bias [E, mlp]
   wo_bias: tuple[Axes, Axes] = ((), ())  # stored sharding of wo_bias [E, emb]
+  wi_scale: tuple[Axes, Axes, Axes] = ((), (), ())  # stored sharding of wi_0_scale/wi_1_scale (as wi's on the expert and mlp axes)
+  wo_scale: tuple[Axes, Axes, Axes] = ((), (), ())  # stored sharding of wo_scale (as wo's on the expert and embed axes)
   sizes: tuple[tuple[str, int], ...] = ()  # mesh axis sizes
 
   @property
@@ -155,7 +169,14 @@ def _spec_parts(spec: str) -> tuple[str, str, str]:
 
 
 def expert_matmul(
-  x: jax.Array, w: jax.Array, group_sizes: jax.Array | None, op: Batched | Grouped, stored: tuple[Axes, ...], layout: Layout, plan: Plan
+  x: jax.Array,
+  w: jax.Array,
+  scale: jax.Array | None,
+  group_sizes: jax.Array | None,
+  op: Batched | Grouped,
+  stored: tuple[Axes, ...],
+  scale_stored: tuple[Axes, ...],
+  plan: Plan,
 ) -> jax.Array:
   """x times the expert weight w, which arrives as stored (sharded `stored` per dimension, beyond the expert axes).
 
@@ -165,8 +186,19 @@ def expert_matmul(
   would not fit its 16 MiB of scoped VMEM at the default tiles), reduce-scattered over each gathered dimension (major
   axis first), then returned in the weight's dtype. The shard_map (check_vma=False) sums it over the token axes that
   do not split the weight. Returns plan.dtype.
+
+  With plan.quantization the product is maxtext.layers.quantization.expert_product on the gathered weight (its
+  gradient, qwix's, reduce-scattered by the gather's transpose); a stored quantized weight comes with its scale
+  (sharded `scale_stored`), and both are gathered as they are and take no gradient (a frozen base).
   """
   dt = plan.dtype
+  if plan.quantization is not None:
+    if scale is not None:
+      w, scale = gather(jax.lax.stop_gradient(w), stored), gather(jax.lax.stop_gradient(scale), scale_stored)
+    else:
+      w = gather(w.astype(dt), stored)
+    spec = op.spec if isinstance(op, Batched) else None
+    return quantization.expert_product(x, w, scale, plan.quantization, dt, group_sizes, spec)
 
   def reduce(dw: jax.Array) -> jax.Array:
     for dim, axes in reversed(list(enumerate(stored))):
@@ -197,23 +229,25 @@ def gather(w: jax.Array, stored: tuple[Axes, ...]) -> jax.Array:
   return w
 
 
-Matmul = Callable[[jax.Array, jax.Array, str], jax.Array]  # (rows, stored kernel, 'wi' | 'wo') -> projected rows
+Matmul = Callable[[jax.Array, jax.Array, jax.Array | None, str], jax.Array]  # (rows, stored kernel, its scale, 'wi' | 'wo') -> projected rows
 BiasRows = Callable[[jax.Array, str], jax.Array]  # (stored bias [E, out], 'wi' | 'wo') -> a bias per row, broadcastable
 
 
 def expert_mlp(x: jax.Array, w: ExpertWeights, matmul: Matmul, bias_rows: BiasRows, plan: Plan) -> jax.Array:
   """The experts' gated MLP on rows x: wo(glu(x wi_0 + b_0, x wi_1 + b_1)) + b_o (biases with mlp_bias; glu is
-  maxtext.layers.mlp.glu). matmul applies one projection to each row with its own expert's kernel (grouped or batched),
-  bias_rows gives each row its own expert's bias. Every expert projection of every dispatch path is made here."""
+  maxtext.layers.mlp.glu). matmul applies one projection to each row with its own expert's kernel (grouped or batched;
+  with a stored quantized kernel's scale), bias_rows gives each row its own expert's bias. Every expert projection of
+  every dispatch path is made here."""
   from maxtext.layers.mlp import glu  # moe_dispatch is imported by maxtext.layers.moe, which imports mlp
 
-  def project(h: jax.Array, kernel: jax.Array, bias: jax.Array | None, which: str) -> jax.Array:
-    y = matmul(h, kernel, which)
+  def project(h: jax.Array, name: str, which: str) -> jax.Array:
+    bias = getattr(w, name + "_bias")
+    y = matmul(h, getattr(w, name), getattr(w, name + quantization.SCALE_SUFFIX), which)
     return y if bias is None else y + bias_rows(bias.astype(y.dtype), which)
 
-  h0 = checkpoint_name(project(x, w.wi_0, w.wi_0_bias, "wi"), "mlpwi_0")
-  h1 = checkpoint_name(project(x, w.wi_1, w.wi_1_bias, "wi"), "mlpwi_1")
-  return project(glu(plan.activations, plan.glu_limit)(h0, h1), w.wo, w.wo_bias, "wo")
+  h0 = checkpoint_name(project(x, "wi_0", "wi"), "mlpwi_0")
+  h1 = checkpoint_name(project(x, "wi_1", "wi"), "mlpwi_1")
+  return project(glu(plan.activations, plan.glu_limit)(h0, h1), "wo", "wo")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -402,40 +436,39 @@ def _sparse(tokens, experts, weights, kept, w: ExpertWeights, layout: Layout, pl
 
 def _grouped_mlp(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, layout: Layout, plan: Plan) -> jax.Array:
   tiles = {"wi": plan.wi_tiles, "wo": plan.wo_tiles}
-  stored = {"wi": layout.wi, "wo": layout.wo}
-  bias_stored = {"wi": layout.wi_bias, "wo": layout.wo_bias}
+  stored = _gathered(layout)
 
-  def matmul(x: jax.Array, weight: jax.Array, which: str) -> jax.Array:
-    return expert_matmul(x, weight, group_sizes, Grouped(plan.kernel, tiles[which]), _with_experts(stored[which], layout), layout, plan)
+  def matmul(x: jax.Array, weight: jax.Array, scale: jax.Array | None, which: str) -> jax.Array:
+    return expert_matmul(x, weight, scale, group_sizes, Grouped(plan.kernel, tiles[which]), stored[which], stored[which + "_scale"], plan)
 
   ends = jnp.cumsum(group_sizes)
   group = jnp.searchsorted(ends, jnp.arange(rows.shape[0]), side="right")  # each row's expert; len(group_sizes) past them
 
   def bias_rows(bias: jax.Array, which: str) -> jax.Array:
-    per_row = gather(bias, _with_experts(bias_stored[which], layout))[jnp.minimum(group, group_sizes.shape[0] - 1)]
+    per_row = gather(bias, stored[which + "_bias"])[jnp.minimum(group, group_sizes.shape[0] - 1)]
     # rows past the groups hold whatever the kernel left there: zero bias and no gradient from them
     return jnp.where((group < group_sizes.shape[0])[:, None], per_row, 0)
 
   return expert_mlp(rows, w, matmul, bias_rows, plan)
 
 
-def _with_experts(stored: tuple[Axes, ...], layout: Layout) -> tuple[Axes, ...]:
-  """The sharded dimensions of a stored expert weight ([E, ...]) that the dispatch gathers: all but the expert
-  dimension when tokens are exchanged (each device runs its own experts), all of them otherwise."""
-  return ((() if layout.experts else stored[0]), *stored[1:])
+def _gathered(layout: Layout) -> dict[str, tuple[Axes, ...]]:
+  """The sharded dimensions the dispatch gathers of each stored expert array ([E, ...]: wi, wo, their `_scale`s and
+  `_bias`es): all but the expert dimension when tokens are exchanged (each device runs its own experts), all otherwise."""
+  stored = {"wi": layout.wi, "wo": layout.wo, "wi_scale": layout.wi_scale, "wo_scale": layout.wo_scale, "wi_bias": layout.wi_bias, "wo_bias": layout.wo_bias}
+  return {name: ((() if layout.experts else axes[0]), *axes[1:]) for name, axes in stored.items()}
 
 
 def _dense(tokens, experts, weights, positions, w: ExpertWeights, layout: Layout, plan: Plan, rows_per_sequence: int) -> jax.Array:
   """Batched matmuls over [E, slots, d] buffers (or every expert over every token): tokens [T, d] -> y [T, d] float32."""
   e = plan.num_experts
-  stored = {"wi": _with_experts(layout.wi, layout), "wo": _with_experts(layout.wo, layout)}
-  bias_stored = {"wi": _with_experts(layout.wi_bias, layout), "wo": _with_experts(layout.wo_bias, layout)}
+  stored = _gathered(layout)
 
   def batched(specs: dict[str, str]) -> Matmul:
-    return lambda x, weight, which: expert_matmul(x, weight, None, Batched(specs[which]), stored[which], layout, plan)
+    return lambda x, weight, scale, which: expert_matmul(x, weight, scale, None, Batched(specs[which]), stored[which], stored[which + "_scale"], plan)
 
   def bias_rows(bias: jax.Array, which: str) -> jax.Array:
-    return gather(bias, bias_stored[which])[:, None, :]  # [E, 1, out]: every slot of an expert
+    return gather(bias, stored[which + "_bias"])[:, None, :]  # [E, 1, out]: every slot of an expert
 
   if not plan.capacity and not layout.experts:  # every expert over every token, weighted by zero off the chosen ones
     out = expert_mlp(tokens, w, batched({"wi": "td,edf->etf", "wo": "etf,efd->etd"}), bias_rows, plan)
@@ -517,7 +550,8 @@ def dispatch(
     return local_dispatch(x, weights, experts, valid, w, layout, plan)
   tokens = P(layout.batch or None, layout.length or None)
   spec = lambda axes: P(*(a or None for a in axes))  # noqa: E731
-  w_specs = ExpertWeights(*(spec(a) for a in (layout.wi, layout.wi, layout.wo, layout.wi_bias, layout.wi_bias, layout.wo_bias)))
+  stored = (layout.wi, layout.wi, layout.wo, layout.wi_bias, layout.wi_bias, layout.wo_bias, layout.wi_scale, layout.wi_scale, layout.wo_scale)
+  w_specs = ExpertWeights(*(spec(a) for a in stored))
   fn = jax.shard_map(
     lambda x, weights, experts, valid, w: local_dispatch(x, weights, experts, valid, w, layout, plan),
     mesh=mesh,

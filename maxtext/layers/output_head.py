@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtext.errors import ConfigError
-from maxtext.layers import matmul
+from maxtext.layers import matmul, quantization
 from maxtext.layers.dtypes import cast
 from maxtext.layers.sharding import constrain
 
@@ -49,6 +49,7 @@ class OutputHead:
   rules: Sequence[Any] = ()
   integer_rounding: bool = False  # the platform policy's bf16 rounding (maxtext.layers.dtypes.cast)
   vocab_tiles: int = 1  # num_vocab_tiling: loss_sums streams the vocabulary in this many slices
+  quant: quantization.Recipe | None = None  # quantize_logits_proj: the logits product quantized (forward; gradients straight-through)
   dot_in_fp32: bool = False  # logits_dot_in_fp32: float32 operands and float32 logits instead of dtype ones
 
   @property
@@ -61,14 +62,23 @@ class OutputHead:
 
   def _raw_logits(self, hidden: jax.Array, kernel: jax.Array) -> jax.Array:
     """Scaled, uncapped logits in the matmul dtype."""
-    logits = matmul.einsum(
-      "...e,ev->...v", hidden, kernel, dtype=self._dot_dtype, precision=self.precision, out_dtype=jnp.float32, integer_rounding=self.integer_rounding
-    )
+    if self.quant is not None:
+      logits = self._quantized_product(hidden, kernel)
+    else:
+      logits = matmul.einsum(
+        "...e,ev->...v", hidden, kernel, dtype=self._dot_dtype, precision=self.precision, out_dtype=jnp.float32, integer_rounding=self.integer_rounding
+      )
     return self._rounded(logits)
 
   def _rounded(self, logits: jax.Array) -> jax.Array:
     """float32 matmul result -> scaled logits in the matmul dtype, sharded like the logits."""
     return self._constrain(cast(self._scaled(logits), self._dot_dtype, self.integer_rounding))
+
+  def _quantized_product(self, hidden: jax.Array, kernel: jax.Array) -> jax.Array:
+    """hidden . kernel with both quantized per `quant` (float32 result). Inside loss_sums the hand-written backward takes
+    the gradients from the unquantized operands (straight-through), whatever the recipe does for other layers."""
+    spec = quantization.trailing_spec(hidden.ndim, 1, 1)
+    return quantization.einsum(spec, hidden, kernel, self.quant, self.dtype).astype(jnp.float32)
 
   def _scaled(self, logits: jax.Array) -> jax.Array:
     return logits * self.scale if self.scale != 1.0 else logits
@@ -186,7 +196,8 @@ class OutputHead:
       return jnp.moveaxis(kernel.astype(head._dot_dtype).reshape(emb, tiles, width), 1, 0)
 
     def slice_raw(h, k_slice):  # scaled, uncapped logits of one slice, rounded as the untiled ones
-      return head._rounded(matmul.product("...e,ev->...v", h, k_slice, head.precision))
+      raw = head._quantized_product(h, k_slice) if head.quant is not None else matmul.product("...e,ev->...v", h, k_slice, head.precision)
+      return head._rounded(raw)
 
     def forward(hidden, kernel, targets, mask):
       h = hidden.astype(head._dot_dtype)

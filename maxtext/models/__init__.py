@@ -64,12 +64,12 @@ def state_shardings(state: nnx.State, config: MaxTextConfig, mesh: Mesh) -> nnx.
   return jax.tree.map_with_path(one, state, is_leaf=_is_variable)
 
 
-def create_sharded(config: MaxTextConfig, mesh: Mesh, seed: int | None = None) -> Transformer:
-  """Initialise the model with every parameter born sharded (no full host copy)."""
+def create_sharded(config: MaxTextConfig, mesh: Mesh, seed: int | None = None, policy: Policy | None = None) -> Transformer:
+  """Initialise the model with every parameter born sharded (no full host copy); policy defaults to the mesh's."""
   from maxtext.models.decoder import Transformer
 
   seed = config.init_weights_seed if seed is None else seed
-  policy = platform.resolve(config, mesh)
+  policy = policy or platform.resolve(config, mesh)
   graphdef, abstract_state = nnx.split(abstract_model(config, policy))
   shardings = state_shardings(abstract_state, config, mesh)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -94,8 +95,10 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(
       c.emb_dim, c.normalization_layer_epsilon, dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=self.family.zero_centered_norms
     )
-    self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **kw)
-    self.mtp = nnx.List([MTPBlock(c, self.family, policy=policy, rngs=rngs) for _ in range(c.mtp_num_layers)]) if c.mtp_num_layers else None
+    # The output kernel stays in weight_dtype; quantize_logits_proj quantizes its product (output_head).
+    self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **{**kw, "quant": None})
+    mtp_policy = dataclasses.replace(policy, quantization=None)  # MaxText's quantize_mtp=false: the MTP modules stay unquantized
+    self.mtp = nnx.List([MTPBlock(c, self.family, policy=mtp_policy, rngs=rngs) for _ in range(c.mtp_num_layers)]) if c.mtp_num_layers else None
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """Token embeddings as the first layer sees them (scaled by sqrt(emb_dim) for Gemma)."""
@@ -234,6 +237,7 @@ class Transformer(nnx.Module):
       c.logical_axis_rules,
       self.policy.integer_bf16_rounding,
       c.num_vocab_tiling,
+      dataclasses.replace(self.policy.quantization, stored=False) if c.quantize_logits_proj else None,
       c.logits_dot_in_fp32,
     )
 

@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-
-from maxtext.config import MaxTextConfig
-
-
-def uniform_windows(config: MaxTextConfig) -> list[int]:
-  """Every layer uses config.sliding_window_size (0 = full attention)."""
-  return [config.sliding_window_size] * config.num_decoder_layers
+from typing import Protocol
 
 
-def repeating_windows(local_per_global: int) -> Callable[[MaxTextConfig], list[int]]:
+class LayerShape(Protocol):
+  """What a family's layer windows read: a MaxTextConfig, or the shape of a Hugging Face config being converted.
+  (The config's own checks read the families, so family code names these two values, not the config.)"""
+
+  num_decoder_layers: int
+  sliding_window_size: int
+
+
+def uniform_windows(shape: LayerShape) -> list[int]:
+  """Every layer uses shape.sliding_window_size (0 = full attention)."""
+  return [shape.sliding_window_size] * shape.num_decoder_layers
+
+
+def repeating_windows(local_per_global: int) -> Callable[[LayerShape], list[int]]:
   """Groups of `local_per_global` sliding-window layers followed by one global layer (gemma2, gpt_oss: 1; gemma3: 5)."""
 
-  def windows(config: MaxTextConfig) -> list[int]:
+  def windows(shape: LayerShape) -> list[int]:
     period = local_per_global + 1
-    return [config.sliding_window_size if (i + 1) % period else 0 for i in range(config.num_decoder_layers)]
+    return [shape.sliding_window_size if (i + 1) % period else 0 for i in range(shape.num_decoder_layers)]
 
   return windows
 
@@ -44,7 +51,7 @@ class Family:
   post_norms: bool = False  # extra RMSNorm on each branch output (Gemma 2 and 3)
   zero_centered_norms: bool = False  # norm scale applied as (1 + s) (Gemma)
   scale_embedding: bool = False  # multiply embeddings by sqrt(emb_dim) (Gemma)
-  layer_windows: Callable[[MaxTextConfig], list[int]] = uniform_windows  # sliding window per layer
+  layer_windows: Callable[[LayerShape], list[int]] = uniform_windows  # sliding window per layer
   hf_norm_names: dict[str, str] = dataclasses.field(default_factory=lambda: dict(LLAMA_HF_NORMS))  # our norm -> HF module name
   mla: bool = False  # multi-head latent attention (DeepSeek) instead of grouped-query attention
   attention_sinks: bool = False  # checkpoints hold a learned sink logit per query head (gpt-oss); attention_sink may be set

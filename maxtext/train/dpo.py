@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtext.train.loss import token_log_probs
-from maxtext.train.step import SummedTerms
+from maxtext.train.objective import SummedTerms
 
 Batch = dict[str, jax.Array]
 

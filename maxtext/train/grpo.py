@@ -35,14 +35,15 @@ import numpy as np
 from flax import nnx
 
 from maxtext import memory_limit
+from maxtext.aot import memory
 from maxtext.config import MaxTextConfig
 from maxtext.data.features import NO_ADAPTER
 from maxtext.errors import ConfigError
 from maxtext.train import reference as reference_lib
 from maxtext.train import rewards as rewards_lib
 from maxtext.train.loss import token_log_probs
-from maxtext.train.state import split_params
-from maxtext.train.step import SummedTerms
+from maxtext.train.objective import SummedTerms
+from maxtext.train.trainable import split_params
 
 ADVANTAGE_EPS = 1e-4
 OLD_KEY, REFERENCE_KEY = "old_log_probs", "reference_log_probs"
@@ -246,17 +247,15 @@ def prepare(config: MaxTextConfig, setup: Any, step_fn: Any, data_iter: Any) -> 
 def check_rollout_fit(config: MaxTextConfig, setup: Any, adapters: bool) -> None:
   """Compile the rollout decoder for the step's rows and check that it fits beside the rest of the train state
   (optimizer state and reference stay resident while it runs)."""
-  from maxtext.train import preflight
-
   executables = setup.rollout.compile(config.global_batch_size_to_train_on, adapters)
-  sizes = [preflight.step_bytes(e) for e in executables]
+  sizes = [memory.step_bytes(e) for e in executables]
   if any(s is None for s in sizes):
     return
-  params = preflight.state_bytes(setup.abstract_state["params"]) // config.num_devices
-  resident = preflight.state_bytes(setup.abstract_state) // config.num_devices - params  # beside the decoder's own arguments (params, cache)
+  params = memory.state_bytes(setup.abstract_state["params"]) // config.num_devices
+  resident = memory.state_bytes(setup.abstract_state) // config.num_devices - params  # beside the decoder's own arguments (params, cache)
   need = max(s[0] for s in sizes) + resident
   limit = memory_limit.limit_per_device()
-  if need > preflight.MEMORY_HEADROOM * limit.bytes:
+  if need > memory.MEMORY_HEADROOM * limit.bytes:
     raise ConfigError(
       f"the GRPO rollout needs about {need / 2**30:.2f} GiB per device (KV cache for {config.global_batch_size_to_train_on} rows of "
       f"{config.max_target_length} tokens, beside the optimizer state) but {limit.what} leaves {limit.bytes / 2**30:.2f} GiB per device; "

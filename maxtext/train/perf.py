@@ -6,6 +6,12 @@ suffices), measured the first time a run needs it on a host and kept in a cache 
 compares between runs on the host. The measured figure is a lower bound on the device's peak: when a train step
 runs faster than it, that step's rate becomes the yardstick and the cache (`Yardstick.mfu`). A measured MFU is
 therefore never above 100%. `device_peak_tflops` overrides table and cache alike.
+
+With `quantization` the peak is that of the format its products run in (`matmul_format`): int8 TOP/s for int8
+(`PEAK_INT8_TOPS`; on CPUs a measured int8 matmul, or the bf16 one when faster), fp8 TFLOP/s for fp8/fp8_full where
+the chip has fp8 units (`PEAK_FP8_TFLOPS`; elsewhere XLA converts fp8 to bf16 and the bf16 peak applies), bf16 for
+int4w (its weights are dequantized into bf16 products). A chip without a known int8 figure is measured against its
+bf16 peak, and the yardstick's source says so. Attention and the output head run in bf16 in every mode.
 """
 
 from __future__ import annotations
@@ -37,12 +43,33 @@ PEAK_BF16_TFLOPS = (
   ("a100", 312.0),
 )
 
+# device_kind substring -> peak dense int8 TOP/s and fp8 TFLOP/s per device (vendor datasheets; TPU v4 runs int8 at its bf16 rate).
+PEAK_INT8_TOPS = (
+  ("v6 lite", 1836.0),
+  ("v6e", 1836.0),
+  ("v5 lite", 394.0),
+  ("v5e", 394.0),
+  ("v5p", 918.0),
+  ("tpu v5", 918.0),
+  ("tpu v4", 275.0),
+  ("h200", 1979.0),
+  ("h100", 1979.0),
+  ("a100", 624.0),
+)
+PEAK_FP8_TFLOPS = (("h200", 1979.0), ("h100", 1979.0))
+
 MEASURED = "measured bf16 matmul, best of 1.5 s"
+MEASURED_INT8 = "measured int8 matmul (int32 accumulation), best of 1.5 s"
 
 
-def table_peak_tflops(device_kind: str) -> float | None:
+def table_peak_tflops(device_kind: str, table: tuple[tuple[str, float], ...] = PEAK_BF16_TFLOPS) -> float | None:
   kind = device_kind.lower()
-  return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in kind), None)
+  return next((tflops for key, tflops in table if key in kind), None)
+
+
+def matmul_format(config: MaxTextConfig) -> str:
+  """The number format the run's quantized products use: 'int8', 'fp8' or 'bf16'."""
+  return {"int8": "int8", "fp8": "fp8", "fp8_full": "fp8"}.get(config.quantization, "bf16")
 
 
 def matmul_size() -> int:
@@ -50,20 +77,21 @@ def matmul_size() -> int:
   return 1024 if platform.local_platform() == "cpu" else 8192
 
 
-def measure_matmul_tflops(n: int = 0) -> float:
-  """bf16 [n, n] @ [n, n] throughput (float32 accumulation) of one device in TFLOP/s, measured once per process and size
-  (n = 0: `matmul_size()`)."""
-  return _measure(n or matmul_size())
+def measure_matmul_tflops(n: int = 0, fmt: str = "bf16") -> float:
+  """[n, n] @ [n, n] throughput of one device in TFLOP/s (TOP/s for int8), measured once per process, size and format:
+  bf16 with float32 accumulation, or int8 with int32 accumulation (n = 0: `matmul_size()`)."""
+  return _measure(n or matmul_size(), fmt)
 
 
 @functools.cache
-def _measure(n: int, min_repeats: int = 30, min_seconds: float = 1.5) -> float:
+def _measure(n: int, fmt: str = "bf16", min_repeats: int = 30, min_seconds: float = 1.5) -> float:
   """Best of at least min_repeats timed matmuls spanning at least min_seconds (the most favourable figure)."""
-  a = jnp.ones((n, n), jnp.bfloat16)  # on the default device
-  b = jnp.full((n, n), 0.5, jnp.bfloat16)
+  dt, acc = (jnp.int8, jnp.int32) if fmt == "int8" else (jnp.bfloat16, jnp.float32)
+  a = jnp.ones((n, n), dt)  # on the default device
+  b = jnp.full((n, n), 3 if fmt == "int8" else 0.5, dt)
   # float32 accumulation, as the model's matmuls (maxtext.layers.matmul); on XLA:CPU a bf16-output matmul
   # takes a float32 upcast path, far slower than the machine's bf16 units (benchmarks/README.md, figures behind code comments).
-  matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+  matmul = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=acc))
   matmul(a, b).block_until_ready()
   best, spent, repeats = float("inf"), 0.0, 0
   while repeats < min_repeats or spent < min_seconds:
@@ -80,9 +108,9 @@ def cache_path() -> str:
   return os.path.join(root, "maxtext", "peak_tflops.json")
 
 
-def cache_key() -> str:
-  """The host, the device kind, the matmul size and the JAX version: what the measured rate depends on."""
-  return f"{socket.gethostname()} {platform.device_kind()} n={matmul_size()} jax {jax.__version__}"
+def cache_key(fmt: str = "bf16") -> str:
+  """The host, the device kind, the matmul size, the JAX version and the format (int8 apart): what the measured rate depends on."""
+  return f"{socket.gethostname()} {platform.device_kind()} n={matmul_size()} jax {jax.__version__}" + ("" if fmt == "bf16" else f" {fmt}")
 
 
 def _read_cache(path: str) -> dict[str, float]:
@@ -107,27 +135,40 @@ def _write_cache(path: str, key: str, tflops: float) -> None:
     pass
 
 
-def cached_matmul_tflops(path: str | None = None) -> tuple[float, bool]:
-  """(this host's yardstick, whether it came from the cache): measured and cached on first use."""
+def cached_matmul_tflops(path: str | None = None, fmt: str = "bf16") -> tuple[float, bool]:
+  """(this host's yardstick in fmt, whether it came from the cache): measured and cached on first use."""
   path = path or cache_path()
-  key = cache_key()
+  key = cache_key(fmt)
   cached = _read_cache(path).get(key)
   if cached and cached > 0:
     return cached, True
-  tflops = measure_matmul_tflops()
+  tflops = measure_matmul_tflops(fmt=fmt)
   _write_cache(path, key, tflops)
   return tflops, False
 
 
 def peak_tflops(config: MaxTextConfig) -> tuple[float, str]:
-  """(peak bf16 TFLOP/s per device, where the figure comes from)."""
+  """(peak TFLOP/s per device in the run's matmul format, where the figure comes from)."""
   if config.device_peak_tflops > 0:
     return config.device_peak_tflops, "config"
-  table = table_peak_tflops(platform.device_kind())
-  if table is not None:
-    return table, "chip table"
-  tflops, cached = cached_matmul_tflops()
-  return tflops, f"{MEASURED}, {'from this host' if cached else 'now'}"
+  kind, fmt = platform.device_kind(), matmul_format(config)
+  bf16 = table_peak_tflops(kind)
+  if bf16 is None:  # CPUs: measured
+    tflops, cached = cached_matmul_tflops()
+    when = "from this host" if cached else "now"
+    if fmt == "int8":
+      int8, _ = cached_matmul_tflops(fmt="int8")
+      if int8 >= tflops:
+        return int8, f"{MEASURED_INT8}, {when}"
+      return tflops, f"{MEASURED}, {when}: faster than this CPU's int8 matmul ({int8:.3f} TOP/s)"
+    return tflops, f"{MEASURED}, {when}" + ("; fp8 products run as float on this CPU" if fmt == "fp8" else "")
+  if fmt == "int8":
+    int8 = table_peak_tflops(kind, PEAK_INT8_TOPS)
+    return (int8, "chip table, int8") if int8 else (bf16, f"chip table, bf16: no int8 peak is known for {kind}")
+  if fmt == "fp8":
+    fp8 = table_peak_tflops(kind, PEAK_FP8_TFLOPS)
+    return (fp8, "chip table, fp8") if fp8 else (bf16, f"chip table, bf16: {kind} has no fp8 units, XLA runs fp8 products in bf16")
+  return bf16, "chip table"
 
 
 @dataclasses.dataclass
@@ -138,12 +179,14 @@ class Yardstick:
   source: str
   measured: bool = False  # a measured figure is a lower bound on the peak, raised by any faster step
   cache: str = ""  # the cache file of a measured figure, updated when a step raises it
+  key: str = ""  # its key in the cache (the format measured)
 
   @classmethod
   def of(cls, config: MaxTextConfig) -> Yardstick:
     tflops, source = peak_tflops(config)
-    measured = source.startswith(MEASURED)
-    return cls(tflops, source, measured=measured, cache=cache_path() if measured else "")
+    measured = source.startswith("measured")
+    key = cache_key("int8" if source.startswith(MEASURED_INT8) else "bf16")
+    return cls(tflops, source, measured=measured, cache=cache_path() if measured else "", key=key if measured else "")
 
   def described(self) -> str:
     """The source, with the cache file and the key that overrides it for a measured figure (the banner's words)."""
@@ -154,5 +197,5 @@ class Yardstick:
     if self.measured and achieved_tflops > self.tflops:
       self.tflops, self.source = achieved_tflops, "fastest train step so far"
       if self.cache:
-        _write_cache(self.cache, cache_key(), achieved_tflops)
+        _write_cache(self.cache, self.key, achieved_tflops)
     return achieved_tflops / self.tflops if self.tflops > 0 else 0.0

@@ -17,14 +17,12 @@ import jax
 
 from maxtext import memory_limit, platform
 from maxtext import mesh as mesh_lib
-from maxtext.aot import remat_auto
+from maxtext.aot import memory, remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
 from maxtext.train import checkpointing, outputs
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
-
-MEMORY_HEADROOM = 0.95  # share of a device's memory the compiled step may plan to use
 
 
 @dataclasses.dataclass
@@ -43,6 +41,7 @@ def run_checks(
   config: MaxTextConfig, mesh: jax.sharding.Mesh | None = None, setup: setup_lib.TrainSetup | None = None, log: Callable[[str], None] | None = None
 ) -> Checked:
   platform.check_hardware(config)
+  check_quantization(config)
   if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
     raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
   if config.use_grpo:  # a reward function that does not import fails before anything is built
@@ -56,13 +55,13 @@ def run_checks(
 
     config = executable.with_compiled_choices(config.compiled_trainstep_file, config)
   elif setup is None:
-    config, choice = remat_auto.resolve(config, mesh, log=log)  # the compiled memory picks the policy and the place
+    config, choice = remat_auto.resolve(config, mesh, setup_lib.build, log=log)  # the compiled memory picks the policy and the place
     setup = choice.step.setup if choice is not None and choice.step is not None else None  # compiled while choosing
   setup = setup or setup_lib.build(config, mesh)
   checkpointed = state_lib.checkpointed(setup.abstract_state, config)
   check_restore_paths(config, setup, checkpointed)
 
-  checkpoint_bytes = state_bytes(checkpointed)
+  checkpoint_bytes = memory.state_bytes(checkpointed)
   check_outputs(config, checkpoint_bytes)
 
   from maxtext.data import create_iterator
@@ -80,6 +79,20 @@ def run_checks(
 
     trainer = grpo.prepare(config, setup, step_fn, data_iter)
   return Checked(config, mesh, setup, step_fn, data_iter, checkpoint_bytes, choice, trainer)
+
+
+def check_quantization(config: MaxTextConfig) -> None:
+  """Quantization keys that training cannot honour: weight-only int4 on trained kernels, decode-only keys."""
+  if config.quantization == "int4w" and not config.lora.enable_lora:
+    raise ConfigError(
+      "quantization=int4w stores frozen kernels in int4, but training without LoRA updates every kernel; set lora.enable_lora=true (QLoRA) or use int8, fp8 or fp8_full"
+    )
+  if config.quantize_kvcache:
+    raise ConfigError("quantize_kvcache=true quantizes the decoding KV cache; training keeps none: drop it here and pass it to python -m maxtext.decode")
+  if config.save_quantized_params_path:
+    raise ConfigError(
+      "save_quantized_params_path is written by python -m maxtext.decode (quantize a checkpoint once, then decode from it); drop it from training"
+    )
 
 
 def check_outputs(config: MaxTextConfig, checkpoint_bytes: int) -> None:
@@ -108,7 +121,9 @@ def check_restore_paths(config: MaxTextConfig, setup: setup_lib.TrainSetup, chec
 
   params = setup.abstract_state["params"]
   if config.load_parameters_path:
-    checkpointing.match_params(config.load_parameters_path, params, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
+    checkpointing.check_base_quantization(config, config.load_parameters_path, params)
+    target = checkpointing.base_target(config, params)
+    checkpointing.match_params(config.load_parameters_path, target, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
   if config.lora.lora_restore_path:
     if not config.lora.enable_lora:
       raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")
@@ -133,22 +148,6 @@ def compiled_step(config: MaxTextConfig, setup: setup_lib.TrainSetup, mesh: jax.
   return setup.compiled_step
 
 
-def state_bytes(tree: Any) -> int:
-  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def step_bytes(compiled: Any) -> tuple[int, int] | None:
-  """(bytes one device needs to run the compiled step, of which temporaries), from XLA's memory analysis."""
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001 - some backends and deserialized executables have no analysis
-    return None
-  if m is None:
-    return None
-  need = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes + m.generated_code_size_in_bytes
-  return int(need), int(m.temp_size_in_bytes)
-
-
 def memory_remedy(config: MaxTextConfig) -> str:
   """The keys that lower a train step's memory, as a clause of a one-line error."""
   remat = "" if config.remat_policy == "full" else "use remat_policy=full, "
@@ -156,14 +155,14 @@ def memory_remedy(config: MaxTextConfig) -> str:
 
 
 def check_memory_fit(config: MaxTextConfig, compiled: Any) -> None:
-  """The compiled step's memory within MEMORY_HEADROOM of what a device may use (maxtext.memory_limit: on CPU the
+  """The compiled step's memory within memory.MEMORY_HEADROOM of what a device may use (maxtext.memory_limit: on CPU the
   smallest of the host's available memory, the cgroup limit, RLIMIT_AS and RLIMIT_DATA)."""
-  sizes = step_bytes(compiled)
+  sizes = memory.step_bytes(compiled)
   if sizes is None:
     return
   need, temp = sizes
   limit = memory_limit.limit_per_device()
-  if need > MEMORY_HEADROOM * limit.bytes:
+  if need > memory.MEMORY_HEADROOM * limit.bytes:
     raise ConfigError(
       f"the compiled train step needs {need / 2**30:.2f} GiB per device ({temp / 2**30:.2f} GiB of it temporaries) but {limit.what} "
       f"leaves {limit.bytes / 2**30:.2f} GiB per device; {memory_remedy(config)}"

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtext.config import MaxTextConfig
+from maxtext.train.trainable import split_params
 
 KEY = "reference"
 
@@ -49,15 +50,11 @@ def stores_copy(config: MaxTextConfig, abstract_params: nnx.State) -> bool:
   """Whether the train state carries a 'reference' entry (a non-empty frozen copy)."""
   if not needed(config):
     return False
-  from maxtext.train.state import split_params
-
   return bool(jax.tree.leaves(_stored_part(config, split_params(abstract_params, config)[0])))
 
 
 def initial(config: MaxTextConfig, params: nnx.State) -> nnx.State:
   """The frozen copy to store, taken from the initial full parameters (new buffers: the state donates them)."""
-  from maxtext.train.state import split_params
-
   return jax.tree.map(jnp.copy, _stored_part(config, split_params(params, config)[0]))
 
 
@@ -86,7 +83,6 @@ def attach_on_restore(setup: Any, state: dict[str, Any], log: Callable[[str], No
   if KEY in state or not stores_copy(config, abstract_params):
     return state
   from maxtext.train import checkpointing
-  from maxtext.train.state import split_params
 
   quiet = lambda message: None  # noqa: E731 - the loads were logged when the run started
   wanted = _stored_part(config, split_params(abstract_params, config)[0])

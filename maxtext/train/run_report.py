@@ -15,8 +15,9 @@ import jax
 
 from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
+from maxtext.layers.quantization import Recipe
 from maxtext.models import pipeline
-from maxtext.platform import Policy
+from maxtext.platform import Policy, keyed_moe_dispatch
 from maxtext.train import checkpointing, perf
 
 
@@ -36,6 +37,14 @@ def count(n: float) -> str:
     if abs(n) >= size:
       return f"{n / size:.3g}{unit}"
   return f"{n:.0f}"
+
+
+def quantization_summary(r: Recipe, platform: str) -> str:
+  """One line on what a quantization recipe does on this platform (the train banner's)."""
+  formats = f"weights {r.weight}" + (f", activations {r.activation}" if r.activation else "") + f", gradients {r.gradient or 'straight-through'}"
+  where = "kernels stored quantized (frozen base)" if r.stored else "kernels quantized from float each step"
+  units = f"the {platform}'s matmul units take {r.weight}" if r.native else f"XLA converts {r.weight} to bf16 on {platform} (no speedup)"
+  return f"{r.mode} ({formats}); {where}; {units}"
 
 
 def run_dir(config: MaxTextConfig) -> str:
@@ -85,13 +94,17 @@ class RunReport:
     )
     if c.num_experts > 1:
       capacity = f"capacity_factor {c.capacity_factor}" if c.capacity_factor > 0 else "dropless"
-      self.log(f"experts: {c.num_experts}, top {c.num_experts_per_tok}, {capacity}; dispatch {self.policy.moe_dispatch} (docs/models.md, MoE dispatch)")
+      keyed = keyed_moe_dispatch(c, self.policy.platform)
+      forced = f" (quantization: {keyed} takes no quantized operands)" if keyed != self.policy.moe_dispatch else ""
+      self.log(f"experts: {c.num_experts}, top {c.num_experts_per_tok}, {capacity}; dispatch {self.policy.moe_dispatch}{forced} (docs/models.md, MoE dispatch)")
     pipelined = pipeline.banner(c)
     if pipelined:
       self.log(pipelined)
     if c.remat_policy != "none":
       remat = f"{c.remat_policy} (remat_policy=auto)" if self.choice and self.choice.auto_policy else c.remat_policy
       self.log(f"remat: {remat}; {remat_auto.saved_input(self.policy.offload_layer_inputs, c.decoder_layer_input, self.choice)}")
+    if self.policy.quantization is not None:
+      self.log(f"quantization: {quantization_summary(self.policy.quantization, self.policy.platform)}")
     self.log(f"output: {run_dir(c)}; TensorBoard: {tensorboard}")
     self.log(
       f"training {c.run_name} from step {self.start} to {c.steps}; MFU against {self.yardstick.tflops:.3f} TFLOP/s/device ({self.yardstick.described()})"

@@ -26,6 +26,7 @@ from maxtext.data.synthetic import BATCH_KEYS
 from maxtext.train import optimizers, reference
 from maxtext.train import state as state_lib
 from maxtext.train import step as step_lib
+from maxtext.train.objective import Objective
 
 ModelBuilder = Callable[[MaxTextConfig, nnx.Rngs], nnx.Module]
 
@@ -49,7 +50,7 @@ class TrainSetup:
   jit_eval: Any  # jax.jit(eval_step): (params, other, reference, batch) -> the objective's sums
   init_fn: Callable[[], state_lib.TrainState]
   policy: platform.Policy  # the platform policy the model and step were built with
-  objective: step_lib.Objective  # what the step minimises (next-token loss, DPO, GRPO)
+  objective: Objective  # what the step minimises (next-token loss, DPO, GRPO)
 
   @functools.cached_property
   def jit_init(self) -> Any:

@@ -7,7 +7,7 @@
      "other": nnx.State,              only if the model holds non-Param variables
      "reference": nnx.State}          only for DPO/GRPO: frozen initial parameters (maxtext.train.reference)
 
-Trainable parameters are the subset of "params" that `trainable_filter(config)` selects;
+Trainable parameters are the subset of "params" that `maxtext.train.trainable.trainable_filter(config)` selects;
 the rest stay frozen (LoRA marks its adapters here). Checkpoints store this dict as is.
 """
 
@@ -25,22 +25,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
 from maxtext.train import reference
+from maxtext.train.trainable import split_params
 
 TrainState = dict[str, Any]
-
-
-def trainable_filter(config: MaxTextConfig) -> nnx.filterlib.Filter:
-  """nnx filter of the parameters the optimizer updates; the others are frozen.
-
-  Every parameter, except with lora.enable_lora: only the adapters, plus the mHC connectors when
-  mhc_expansion_rate > 1.
-  """
-  if not config.lora.enable_lora:
-    return nnx.Param
-  from maxtext.layers.lora import LoRAParam
-  from maxtext.layers.mhc import MHCParam
-
-  return nnx.Any(LoRAParam, MHCParam) if config.mhc_expansion_rate > 1 else LoRAParam
 
 
 def checkpointed(state: TrainState, config: MaxTextConfig) -> TrainState:
@@ -54,11 +41,6 @@ def checkpointed(state: TrainState, config: MaxTextConfig) -> TrainState:
   if not config.lora.enable_lora:
     return state
   return dict(state, params=split_params(state["params"], config)[0])
-
-
-def split_params(params: nnx.State, config: MaxTextConfig) -> tuple[nnx.State, nnx.State]:
-  """(trainable, frozen) parts of the full parameter state."""
-  return nnx.split_state(params, trainable_filter(config), ...)
 
 
 def _is_variable(x: Any) -> bool:

@@ -1,0 +1,67 @@
+"""The reference attention kernel (`xla`): a materialised [B, K, G, S, T] float32 score tensor, masked by positions,
+segment ids and the sliding window, softmaxed with optional sinks (maxtext.layers.attention_ops chooses it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from maxtext.layers import matmul
+
+NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def attention_mask(
+  q_pos: jax.Array, kv_pos: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, kv_segment_ids: jax.Array | None = None
+) -> jax.Array:
+  """Boolean [B, 1, 1, S, T]: causal, same segment, and within the sliding window (window 0 = full).
+  kv_segment_ids: the keys' own segment ids when they are not the queries' sequence (default segment_ids)."""
+  kv_segments = kv_segment_ids if kv_segment_ids is not None else segment_ids
+  return position_mask(q_pos, kv_pos, segment_ids, kv_segments, window)[:, None, None, :, :]
+
+
+def position_mask(q_pos, kv_pos, q_seg, kv_seg, window) -> jax.Array:
+  """Boolean [B, S, T] from positions, optional segment ids and window."""
+  allowed = kv_pos[:, None, :] <= q_pos[:, :, None]
+  if q_seg is not None:
+    allowed &= q_seg[:, :, None] == kv_seg[:, None, :]
+  if not (isinstance(window, int) and window == 0):
+    in_window = (q_pos[:, :, None] - kv_pos[:, None, :]) < window
+    allowed &= in_window | (jnp.asarray(window) == 0)
+  return allowed
+
+
+def xla_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array,
+  scale: float,
+  soft_cap: float | None,
+  precision: jax.lax.Precision | None,
+  integer_rounding: bool = False,
+  sinks: jax.Array | None = None,
+) -> jax.Array:
+  """q [B,S,H,D], k [B,T,K,D], v [B,T,K,Dv] (H = K*G) -> [B,S,H,Dv]; logits and softmax in float32; sinks [H] or None."""
+  b, s, h, d = q.shape
+  kv_heads = k.shape[2]
+  # Head-major operands ([B, K, G, S, D], [B, K, T, D]) make both einsums plain batched matmuls.
+  q = jnp.transpose(q.reshape(b, s, kv_heads, h // kv_heads, d), (0, 2, 3, 1, 4))
+  k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  logits = matmul.einsum("bkgsd,bktd->bkgst", q, k, dtype=q.dtype, precision=precision, out_dtype=jnp.float32) * scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  probs = masked_softmax(logits, mask, sinks).astype(v.dtype)
+  out = matmul.einsum("bkgst,bktd->bkgsd", probs, v, dtype=v.dtype, precision=precision, integer_rounding=integer_rounding)
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, v.shape[-1])
+
+
+def masked_softmax(logits: jax.Array, mask: jax.Array, sinks: jax.Array | None) -> jax.Array:
+  """Softmax over the keys of float32 logits [B, K, G, S, T] where mask allows; sinks [K * G] join each row as one more
+  logit whose weight is dropped (so a row sums to less than one)."""
+  logits = jnp.where(mask, logits, NEG_INF)
+  if sinks is None:
+    return jax.nn.softmax(logits, axis=-1)
+  _, kv_heads, groups, s, _ = logits.shape
+  sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1), (logits.shape[0], kv_heads, groups, s, 1))
+  return jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
