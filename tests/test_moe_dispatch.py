@@ -33,6 +33,7 @@ from maxtext.config import from_overrides
 from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers import moe
 from maxtext.layers.mlp import glu, glu_limit
+from tests.test_train_helpers import FAST_COMPILE
 
 BASE = dict(vocab_size=64, base_num_query_heads=2, base_num_kv_heads=2, head_dim=8, base_num_decoder_layers=1, dtype="float32")
 SHAPES = {
@@ -73,7 +74,6 @@ SHAPES = {
   ),
 }
 PATHS = ("dense", "ragged_dot", "megablox", "tokamax")
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 CAPACITY = 1.0  # per sequence of 8 tokens x 2 picks: 4 slots of 16 pairs for 4 experts, 2 for 8: pairs are dropped
 B, S = 8, 8
 

@@ -22,6 +22,7 @@ from maxtext import models
 from maxtext.config import from_overrides
 from maxtext.models import pipeline
 from maxtext.train import loss as loss_lib
+from tests.test_train_helpers import FAST_COMPILE
 
 SMALL = dict(
   base_emb_dim=32,
@@ -60,7 +61,6 @@ MODELS = {
     "remat_policy": "none",
   },
 }
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 # (model, pipeline and mesh keys): 2 and 4 stages, 1 and 2 repeats, 4 and 8 microbatches, with fsdp, tensor and expert
 # axes (the llama-like model's training run, PIPELINED below, adds 2 stages x 2 repeats x 4 microbatches with fsdp,
 # tensor and pipeline_fsdp_ag_once).
