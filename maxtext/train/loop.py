@@ -263,22 +263,21 @@ def _loop(
   with jax.set_mesh(mesh), memory_limit.one_line(lambda: f"in train step {start + len(result.losses)}", preflight.memory_remedy(config)):
     for step in range(start, config.steps):
       profiler.before_step(step, state)
-      if checked.trainer is not None:  # GRPO: rollout, scoring and update (maxtext.train.grpo); done when it returns
+      grpo = checked.trainer is not None  # rollout, scoring and update (maxtext.train.grpo): done when it returns
+      if grpo:
         done_step = checked.trainer.step(state, step)
-        if done_step is None:  # num_epoch passes over the prompts are done: a normal end, the last step is saved below
-          result.stop_reason = "data_used_up"
-          break
-        state, metrics = done_step
-        pending.append((step, metrics))
-        report()
       else:
         batch = next(data_iter, None)
-        if batch is None:  # num_epoch passes over the data are done: a normal end, the last step is saved below
-          result.stop_reason = "data_used_up"
-          break
-        state, metrics = step_fn(state, batch)
-        report()
-        pending.append((step, metrics))
+        done_step = None if batch is None else step_fn(state, batch)
+      if done_step is None:  # num_epoch passes over the data (GRPO: the prompts) are done: a normal end, saved below
+        result.stop_reason = "data_used_up"
+        break
+      state, metrics = done_step
+      if not grpo:
+        report()  # the previous step's metrics, while this step runs
+      pending.append((step, metrics))
+      if grpo:
+        report()  # already finished: timed without the next step's rollout
       done = step + 1
       result.steps_done = done
       if preemption.requested:
