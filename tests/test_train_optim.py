@@ -106,3 +106,23 @@ def test_spike_detection_skips_outliers_and_non_finite_losses():
   assert not bool(skip)
   skip, _ = _spike_check(spike, jnp.float32(np.nan), config)
   assert bool(skip)
+
+
+def _moment_dtypes(config) -> dict[str, set[str]]:
+  """The optimizer state's moment fields ('mu', 'nu', 'trace') -> the dtypes of their leaves."""
+  found: dict[str, set[str]] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(optimizers.build(config).init(_params()))[0]:
+    names = [getattr(k, "name", None) for k in path]
+    for field in {"mu", "nu", "trace"}.intersection(names):
+      found.setdefault(field, set()).add(jnp.dtype(leaf.dtype).name)
+  return found
+
+
+@pytest.mark.parametrize("opt_type", ["adamw", "muon", "sgd"])
+def test_mu_dtype_sets_the_first_moment_dtype_and_defaults_to_weight_dtype(opt_type):
+  first = "trace" if opt_type == "sgd" else "mu"
+  kw = dict(num_devices=1, opt_type=opt_type, sgd_momentum=0.9)
+  assert _moment_dtypes(tiny_config(**kw))[first] == {"float32"}
+  assert _moment_dtypes(tiny_config(**kw, weight_dtype="bfloat16"))[first] == {"bfloat16"}  # MaxText: '' inherits weight_dtype
+  got = _moment_dtypes(tiny_config(**kw, mu_dtype="bfloat16"))
+  assert got[first] == {"bfloat16"} and got.get("nu", {"float32"}) == {"float32"}  # the second moment keeps its float32

@@ -126,6 +126,12 @@ def _muon_dims_tree(params: Any, slot_axis: int | None = None) -> Any:
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_variable)
 
 
+def mu_dtype(config: MaxTextConfig) -> jnp.dtype:
+  """Storage dtype of the first moment (AdamW's and Muon's mu, SGD's momentum trace): mu_dtype, or weight_dtype when
+  unset (MaxText's rule). optax computes each moment update in the gradients' dtype and stores it in this one."""
+  return jnp.dtype(config.mu_dtype or config.weight_dtype)
+
+
 def build(config: MaxTextConfig) -> optax.GradientTransformation:
   """Gradient clipping + the chosen optimizer at unit learning rate (updates are -direction)."""
   slot_axis = None
@@ -139,10 +145,11 @@ def build(config: MaxTextConfig) -> optax.GradientTransformation:
       eps=config.adam_eps,
       eps_root=config.adam_eps_root,
       weight_decay=config.adam_weight_decay,
+      mu_dtype=mu_dtype(config),
       mask=decay_mask,
     )
   elif config.opt_type == "sgd":
-    opt = optax.sgd(1.0, momentum=config.sgd_momentum or None)
+    opt = optax.sgd(1.0, momentum=config.sgd_momentum or None, accumulator_dtype=mu_dtype(config))
   else:
     # Muon's inner AdamW has no decay mask, so decay is added once, masked, for all parameters.
     muon = optax.contrib.muon(
@@ -152,6 +159,7 @@ def build(config: MaxTextConfig) -> optax.GradientTransformation:
       adam_b2=config.adam_b2,
       eps=config.adam_eps,
       adam_eps_root=config.adam_eps_root,
+      mu_dtype=mu_dtype(config),
       muon_weight_dimension_numbers=functools.partial(_muon_dims_tree, slot_axis=slot_axis),
     )
     opt = optax.chain(muon, optax.add_decayed_weights(-config.adam_weight_decay, mask=decay_mask))
