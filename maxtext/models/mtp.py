@@ -17,6 +17,7 @@ from maxtext.layers.dtypes import dtype
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.residual import collapse_streams, expand_streams
+from maxtext.models import remat
 from maxtext.models.decoder_layer import DecoderLayer
 from maxtext.models.family import Family
 from maxtext.platform import Policy
@@ -39,7 +40,13 @@ class MTPBlock(nnx.Module):
   ) -> tuple[jax.Array, jax.Array]:
     """(h^{k-1} [B,S,E], embeddings of tokens k ahead [B,S,E]) -> (h^k, out_norm(h^k) for the output head)."""
     x = self.projection(jnp.concatenate([self.embed_norm(ahead_embeddings), self.hidden_norm(hidden)], axis=-1))
-    x, _ = self.layer(expand_streams(x, self.config), positions, segment_ids, window)
+    graphdef, state = nnx.split(self.layer)
+
+    def layer(x, state, positions, segment_ids):
+      return nnx.merge(graphdef, state)(x, positions, segment_ids, window)[0]
+
+    # rematerialised like the decoder's layers; all gradients at once, so none of this layer's waits past the layer loop
+    x = remat.gradients_together(remat.wrap(layer, self.config.remat_policy, prevent_cse=True))(expand_streams(x, self.config), state, positions, segment_ids)
     h = collapse_streams(x, self.config)
     return h, self.out_norm(h)
 

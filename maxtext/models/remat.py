@@ -60,3 +60,23 @@ def wrap(fn: Callable, name: str, prevent_cse: bool, offload_input: bool = False
       return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_anything_except_these_names(SLICED_WEIGHTS), prevent_cse=prevent_cse)
     return fn
   return jax.checkpoint(fn, policy=policy(name, offload_input), prevent_cse=prevent_cse)
+
+
+def gradients_together(fn: Callable) -> Callable:
+  """fn whose backward pass returns all its cotangents at once, through one optimization_barrier.
+
+  XLA may postpone a weight gradient that only the optimizer update reads (an unscanned layer's, such as a
+  multi-token-prediction layer's) past the rest of the backward pass, and that keeps the layer's residuals alive
+  through the layer loop's backward: 2.9 GB per device for deepseek3-671b on v5p-256 (benchmarks/README.md).
+  """
+
+  def forward(*args):
+    out, vjp = jax.vjp(fn, *args)
+    return out, vjp
+
+  def backward(vjp, cotangent):
+    return jax.lax.optimization_barrier(vjp(cotangent))
+
+  tied = jax.custom_vjp(fn)
+  tied.defvjp(forward, backward)
+  return tied
