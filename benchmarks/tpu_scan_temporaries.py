@@ -6,7 +6,8 @@ Compiles (no TPU needed; libtpu required) `layers` float32 [width, width] layers
 bfloat16 activations, under `jax.checkpoint`, donated, in four forms: `scan` (w - 0.1 * grad, the layers in
 a scan), `grad` (the scan's gradients returned as outputs), `unroll` (w - 0.1 * grad, layers unrolled) and
 `offload` (`scan` with each layer's input named and offloaded to pinned host memory, as
-decoder_layer_input=offload does). Prints each form's reported temporaries, the preallocated-temp heap from
+decoder_layer_input=offload does), and `manual` (`scan` with a hand-written backward: a custom_vjp whose forward scan
+keeps each layer's input and whose backward is a reverse scan recomputing each layer with jax.vjp). Prints each form's reported temporaries, the preallocated-temp heap from
 XLA's buffer dump, the excess, and the host temporaries.
 Set LIBTPU_INIT_ARGS to try compiler flags.
 """
@@ -66,8 +67,39 @@ def main(argv: list[str]) -> None:
       h = jax.lax.scan(jax.checkpoint(body, policy=policy), h, ws)[0]
     return h.astype(jnp.float32).sum()
 
+  @jax.custom_vjp
+  def stack(ws, h):
+    return jax.lax.scan(body, h, ws)[0]
+
+  def stack_fwd(ws, h):
+    def step(h, w):
+      return body(h, w)[0], h  # keep each layer's input
+
+    out, inputs = jax.lax.scan(step, h, ws)
+    return out, (ws, inputs)
+
+  def stack_bwd(residuals, g):
+    ws, inputs = residuals
+
+    def step(g, xs):  # recompute one layer from its saved input, in reverse
+      w, h = xs
+      _, vjp = jax.vjp(lambda w, h: body(h, w)[0], w, h)
+      dw, dh = vjp(g)
+      return dh, dw
+
+    dh, dws = jax.lax.scan(step, g, (ws, inputs), reverse=True)
+    return dws, dh
+
+  stack.defvjp(stack_fwd, stack_bwd)
+
+  def manual_loss(ws, x):
+    return stack(ws, x.astype(jnp.bfloat16)).astype(jnp.float32).sum()
+
   def scan(ws, x):
     return ws - 0.1 * jax.grad(loss)(ws, x, False)
+
+  def manual(ws, x):
+    return ws - 0.1 * jax.grad(manual_loss)(ws, x)
 
   def grad(ws, x):
     return jax.grad(loss)(ws, x, False)
@@ -84,7 +116,7 @@ def main(argv: list[str]) -> None:
   )
   saved = args.layers * args.tokens * args.width * 2
   print(f"{args.topology}: {args.layers} layers, saved-input stack {saved / 1e9:.3f} GB")
-  for fn in (scan, grad, unroll, offload):
+  for fn in (scan, grad, unroll, offload, manual):
     name = fn.__name__
     memory = jax.jit(fn, donate_argnums=0).lower(*shapes).compile().memory_analysis()
     temp, heap = memory.temp_size_in_bytes, heap_bytes(dump, name)

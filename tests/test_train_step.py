@@ -95,15 +95,18 @@ def test_init_weights_seed_changes_the_initial_parameters():
   assert not np.array_equal(a[0], b[0])
 
 
+def _is_first_moment(path) -> bool:
+  return "mu" in [getattr(k, "name", None) for k in path]  # optax's ScaleByAdamState.mu
+
+
 def _first_moments(opt_state) -> list:
-  """The leaves of AdamW's first moment (optax's ScaleByAdamState.mu) in an optimizer state."""
-  leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
-  return [leaf for path, leaf in leaves if "mu" in [getattr(k, "name", None) for k in path]]
+  """The leaves of AdamW's first moment in an optimizer state."""
+  return [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0] if _is_first_moment(path)]
 
 
 def test_a_bfloat16_first_moment_trains_like_float32_and_checkpoints_either_way(one_device, tmp_path):
   """mu_dtype=bfloat16: AdamW's first moment is stored in bfloat16, three steps follow the float32 run closely, and a
-  checkpoint of that state restores as it is and into a float32-moment run (orbax casts to the restoring state's dtype)."""
+  checkpoint of that state restores as it is and into a float32-moment state (orbax casts to the restoring state's dtype)."""
   from maxtext.train.checkpointing import Checkpointer
 
   config = tiny_config(num_devices=1, dtype="float32", per_device_batch_size=8, mu_dtype="bfloat16", base_output_directory=str(tmp_path), run_name="mu")
@@ -121,13 +124,14 @@ def test_a_bfloat16_first_moment_trains_like_float32_and_checkpoints_either_way(
   np.testing.assert_allclose(losses, one_device[0], rtol=1e-3)
   for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])), jax.tree.leaves(one_device[1]), strict=True):
     assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b)
-  Checkpointer(config).save(3, state, None)
-  float32 = tiny_config(num_devices=1, dtype="float32", per_device_batch_size=8, base_output_directory=str(tmp_path), run_name="mu")
-  for target in (config, float32):
-    target_setup = setup_lib.build(target, mesh)
+  checkpointer = Checkpointer(config)
+  checkpointer.save(3, state, None)
+  as_float32 = jax.tree_util.tree_map_with_path(  # the state a run with the default mu_dtype (float32 weights) restores into
+    lambda path, x: jax.ShapeDtypeStruct(x.shape, jax.numpy.float32, sharding=x.sharding) if _is_first_moment(path) else x, setup.abstract_state
+  )
+  for target, want in ((setup.abstract_state, "bfloat16"), (as_float32, "float32")):
     with jax.set_mesh(mesh):
-      restored = Checkpointer(target).restore_latest(target_setup.abstract_state, log=lambda _: None).state
-    want = "bfloat16" if target.mu_dtype else "float32"
+      restored = checkpointer.restore_latest(target, log=lambda _: None).state
     for got, saved in zip(_first_moments(restored["opt_state"]), mu, strict=True):
       assert got.dtype.name == want
       np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(saved, np.float32))
