@@ -28,7 +28,7 @@ def _run(config, steps):
     for _ in range(steps):
       state, metrics = setup.jit_step(state, next(data))
       losses.append(float(metrics["loss"]))
-  return losses, jax.device_get(state["params"]), setup
+  return losses, jax.device_get(state["params"]), setup, state
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_gradient_accumulation_equals_the_big_batch(one_device):
 
 
 def test_eight_sharded_devices_follow_the_one_device_loss_curve(one_device, sharded):
-  losses, params, setup = sharded
+  losses, params, setup, _ = sharded
   np.testing.assert_allclose(losses, one_device[0], rtol=2e-5)
   assert losses[-1] < losses[0]
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_device[1])):
@@ -110,19 +110,11 @@ def test_a_bfloat16_first_moment_trains_like_float32_and_checkpoints_either_way(
   from maxtext.train.checkpointing import Checkpointer
 
   config = tiny_config(num_devices=1, dtype="float32", per_device_batch_size=8, mu_dtype="bfloat16", base_output_directory=str(tmp_path), run_name="mu")
-  mesh = mesh_for(config)
-  setup = setup_lib.build(config, mesh)
-  data = SyntheticIterator(config, mesh)
-  with jax.set_mesh(mesh):
-    state = setup.init_state()
-    losses = []
-    for _ in range(3):
-      state, metrics = setup.jit_step(state, next(data))
-      losses.append(float(metrics["loss"]))
+  losses, params, setup, state = _run(config, steps=3)
   mu = _first_moments(state["opt_state"])
   assert mu and {x.dtype.name for x in mu} == {"bfloat16"}
   np.testing.assert_allclose(losses, one_device[0], rtol=1e-3)
-  for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])), jax.tree.leaves(one_device[1]), strict=True):
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_device[1]), strict=True):
     assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b)
   checkpointer = Checkpointer(config)
   checkpointer.save(3, state, None)
@@ -130,7 +122,7 @@ def test_a_bfloat16_first_moment_trains_like_float32_and_checkpoints_either_way(
     lambda path, x: jax.ShapeDtypeStruct(x.shape, jax.numpy.float32, sharding=x.sharding) if _is_first_moment(path) else x, setup.abstract_state
   )
   for target, want in ((setup.abstract_state, "bfloat16"), (as_float32, "float32")):
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(setup.mesh):
       restored = checkpointer.restore_latest(target, log=lambda _: None).state
     for got, saved in zip(_first_moments(restored["opt_state"]), mu, strict=True):
       assert got.dtype.name == want
