@@ -214,9 +214,7 @@ def expert_matmul(
     x_c, w_c, group_sizes = residuals
     g = g.astype(dt)
     dx = cast(op.dx(g, w_c, group_sizes, x.dtype), x.dtype, plan.integer_rounding)
-    # Both gradients leave together: left alone, XLA postpones a weight gradient that nothing but the update reads
-    # (an unscanned layer's, e.g. DeepSeek's multi-token-prediction layer) past the layer loop, keeping its rows alive.
-    return (*jax.lax.optimization_barrier((dx, reduce(op.dw(x_c, g, group_sizes, dt)).astype(w.dtype))), None)
+    return dx, reduce(op.dw(x_c, g, group_sizes, dt)).astype(w.dtype), None
 
   fn = jax.custom_vjp(lambda x, w, group_sizes: forward(x, w, group_sizes)[0])
   fn.defvjp(forward, backward)
