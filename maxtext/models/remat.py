@@ -67,7 +67,8 @@ def gradients_together(fn: Callable) -> Callable:
 
   XLA may postpone a weight gradient that only the optimizer update reads (an unscanned layer's, such as a
   multi-token-prediction layer's) past the rest of the backward pass, and that keeps the layer's residuals alive
-  through the layer loop's backward: 2.9 GB per device for deepseek3-671b on v5p-256 (benchmarks/README.md).
+  through the layer loop's backward (2.7 GB per device on an 8-layer proxy of deepseek3-671b on v5p-256;
+  benchmarks/README.md).
   """
 
   def forward(*args):
