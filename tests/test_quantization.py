@@ -128,6 +128,24 @@ def test_int8_product_is_an_int8_dot_with_per_channel_scales():
   assert re.search(r"stablehlo\.dot_general.*tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>", hlo)
 
 
+def test_stored_int8_product_rounds_once_like_the_float_product():
+  """Decoding's product on a stored int8 kernel, in bfloat16: the exact w8a8 result (int8 values from float32
+  quotients, float32 scales) rounded once to bfloat16, as the float product rounds its float32 accumulator once.
+  Scales cast to bfloat16 (weight scales off by up to 2^-9, the int32 accumulator rounded before scaling) or
+  activations divided in bfloat16 (double rounding) miss it by several bfloat16 steps."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_t(3, size=(64, 512)), jnp.bfloat16)  # heavy tails, like an MLP's activations
+  w = jnp.asarray(rng.normal(size=(512, 64)) * np.linspace(0.1, 3.0, 64), jnp.float32)
+  r = quantization.Recipe("int8", "int8", "int8", None, stored=True)
+  values, scale = quantization.quantize_kernel(w, 1, r)
+  y = np.asarray(quantization.stored_einsum("ab,bc->ac", x, values, scale, r, jnp.bfloat16), np.float64)
+  xf = np.asarray(x, np.float64)
+  sx = np.abs(xf).max(axis=1, keepdims=True) / 127.5
+  qx = np.clip(np.round(xf / sx), -128, 127)
+  exact = (qx @ np.asarray(values, np.float64)) * sx * np.asarray(scale, np.float64)
+  assert np.abs(y - exact).max() <= 2.0**-8 * np.abs(exact).max()
+
+
 def test_recipes_and_their_config_errors():
   base = dict(TINY, num_devices=1)
   fp8 = quantization.recipe(from_overrides(**base, quantization="fp8_full", bwd_quantization_calibration_method="fixed,-1,1"))
@@ -290,6 +308,18 @@ def test_quantized_kv_cache_attends_like_the_float_cache(kv_dtype, axis, toleran
   ratio = cache_layout.theoretical_bytes(quantized, 4, lay) / cache_layout.theoretical_bytes(config, 4, lay)
   assert ratio == cache_layout.nbytes(cache_layout.abstract(quantized, 4, lay))[0] / cache_layout.nbytes(cache_layout.abstract(config, 4, lay))[0]
   assert ratio <= (0.53 if kv_dtype == "int8" else 0.28)
+
+
+def test_quantized_kv_values_are_within_half_a_step_of_their_stored_scale():
+  """round(x / s) * s with s the stored (bfloat16) scale is within s / 2 of x: x is divided by the scale attention
+  multiplies back, not by its float32 value before the cast (which would leave up to 127 x 2^-9 steps more)."""
+  from maxtext.inference.kv_cache import quantize_kv
+
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 16, 64)) * 5, jnp.bfloat16)
+  q, s = quantize_kv(x, jnp.int8, per_head=True)
+  assert s.dtype == jnp.bfloat16
+  err = np.abs(np.asarray(q, np.float32) * np.asarray(s, np.float32) - np.asarray(x, np.float32))
+  assert (err <= 0.5001 * np.asarray(s, np.float32)).all()
 
 
 def test_mfu_peak_follows_the_matmul_format(monkeypatch):

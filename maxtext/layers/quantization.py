@@ -269,10 +269,12 @@ def unpacked_shape(shape: Sequence[int], scale_variable: nnx.Variable, weight: s
   return tuple(shape)
 
 
-def stored_qarray(values: jax.Array, scale: jax.Array, packed_axis: int, r: Recipe, dtype: Any) -> qwix.QArray:
-  """A stored kernel as qwix's QArray (int4 unpacked into int8 containers), scales in dtype."""
+def stored_qarray(values: jax.Array, scale: jax.Array, packed_axis: int, r: Recipe) -> qwix.QArray:
+  """A stored kernel as qwix's QArray (int4 unpacked into int8 containers), scales in float32: qwix multiplies the
+  product's accumulator by the scales in their dtype, so float32 scales keep the int32 (or float32) accumulator
+  unrounded until the one cast to the compute dtype, as the float product does."""
   values = unpack_int4(values, packed_axis) if r.weight == "int4" else values
-  return qwix.QArray(values, scale.astype(dtype), qtype=qtype(r.weight))
+  return qwix.QArray(values, scale.astype(jnp.float32), qtype=qtype(r.weight))
 
 
 def quantize_like(kernel: jax.Array, scale_variable: nnx.Variable, r: Recipe) -> tuple[jax.Array, jax.Array]:
@@ -299,12 +301,15 @@ def _frozen_kernel_product(x: jax.Array, values: jax.Array, scale: jax.Array, fo
 
 
 def _activations(x: jax.Array, contracting: Sequence[int], r: Recipe, dtype: Any) -> jax.Array | qwix.QArray:
-  """x in dtype, quantized per token (every axis but the contracting ones) when the recipe quantizes activations."""
+  """x in dtype, quantized per token (every axis but the contracting ones) when the recipe quantizes activations.
+
+  The quotient x / s is taken in float32: qwix divides in the array's dtype, and a bfloat16 quotient (8 significant
+  bits: steps of 0.5 above 64) would be rounded once before the rounding to int8 (double rounding)."""
   x = x.astype(dtype)
   if r.activation is None:
     return x
   free = [i for i in range(x.ndim) if i not in contracting]
-  return qwix.quantize(x, qtype(r.activation), channelwise_axes=free, calibration_method=r.act_calibration)
+  return qwix.quantize(x.astype(jnp.float32), qtype(r.activation), channelwise_axes=free, calibration_method=r.act_calibration)
 
 
 def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
@@ -321,11 +326,11 @@ def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, 
   packed_axis = max(rhs.index(a) for a in rhs if a in lhs and a not in out)  # int4: the last contracting axis
 
   def forward(x, values, scale):
-    w = stored_qarray(values, scale, packed_axis, r, dtype)
+    w = stored_qarray(values, scale, packed_axis, r)
     return _in_order(qwix.dot_general(_activations(x, dims[0][0], r, dtype), w, dims).astype(dtype), perm)
 
   def input_grad(g, values, scale):
-    w = qwix.dequantize(stored_qarray(values, scale, packed_axis, r, dtype)).astype(dtype)
+    w = qwix.dequantize(stored_qarray(values, scale, packed_axis, r)).astype(dtype)
     return matmul.product(f"{out},{rhs}->{lhs}", g.astype(dtype), w)
 
   return _frozen_kernel_product(*varying_alike(x, values, scale), forward, input_grad)
@@ -339,10 +344,10 @@ def stored_ragged_dot(x: jax.Array, values: jax.Array, scale: jax.Array, group_s
   qwix's ragged_dot on x quantized per row (weight-only: x in dtype); dx against the dequantized W."""
 
   def forward(x, values, scale, group_sizes):
-    return qwix.ragged_dot(_activations(x, (1,), r, dtype), stored_qarray(values, scale, 1, r, dtype), group_sizes).astype(dtype)
+    return qwix.ragged_dot(_activations(x, (1,), r, dtype), stored_qarray(values, scale, 1, r), group_sizes).astype(dtype)
 
   def input_grad(g, values, scale, group_sizes):
-    w = qwix.dequantize(stored_qarray(values, scale, 1, r, dtype)).astype(dtype)
+    w = qwix.dequantize(stored_qarray(values, scale, 1, r)).astype(dtype)
     return jax.lax.ragged_dot_general(g.astype(dtype), w, group_sizes, _RAGGED_DLHS, preferred_element_type=jnp.float32)
 
   return _frozen_kernel_product(*varying_alike(x, values, scale), forward, input_grad, group_sizes)
