@@ -366,6 +366,50 @@ def test_int4_kernels_pack_two_values_per_byte():
   np.testing.assert_allclose(quantization.stored_einsum("ab,bc->ac", x, stored, scale, r, jnp.float32), np.asarray(x) @ dequantized, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode,calibration,grad_tolerance", [("int8", "absmax", 1e-5), ("fp8_full", "absmax,1.25", 0.15)])
+def test_grouped_expert_product_scales_each_expert(mode, calibration, grad_tolerance):
+  """The sorted dispatch's grouped matmul: weights quantized per expert and column by the recipe's calibration (one
+  scale shared by all experts, as qwix's ragged_dot_qt has it, zeroes the small expert here), activations per row,
+  as the dense dispatch's batched product does; int8 gradients straight-through (float ones), fp8's through e5m2,
+  finite and near the float gradients and the dense path's."""
+  rng = np.random.default_rng(0)
+  group_sizes = jnp.array([5, 9, 6], jnp.int32)
+  x = jnp.asarray(rng.normal(size=(20, 64)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(3, 64, 32)) * np.array([0.01, 1.0, 30.0])[:, None, None], jnp.float32)
+  fmt = quantization.FORMATS[mode]
+  r = quantization.Recipe(mode, *fmt, weight_calibration=calibration, act_calibration=calibration, grad_calibration="absmax")
+  rows = np.repeat(np.arange(3), np.asarray(group_sizes))
+  c = jnp.asarray(rng.normal(size=(20, 32)), jnp.float32)
+
+  def loss(x, w, product):
+    return jnp.sum(c * product(x, w))
+
+  def quantized(x, w):
+    return quantization.ragged_dot(x, w, group_sizes, r, jnp.float32)
+
+  def exact(x, w):  # the same quantization written out: per (expert, column) and per row, then float products
+    qw = qwix.dequantize(qwix.quantize(w, quantization.qtype(fmt[0]), channelwise_axes=[0, 2], calibration_method=calibration))
+    qx = qwix.dequantize(qwix.quantize(x, quantization.qtype(fmt[1]), channelwise_axes=[0], calibration_method=calibration))
+    return jnp.einsum("mk,mkn->mn", qx, qw[rows], precision="highest")
+
+  def dense(x, w):  # the dense dispatch's batched product (every expert over every row), each row's own expert taken
+    return quantization.einsum("mk,ekn->men", x, w, r, jnp.float32)[np.arange(20), rows]
+
+  def float_product(x, w):
+    return jnp.einsum("mk,mkn->mn", x, w[rows], precision="highest")
+
+  y, want, ref = quantized(x, w), exact(x, w), float_product(x, w)
+  np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-6 * float(jnp.abs(want).max()))
+  np.testing.assert_allclose(dense(x, w), y, rtol=1e-4, atol=1e-6 * float(jnp.abs(want).max()))
+  for e in range(3):  # every expert within its format's error of its own float product
+    assert float(jnp.abs(y - ref)[rows == e].max()) < 0.1 * float(jnp.abs(ref)[rows == e].max())
+  grads, dense_grads, float_grads = (jax.grad(loss, (0, 1))(x, w, product) for product in (quantized, dense, float_product))
+  for g, d, f in zip(grads, dense_grads, float_grads):
+    scale = float(jnp.abs(f).max())
+    assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g - f).max()) <= grad_tolerance * scale
+    assert float(jnp.abs(g - d).max()) <= grad_tolerance * scale  # the sorted and dense paths' gradients agree
+
+
 def test_stored_int8_experts_with_biases_agree_across_dispatch_paths():
   """gpt-oss on an int8 QLoRA base: expert kernels stored int8 with their scales, beside the float expert biases. The
   sorted dropless dispatch (qwix's ragged dot on the stored experts) and expert parallelism's all-to-all into capacity

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import qwix
 from flax import nnx
-from qwix._src.core import dot_general_qt, ragged_dot_qt
+from qwix._src.core import dot_general_qt
 
 from maxtext.config.derived import QUANTIZATION_CALIBRATION_KEYS
 from maxtext.errors import ConfigError
@@ -185,14 +185,62 @@ def trailing_spec(x_ndim: int, n_in: int, n_out: int) -> str:
   return f"{lead}{contracted},{contracted}{produced}->{lead}{produced}"
 
 
+_RAGGED_DLHS = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+_RAGGED_DRHS = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def _per_row(group_scale: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+  """Per-group scales [G, 1, N] -> each row's own group's [rows, N] (rows past the groups take the last group's)."""
+  return jnp.repeat(group_scale[:, 0, :], group_sizes, axis=0, total_repeat_length=rows)
+
+
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
-  """Grouped matmul [M, K] x [G, K, N] (rows grouped by group_sizes) with int8/fp8 operands: qwix's ragged_dot_qt
-  (per-row activation scales, weight scales per column over all groups, absmax calibration; gradients straight-through
-  on the quantized operands, or with e5m2 incoming gradients for fp8)."""
+  """Grouped matmul [M, K] x [G, K, N] (rows grouped by group_sizes) with int8/fp8 operands, result in dtype.
+
+  Forward: lhs quantized per row, rhs per group (expert) and column, each by the recipe's calibration, from float32
+  (no double rounding); qwix's ragged_dot multiplies each row's int32 / float32 accumulator by its row's and its
+  group's scales. (qwix's ragged_dot_qt shares one scale per column among all groups and calibrates by absmax only.)
+
+  Backward, as the dense products (`einsum`): int8 straight-through, dx = g . W^T and dW_e = x_e^T . g_e from the
+  unquantized operands in dtype with float32 accumulation; fp8 quantizes the incoming gradient to e5m2 by the
+  gradient calibration against the forward's quantized operands: dx from g scaled by each row's group's weight
+  scales, quantized per row; dW from g scaled by the row scales, quantized per column.
+  """
   grad = qtype(r.gradient) if r.gradient else None
-  config = ragged_dot_qt.RaggedDotQtConfig(lhs_qtype=qtype(r.activation), rhs_qtype=qtype(r.weight), dlhs_grad_qtype=grad, drhs_grad_qtype=grad)
+
+  def quantized(x, w):
+    qx = qwix.quantize(x.astype(jnp.float32), qtype(r.activation), channelwise_axes=[0], calibration_method=r.act_calibration)
+    qw = qwix.quantize(w.astype(jnp.float32), qtype(r.weight), channelwise_axes=[0, 2], calibration_method=r.weight_calibration)
+    return qx, qw
+
+  def forward(x, w, group_sizes):
+    qx, qw = quantized(x, w)
+    return qwix.ragged_dot(qx, qw, group_sizes).astype(dtype), (qx, qw) if grad is not None else (x, w)
+
+  def backward(residuals, g):
+    (a, w), group_sizes = residuals
+    rows = g.shape[0]
+    if grad is None:  # a, w: the unquantized operands (in dtype)
+      g = g.astype(dtype)
+      dx = jax.lax.ragged_dot_general(g, w, group_sizes, _RAGGED_DLHS, preferred_element_type=jnp.float32)
+      dw = jax.lax.ragged_dot_general(a, g, group_sizes, _RAGGED_DRHS, preferred_element_type=jnp.float32)
+    else:  # a, w: the forward's QArrays
+      g = g.astype(jnp.float32)
+      gx = qwix.quantize(g * _per_row(w.scale, group_sizes, rows), grad, channelwise_axes=[0], calibration_method=r.grad_calibration)
+      dx = jax.lax.ragged_dot_general(gx.qvalue, w.qvalue, group_sizes, _RAGGED_DLHS, preferred_element_type=jnp.float32) * gx.scale
+      gw = qwix.quantize(g * a.scale, grad, channelwise_axes=[1], calibration_method=r.grad_calibration)
+      dw = jax.lax.ragged_dot_general(a.qvalue, gw.qvalue, group_sizes, _RAGGED_DRHS, preferred_element_type=jnp.float32) * gw.scale
+    return dx.astype(x_dtype), dw.astype(w_dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+  def fwd(x, w, group_sizes):
+    out, residuals = forward(x, w, group_sizes)
+    return out, (residuals, group_sizes)
+
   lhs, rhs = varying_alike(lhs.astype(dtype), rhs.astype(dtype))
-  return ragged_dot_qt.ragged_dot_qt(lhs, rhs, group_sizes, config).astype(dtype)
+  x_dtype, w_dtype = lhs.dtype, rhs.dtype
+  fn = jax.custom_vjp(lambda x, w, group_sizes: forward(x, w, group_sizes)[0])
+  fn.defvjp(fwd, backward)
+  return fn(lhs, rhs, group_sizes)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -334,9 +382,6 @@ def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, 
     return matmul.product(f"{out},{rhs}->{lhs}", g.astype(dtype), w)
 
   return _frozen_kernel_product(*varying_alike(x, values, scale), forward, input_grad)
-
-
-_RAGGED_DLHS = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
 def stored_ragged_dot(x: jax.Array, values: jax.Array, scale: jax.Array, group_sizes: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
