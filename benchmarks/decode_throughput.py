@@ -73,9 +73,11 @@ def main(argv: list[str]) -> list[dict]:
   return measure(config, args.batches, args.steps, unstack=args.unstack, baseline=args.baseline)
 
 
-def measure(config, batches: list[int], steps: int, unstack: bool = False, baseline: bool = False, print_rows: bool = True) -> list[dict]:
+def measure(
+  config, batches: list[int], steps: int, unstack: bool = False, baseline: bool = False, print_rows: bool = True, stream_megabytes: int = 256
+) -> list[dict]:
   """The rows of the module docstring for config (random parameters), one per batch size; printed as JSON lines
-  (the cache layout line on stderr first) unless print_rows is False."""
+  (the cache layout line on stderr first) unless print_rows is False. stream_megabytes: the bandwidth probe's array."""
   from step_profile import stream_gb_per_s
 
   from maxtext import mesh as mesh_lib
@@ -96,7 +98,7 @@ def measure(config, batches: list[int], steps: int, unstack: bool = False, basel
   gen, param_bytes = generator(config)
   base_config = config.model_copy(update={"quantization": "", "quantize_kvcache": False, "quantize_logits_proj": False})
   base_gen, base_param_bytes = generator(base_config) if baseline else (None, 0)
-  bandwidth = stream_gb_per_s()
+  bandwidth = stream_gb_per_s(stream_megabytes)
   bound_s = param_bytes / (bandwidth * 1e9)
   if print_rows:
     print(cache_layout.describe(config, batches[0], gen.layout), file=sys.stderr)

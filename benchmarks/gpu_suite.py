@@ -167,6 +167,7 @@ class Plan:
   decode_model: tuple[str, ...]
   decode_batches: tuple[int, ...]
   decode_steps: int
+  stream_megabytes: int = 256  # the measured-bandwidth probe's array (step_profile.stream_gb_per_s)
 
 
 ONE_B = ("base_emb_dim=2048", "base_num_query_heads=32", "base_num_kv_heads=8", "head_dim=64", "base_mlp_dim=8192", "base_num_decoder_layers=16",
@@ -212,15 +213,16 @@ def smoke_plan() -> Plan:
   return Plan(
     smoke=True,
     attention=small + ("base_num_decoder_layers=2", "dtype=bfloat16", "max_target_length=256", "per_device_batch_size=4", "max_segments_per_seq=16"),
-    quickstart=small + ("base_num_decoder_layers=1", "steps=6", "eval_interval=6", "eval_steps=2", "log_period=3"),
+    quickstart=small + ("base_num_decoder_layers=1", "steps=4", "eval_interval=4", "eval_steps=1", "log_period=2"),
     decode=("matmul_precision=highest",),
     decode_prompts=2,
     throughput=throughput_rows(TINY, ("model_name=llama2-7b", "override_model_config=true") + TINY, tiny_moe),
     warmup_steps=1,
     bench_steps=2,
     decode_model=TINY[:-3] + ("dtype=bfloat16", "weight_dtype=bfloat16", "max_target_length=48", "max_prefill_predict_length=16"),
-    decode_batches=(1, 4),
-    decode_steps=3,
+    decode_batches=(1, 2),
+    decode_steps=2,
+    stream_megabytes=16,
   )
 
 
@@ -293,9 +295,10 @@ def merged(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 class Attention:
-  """One attention setting of the 2-layer model: jitted loss-and-gradient and forward over shared parameters."""
+  """One attention setting of the 2-layer model: jitted loss-and-gradient and forward. Given another setting's
+  parameters (and other state), it uses those: only the kernel differs."""
 
-  def __init__(self, config, params: Any = None):
+  def __init__(self, config, shared: Attention | None = None):
     from flax import nnx
 
     from maxtext import mesh as mesh_lib
@@ -303,10 +306,12 @@ class Attention:
     from maxtext.train.step import LanguageModel
 
     self.mesh = mesh_lib.create(config)
-    with jax.set_mesh(self.mesh):
-      model = models.create_sharded(config, self.mesh)
-    self.graphdef, own, self.rest = nnx.split(model, nnx.Param, ...)
-    self.params = own if params is None else params
+    if shared is None:
+      with jax.set_mesh(self.mesh):
+        self.graphdef, self.params, self.rest = nnx.split(models.create_sharded(config, self.mesh), nnx.Param, ...)
+    else:
+      self.graphdef = nnx.split(models.abstract_model(config), nnx.Param, ...)[0]
+      self.params, self.rest = shared.params, shared.rest
     objective = LanguageModel(config)
 
     def loss(params, batch):
@@ -365,7 +370,7 @@ def section_attention(suite: Suite, sec: Section) -> None:
   sec.check("dot_product: no attention across documents", within(leak, PROBE_LEAK_RATIO * control) and control > 0, f"{leak:.3g} vs control {control:.3g}")
   for name, keys in attention_variants(suite.platform).items():
     config = suite.load("configs/quickstart.yml", plan.attention + keys + ("run_name=gpu_suite_attention",))
-    model = Attention(config, ref.params)
+    model = Attention(config, ref)
     loss, grads = model.run(model.loss_and_grad, batch)
     loss_err = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
     grad_err = relative_error(grads, ref_grads)
@@ -436,7 +441,11 @@ def section_decode(suite: Suite, sec: Section) -> None:
   texts = [doc["prompt"] for _, doc in embedded.documents("eval")[: suite.plan.decode_prompts]]
   prompts = [bos + tokenizer.encode(t) for t in texts]
   args = dict(max_target_length=config.max_target_length // 2, max_prefill_length=32, eos_id=tokenizer.eos_id)
-  device, cpu = jax.devices()[0], jax.devices("cpu")[0]
+  device = jax.devices()[0]
+  try:
+    cpu = jax.devices("cpu")[0]
+  except RuntimeError as e:
+    raise RuntimeError(f"no CPU backend in this process ({e}); JAX_PLATFORMS must include cpu, e.g. JAX_PLATFORMS=cuda,cpu (the default maxtext sets)") from e
   quiet = lambda message: None  # noqa: E731
 
   def run(dev, arrange):
@@ -514,7 +523,7 @@ def section_throughput(suite: Suite, sec: Section, reserve_s: float) -> None:
     sec.say(
       f"| {row.name} | {shown(row)} | {r['remat_policy']} | {dispatch} | {r['compile_seconds']:.1f} "
       f"| {r['median_step_seconds']:.4f} | {r['tokens_per_second_per_device']:.0f} | {r['tflops_per_second_per_device']:.1f} "
-      f"| {r['mfu']:.1%} of {r['mfu_peak_tflops']:.0f} | {r['fraction_of_measured_matmul']:.1%} | {temp:.2f} | {versus} |"
+      f"| {r['mfu']:.1%} of {r['mfu_peak_tflops']:.4g} | {r['fraction_of_measured_matmul']:.1%} | {temp:.2f} | {versus} |"
     )
     sec.check(f"{row.name}: finite loss", math.isfinite(r["final_loss"]), f"loss after {plan.warmup_steps + plan.bench_steps} steps {r['final_loss']:.4f}")
     sec.check(
@@ -572,14 +581,14 @@ def section_decode_throughput(suite: Suite, sec: Section) -> None:
 
   plan = suite.plan
   config = suite.load("configs/base.yml", plan.decode_model + ("run_name=gpu_suite_decode",))
-  rows = measure(config, list(plan.decode_batches), plan.decode_steps, print_rows=False)
+  rows = measure(config, list(plan.decode_batches), plan.decode_steps, print_rows=False, stream_megabytes=plan.stream_megabytes)
   kind = jax.devices()[0].device_kind
   spec = perf.hbm_gb_per_s(kind)
   sec.say(
     f"Model: `{' '.join(plan.decode_model)}` (random bfloat16 weights), prompts of {config.max_prefill_predict_length} "
     f"tokens. Bound: bytes a step must read (weights; weights + the whole KV cache, which XLA attention reads every step) "
     f"/ HBM bandwidth: the datasheet's ({spec or 'unknown'} GB/s for {kind}, maxtext.train.perf.PEAK_HBM_GB_PER_S) and "
-    f"the measured stream ({rows[0]['stream_gb_per_s']} GB/s, a jitted x*1.5+1 over 256 MB)."
+    f"the measured stream ({rows[0]['stream_gb_per_s']} GB/s, a jitted x*1.5+1 over {plan.stream_megabytes} MB)."
     + (" Smoke: tiny shapes on this host; not GPU figures." if plan.smoke else ""),
     "",
     "| batch | step ms (median) | tokens/s | weights MB | KV cache MB | bound ms (datasheet, weights) | step / bound | "
