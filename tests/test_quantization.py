@@ -236,7 +236,7 @@ def test_quantized_checkpoint_round_trip(tmp_path):
   from maxtext.convert.peft import _abstract_params
   from maxtext.inference.loading import serving_policy
   from maxtext.mesh import create
-  from maxtext.train import checkpointing
+  from maxtext.train import checkpointing, initial_params
 
   base = dict(TINY, num_devices=8, dtype="bfloat16")
   float_config = from_overrides(**base)
@@ -249,17 +249,17 @@ def test_quantized_checkpoint_round_trip(tmp_path):
 
   c = config()
   stored = _abstract_params(c, serving_policy(c, create(c)))
-  checkpointing.check_base_quantization(c, c.load_parameters_path, stored)
-  restored, _ = checkpointing.restore_some_params(c.load_parameters_path, checkpointing.base_target(c, stored), "load_parameters_path")
-  quantized = checkpointing.quantize_restored(c, restored, stored)
+  initial_params.check_base_quantization(c, c.load_parameters_path, stored)
+  restored, _ = checkpointing.restore_some_params(c.load_parameters_path, initial_params.base_target(c, stored), "load_parameters_path")
+  quantized = initial_params.quantize_restored(c, restored, stored)
   values, scale = (quantized["layers"]["mlp"]["wo"][k][...] for k in ("kernel", "kernel_scale"))
   w = np.asarray(restored["layers"]["mlp"]["wo"]["kernel"][...], np.float32)
   assert values.dtype == jnp.int8 and scale.shape == (2, 1, 32)  # [layers, mlp -> 1, embed]: per output channel
   np.testing.assert_allclose(np.asarray(values, np.float32) * np.asarray(scale), w, atol=float(np.abs(w).max()) / 254 * 1.01)
   checkpointing.save_params(str(tmp_path / "q8"), quantized)
   q8 = config(load_parameters_path=str(tmp_path / "q8"), checkpoint_is_quantized=True)
-  checkpointing.check_base_quantization(q8, q8.load_parameters_path, stored)
-  again, _ = checkpointing.restore_some_params(q8.load_parameters_path, checkpointing.base_target(q8, stored), "load_parameters_path")
+  initial_params.check_base_quantization(q8, q8.load_parameters_path, stored)
+  again, _ = checkpointing.restore_some_params(q8.load_parameters_path, initial_params.base_target(q8, stored), "load_parameters_path")
   flat, flat_again = dict(nnx.to_flat_state(quantized)), dict(nnx.to_flat_state(again))
   assert flat.keys() == flat_again.keys() and all(np.array_equal(flat[k][...], flat_again[k][...]) for k in flat)
 
@@ -272,7 +272,7 @@ def test_quantized_checkpoint_round_trip(tmp_path):
   }.items():
     other = config(**overrides)
     with pytest.raises(ConfigError, match=re.escape(message)):
-      checkpointing.check_base_quantization(other, other.load_parameters_path, _abstract_params(other, serving_policy(other, create(other))))
+      initial_params.check_base_quantization(other, other.load_parameters_path, _abstract_params(other, serving_policy(other, create(other))))
 
 
 @pytest.mark.parametrize("kv_dtype,axis,tolerance", [("int8", "heads_and_dkv", 0.03), ("int8", "dkv", 0.03), ("int4", "dkv", 0.4)])
