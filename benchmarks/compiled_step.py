@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -11,11 +12,12 @@ import jax
 
 @dataclasses.dataclass
 class CompiledStep:
-  config: Any
+  config: Any  # the run's config, with remat_policy=auto and decoder_layer_input=auto resolved as train resolves them
   mesh: jax.sharding.Mesh
   setup: Any  # maxtext.train.setup.TrainSetup
   compiled: Any  # the compiled train step
-  compile_seconds: float
+  compile_seconds: float  # every compile it took: under remat_policy=auto, the candidates' too
+  choice: Any = None  # maxtext.aot.remat_auto.Choice when an auto key was resolved
 
   def init_state(self) -> Any:
     """The fresh train state in the formats (sharding and device layout) the compiled step takes."""
@@ -24,14 +26,19 @@ class CompiledStep:
     return self.setup.init_state(state_lib.compiled_formats(self.compiled))
 
 
-def compile_train_step(config: Any) -> CompiledStep:
-  """Build the run's TrainSetup and compile its jit_step against the abstract state and batch."""
+def compile_train_step(config: Any, log: Callable[[str], None] | None = None) -> CompiledStep:
+  """Resolve the auto keys as train does (maxtext.aot.remat_auto, by compiling candidates; log gets its choice line),
+  then build the run's TrainSetup and compile its jit_step against the abstract state and batch (the chosen
+  candidate's compile is reused)."""
   from maxtext import mesh as mesh_lib
+  from maxtext.aot import remat_auto
   from maxtext.train import setup as setup_lib
 
   mesh = mesh_lib.create(config)
+  start = time.perf_counter()
+  config, choice = remat_auto.resolve(config, mesh, setup_lib.build, log=log)
+  chosen = choice.step if choice is not None and choice.step is not None and choice.step.compiled is not None else None
   with jax.set_mesh(mesh):
-    setup = setup_lib.build(config, mesh)
-    start = time.perf_counter()
-    compiled = setup.jit_step.lower(setup.abstract_state, setup.abstract_batch).compile()
-  return CompiledStep(config, mesh, setup, compiled, time.perf_counter() - start)
+    setup = chosen.setup if chosen else setup_lib.build(config, mesh)
+    compiled = chosen.compiled if chosen else setup.jit_step.lower(setup.abstract_state, setup.abstract_batch).compile()
+  return CompiledStep(config, mesh, setup, compiled, time.perf_counter() - start, choice)

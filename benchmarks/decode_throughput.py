@@ -66,36 +66,46 @@ def main(argv: list[str]) -> list[dict]:
   parser.add_argument("config", nargs="+", help="<config.yml> key=value ...")
   args = parser.parse_args(argv)
 
+  from maxtext.config import load
+  from maxtext.process import prepare
+
+  config = load(args.config, devices=prepare)
+  return measure(config, args.batches, args.steps, unstack=args.unstack, baseline=args.baseline)
+
+
+def measure(
+  config, batches: list[int], steps: int, unstack: bool = False, baseline: bool = False, print_rows: bool = True, stream_megabytes: int = 256
+) -> list[dict]:
+  """The rows of the module docstring for config (random parameters), one per batch size; printed as JSON lines
+  (the cache layout line on stderr first) unless print_rows is False. stream_megabytes: the bandwidth probe's array."""
   from step_profile import stream_gb_per_s
 
   from maxtext import mesh as mesh_lib
   from maxtext import models
-  from maxtext.config import load
   from maxtext.inference import cache_layout
   from maxtext.inference.generate import Generator
   from maxtext.inference.loading import serving_policy
   from maxtext.inference.unstack import unstack_layers
   from maxtext.layers.dtypes import bits
-  from maxtext.process import prepare
 
-  config = load(args.config, devices=prepare)
   mesh = mesh_lib.create(config)
 
   def generator(config):
     model = models.create_sharded(config, mesh, policy=serving_policy(config, mesh))
     param_bytes = sum(x.size * bits(x.dtype) // 8 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    return Generator(unstack_layers(model) if args.unstack else model, mesh=mesh), param_bytes
+    return Generator(unstack_layers(model) if unstack else model, mesh=mesh), param_bytes
 
   gen, param_bytes = generator(config)
   base_config = config.model_copy(update={"quantization": "", "quantize_kvcache": False, "quantize_logits_proj": False})
-  base_gen, base_param_bytes = generator(base_config) if args.baseline else (None, 0)
-  bandwidth = stream_gb_per_s()
+  base_gen, base_param_bytes = generator(base_config) if baseline else (None, 0)
+  bandwidth = stream_gb_per_s(stream_megabytes)
   bound_s = param_bytes / (bandwidth * 1e9)
-  print(cache_layout.describe(config, args.batches[0], gen.layout), file=sys.stderr)
+  if print_rows:
+    print(cache_layout.describe(config, batches[0], gen.layout), file=sys.stderr)
   prompt_length = config.max_prefill_predict_length
   rows = []
   rng = np.random.default_rng(0)
-  for batch in args.batches:
+  for batch in batches:
     prompts = rng.integers(0, config.vocab_size, size=(batch, prompt_length)).tolist()
     compile_s = gen.compile(batch, prompt_length)
     if base_gen:
@@ -106,7 +116,7 @@ def main(argv: list[str]) -> list[dict]:
       prefill_s = median_seconds(prefill, gen.state, tokens, lengths, None, repeats=5)
       runs = [Stepper(gen, tokens, lengths)] + ([Stepper(base_gen, tokens, lengths)] if base_gen else [])
       compiles = gen.step._cache_size()
-      for _ in range(args.steps):
+      for _ in range(steps):
         for run in runs:  # interleaved: both models see the same moments of a shared host
           run.step()
       times, step_s = runs[0].times, statistics.median(runs[0].times)
@@ -131,7 +141,7 @@ def main(argv: list[str]) -> list[dict]:
       "kv_cache_naive_bytes": cache_layout.theoretical_bytes(config, tokens.shape[0], gen.layout, "mla_naive") if gen.layout.form == "mla_latent" else None,
       "cache_lengths_bytes": length_bytes,
       "decode_step_recompiles": gen.step._cache_size() - compiles,
-      "scan_layers": config.scan_layers and not args.unstack,
+      "scan_layers": config.scan_layers and not unstack,
       "param_bytes": param_bytes,
       "stream_gb_per_s": round(bandwidth, 2),
       "weight_streaming_bound_s": round(bound_s, 5),
@@ -155,7 +165,8 @@ def main(argv: list[str]) -> list[dict]:
         decode_speed_vs_baseline=round(base_step_s / step_s, 3),
         decode_speed_vs_baseline_min=round(min(base.times) / min(times), 3),
       )
-    print(json.dumps(row), flush=True)
+    if print_rows:
+      print(json.dumps(row), flush=True)
     rows.append(row)
   return rows
 

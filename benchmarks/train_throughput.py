@@ -25,32 +25,47 @@ def main(argv: list[str]) -> dict:
   parser.add_argument("config", nargs="+", help="<config.yml> key=value ...")
   args = parser.parse_args(argv)
 
+  from maxtext.config import load
+  from maxtext.process import prepare
+  from maxtext.train import perf
+
+  config = load(args.config, devices=prepare)
+  result = measure(config, args.warmup_steps, args.bench_steps, perf.measure_matmul_tflops(args.matmul_size))
+  print(json.dumps(result), flush=True)
+  return result
+
+
+def measure(config, warmup_steps: int, bench_steps: int, matmul_tflops: float, log=None, moe_share: bool = True) -> dict:
+  """Compile config's train step (remat_policy=auto resolved as train does; log gets its choice), run warmup_steps
+  then bench_steps synchronised steps on the config's data, and return the figures of the module docstring (the
+  routing share of MoE configs unless moe_share is False). The train state lives only inside this call, so callers
+  can measure one large model after another."""
   from compiled_step import compile_train_step
 
-  from maxtext.config import load
   from maxtext.models import counting
-  from maxtext.process import prepare
   from maxtext.train import perf
   from maxtext.train.loop import create_data_iterator
 
-  config = load(args.config, devices=prepare)
-  matmul_tflops = perf.measure_matmul_tflops(args.matmul_size)
-  step = compile_train_step(config)
-  mesh, compiled, compile_s = step.mesh, step.compiled, step.compile_seconds
+  step = compile_train_step(config, log)
+  config, mesh, compiled = step.config, step.mesh, step.compiled
   with jax.set_mesh(mesh):
     state = step.init_state()
     data = create_data_iterator(config, mesh, "train")
     step_s, data_s = [], []
-    for i in range(args.warmup_steps + args.bench_steps):
+    for i in range(warmup_steps + bench_steps):
       start = time.perf_counter()
       batch = jax.block_until_ready(next(data))
       waited = time.perf_counter() - start
       start = time.perf_counter()
       state, metrics = compiled(state, batch)
       jax.block_until_ready(metrics)
-      if i >= args.warmup_steps:
+      if i >= warmup_steps:
         step_s.append(time.perf_counter() - start)
         data_s.append(waited)
+    final_loss = float(metrics["loss"])
+    del state, batch, metrics
+    if hasattr(data, "close"):
+      data.close()
 
   seconds = statistics.median(step_s)
   tflops = counting.flops_per_device_per_step(config) / seconds / 1e12
@@ -61,7 +76,8 @@ def main(argv: list[str]) -> dict:
     "backend": jax.default_backend(),
     "device_kind": jax.devices()[0].device_kind,
     "num_devices": config.num_devices,
-    "compile_seconds": round(compile_s, 3),
+    "remat_policy": config.remat_policy,
+    "compile_seconds": round(step.compile_seconds, 3),
     "median_step_seconds": round(seconds, 5),
     "tokens_per_second_per_device": round(config.global_batch_size_to_train_on * config.max_target_length / config.num_devices / seconds, 1),
     "tflops_per_second_per_device": round(tflops, 4),
@@ -74,14 +90,13 @@ def main(argv: list[str]) -> dict:
     "compiled_argument_bytes": memory.argument_size_in_bytes if memory else None,
     "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
     "median_data_wait_seconds": round(statistics.median(data_s), 5),
-    "final_loss": float(metrics["loss"]),
+    "final_loss": final_loss,
   }
-  if config.num_experts > 1:
+  if config.num_experts > 1 and moe_share:
     from moe_share import routing_dispatch_seconds
 
     routing = routing_dispatch_seconds(config)
     result.update(routing_dispatch_seconds=round(routing, 5), routing_dispatch_share=round(routing / seconds, 4))
-  print(json.dumps(result), flush=True)
   return result
 
 

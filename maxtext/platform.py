@@ -166,8 +166,8 @@ def _quantization_recipe(config: PolicyKeys, platform: str) -> Recipe | None:
 def moe_dispatch(config: PolicyKeys, platform: str) -> str:
   """MaxText's keys pick the path: sparse_matmul=false -> dense; megablox=false -> ragged_dot; use_tokamax_gmm ->
   tokamax. MaxText's defaults (both true) pick this platform's measured choice (MOE_DEFAULTS), by shape class.
-  With `quantization`, megablox and tokamax become ragged_dot: their kernels take no quantized operands (qwix's
-  ragged_dot_qt runs the quantized grouped matmuls; the train banner says so)."""
+  With `quantization`, megablox and tokamax become ragged_dot: their kernels take no quantized operands (XLA's
+  ragged dot on the quantized operands, maxtext.layers.quantization.ragged_dot; the train banner says so)."""
   path = keyed_moe_dispatch(config, platform)
   return "ragged_dot" if config.quantization and path in ("megablox", "tokamax") else path
 

@@ -17,7 +17,7 @@ from maxtext.convert.model_params import flat_params
 from maxtext.layers.lora import LoRAParam, merge
 from maxtext.layers.mhc import MHCParam
 from maxtext.models.counting import param_count
-from maxtext.train import checkpointing
+from maxtext.train import checkpointing, initial_params
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train import trainable as trainable_lib
@@ -190,10 +190,10 @@ def test_lora_restore_path_and_wrong_shape(lora_runs):
   wrong = tiny_config(mhc_expansion_rate=2, lora={**LORA, "lora_rank": 3, "lora_restore_path": ckpt})
   abstract = nnx.state(models.abstract_model(wrong), nnx.Param)
   with pytest.raises(ConfigError, match=r"lora.lora_restore_path .* with shape \(2, 32, 2\), this model needs \(2, 32, 3\)") as e:
-    checkpointing.load_initial_params(wrong, None, abstract, print)
+    initial_params.load_initial_params(wrong, None, abstract, print)
   assert "\n" not in str(e.value)
   with pytest.raises(ConfigError, match="needs lora.enable_lora=true"):
-    checkpointing.load_initial_params(tiny_config(lora={"lora_restore_path": ckpt}), None, abstract, print)
+    initial_params.load_initial_params(tiny_config(lora={"lora_restore_path": ckpt}), None, abstract, print)
 
 
 def test_checkpointed_view_and_trainable_filter():

@@ -128,6 +128,24 @@ def test_int8_product_is_an_int8_dot_with_per_channel_scales():
   assert re.search(r"stablehlo\.dot_general.*tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>", hlo)
 
 
+def test_stored_int8_product_rounds_once_like_the_float_product():
+  """Decoding's product on a stored int8 kernel, in bfloat16: the exact w8a8 result (int8 values from float32
+  quotients, float32 scales) rounded once to bfloat16, as the float product rounds its float32 accumulator once.
+  Scales cast to bfloat16 (weight scales off by up to 2^-9, the int32 accumulator rounded before scaling) or
+  activations divided in bfloat16 (double rounding) miss it by several bfloat16 steps."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_t(3, size=(64, 512)), jnp.bfloat16)  # heavy tails, like an MLP's activations
+  w = jnp.asarray(rng.normal(size=(512, 64)) * np.linspace(0.1, 3.0, 64), jnp.float32)
+  r = quantization.Recipe("int8", "int8", "int8", None, stored=True)
+  values, scale = quantization.quantize_kernel(w, 1, r)
+  y = np.asarray(quantization.stored_einsum("ab,bc->ac", x, values, scale, r, jnp.bfloat16), np.float64)
+  xf = np.asarray(x, np.float64)
+  sx = np.abs(xf).max(axis=1, keepdims=True) / 127.5
+  qx = np.clip(np.round(xf / sx), -128, 127)
+  exact = (qx @ np.asarray(values, np.float64)) * sx * np.asarray(scale, np.float64)
+  assert np.abs(y - exact).max() <= 2.0**-8 * np.abs(exact).max()
+
+
 def test_recipes_and_their_config_errors():
   base = dict(TINY, num_devices=1)
   fp8 = quantization.recipe(from_overrides(**base, quantization="fp8_full", bwd_quantization_calibration_method="fixed,-1,1"))
@@ -218,7 +236,7 @@ def test_quantized_checkpoint_round_trip(tmp_path):
   from maxtext.convert.peft import _abstract_params
   from maxtext.inference.loading import serving_policy
   from maxtext.mesh import create
-  from maxtext.train import checkpointing
+  from maxtext.train import checkpointing, initial_params
 
   base = dict(TINY, num_devices=8, dtype="bfloat16")
   float_config = from_overrides(**base)
@@ -231,17 +249,17 @@ def test_quantized_checkpoint_round_trip(tmp_path):
 
   c = config()
   stored = _abstract_params(c, serving_policy(c, create(c)))
-  checkpointing.check_base_quantization(c, c.load_parameters_path, stored)
-  restored, _ = checkpointing.restore_some_params(c.load_parameters_path, checkpointing.base_target(c, stored), "load_parameters_path")
-  quantized = checkpointing.quantize_restored(c, restored, stored)
+  initial_params.check_base_quantization(c, c.load_parameters_path, stored)
+  restored, _ = checkpointing.restore_some_params(c.load_parameters_path, initial_params.base_target(c, stored), "load_parameters_path")
+  quantized = initial_params.quantize_restored(c, restored, stored)
   values, scale = (quantized["layers"]["mlp"]["wo"][k][...] for k in ("kernel", "kernel_scale"))
   w = np.asarray(restored["layers"]["mlp"]["wo"]["kernel"][...], np.float32)
   assert values.dtype == jnp.int8 and scale.shape == (2, 1, 32)  # [layers, mlp -> 1, embed]: per output channel
   np.testing.assert_allclose(np.asarray(values, np.float32) * np.asarray(scale), w, atol=float(np.abs(w).max()) / 254 * 1.01)
   checkpointing.save_params(str(tmp_path / "q8"), quantized)
   q8 = config(load_parameters_path=str(tmp_path / "q8"), checkpoint_is_quantized=True)
-  checkpointing.check_base_quantization(q8, q8.load_parameters_path, stored)
-  again, _ = checkpointing.restore_some_params(q8.load_parameters_path, checkpointing.base_target(q8, stored), "load_parameters_path")
+  initial_params.check_base_quantization(q8, q8.load_parameters_path, stored)
+  again, _ = checkpointing.restore_some_params(q8.load_parameters_path, initial_params.base_target(q8, stored), "load_parameters_path")
   flat, flat_again = dict(nnx.to_flat_state(quantized)), dict(nnx.to_flat_state(again))
   assert flat.keys() == flat_again.keys() and all(np.array_equal(flat[k][...], flat_again[k][...]) for k in flat)
 
@@ -254,7 +272,7 @@ def test_quantized_checkpoint_round_trip(tmp_path):
   }.items():
     other = config(**overrides)
     with pytest.raises(ConfigError, match=re.escape(message)):
-      checkpointing.check_base_quantization(other, other.load_parameters_path, _abstract_params(other, serving_policy(other, create(other))))
+      initial_params.check_base_quantization(other, other.load_parameters_path, _abstract_params(other, serving_policy(other, create(other))))
 
 
 @pytest.mark.parametrize("kv_dtype,axis,tolerance", [("int8", "heads_and_dkv", 0.03), ("int8", "dkv", 0.03), ("int4", "dkv", 0.4)])
@@ -290,6 +308,18 @@ def test_quantized_kv_cache_attends_like_the_float_cache(kv_dtype, axis, toleran
   ratio = cache_layout.theoretical_bytes(quantized, 4, lay) / cache_layout.theoretical_bytes(config, 4, lay)
   assert ratio == cache_layout.nbytes(cache_layout.abstract(quantized, 4, lay))[0] / cache_layout.nbytes(cache_layout.abstract(config, 4, lay))[0]
   assert ratio <= (0.53 if kv_dtype == "int8" else 0.28)
+
+
+def test_quantized_kv_values_are_within_half_a_step_of_their_stored_scale():
+  """round(x / s) * s with s the stored (bfloat16) scale is within s / 2 of x: x is divided by the scale attention
+  multiplies back, not by its float32 value before the cast (which would leave up to 127 x 2^-9 steps more)."""
+  from maxtext.inference.kv_cache import quantize_kv
+
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 16, 64)) * 5, jnp.bfloat16)
+  q, s = quantize_kv(x, jnp.int8, per_head=True)
+  assert s.dtype == jnp.bfloat16
+  err = np.abs(np.asarray(q, np.float32) * np.asarray(s, np.float32) - np.asarray(x, np.float32))
+  assert (err <= 0.5001 * np.asarray(s, np.float32)).all()
 
 
 def test_mfu_peak_follows_the_matmul_format(monkeypatch):
@@ -334,6 +364,50 @@ def test_int4_kernels_pack_two_values_per_byte():
   x = jnp.ones((2, 256), jnp.float32)
   dequantized = np.asarray(quantization.unpack_int4(stored, 0), np.float32) * np.repeat(np.asarray(scale), 128, axis=0)
   np.testing.assert_allclose(quantization.stored_einsum("ab,bc->ac", x, stored, scale, r, jnp.float32), np.asarray(x) @ dequantized, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode,calibration,grad_tolerance", [("int8", "absmax", 1e-5), ("fp8_full", "absmax,1.25", 0.15)])
+def test_grouped_expert_product_scales_each_expert(mode, calibration, grad_tolerance):
+  """The sorted dispatch's grouped matmul: weights quantized per expert and column by the recipe's calibration (one
+  scale shared by all experts, as qwix's ragged_dot_qt has it, zeroes the small expert here), activations per row,
+  as the dense dispatch's batched product does; int8 gradients straight-through (float ones), fp8's through e5m2,
+  finite and near the float gradients and the dense path's."""
+  rng = np.random.default_rng(0)
+  group_sizes = jnp.array([5, 9, 6], jnp.int32)
+  x = jnp.asarray(rng.normal(size=(20, 64)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(3, 64, 32)) * np.array([0.01, 1.0, 30.0])[:, None, None], jnp.float32)
+  fmt = quantization.FORMATS[mode]
+  r = quantization.Recipe(mode, *fmt, weight_calibration=calibration, act_calibration=calibration, grad_calibration="absmax")
+  rows = np.repeat(np.arange(3), np.asarray(group_sizes))
+  c = jnp.asarray(rng.normal(size=(20, 32)), jnp.float32)
+
+  def loss(x, w, product):
+    return jnp.sum(c * product(x, w))
+
+  def quantized(x, w):
+    return quantization.ragged_dot(x, w, group_sizes, r, jnp.float32)
+
+  def exact(x, w):  # the same quantization written out: per (expert, column) and per row, then float products
+    qw = qwix.dequantize(qwix.quantize(w, quantization.qtype(fmt[0]), channelwise_axes=[0, 2], calibration_method=calibration))
+    qx = qwix.dequantize(qwix.quantize(x, quantization.qtype(fmt[1]), channelwise_axes=[0], calibration_method=calibration))
+    return jnp.einsum("mk,mkn->mn", qx, qw[rows], precision="highest")
+
+  def dense(x, w):  # the dense dispatch's batched product (every expert over every row), each row's own expert taken
+    return quantization.einsum("mk,ekn->men", x, w, r, jnp.float32)[np.arange(20), rows]
+
+  def float_product(x, w):
+    return jnp.einsum("mk,mkn->mn", x, w[rows], precision="highest")
+
+  y, want, ref = quantized(x, w), exact(x, w), float_product(x, w)
+  np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-6 * float(jnp.abs(want).max()))
+  np.testing.assert_allclose(dense(x, w), y, rtol=1e-4, atol=1e-6 * float(jnp.abs(want).max()))
+  for e in range(3):  # every expert within its format's error of its own float product
+    assert float(jnp.abs(y - ref)[rows == e].max()) < 0.1 * float(jnp.abs(ref)[rows == e].max())
+  grads, dense_grads, float_grads = (jax.grad(loss, (0, 1))(x, w, product) for product in (quantized, dense, float_product))
+  for g, d, f in zip(grads, dense_grads, float_grads):
+    scale = float(jnp.abs(f).max())
+    assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g - f).max()) <= grad_tolerance * scale
+    assert float(jnp.abs(g - d).max()) <= grad_tolerance * scale  # the sorted and dense paths' gradients agree
 
 
 def test_stored_int8_experts_with_biases_agree_across_dispatch_paths():

@@ -89,7 +89,7 @@ def count_int8_products(hlo: str) -> int:
 
 def state_breakdown(state: Any) -> dict[str, int]:
   """Per-device bytes of the train state's parameters (and of the kernels stored quantized among them) and optimizer state."""
-  from maxtext.train.checkpointing import stored_kernels
+  from maxtext.train.initial_params import stored_kernels
 
   quantized = [leaf for kernel, _, scale in stored_kernels(state["params"]).values() for leaf in (kernel.get_value(), scale.get_value())]
   return {

@@ -50,9 +50,9 @@ def quantize_kv(x: jax.Array, kv_dtype: Any, per_head: bool) -> tuple[jax.Array,
   kv_dtype = jnp.int4 if packed else kv_dtype
   qmax = KV_QMAX[jnp.dtype(kv_dtype).name]
   absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(3,) if per_head else (1, 3), keepdims=True)
-  scale = jnp.where(absmax > 0, absmax / qmax, 1.0)
-  q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -qmax, qmax).astype(jnp.int8 if packed else kv_dtype)
-  return (pack_int4(q, 3) if packed else q), scale.astype(x.dtype)
+  scale = jnp.where(absmax > 0, absmax / qmax, 1.0).astype(x.dtype)  # the stored scale: x is divided by it, not by its unrounded value
+  q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale.astype(jnp.float32)), -qmax, qmax).astype(jnp.int8 if packed else kv_dtype)
+  return (pack_int4(q, 3) if packed else q), scale
 
 
 def unpacked(values: jax.Array) -> jax.Array:

@@ -63,7 +63,8 @@ def _load(config: MaxTextConfig, mesh: Mesh, policy: Policy, log: Callable[[str]
 
     log(f"loading Hugging Face model {config.hf_model_path}")
     return model_from_flat(config, hf_params.hf_to_maxtext(safetensors_io.read_tensors(config.hf_model_path), config), mesh, policy)
-  from maxtext.train.checkpointing import item_path, latest_saved_step, load_initial_params
+  from maxtext.train.checkpointing import item_path, latest_saved_step
+  from maxtext.train.initial_params import load_initial_params
 
   own = latest_saved_step(config.checkpoint_dir)
   updates = {}

@@ -30,7 +30,7 @@ dtype, and its weight gradient (float32 accumulation, written in the compute dty
 shared the weight and reduce-scattered back to the stored sharding (`expert_matmul`).
 
 Quantization (the plan's recipe): every expert matmul is qwix's quantized product (maxtext.layers.quantization.
-expert_product: ragged_dot_qt grouped, dot_general_qt batched) on the gathered weight, or on the gathered stored
+expert_product: per-expert scales, grouped or batched) on the gathered weight, or on the gathered stored
 values and scales of a frozen quantized base (QLoRA, decoding), which take no gradient. Grouped matmuls then run
 as XLA's ragged dot: megablox and tokamax take no quantized operands, so the platform policy resolves their paths
 to `ragged_dot` when `quantization` is set (maxtext.platform.moe_dispatch).

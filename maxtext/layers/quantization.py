@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import qwix
 from flax import nnx
-from qwix._src.core import dot_general_qt, ragged_dot_qt
+from qwix._src.core import dot_general_qt
 
 from maxtext.config.derived import QUANTIZATION_CALIBRATION_KEYS
 from maxtext.errors import ConfigError
@@ -185,14 +185,62 @@ def trailing_spec(x_ndim: int, n_in: int, n_out: int) -> str:
   return f"{lead}{contracted},{contracted}{produced}->{lead}{produced}"
 
 
+_RAGGED_DLHS = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+_RAGGED_DRHS = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def _per_row(group_scale: jax.Array, group_sizes: jax.Array, rows: int) -> jax.Array:
+  """Per-group scales [G, 1, N] -> each row's own group's [rows, N] (rows past the groups take the last group's)."""
+  return jnp.repeat(group_scale[:, 0, :], group_sizes, axis=0, total_repeat_length=rows)
+
+
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
-  """Grouped matmul [M, K] x [G, K, N] (rows grouped by group_sizes) with int8/fp8 operands: qwix's ragged_dot_qt
-  (per-row activation scales, weight scales per column over all groups, absmax calibration; gradients straight-through
-  on the quantized operands, or with e5m2 incoming gradients for fp8)."""
+  """Grouped matmul [M, K] x [G, K, N] (rows grouped by group_sizes) with int8/fp8 operands, result in dtype.
+
+  Forward: lhs quantized per row, rhs per group (expert) and column, each by the recipe's calibration, from float32
+  (no double rounding); qwix's ragged_dot multiplies each row's int32 / float32 accumulator by its row's and its
+  group's scales. (qwix's ragged_dot_qt shares one scale per column among all groups and calibrates by absmax only.)
+
+  Backward, as the dense products (`einsum`): int8 straight-through, dx = g . W^T and dW_e = x_e^T . g_e from the
+  unquantized operands in dtype with float32 accumulation; fp8 quantizes the incoming gradient to e5m2 by the
+  gradient calibration against the forward's quantized operands: dx from g scaled by each row's group's weight
+  scales, quantized per row; dW from g scaled by the row scales, quantized per column.
+  """
   grad = qtype(r.gradient) if r.gradient else None
-  config = ragged_dot_qt.RaggedDotQtConfig(lhs_qtype=qtype(r.activation), rhs_qtype=qtype(r.weight), dlhs_grad_qtype=grad, drhs_grad_qtype=grad)
+
+  def quantized(x, w):
+    qx = qwix.quantize(x.astype(jnp.float32), qtype(r.activation), channelwise_axes=[0], calibration_method=r.act_calibration)
+    qw = qwix.quantize(w.astype(jnp.float32), qtype(r.weight), channelwise_axes=[0, 2], calibration_method=r.weight_calibration)
+    return qx, qw
+
+  def forward(x, w, group_sizes):
+    qx, qw = quantized(x, w)
+    return qwix.ragged_dot(qx, qw, group_sizes).astype(dtype), (qx, qw) if grad is not None else (x, w)
+
+  def backward(residuals, g):
+    (a, w), group_sizes = residuals
+    rows = g.shape[0]
+    if grad is None:  # a, w: the unquantized operands (in dtype)
+      g = g.astype(dtype)
+      dx = jax.lax.ragged_dot_general(g, w, group_sizes, _RAGGED_DLHS, preferred_element_type=jnp.float32)
+      dw = jax.lax.ragged_dot_general(a, g, group_sizes, _RAGGED_DRHS, preferred_element_type=jnp.float32)
+    else:  # a, w: the forward's QArrays
+      g = g.astype(jnp.float32)
+      gx = qwix.quantize(g * _per_row(w.scale, group_sizes, rows), grad, channelwise_axes=[0], calibration_method=r.grad_calibration)
+      dx = jax.lax.ragged_dot_general(gx.qvalue, w.qvalue, group_sizes, _RAGGED_DLHS, preferred_element_type=jnp.float32) * gx.scale
+      gw = qwix.quantize(g * a.scale, grad, channelwise_axes=[1], calibration_method=r.grad_calibration)
+      dw = jax.lax.ragged_dot_general(a.qvalue, gw.qvalue, group_sizes, _RAGGED_DRHS, preferred_element_type=jnp.float32) * gw.scale
+    return dx.astype(x_dtype), dw.astype(w_dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+  def fwd(x, w, group_sizes):
+    out, residuals = forward(x, w, group_sizes)
+    return out, (residuals, group_sizes)
+
   lhs, rhs = varying_alike(lhs.astype(dtype), rhs.astype(dtype))
-  return ragged_dot_qt.ragged_dot_qt(lhs, rhs, group_sizes, config).astype(dtype)
+  x_dtype, w_dtype = lhs.dtype, rhs.dtype
+  fn = jax.custom_vjp(lambda x, w, group_sizes: forward(x, w, group_sizes)[0])
+  fn.defvjp(fwd, backward)
+  return fn(lhs, rhs, group_sizes)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -269,10 +317,12 @@ def unpacked_shape(shape: Sequence[int], scale_variable: nnx.Variable, weight: s
   return tuple(shape)
 
 
-def stored_qarray(values: jax.Array, scale: jax.Array, packed_axis: int, r: Recipe, dtype: Any) -> qwix.QArray:
-  """A stored kernel as qwix's QArray (int4 unpacked into int8 containers), scales in dtype."""
+def stored_qarray(values: jax.Array, scale: jax.Array, packed_axis: int, r: Recipe) -> qwix.QArray:
+  """A stored kernel as qwix's QArray (int4 unpacked into int8 containers), scales in float32: qwix multiplies the
+  product's accumulator by the scales in their dtype, so float32 scales keep the int32 (or float32) accumulator
+  unrounded until the one cast to the compute dtype, as the float product does."""
   values = unpack_int4(values, packed_axis) if r.weight == "int4" else values
-  return qwix.QArray(values, scale.astype(dtype), qtype=qtype(r.weight))
+  return qwix.QArray(values, scale.astype(jnp.float32), qtype=qtype(r.weight))
 
 
 def quantize_like(kernel: jax.Array, scale_variable: nnx.Variable, r: Recipe) -> tuple[jax.Array, jax.Array]:
@@ -299,12 +349,15 @@ def _frozen_kernel_product(x: jax.Array, values: jax.Array, scale: jax.Array, fo
 
 
 def _activations(x: jax.Array, contracting: Sequence[int], r: Recipe, dtype: Any) -> jax.Array | qwix.QArray:
-  """x in dtype, quantized per token (every axis but the contracting ones) when the recipe quantizes activations."""
+  """x in dtype, quantized per token (every axis but the contracting ones) when the recipe quantizes activations.
+
+  The quotient x / s is taken in float32: qwix divides in the array's dtype, and a bfloat16 quotient (8 significant
+  bits: steps of 0.5 above 64) would be rounded once before the rounding to int8 (double rounding)."""
   x = x.astype(dtype)
   if r.activation is None:
     return x
   free = [i for i in range(x.ndim) if i not in contracting]
-  return qwix.quantize(x, qtype(r.activation), channelwise_axes=free, calibration_method=r.act_calibration)
+  return qwix.quantize(x.astype(jnp.float32), qtype(r.activation), channelwise_axes=free, calibration_method=r.act_calibration)
 
 
 def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
@@ -321,17 +374,14 @@ def stored_einsum(spec: str, x: jax.Array, values: jax.Array, scale: jax.Array, 
   packed_axis = max(rhs.index(a) for a in rhs if a in lhs and a not in out)  # int4: the last contracting axis
 
   def forward(x, values, scale):
-    w = stored_qarray(values, scale, packed_axis, r, dtype)
+    w = stored_qarray(values, scale, packed_axis, r)
     return _in_order(qwix.dot_general(_activations(x, dims[0][0], r, dtype), w, dims).astype(dtype), perm)
 
   def input_grad(g, values, scale):
-    w = qwix.dequantize(stored_qarray(values, scale, packed_axis, r, dtype)).astype(dtype)
+    w = qwix.dequantize(stored_qarray(values, scale, packed_axis, r)).astype(dtype)
     return matmul.product(f"{out},{rhs}->{lhs}", g.astype(dtype), w)
 
   return _frozen_kernel_product(*varying_alike(x, values, scale), forward, input_grad)
-
-
-_RAGGED_DLHS = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
 def stored_ragged_dot(x: jax.Array, values: jax.Array, scale: jax.Array, group_sizes: jax.Array, r: Recipe, dtype: Any) -> jax.Array:
@@ -339,10 +389,10 @@ def stored_ragged_dot(x: jax.Array, values: jax.Array, scale: jax.Array, group_s
   qwix's ragged_dot on x quantized per row (weight-only: x in dtype); dx against the dequantized W."""
 
   def forward(x, values, scale, group_sizes):
-    return qwix.ragged_dot(_activations(x, (1,), r, dtype), stored_qarray(values, scale, 1, r, dtype), group_sizes).astype(dtype)
+    return qwix.ragged_dot(_activations(x, (1,), r, dtype), stored_qarray(values, scale, 1, r), group_sizes).astype(dtype)
 
   def input_grad(g, values, scale, group_sizes):
-    w = qwix.dequantize(stored_qarray(values, scale, 1, r, dtype)).astype(dtype)
+    w = qwix.dequantize(stored_qarray(values, scale, 1, r)).astype(dtype)
     return jax.lax.ragged_dot_general(g.astype(dtype), w, group_sizes, _RAGGED_DLHS, preferred_element_type=jnp.float32)
 
   return _frozen_kernel_product(*varying_alike(x, values, scale), forward, input_grad, group_sizes)

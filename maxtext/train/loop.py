@@ -15,7 +15,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
 from maxtext.models import pipeline
-from maxtext.train import checkpointing, outputs, preflight, reference, run_lock
+from maxtext.train import checkpointing, initial_params, outputs, preflight, reference, run_lock
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train.metrics import MetricsWriter, format_line
@@ -74,7 +74,7 @@ def _restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpoint
     log(f"loaded full state at step {int(state['step'])} from {config.load_full_state_path}")
     return _with_frozen_base(setup, state, log, formats)
   state = setup.init_state(formats)
-  state["params"] = checkpointing.load_initial_params(config, state["params"], setup.abstract_state["params"], log)
+  state["params"] = initial_params.load_initial_params(config, state["params"], setup.abstract_state["params"], log)
   return reference.attach_after_load(config, state)
 
 
@@ -84,7 +84,7 @@ def _with_frozen_base(setup: setup_lib.TrainSetup, state: Any, log: Callable[[st
   state = reference.attach_on_restore(setup, state, log)
   if not setup.config.lora.enable_lora:
     return state
-  base = checkpointing.load_initial_params(setup.config, setup.init_state(formats)["params"], setup.abstract_state["params"], log, adapters=False)
+  base = initial_params.load_initial_params(setup.config, setup.init_state(formats)["params"], setup.abstract_state["params"], log, adapters=False)
   return dict(state, params=checkpointing.overlay_params(base, state["params"]))
 
 

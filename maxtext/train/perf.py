@@ -58,6 +58,23 @@ PEAK_INT8_TOPS = (
 )
 PEAK_FP8_TFLOPS = (("h200", 1979.0), ("h100", 1979.0))
 
+# device_kind substring -> peak HBM bandwidth in GB/s per device (vendor datasheets), the weight-streaming bound of
+# decoding. First match wins: the PCIe H100 (HBM2e) before the SXM part (HBM3).
+PEAK_HBM_GB_PER_S = (
+  ("v6 lite", 1640.0),
+  ("v6e", 1640.0),
+  ("v5 lite", 819.0),
+  ("v5e", 819.0),
+  ("v5p", 2765.0),
+  ("tpu v5", 2765.0),
+  ("tpu v4", 1228.0),
+  ("h200", 4800.0),
+  ("h100 pcie", 2000.0),
+  ("h100", 3350.0),
+  ("a100-sxm4-40gb", 1555.0),
+  ("a100", 2039.0),
+)
+
 MEASURED = "measured bf16 matmul, best of 1.5 s"
 MEASURED_INT8 = "measured int8 matmul (int32 accumulation), best of 1.5 s"
 
@@ -65,6 +82,11 @@ MEASURED_INT8 = "measured int8 matmul (int32 accumulation), best of 1.5 s"
 def table_peak_tflops(device_kind: str, table: tuple[tuple[str, float], ...] = PEAK_BF16_TFLOPS) -> float | None:
   kind = device_kind.lower()
   return next((tflops for key, tflops in table if key in kind), None)
+
+
+def hbm_gb_per_s(device_kind: str) -> float | None:
+  """The device's peak HBM bandwidth in GB/s from the datasheet table (None for CPUs and unknown chips)."""
+  return table_peak_tflops(device_kind, PEAK_HBM_GB_PER_S)
 
 
 def matmul_format(config: MaxTextConfig) -> str:

@@ -20,7 +20,7 @@ from maxtext import mesh as mesh_lib
 from maxtext.aot import memory, remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
-from maxtext.train import checkpointing, outputs
+from maxtext.train import checkpointing, initial_params, outputs
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 
@@ -121,8 +121,8 @@ def check_restore_paths(config: MaxTextConfig, setup: setup_lib.TrainSetup, chec
 
   params = setup.abstract_state["params"]
   if config.load_parameters_path:
-    checkpointing.check_base_quantization(config, config.load_parameters_path, params)
-    target = checkpointing.base_target(config, params)
+    initial_params.check_base_quantization(config, config.load_parameters_path, params)
+    target = initial_params.base_target(config, params)
     checkpointing.match_params(config.load_parameters_path, target, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
   if config.lora.lora_restore_path:
     if not config.lora.enable_lora:

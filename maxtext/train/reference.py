@@ -82,13 +82,13 @@ def attach_on_restore(setup: Any, state: dict[str, Any], log: Callable[[str], No
   abstract_params = setup.abstract_state["params"]
   if KEY in state or not stores_copy(config, abstract_params):
     return state
-  from maxtext.train import checkpointing
+  from maxtext.train import checkpointing, initial_params
 
   quiet = lambda message: None  # noqa: E731 - the loads were logged when the run started
   wanted = _stored_part(config, split_params(abstract_params, config)[0])
   if config.load_full_state_path:
     restored, _ = checkpointing.restore_some_params(config.load_full_state_path, wanted, "load_full_state_path")
     return dict(state, **{KEY: restored})
-  params = checkpointing.load_initial_params(config, setup.init_params(), abstract_params, quiet)
+  params = initial_params.load_initial_params(config, setup.init_params(), abstract_params, quiet)
   log("rebuilt the reference model from the run's initial parameters")
   return dict(state, **{KEY: _stored_part(config, split_params(params, config)[0])})
