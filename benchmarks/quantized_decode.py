@@ -69,7 +69,7 @@ def main(argv: list[str]) -> list[dict]:
   from maxtext.config import load
   from maxtext.inference import cache_layout
   from maxtext.inference.generate import Generator
-  from maxtext.inference.loading import _load, load_decode_tokenizer, load_model, serving_policy
+  from maxtext.inference.loading import load_decode_tokenizer, load_model, serving_policy
   from maxtext.layers.dtypes import bits
   from maxtext.process import prepare
 
@@ -81,11 +81,10 @@ def main(argv: list[str]) -> list[dict]:
   length = max(len(p) for p in prompts) + args.tokens
 
   def run(config, weight_only=False, unbatched=False):
+    policy = serving_policy(config, mesh)
     if weight_only:
-      policy = serving_policy(config, mesh)
-      model = _load(config, mesh, dataclasses.replace(policy, quantization=dataclasses.replace(policy.quantization, activation=None)), lambda _: None)
-    else:
-      model = load_model(config, mesh, log=lambda _: None)
+      policy = dataclasses.replace(policy, quantization=dataclasses.replace(policy.quantization, activation=None))
+    model = load_model(config, mesh, log=lambda _: None, policy=policy)
     gen = Generator(model, max_target_length=length, max_prefill_length=max(len(p) for p in prompts), mesh=mesh)
     batches = [[p] for p in prompts] if unbatched else [prompts]
     tokens = [t[: args.tokens] for batch in batches for t in gen.generate(batch).tokens]

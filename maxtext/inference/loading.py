@@ -37,15 +37,16 @@ def serving_policy(config: MaxTextConfig, mesh: Mesh) -> Policy:
   return policy if policy.quantization is None else dataclasses.replace(policy, quantization=policy.quantization.storing())
 
 
-def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = print) -> Transformer:
+def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = print, policy: Policy | None = None) -> Transformer:
   """The model to decode with, its parameters sharded over mesh; with `quantization`, its kernels stored quantized.
 
   Sources, first that applies: hf_model_path; else load_parameters_path (plus lora.lora_restore_path); else the
   run's own latest checkpoint (<base_output_directory>/<run_name>/checkpoints). With lora.enable_lora and no
   lora.lora_restore_path, the run's own checkpoint supplies the adapters over load_parameters_path's base.
   save_quantized_params_path: the loaded (quantized) parameters are also written there as a params checkpoint.
+  policy: the platform policy to build with (default: serving_policy; benchmarks pass a variant of it).
   """
-  model = _load(config, mesh, serving_policy(config, mesh), log)
+  model = _load(config, mesh, policy or serving_policy(config, mesh), log)
   if config.save_quantized_params_path:
     from maxtext.train.checkpointing import save_params
 

@@ -72,8 +72,7 @@ def gradients_together(fn: Callable) -> Callable:
   """
 
   def forward(*args):
-    out, vjp = jax.vjp(fn, *args)
-    return out, vjp
+    return jax.vjp(fn, *args)  # (output, the vjp function as the residual)
 
   def backward(vjp, cotangent):
     return jax.lax.optimization_barrier(vjp(cotangent))
