@@ -1,7 +1,7 @@
 """Time of MoE routing, dispatch and combine in one train step, measured apart from the step.
 
 The same functions the MoE layer runs (maxtext.layers.moe.route, then maxtext.layers.moe_dispatch's sort_pairs,
-take_pairs and combine_sorted for the sorted paths, or expert_slots, pack and unpack_combine for the dense path
+expert_exchange.take_pairs and combine_sorted for the sorted paths, or expert_slots, pack and unpack_combine for the dense path
 with per-expert buffers) are compiled with identity experts, forward and backward, on one device's tokens of one
 micro-batch, timed, and multiplied by the MoE layers (plus MTP modules) and micro-batches per step. With remat the
 step recomputes the forward once more, so the share is a lower bound.
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from maxtext import platform
 from maxtext.config import MaxTextConfig
-from maxtext.layers import moe, moe_dispatch
+from maxtext.layers import expert_exchange, moe, moe_dispatch
 from maxtext.layers.dtypes import dtype
 
 
@@ -40,7 +40,7 @@ def routing_dispatch_seconds(config: MaxTextConfig, repeats: int = 10) -> float:
     kept = positions < capacity if capacity else None
     if sparse:
       pairs = moe_dispatch.sort_pairs(r.experts, kept, c.num_experts)
-      rows = moe_dispatch.take_pairs(x, pairs.order, pairs.inverse, c.num_experts_per_tok)
+      rows = expert_exchange.take_pairs(x, pairs.order, pairs.inverse, c.num_experts_per_tok)
       y = moe_dispatch.combine_sorted(rows, pairs, r.weights, kept)
     else:
       slot, slots = moe_dispatch.expert_slots(r.experts, positions, seq, capacity, c.num_experts)

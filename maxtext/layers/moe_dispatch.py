@@ -7,7 +7,8 @@ device. With T tokens on a device, k experts per token, E experts and width d:
 - **sparse** (`sparse_matmul=true`): the T·k (token, expert) pairs are sorted by expert, the tokens gathered in
   that order ([T·k, d], no k-fold copy beforehand), the experts run as grouped matmuls (maxtext.layers.grouped_matmul:
   `megablox`, `tokamax` or `ragged_dot`), and the outputs are gathered back to (token, choice) order and summed with
-  the routing weights in float32. Both gathers have gather backward passes (custom VJPs of the permutation).
+  the routing weights in float32. Both gathers have gather backward passes (custom VJPs of the permutation,
+  maxtext.layers.expert_exchange).
 - **dense** (`sparse_matmul=false`): experts run as one batched matmul over [E, slots, d] buffers: without
   capacity and expert parallelism, every expert over every token (E/k times the FLOPs of the routed pairs),
   combined with a [T, E] weight matrix that is zero off the chosen experts; otherwise the chosen pairs are
@@ -39,7 +40,6 @@ to `ragged_dot` when `quantization` is set (maxtext.platform.moe_dispatch).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -51,6 +51,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers import quantization
 from maxtext.layers.dtypes import cast
+from maxtext.layers.expert_exchange import exchange, permute, take_pairs
 from maxtext.layers.matmul import product
 
 P = jax.sharding.PartitionSpec
@@ -251,42 +252,6 @@ def expert_mlp(x: jax.Array, w: ExpertWeights, matmul: Matmul, bias_rows: BiasRo
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Permutations with gather backward passes
-
-
-def _permute_impl(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
-  return x[perm]
-
-
-@jax.custom_vjp
-def permute(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
-  """x[perm] for a permutation perm whose inverse is `inverse`; the gradient is g[inverse] (a gather, not a scatter-add)."""
-  return _permute_impl(x, perm, inverse)
-
-
-permute.defvjp(lambda x, perm, inverse: (x[perm], inverse), lambda inverse, g: (g[inverse], None, None))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def take_pairs(tokens: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
-  """tokens [T, d] -> rows [T·k, d] in pair order `order` (pair p is token p // k; `inverse` undoes order); the
-  gradient puts the rows back in pair order and sums each token's k rows (gathers, no scatter-add)."""
-  return tokens[order // k]
-
-
-def _take_pairs_fwd(tokens, order, inverse, k):
-  return tokens[order // k], inverse
-
-
-def _take_pairs_bwd(k, inverse, g):
-  per_pair = g[inverse].reshape(-1, k, g.shape[-1])
-  return jnp.sum(per_pair, axis=1, dtype=jnp.float32).astype(g.dtype), None, None
-
-
-take_pairs.defvjp(_take_pairs_fwd, _take_pairs_bwd)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Capacity
 
 
@@ -304,72 +269,6 @@ def sequence_positions(experts: jax.Array, num_experts: int, length_axes: Axes =
     offset = jnp.sum(jnp.where(earlier.reshape(-1, *([1] * counts.ndim)), every, 0), axis=0)  # [..., E]
     positions = positions + jnp.take_along_axis(offset, experts.reshape(*lead, s * k), axis=-1).reshape(experts.shape)
   return positions
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The ragged exchange
-
-
-def _exclusive_cumsum(x: jax.Array, axis: int = 0) -> jax.Array:
-  return jnp.cumsum(x, axis=axis) - x
-
-
-def ragged_all_to_all(
-  operand: jax.Array,
-  output: jax.Array,
-  input_offsets: jax.Array,
-  send_sizes: jax.Array,
-  output_offsets: jax.Array,
-  recv_sizes: jax.Array,
-  axes: Axes,
-  native: bool,
-) -> jax.Array:
-  """jax.lax.ragged_all_to_all, or (native=False, for XLA:CPU) the same exchange through a padded all_to_all:
-  every slice travels in a buffer as long as the operand, and is written at its offset on arrival."""
-  if native:
-    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axes)
-  n = operand.shape[0]
-  rows = jnp.arange(n)
-  source = jnp.minimum(input_offsets[:, None] + rows, n - 1)  # [slices, n]
-  chunks = jnp.where((rows < send_sizes[:, None])[..., None], operand[source], 0)
-  chunks = jax.lax.all_to_all(chunks, axes, 0, 0, tiled=True)  # slice i now comes from device i // (slices / devices)
-  offsets = jax.lax.all_to_all(output_offsets, axes, 0, 0, tiled=True)
-  target = jnp.where(rows < recv_sizes[:, None], offsets[:, None] + rows, output.shape[0])  # out of range: dropped
-  return output.at[target.reshape(-1)].set(chunks.reshape(-1, *operand.shape[1:]), mode="drop")
-
-
-def exchange(
-  rows: jax.Array, counts: jax.Array, buffer_rows: int, axes: Axes, ep: int, native: bool
-) -> tuple[jax.Array, jax.Array, Callable[[jax.Array], jax.Array]]:
-  """Send rows (grouped by expert, counts [E]) to the devices owning their experts (split evenly over the ep devices
-  of axes).
-
-  Returns (received rows [buffer_rows, d] grouped by local expert, local group sizes [E/ep], the return trip that
-  takes the owner's outputs in that layout back to the senders' row order).
-  """
-  e = counts.shape[0]
-  local = e // ep
-  me = jax.lax.axis_index(axes)
-  every = jax.lax.all_gather(counts, axes)  # [source, E]
-  by_dest = every.reshape(ep, ep, local)  # [source, destination, local expert]
-  totals = jnp.sum(by_dest, axis=0)  # [destination, local expert]
-  group_start = _exclusive_cumsum(totals, axis=1)
-  before = _exclusive_cumsum(by_dest, axis=0)  # rows from earlier sources
-  send_offsets = _exclusive_cumsum(counts)
-  to_offsets = (group_start + before[me]).reshape(e)
-  from_sizes = jax.lax.dynamic_index_in_dim(by_dest, me, axis=1, keepdims=False).reshape(e)  # [source x local]
-  out = jnp.zeros((buffer_rows, *rows.shape[1:]), rows.dtype)
-  received = ragged_all_to_all(rows, out, send_offsets, counts, to_offsets, from_sizes, axes, native)
-
-  def back(results: jax.Array) -> jax.Array:
-    mine = jax.lax.dynamic_index_in_dim(before, me, axis=1, keepdims=False)  # [source, local]
-    offsets = (group_start[me][None, :] + mine).reshape(e)
-    senders = _exclusive_cumsum(every, axis=1).reshape(ep, ep, local)
-    to_sender = jax.lax.dynamic_index_in_dim(senders, me, axis=1, keepdims=False).reshape(e)
-    home = jnp.zeros((rows.shape[0], *results.shape[1:]), results.dtype)
-    return ragged_all_to_all(results, home, offsets, from_sizes, to_sender, counts, axes, native)
-
-  return received, totals[me], back
 
 
 # ---------------------------------------------------------------------------------------------------------------
