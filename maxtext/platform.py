@@ -71,6 +71,7 @@ class PolicyKeys(Protocol):
   attention: str
   max_segments_per_seq: int
   decoder_layer_input: str
+  optimizer_memory_host_offload: bool
   quantization: str  # with the keys maxtext.layers.quantization.recipe reads when it is set
   sparse_matmul: bool
   megablox: bool
@@ -109,7 +110,7 @@ class Policy:
   attention_key_block: int = CPU_ATTENTION_KEY_BLOCK  # keys per step of the chunked path
   max_segments_per_seq: int = -1  # documents per packed row (data pipeline bound); > 0 enables cuDNN packed offsets
   unstacked_decode: bool = False  # decode with per-layer arrays: XLA:CPU copies a scan's slices of stacked weights and caches
-  compiler_state_layouts: bool = False  # XLA picks the train state's device layouts (TPU: no per-step relayout of stacked kernels)
+  compiler_state_layouts: bool = False  # XLA picks the train state's device layouts (TPU: no per-step relayout of stacked kernels; not with host-held state, which XLA's TPU layout assignment rejects)
   offload_layer_inputs: bool = False  # keep each decoder layer's saved input in pinned host memory (decoder_layer_input=offload)
   host_offload: bool = False  # pinned host memory may hold activations: decoder_layer_input=auto tries it when HBM is short (TPU)
   quantization: Recipe | None = None  # config.quantization's matmul recipe (qwix); its `native` says whether this platform's units take it
@@ -139,7 +140,7 @@ def for_platform(config: PolicyKeys, platform: str, interpret: bool = False) -> 
     chunked_attention_from=CPU_CHUNKED_ATTENTION_FROM if cpu else 0,
     max_segments_per_seq=config.max_segments_per_seq,
     unstacked_decode=cpu,
-    compiler_state_layouts=platform == "tpu",
+    compiler_state_layouts=platform == "tpu" and not config.optimizer_memory_host_offload,
     offload_layer_inputs=config.decoder_layer_input == "offload",  # auto is resolved by compiling (maxtext.aot.remat_auto)
     host_offload=platform == "tpu",
     quantization=_quantization_recipe(config, platform),

@@ -29,6 +29,7 @@ FIELDS = {
   "output_bytes",
   "temp_bytes",
   "host_temp_bytes",
+  "host_argument_bytes",
   "total_bytes",
   "hbm_bytes",
   "fits",
@@ -68,6 +69,18 @@ def run_cli(args, capsys):
     code = e.code
   out, err = capsys.readouterr()
   return code, out, err
+
+
+def test_optimizer_state_in_host_memory_leaves_the_device_arguments():
+  """optimizer_memory_host_offload on a TPU topology: the optimizer state is a host argument of the compiled step,
+  so the device's arguments shrink by exactly what the host's grow (its size, tiled), and the report says where it is."""
+  from maxtext.aot.compile import compile_for_topology
+
+  on_device, on_host = (compile_for_topology(from_overrides(compile_topology="v5p-8", optimizer_memory_host_offload=off, **TINY)) for off in (False, True))
+  moved = on_host.memory.host_argument_bytes
+  assert moved >= on_host.state_bytes["opt_state"] > 0 and on_device.memory.host_argument_bytes == 0
+  assert on_host.memory.argument_bytes == on_device.memory.argument_bytes - moved
+  assert "host arguments" in on_host.memory.lines()[0] and "in pinned host memory" in on_host.state_line(on_host.config)
 
 
 def test_cli_prints_report_and_json_last_line(capsys):

@@ -74,6 +74,30 @@ def test_eight_sharded_devices_follow_the_one_device_loss_curve(one_device, shar
   assert any("fsdp" in s for s in specs) and any("tensor" in s for s in specs)  # parameters really are sharded
 
 
+def test_optimizer_state_in_host_memory_trains_like_on_device_and_checkpoints(sharded, tmp_path):
+  """optimizer_memory_host_offload: the optimizer state lives in pinned host memory between steps (parameters stay on
+  the device), three sharded steps follow the on-device run, and a checkpoint restores it into host memory."""
+  from maxtext.train.checkpointing import Checkpointer
+
+  config = tiny_config(
+    num_devices=8, dtype="float32", per_device_batch_size=1, ici_fsdp_parallelism=4, ici_tensor_parallelism=2, optimizer_memory_host_offload=True
+  )
+  losses, params, setup, state = _run(config.model_copy(update={"base_output_directory": str(tmp_path), "run_name": "off"}), steps=3)
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state["opt_state"])} == {"pinned_host"}
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state["params"])} == {"device"}
+  np.testing.assert_allclose(losses, sharded[0], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sharded[1]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  checkpointer = Checkpointer(setup.config)
+  checkpointer.save(3, state, None)
+  checkpointer.wait()
+  with jax.set_mesh(setup.mesh):
+    restored = checkpointer.restore_latest(setup.abstract_state, log=lambda _: None).state
+  for got, saved in zip(jax.tree.leaves(restored["opt_state"]), jax.tree.leaves(state["opt_state"]), strict=True):
+    assert got.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(got, saved)
+
+
 def test_abstract_state_and_batch_lower_with_explicit_shardings(sharded):
   setup = sharded[2]
   leaves = jax.tree.leaves(setup.abstract_state)

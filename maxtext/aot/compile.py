@@ -46,7 +46,8 @@ class CompileResult:
     """What the train state holds per device (the bulk of the arguments)."""
     b = self.state_bytes
     stored = f" ({memory.gib(b['quantized_kernel'])} GiB of it kernels stored {config.quantization} with their scales)" if b.get("quantized_kernel") else ""
-    return f"train state per device: parameters {memory.gib(b['params'])} GiB{stored}, optimizer state {memory.gib(b['opt_state'])} GiB"
+    where = " in pinned host memory" if config.optimizer_memory_host_offload else ""
+    return f"train state per device: parameters {memory.gib(b['params'])} GiB{stored}, optimizer state {memory.gib(b['opt_state'])} GiB{where}"
 
 
 def topology_mesh(config: MaxTextConfig) -> Mesh:

@@ -48,6 +48,7 @@ class MemoryReport:
   largest: str = ""  # the largest contributor, when known
   out_of_memory: bool = False  # XLA refused to compile for lack of memory
   host_temp_bytes: int = 0  # temporaries in pinned host memory (offloaded activations), not in HBM
+  host_argument_bytes: int = 0  # arguments in pinned host memory (optimizer_memory_host_offload), not in HBM
 
   @property
   def total_bytes(self) -> int:
@@ -64,6 +65,7 @@ class MemoryReport:
       "output_bytes": self.output_bytes,
       "temp_bytes": self.temp_bytes,
       "host_temp_bytes": self.host_temp_bytes,
+      "host_argument_bytes": self.host_argument_bytes,
       "total_bytes": self.total_bytes,
       "hbm_bytes": self.hbm_bytes,
       "fits": self.fits,
@@ -78,7 +80,8 @@ class MemoryReport:
     return [
       f"per-device memory: arguments {gib(self.argument_bytes)} GiB, outputs {gib(self.output_bytes)} GiB"
       f" (aliased {gib(self.alias_bytes)} GiB), temporaries {gib(self.temp_bytes)} GiB"
-      + (f"; host temporaries {gib(self.host_temp_bytes)} GiB (pinned host memory)" if self.host_temp_bytes else ""),
+      + (f"; host temporaries {gib(self.host_temp_bytes)} GiB (pinned host memory)" if self.host_temp_bytes else "")
+      + (f"; host arguments {gib(self.host_argument_bytes)} GiB (the optimizer state, pinned host memory)" if self.host_argument_bytes else ""),
       f"total {gib(self.total_bytes)} GiB of {gib(self.hbm_bytes)} GiB HBM: {'fits' if self.fits else 'does NOT fit'}",
     ]
 
@@ -106,14 +109,17 @@ def from_compiled(compiled: jax.stages.Compiled, hbm_bytes: int) -> MemoryReport
     hbm_bytes=hbm_bytes,
     largest=_largest_of(parts),
     host_temp_bytes=stats.host_temp_size_in_bytes,
+    host_argument_bytes=stats.host_argument_size_in_bytes,
   )
 
 
-def shard_bytes(tree: Any) -> int:
+def shard_bytes(tree: Any, device_only: bool = False) -> int:
   """Bytes one device holds of a pytree of sharded ShapeDtypeStructs (or arrays): the largest shard, counted per leaf
-  (int4 packed two per byte)."""
+  (int4 packed two per byte); device_only leaves out the leaves kept in pinned host memory."""
   total = 0
   for leaf in jax.tree.leaves(tree):
+    if device_only and getattr(getattr(leaf, "sharding", None), "memory_kind", None) == "pinned_host":
+      continue
     shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
     total += math.prod(shape) * bits(leaf.dtype) // 8
   return total
@@ -159,7 +165,7 @@ def compile_step(setup: Any, hbm_bytes: int) -> CompiledStep:
   except Exception as e:  # XLA reports exhausted memory as a runtime error at compile time
     if not is_out_of_memory(e):
       raise
-    args = shard_bytes((setup.abstract_state, setup.abstract_batch))
+    args = shard_bytes((setup.abstract_state, setup.abstract_batch), device_only=True)
     return CompiledStep(setup, None, from_oom_error(e, args, hbm_bytes), time.perf_counter() - start)
   return CompiledStep(setup, compiled, from_compiled(compiled, hbm_bytes), time.perf_counter() - start)
 

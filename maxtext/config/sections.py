@@ -369,6 +369,11 @@ class RematAndOffload(Section):
     "copied out in the forward pass, back in the backward pass), auto: device unless the compiled step fits only offloaded (TPU, scan_layers). "
     "Unused with remat_policy=none.",
   )
+  optimizer_memory_host_offload: bool = Field(
+    False,
+    description="Keep the optimizer state in pinned host memory between steps: each step copies it to the device for the update and back, "
+    "so the forward and backward passes run without it in device memory.",
+  )
   scan_layers: bool = Field(True, description="Stack layers and run them with jax.lax.scan (flat compile time in depth).")
 
 

@@ -106,7 +106,7 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
   graphdef = nnx.split(abstract_model, nnx.Param, ...)[0]
 
   abstract = jax.eval_shape(init_fn)
-  state_shardings = state_lib.shardings(abstract, config, mesh)
+  state_shardings = state_lib.offload_optimizer(state_lib.shardings(abstract, config, mesh), config)
   abstract_state = state_lib.with_shardings(abstract, state_shardings)
   data = mesh_lib.data_sharding(config, mesh)
   batch_shardings = {k: data for k in BATCH_KEYS}
@@ -125,7 +125,8 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
     abstract_batch[key] = jax.ShapeDtypeStruct(shape if per_token else shape[:1], dt, sharding=batch_shardings[key])
   replicated = NamedSharding(mesh, PartitionSpec())
 
-  train_step = step_lib.make_train_step(config, graphdef, optimizer, mesh, objective)
+  opt_on_device = state_lib.on_device(state_shardings["opt_state"]) if config.optimizer_memory_host_offload else None
+  train_step = step_lib.make_train_step(config, graphdef, optimizer, mesh, objective, opt_on_device)
   step_state = state_lib.step_formats(state_shardings, policy.compiler_state_layouts)
   jit_step = jax.jit(train_step, in_shardings=(step_state, batch_shardings), out_shardings=(step_state, replicated), donate_argnums=0)
   eval_step = step_lib.make_eval_step(config, graphdef, mesh, objective)

@@ -28,6 +28,7 @@ from maxtext.train import reference
 from maxtext.train.trainable import split_params
 
 TrainState = dict[str, Any]
+HOST_MEMORY = "pinned_host"  # the memory kind of state kept off the device between steps (optimizer_memory_host_offload)
 
 
 def checkpointed(state: TrainState, config: MaxTextConfig) -> TrainState:
@@ -61,6 +62,18 @@ def shardings(tree: Any, config: MaxTextConfig, mesh: Mesh) -> Any:
     return replicated
 
   return jax.tree.map_with_path(one, tree, is_leaf=_is_variable)
+
+
+def offload_optimizer(shardings_tree: TrainState, config: MaxTextConfig) -> TrainState:
+  """The state's shardings with the optimizer state in pinned host memory (optimizer_memory_host_offload), else as given."""
+  if not config.optimizer_memory_host_offload:
+    return shardings_tree
+  return dict(shardings_tree, opt_state=jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), shardings_tree["opt_state"]))
+
+
+def on_device(shardings_tree: Any) -> Any:
+  """shardings_tree with every sharding in device memory (where a host-held part of the state is computed on)."""
+  return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings_tree)
 
 
 def with_shardings(abstract: Any, shardings_tree: Any) -> Any:

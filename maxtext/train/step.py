@@ -96,10 +96,18 @@ def _spike_check(spike: dict[str, jax.Array], loss: jax.Array, config: MaxTextCo
 
 
 def make_train_step(
-  config: MaxTextConfig, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, mesh: Mesh, objective: Objective | None = None
+  config: MaxTextConfig,
+  graphdef: nnx.GraphDef,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  objective: Objective | None = None,
+  opt_state_on_device: Any = None,
 ) -> Callable:
   """The pure train step: gradients weighted by objective.weight over gradient_accumulation_steps micro-batches,
-  objective.iterations updates on the batch at the learning rate of state['step'], which then advances by one."""
+  objective.iterations updates on the batch at the learning rate of state['step'], which then advances by one.
+
+  opt_state_on_device: given when the optimizer state arrives in host memory (optimizer_memory_host_offload), its
+  shardings on the device: the update copies it there, and the jit's out_shardings return the new state to the host."""
   objective = objective or objective_for(config)
   schedule = learning_rate_schedule(config)
   accum = config.gradient_accumulation_steps
@@ -133,6 +141,10 @@ def make_train_step(
     grads = jax.lax.optimization_barrier(grads)
     loss = objective.loss(sums, weight)
     grad_norm = optax.tree.norm(grads)
+    if opt_state_on_device is not None and objective.iterations == 1:
+      # No barrier ties the copy to the gradients: XLA schedules it, and tied to them it measured more device memory
+      # (benchmarks/README.md, "Optimizer state in host memory").
+      state = dict(state, opt_state=jax.device_put(state["opt_state"], opt_state_on_device))
     updates, opt_state = optimizer.update(grads, state["opt_state"], trainable)
     new_trainable = optax.apply_updates(trainable, jax.tree.map(lambda u: lr * u, updates))
     new_state = dict(state, params=nnx.merge_state(new_trainable, frozen), opt_state=opt_state)
@@ -153,6 +165,8 @@ def make_train_step(
       if objective.iterations == 1:
         new_state, metrics = update(state, batch, weight, lr)
       else:  # several updates on one batch: metrics are their means
+        if opt_state_on_device is not None:  # the loop carries the optimizer state on the device
+          state = dict(state, opt_state=jax.device_put(state["opt_state"], opt_state_on_device))
 
         def one(s, _):
           return update(s, batch, weight, lr)
