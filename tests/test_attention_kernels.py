@@ -250,6 +250,9 @@ def test_policies_per_platform():
   assert tpu.host_offload and not (cpu.host_offload or gpu.host_offload)  # where decoder_layer_input=auto may offload
   assert not tpu.offload_layer_inputs  # decoder_layer_input=auto, unresolved: the inputs stay in HBM
   assert platform.for_platform(from_overrides(num_devices=1, decoder_layer_input="offload"), "cpu").offload_layer_inputs
+  assert (
+    tpu.compiler_state_layouts and not platform.for_platform(from_overrides(num_devices=1, optimizer_memory_host_offload=True), "tpu").compiler_state_layouts
+  )
   assert platform.resolve(config).platform == "cpu"  # the tests' devices
   assert platform.predict(config, platforms="cuda") == "gpu" and platform.predict(config, platforms="", accelerator_nodes=True) == "tpu"
   assert platform.predict(from_overrides(num_devices=1, hardware="gpu_multiprocess"), platforms="cpu") == "gpu"
