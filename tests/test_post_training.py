@@ -538,6 +538,11 @@ def test_grpo_updates_reuse_the_rollouts_old_log_probabilities(grpo_runs):
     _, same = setup.compiled_step(state, {**batch, **scored})
     shifted = {**scored, grpo.OLD_KEY: scored[grpo.OLD_KEY] + 1.0}
     _, high = setup.compiled_step(setup.init_state(), {**batch, **shifted})
+    # optimizer_memory_host_offload: the two updates' loop carries the state on the device; it returns to the host
+    offloaded = setup_lib.build(config.model_copy(update={"optimizer_memory_host_offload": True}), setup.mesh)
+    new_state, on_host = offloaded.compiled_step(offloaded.init_state(), {**batch, **scored})
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(new_state["opt_state"])} == {"pinned_host"}
+  np.testing.assert_allclose(float(on_host["loss"]), float(same["loss"]), rtol=1e-6)
   same, high = float(same["clip_fraction"]), float(high["clip_fraction"])  # means over the two updates
   assert 0 < same <= 0.5 and high >= 0.5 * negative_share - 1e-6 and high != same
 
