@@ -98,6 +98,20 @@ def test_optimizer_state_in_host_memory_trains_like_on_device_and_checkpoints(sh
     np.testing.assert_array_equal(got, saved)
 
 
+def test_optimizer_state_split_over_data_trains_like_the_fsdp_run(sharded):
+  """shard_optimizer_over_data (ZeRO-1) on data 2 x fsdp 2 x tensor 2: every optimizer-state array with a dimension
+  the axes divide is split over `data` too, parameters are not, and three steps follow the fsdp 4 x tensor 2 run."""
+  config = tiny_config(
+    num_devices=8, dtype="float32", per_device_batch_size=1, ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2, shard_optimizer_over_data=True
+  )
+  losses, params, setup, state = _run(config, steps=3)
+  names = lambda tree: [str(x.sharding.spec) for x in jax.tree.leaves(tree) if x.ndim]  # noqa: E731
+  assert all("data" in s for s in names(state["opt_state"])) and not any("data" in s for s in names(state["params"]))
+  np.testing.assert_allclose(losses, sharded[0], rtol=2e-5)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sharded[1]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+
+
 def test_abstract_state_and_batch_lower_with_explicit_shardings(sharded):
   setup = sharded[2]
   leaves = jax.tree.leaves(setup.abstract_state)

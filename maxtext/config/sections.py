@@ -344,6 +344,11 @@ class LayoutAndSharding(Section):
     DEFAULT_LOGICAL_AXIS_RULES, description="Logical axis name -> mesh axes; layers name only logical axes."
   )
   data_sharding: list[str] = Field(["data", "fsdp", "expert"], description="Mesh axes the batch dimension of input data is split over.")
+  shard_optimizer_over_data: bool = Field(
+    False,
+    description="ZeRO-1: split the optimizer state over the 'data' mesh axis too (each data replica keeps its part; the update "
+    "gathers the parameters' changes). Changes nothing while the data axis has size 1.",
+  )
 
 
 class RematAndOffload(Section):

@@ -106,7 +106,7 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
   graphdef = nnx.split(abstract_model, nnx.Param, ...)[0]
 
   abstract = jax.eval_shape(init_fn)
-  state_shardings = state_lib.offload_optimizer(state_lib.shardings(abstract, config, mesh), config)
+  state_shardings = state_lib.train_state_shardings(abstract, config, mesh)
   abstract_state = state_lib.with_shardings(abstract, state_shardings)
   data = mesh_lib.data_sharding(config, mesh)
   batch_shardings = {k: data for k in BATCH_KEYS}

@@ -13,6 +13,7 @@ the rest stay frozen (LoRA marks its adapters here). Checkpoints store this dict
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from maxtext.train import reference
 from maxtext.train.trainable import split_params
 
 TrainState = dict[str, Any]
+DATA_AXIS = "data"  # the mesh axis of data parallelism (shard_optimizer_over_data splits the optimizer state over it)
 HOST_MEMORY = "pinned_host"  # the memory kind of state kept off the device between steps (optimizer_memory_host_offload)
 
 
@@ -62,6 +64,32 @@ def shardings(tree: Any, config: MaxTextConfig, mesh: Mesh) -> Any:
     return replicated
 
   return jax.tree.map_with_path(one, tree, is_leaf=_is_variable)
+
+
+def train_state_shardings(abstract: TrainState, config: MaxTextConfig, mesh: Mesh) -> TrainState:
+  """The train state's shardings: each Variable's logical axes (`shardings`), then the optimizer state split over
+  the data axis too (shard_optimizer_over_data) and kept in host memory (optimizer_memory_host_offload)."""
+  tree = shardings(abstract, config, mesh)
+  if config.shard_optimizer_over_data:
+    tree = dict(tree, opt_state=jax.tree.map(lambda s, a: over_axis(s, a.shape, DATA_AXIS), tree["opt_state"], abstract["opt_state"]))
+  return offload_optimizer(tree, config)
+
+
+def over_axis(sharding: NamedSharding, shape: tuple[int, ...], axis: str) -> NamedSharding:
+  """sharding with its array also split over mesh axis `axis`, on the dimension that then keeps the largest
+  shards; unchanged where the axis has size 1, is already used, or divides no dimension with the axes there."""
+  mesh, size = sharding.mesh, sharding.mesh.shape.get(axis, 1)
+  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  names = [(p,) if isinstance(p, str) else tuple(p or ()) for p in spec]
+  if size == 1 or any(axis in n for n in names):
+    return sharding
+  ways = [math.prod(mesh.shape[a] for a in n) * size for n in names]
+  fits = [d for d in range(len(shape)) if shape[d] % ways[d] == 0]
+  if not fits:
+    return sharding
+  dim = max(fits, key=lambda d: shape[d] // ways[d])
+  spec[dim] = (*names[dim], axis)
+  return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
 
 
 def offload_optimizer(shardings_tree: TrainState, config: MaxTextConfig) -> TrainState:
