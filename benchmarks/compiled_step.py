@@ -37,7 +37,8 @@ def compile_train_step(config: Any, log: Callable[[str], None] | None = None) ->
   mesh = mesh_lib.create(config)
   start = time.perf_counter()
   config, choice = remat_auto.resolve(config, mesh, setup_lib.build, log=log)
-  chosen = choice.step if choice is not None and choice.step is not None and choice.step.compiled is not None else None
+  chosen = remat_auto.chosen_step(choice)
+  chosen = chosen if chosen is not None and chosen.compiled is not None else None
   with jax.set_mesh(mesh):
     setup = chosen.setup if chosen else setup_lib.build(config, mesh)
     compiled = chosen.compiled if chosen else setup.jit_step.lower(setup.abstract_state, setup.abstract_batch).compile()

@@ -102,7 +102,13 @@ def test_optimizer_state_split_over_data_trains_like_the_fsdp_run(sharded):
   """shard_optimizer_over_data (ZeRO-1) on data 2 x fsdp 2 x tensor 2: every optimizer-state array with a dimension
   the axes divide is split over `data` too, parameters are not, and three steps follow the fsdp 4 x tensor 2 run."""
   config = tiny_config(
-    num_devices=8, dtype="float32", per_device_batch_size=1, ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2, shard_optimizer_over_data=True
+    num_devices=8,
+    dtype="float32",
+    per_device_batch_size=1,
+    ici_data_parallelism=2,
+    ici_fsdp_parallelism=2,
+    ici_tensor_parallelism=2,
+    shard_optimizer_over_data=True,
   )
   losses, params, setup, state = _run(config, steps=3)
   names = lambda tree: [str(x.sharding.spec) for x in jax.tree.leaves(tree) if x.ndim]  # noqa: E731

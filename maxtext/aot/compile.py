@@ -67,7 +67,7 @@ def compile_for_topology(config: MaxTextConfig, log: Callable[[str], None] | Non
   mesh = topology_mesh(config)
   hbm = topology.parse(config.compile_topology).chip.hbm_bytes
   config, choice = remat_auto.resolve(config, mesh, setup_lib.build, hbm, log)
-  step = choice.step if choice is not None else None  # the chosen candidate, compiled while choosing
+  step = remat_auto.chosen_step(choice)
   if step is None:
     with jax.set_mesh(mesh):
       step = memory.compile_step(setup_lib.build(config, mesh), hbm)

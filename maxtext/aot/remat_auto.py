@@ -142,6 +142,12 @@ def with_choice(config: MaxTextConfig, policy: str, layer_input: str) -> MaxText
   return config.model_copy(update={"remat_policy": policy, "decoder_layer_input": layer_input})
 
 
+def chosen_step(choice: Choice | None) -> memory.CompiledStep | None:
+  """The chosen candidate's step as `resolve` compiled it (its setup, and its executable unless XLA ran out of
+  memory); None when nothing was auto or the choice was never compiled, and the caller builds it."""
+  return None if choice is None else choice.step
+
+
 def resolve(
   config: MaxTextConfig,
   mesh: jax.sharding.Mesh,

@@ -56,7 +56,8 @@ def run_checks(
     config = executable.with_compiled_choices(config.compiled_trainstep_file, config)
   elif setup is None:
     config, choice = remat_auto.resolve(config, mesh, setup_lib.build, log=log)  # the compiled memory picks the policy and the place
-    setup = choice.step.setup if choice is not None and choice.step is not None else None  # compiled while choosing
+    chosen = remat_auto.chosen_step(choice)  # compiled while choosing
+    setup = chosen.setup if chosen is not None else None
   setup = setup or setup_lib.build(config, mesh)
   checkpointed = state_lib.checkpointed(setup.abstract_state, config)
   check_restore_paths(config, setup, checkpointed)
