@@ -326,3 +326,24 @@ def test_tfds_eval_dataset_name(tfds_dir):
     dataset_type="tfds", dataset_name="nope_ds", eval_dataset_name="maxtext_tiny_text", dataset_path=str(tfds_dir), eval_split="train", packing=False
   )
   assert len(rows_of(local(cfg, "eval"))) == 24
+
+
+def test_eval_batches_take_eval_per_device_batch_size_and_cover_the_same_tokens(tmp_path):
+  """eval_per_device_batch_size=2 on 8 devices: eval batches of 16 rows (train batches keep 8), over exactly the tokens
+  the default eval batches cover (the eval loss is token-weighted, so it does not depend on the batch size)."""
+  path = write_jsonl(tmp_path / "docs.jsonl", [{"text": doc_text(i)} for i in range(40)])
+  keys = dict(grain_train_files=path, grain_eval_files=path)
+  default, larger = config(**keys), config(eval_per_device_batch_size=2, **keys)
+  assert (default.global_batch_size_to_eval_on, larger.global_batch_size_to_eval_on, larger.global_batch_size_to_train_on) == (8, 16, 8)
+  mesh = mesh_for(larger)
+  assert next(create_iterator(larger, mesh))["inputs"].shape[0] == 8
+  covered = []
+  for cfg in (default, larger):
+    it, batches = create_iterator(cfg, mesh, "eval"), []
+    while (batch := next(it, None)) is not None:
+      batches.append({k: np.asarray(v) for k, v in batch.items()})
+    assert {b["inputs"].shape[0] for b in batches} == {cfg.global_batch_size_to_eval_on}
+    covered.append(sorted(int(t) for b in batches for t in b["targets"][b["targets_segmentation"] > 0]))
+  assert covered[0] == covered[1] and covered[0]
+  with pytest.raises(ConfigError, match="eval_per_device_batch_size"):
+    config(eval_per_device_batch_size=0.3, **keys)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import signal
 
 import jax
@@ -146,11 +147,12 @@ def test_nan_loss_aborts_naming_the_step_without_saving(tmp_path, capsys):
   assert len(saved) <= 2  # max_num_checkpoints_to_keep
 
 
-def test_eval_target_loss_stops_early_and_profiler_writes_a_trace(shared_setup, tmp_path):
+def test_eval_target_loss_stops_early_and_profiler_writes_a_trace(shared_setup, tmp_path, capsys):
   config = _cfg(
     tmp_path,
     eval_interval=2,
     eval_steps=2,
+    eval_per_device_batch_size=2,  # eval batches twice the training batch's rows, through the same setup
     target_eval_loss=100.0,
     profiler="xplane",
     skip_first_n_steps_for_profiler=0,
@@ -159,6 +161,8 @@ def test_eval_target_loss_stops_early_and_profiler_writes_a_trace(shared_setup, 
   )
   result = _train(config, shared_setup)
   assert result.stop_reason == "target_eval_loss" and result.steps_done == 2 and list(result.eval_losses) == [1]
+  weights = int(re.search(r"eval after step 1: .*total_weights: (\d+)", capsys.readouterr().out).group(1))
+  assert weights == 2 * 2 * config.global_batch_size_to_train_on * config.max_target_length  # 2 batches of twice the rows, all real tokens
   traces = [f for _, _, files in os.walk(config.tensorboard_dir) for f in files if f.endswith(".xplane.pb")]
   assert traces
   assert not os.path.exists(config.checkpoint_dir)  # enable_checkpointing=false

@@ -442,6 +442,13 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
       f"per_device_batch_size {c.per_device_batch_size} x {devices} devices = {micro} sequences is not a positive whole number; change per_device_batch_size"
     )
   micro = int(micro)
+  eval_rows = devices * (c.eval_per_device_batch_size or c.per_device_batch_size)
+  if eval_rows != int(eval_rows):
+    raise ConfigError(
+      f"eval_per_device_batch_size {c.eval_per_device_batch_size} x {devices} devices = {eval_rows} sequences is not a whole number; change eval_per_device_batch_size"
+    )
+  if c.use_grpo and c.eval_per_device_batch_size:
+    raise ConfigError("eval_per_device_batch_size does not apply to GRPO, whose evaluation rolls out batches of the training size; leave it 0")
   if c.use_grpo and (micro * c.gradient_accumulation_steps) % c.num_generations:
     raise ConfigError(
       f"use_grpo: a batch of {micro * c.gradient_accumulation_steps} rows does not hold whole groups of num_generations={c.num_generations} completions; "
@@ -473,6 +480,7 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
     "dcn_parallelism": dcn,
     "micro_batch_size_to_train_on": micro,
     "global_batch_size_to_train_on": micro * c.gradient_accumulation_steps,
+    "global_batch_size_to_eval_on": int(eval_rows),
     "learning_rate_schedule_steps": c.steps if c.learning_rate_schedule_steps == -1 else c.learning_rate_schedule_steps,
     "checkpoint_dir": os.path.join(run_dir, "checkpoints", ""),
     "tensorboard_dir": os.path.join(run_dir, "tensorboard", ""),

@@ -417,6 +417,9 @@ class TrainingLoop(Section):
   max_target_length: int = Field(2048, gt=0, description="Sequence length of training rows.")
   eval_interval: int = Field(-1, description="Evaluate every this many steps; -1 -> never.")
   eval_steps: int = Field(-1, description="Batches per evaluation; -1 -> the whole eval split.")
+  eval_per_device_batch_size: float = Field(
+    0.0, ge=0, description="Sequences per device in an eval batch; 0 -> per_device_batch_size. Evaluation keeps no gradients, so it can take more."
+  )
   target_eval_loss: float = Field(0.0, ge=0, description="Stop training once eval loss reaches this; 0 -> off.")
   abort_on_nan_loss: bool = Field(True, description="Stop with an error when the loss is NaN (the bad state is not saved).")
   abort_on_inf_loss: bool = Field(True, description="Stop with an error when the loss is infinite (the bad state is not saved).")
@@ -547,5 +550,6 @@ class DerivedValues(Section):
   dcn_parallelism: list[int] = Field([], description="dcn_* parallelism in mesh_axes order, -1 filled.")
   micro_batch_size_to_train_on: int = Field(0, description="Sequences per micro-batch over all devices.")
   global_batch_size_to_train_on: int = Field(0, description="Sequences per optimizer step (micro x gradient_accumulation_steps).")
+  global_batch_size_to_eval_on: int = Field(0, description="Sequences per eval batch over all devices (eval_per_device_batch_size, or per_device_batch_size).")
   checkpoint_dir: str = Field("", description="<base_output_directory>/<run_name>/checkpoints/")
   tensorboard_dir: str = Field("", description="<base_output_directory>/<run_name>/tensorboard/")

@@ -34,22 +34,32 @@ def create_iterator(config: MaxTextConfig, mesh: Mesh, split: str = "train") -> 
     from maxtext.data.prompt_iterator import create_prompt_iterator
 
     return create_prompt_iterator(config, mesh, split, process_index, process_count)
-  local_batch = local_batch_size(config, mesh, process_count)
+  local_batch = local_batch_size(config, mesh, process_count, split)
   dataset, description = local_batches(config, split, process_index, process_count, local_batch)
   return DataIterator(dataset, config, mesh, split, description, process_index, process_count)
 
 
-def local_batch_size(config: MaxTextConfig, mesh: Mesh, process_count: int) -> int:
+def batch_rows(config: MaxTextConfig, split: str) -> int:
+  """Rows of one global batch of split: global_batch_size_to_eval_on for eval, else global_batch_size_to_train_on."""
+  return config.global_batch_size_to_eval_on if split == "eval" else config.global_batch_size_to_train_on
+
+
+def batch_key(config: MaxTextConfig, split: str) -> str:
+  """The key that sets split's batch size (what an error about it names)."""
+  return "eval_per_device_batch_size" if split == "eval" and config.eval_per_device_batch_size else "per_device_batch_size"
+
+
+def local_batch_size(config: MaxTextConfig, mesh: Mesh, process_count: int, split: str = "train") -> int:
   """Rows each process loads; the global batch must split evenly over processes and the data-sharding axes."""
-  rows = config.global_batch_size_to_train_on
+  rows, size = batch_rows(config, split), batch_key(config, split)
   shards = 1
   for axis in config.data_sharding:
     shards *= mesh.shape.get(axis, 1)
   if rows % shards:
-    raise ConfigError(f"global batch of {rows} rows does not split over {shards} data shards ({config.data_sharding}); change per_device_batch_size")
+    raise ConfigError(f"global batch of {rows} rows does not split over {shards} data shards ({config.data_sharding}); change {size}")
   if rows % process_count:
-    raise ConfigError(f"global batch of {rows} rows does not split over {process_count} processes; change per_device_batch_size")
+    raise ConfigError(f"global batch of {rows} rows does not split over {process_count} processes; change {size}")
   return rows // process_count
 
 
-__all__ = ["create_iterator", "local_batch_size"]
+__all__ = ["batch_key", "batch_rows", "create_iterator", "local_batch_size"]

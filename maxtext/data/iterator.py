@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
+from maxtext.data import batch_key, batch_rows
 from maxtext.data.features import ADAPTER_KEY, BATCH_KEYS, NO_ADAPTER
 from maxtext.errors import DataError, UserError
 
@@ -31,9 +32,10 @@ class DataIterator:
     self.split = split
     self.description = description
     self.process_index, self.process_count = process_index, process_count
-    self.local_batch = config.global_batch_size_to_train_on // process_count
+    rows = batch_rows(config, split)
+    self.local_batch = rows // process_count
     self.num_epoch = config.num_epoch
-    self.global_shape = (config.global_batch_size_to_train_on, config.max_target_length)
+    self.global_shape = (rows, config.max_target_length)
     self.sharding = mesh_lib.data_sharding(config, mesh)
     self.keys = BATCH_KEYS + (ADAPTER_KEY,) if config.lora.adapter_column else BATCH_KEYS
     self._dataset = dataset
@@ -46,7 +48,7 @@ class DataIterator:
     if self._peeked is None:
       raise DataError(
         f"the {split} data ({description}) yields no batch: no documents with text (after dropping empty ones) or too few for "
-        f"{self.local_batch} rows of {config.max_target_length} tokens; check the files and train_data_columns, or lower per_device_batch_size"
+        f"{self.local_batch} rows of {config.max_target_length} tokens; check the files and train_data_columns, or lower {batch_key(config, split)}"
       )
 
   def __iter__(self) -> DataIterator:

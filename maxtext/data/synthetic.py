@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
+from maxtext.data import batch_rows
 
 BATCH_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_position", "targets_segmentation")
 MAX_STRIDE = 8
@@ -40,11 +41,12 @@ def _make_batch(key: jax.Array, rows: int, length: int, vocab: int) -> dict[str,
 
 
 class SyntheticIterator:
-  """Endless iterator of global batches {key: int32 [global_batch_size_to_train_on, max_target_length]}."""
+  """Endless iterator of global batches {key: int32 [rows, max_target_length]}: global_batch_size_to_train_on rows, or
+  global_batch_size_to_eval_on for the eval split."""
 
   def __init__(self, config: MaxTextConfig, mesh: Mesh, split: str = "train"):
     self.step = 0
-    rows, length, vocab = config.global_batch_size_to_train_on, config.max_target_length, config.vocab_size
+    rows, length, vocab = batch_rows(config, split), config.max_target_length, config.vocab_size
     base = jax.random.fold_in(jax.random.key(config.data_shuffle_seed), 0 if split == "train" else 1)
     sharding = mesh_lib.data_sharding(config, mesh)
     shardings = {k: sharding for k in BATCH_KEYS}
