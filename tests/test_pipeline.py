@@ -121,17 +121,17 @@ def initial_params(model: str) -> dict[str, np.ndarray]:
 
 
 def placed(model: str, config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
-  """initial_params(model) in this config's train-state layer order, sharded over mesh."""
+  """initial_params(model) in this config's train-state layout (pipeline.from_storage on the host), sharded over mesh."""
   graphdef, abstract, rest = nnx.split(models.abstract_model(config), nnx.Param, ...)
   assert not jax.tree.leaves(rest)
   shardings = models.state_shardings(abstract, config, mesh)
-  plan, values = pipeline.Plan.of(config), initial_params(model)
-  flat = []
-  for (path, var), (_, sharding) in zip(nnx.to_flat_state(abstract), nnx.to_flat_state(shardings), strict=True):
-    value = values["/".join(map(str, path))]
-    if plan is not None and var.get_metadata()["logical_axes"][0] == pipeline.LAYERS_AXIS:
-      value = value[plan.order()]
-    flat.append((path, var.replace(value=jax.device_put(value, sharding))))
+  values = initial_params(model)
+  stored = [(path, var.replace(value=values["/".join(map(str, path))])) for path, var in nnx.to_flat_state(pipeline.to_storage(abstract, config))]
+  host = dict(nnx.to_flat_state(pipeline.from_storage(nnx.from_flat_state(stored), config)))
+  flat = [
+    (path, var.replace(value=jax.device_put(host[path].get_value(), sharding)))
+    for (path, var), (_, sharding) in zip(nnx.to_flat_state(abstract), nnx.to_flat_state(shardings), strict=True)
+  ]
   return graphdef, nnx.from_flat_state(flat)
 
 
@@ -195,6 +195,9 @@ PIPELINED = dict(
   num_pipeline_microbatches=4,
   pipeline_fsdp_ag_once=True,
 )
+# pipeline_parallel_layers: the first 4 of the 8 layers pipelined (2 stages x 2 repeats), the other 4 after the pipeline
+# with `stage` as data parallelism.
+PARTIAL = dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2, pipeline_parallel_layers=4, num_pipeline_microbatches=4)
 CIRCULAR_4 = dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1, num_pipeline_microbatches=8)
 
 
@@ -204,12 +207,12 @@ def train_config(tmp_path_factory, name: str, **keys):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  """(config, setup, first step's metrics, state after 10 steps) without and with a circular 2-stage pipeline, from the
-  same initial state (the plain one, put in the pipeline's layer order and shardings) and batches."""
+  """(config, setup, first step's metrics, state after 10 steps) without and with a circular 2-stage pipeline (of all
+  layers, and of the first half with pipeline_parallel_layers), from the same initial state (the plain one, put in the pipeline's layer order and shardings) and batches."""
   from maxtext.train import setup as setup_lib
 
   runs, initial = {}, None
-  for name, keys in (("plain", {}), ("pipelined", PIPELINED)):
+  for name, keys in (("plain", {}), ("pipelined", PIPELINED), ("partial", PARTIAL)):
     config = train_config(tmp_path_factory, name, **keys)
     mesh = mesh_lib.create(config, jax.devices()[: config.num_devices])
     with jax.set_mesh(mesh):
@@ -218,7 +221,7 @@ def trained(tmp_path_factory):
         state = jax.jit(setup.init_fn, out_shardings=setup.state_shardings, compiler_options=FAST_COMPILE)()  # setup.init_state()
         initial = jax.tree.map(np.asarray, state)  # a host copy: the plain run donates its state
       else:
-        state = pipeline.from_storage(jax.device_put(initial, setup.state_shardings), config)
+        state = jax.device_put(pipeline.from_storage(initial, config), setup.state_shardings)
       batches = [packed_batch(config, seed=step) for step in range(10)]
       train_step, metrics = setup.jit_step.lower(state, batches[0]).compile(FAST_COMPILE), []
       for batch in batches:
@@ -240,7 +243,10 @@ def test_ten_training_steps_give_the_unpipelined_parameters(trained):
   ref, got = plain_params(state, config), plain_params(pp_state, pp_config)
   for name, value in ref.items():  # Adam's normalised steps turn float32 noise in near-zero gradients into single-element
     assert np.linalg.norm(got[name] - value) <= 1e-5 * np.linalg.norm(value), name  # differences: compare whole parameters
-  assert "pipeline: circular (2 repeats of 2 layers per stage), 2 stages, 4 microbatches, 9 iterations, bubble 11.1%" in pipeline.banner(pp_config)
+  assert (
+    "pipeline: 8 of 8 layers pipelined, circular (2 repeats of 2 layers per stage), 2 stages, 4 microbatches, 9 iterations, bubble 11.1%"
+    in pipeline.banner(pp_config)
+  )
 
 
 def test_checkpoint_round_trip_across_pipeline_degrees_is_bitwise(trained, tmp_path_factory):
@@ -270,3 +276,60 @@ def test_checkpoint_round_trip_across_pipeline_degrees_is_bitwise(trained, tmp_p
     np.testing.assert_array_equal(np.asarray(b.get_value()), np.asarray(a.get_value()), err_msg=str(path))
   for a, b in zip(jax.tree.leaves(state["opt_state"]), jax.tree.leaves(again["opt_state"]), strict=True):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+
+
+def test_pipeline_parallel_layers_loss_and_gradients_equal_one_device():
+  """The first half of a mixtral-like model's layers pipelined (expert=2 in the stages), the rest after the pipeline:
+  the loss (load balance over both stacks included) and gradients of the unpipelined model on one device."""
+  config = config_for(
+    "mixtral", ici_pipeline_parallelism=2, ici_expert_parallelism=2, ici_fsdp_parallelism=2, pipeline_parallel_layers=4, num_pipeline_microbatches=4
+  )
+  plan = pipeline.Plan.of(config)
+  assert (plan.layers, plan.outside, plan.repeats) == (4, 4, 2)
+  assert "pipeline: 4 of 8 layers pipelined (4 after them run with stage as data parallelism)" in pipeline.banner(config)
+  rules = dict((name, axes) for name, axes in pipeline.act_as_dp_rules(config.logical_axis_rules))
+  assert rules["activation_batch"] == ["stage", "data", "fsdp", "expert"] and rules["layers"] == ["stage"] and rules["layers_outside_pipeline"] == []
+  one_device = from_overrides(num_devices=1, **{**SMALL, **MODELS["mixtral"], "per_device_batch_size": 8 * SMALL["per_device_batch_size"]})
+  ref_loss, ref_grads = loss_and_grads("mixtral", one_device)  # the same global batch
+  loss, grads = loss_and_grads("mixtral", config)
+  assert loss == pytest.approx(ref_loss, rel=1e-5)
+  assert grads.keys() == ref_grads.keys()
+  assert_gradients_close(grads, ref_grads)
+
+
+def test_pipeline_parallel_layers_trains_like_unpipelined(trained):
+  (config, _, first, state), (pp_config, _, pp_first, pp_state) = trained["plain"], trained["partial"]
+  for key in ("loss", "grad_norm"):
+    assert float(pp_first[key]) == pytest.approx(float(first[key]), rel=1e-5), key
+  ref, got = plain_params(state, config), plain_params(pp_state, pp_config)
+  assert ref.keys() == got.keys()
+  for name, value in ref.items():
+    assert np.linalg.norm(got[name] - value) <= 1e-5 * np.linalg.norm(value), name
+
+
+def test_pipeline_parallel_layers_checkpoint_resumes_on_one_device_and_back(trained, tmp_path_factory):
+  """Saved with pipeline_parallel_layers on the stage mesh, restored by an unpipelined single-device run: the same
+  parameters and optimizer state in plain layer order, bitwise; saved there and restored under the pipeline: the
+  pipelined run's train state, bitwise."""
+  from maxtext.train import setup as setup_lib
+  from maxtext.train.checkpointing import Checkpointer
+
+  pp_config, pp_setup, _, pp_state = trained["partial"]
+  Checkpointer(pp_config).save(10, pp_state, None)
+  one = from_overrides(num_devices=1, **{**SMALL, **MODELS["llama"], **TRAIN, "per_device_batch_size": 8 * SMALL["per_device_batch_size"]})
+  one = one.model_copy(update={"checkpoint_dir": str(tmp_path_factory.mktemp("one") / "checkpoints")})
+  one_setup = setup_lib.build(one, mesh_lib.create(one, jax.devices()[:1]))
+  with jax.set_mesh(one_setup.mesh):
+    restored = Checkpointer(one.model_copy(update={"checkpoint_dir": pp_config.checkpoint_dir})).restore_latest(one_setup.abstract_state).state
+  expected = pipeline.to_storage(pp_state, pp_config)
+  for key in ("params", "opt_state"):
+    for a, b in zip(jax.tree.leaves(expected[key]), jax.tree.leaves(restored[key]), strict=True):
+      np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+  Checkpointer(one).save(10, restored, None)
+  with jax.set_mesh(pp_setup.mesh):
+    again = Checkpointer(pp_config.model_copy(update={"checkpoint_dir": one.checkpoint_dir})).restore_latest(pp_setup.abstract_state).state
+  assert jax.tree.structure(again["params"]) == jax.tree.structure(pp_state["params"])
+  for key in ("params", "opt_state"):
+    for a, b in zip(jax.tree.leaves(pp_state[key]), jax.tree.leaves(again[key]), strict=True):
+      assert b.sharding.is_equivalent_to(a.sharding, a.ndim)
+      np.testing.assert_array_equal(np.asarray(b), np.asarray(a))

@@ -327,16 +327,38 @@ PIPELINE_ONLY_KEYS = (
   "num_pipeline_microbatches",
   "num_pipeline_repeats",
   "num_layers_per_pipeline_stage",
+  "pipeline_parallel_layers",
   "pipeline_fsdp_ag_once",
   "pipeline_delay_activation_forwarding",
 )
-_PIPELINE_KEY_DEFAULTS = {"num_pipeline_microbatches": -1, "num_pipeline_repeats": -1, "num_layers_per_pipeline_stage": 1}
+_PIPELINE_KEY_DEFAULTS = {"num_pipeline_microbatches": -1, "num_pipeline_repeats": -1, "num_layers_per_pipeline_stage": 1, "pipeline_parallel_layers": -1}
 STAGE_KEYS = "ici_pipeline_parallelism x dcn_pipeline_parallelism"
 CONTEXT_KEYS = "ici_context_parallelism x dcn_context_parallelism"
 
 
+def _pipelined_layers(c: MaxTextConfig, main: int, stages: int) -> tuple[int, str]:
+  """(the number of main-stack layers the pipeline runs, how messages name them), after the checks on
+  pipeline_parallel_layers; main: the layers after first_num_dense_layers."""
+  lps = c.num_layers_per_pipeline_stage
+  after_dense = f" after first_num_dense_layers {c.first_num_dense_layers}" if c.first_num_dense_layers else ""
+  if c.pipeline_parallel_layers == -1:
+    piped, what = main, f"{main} decoder layers{after_dense}"
+  elif 0 < c.pipeline_parallel_layers <= main:
+    piped, what = c.pipeline_parallel_layers, f"pipeline_parallel_layers {c.pipeline_parallel_layers}"
+  else:
+    raise ConfigError(f"pipeline_parallel_layers {c.pipeline_parallel_layers} is not -1 (all) or 1..{main}, the decoder layers{after_dense}; change it")
+  if piped % (stages * lps):
+    fitting = main // (stages * lps) * (stages * lps)
+    hint = f", or pipeline only pipeline_parallel_layers={fitting} of them" if c.pipeline_parallel_layers == -1 and fitting else ""
+    raise ConfigError(
+      f"{what} do not split into {stages} stages ({STAGE_KEYS}) x num_layers_per_pipeline_stage {lps} x whole repeats; "
+      f"change num_layers_per_pipeline_stage or the stage count{hint}"
+    )
+  return piped, what
+
+
 def _pipeline_values(c: MaxTextConfig, stages: int, layers: int, batch: int, batch_shards: int) -> dict[str, int]:
-  """num_pipeline_repeats and num_pipeline_microbatches, resolved, after the checks a pipeline needs."""
+  """num_pipeline_repeats, num_pipeline_microbatches and pipeline_parallel_layers, resolved, after the checks a pipeline needs."""
   if stages == 1:
     set_keys = [k for k in PIPELINE_ONLY_KEYS if getattr(c, k) != _PIPELINE_KEY_DEFAULTS.get(k, False)]
     if set_keys:
@@ -347,12 +369,7 @@ def _pipeline_values(c: MaxTextConfig, stages: int, layers: int, batch: int, bat
   if not c.scan_layers:
     raise ConfigError(f"pipeline parallelism ({STAGE_KEYS} = {stages}) runs scanned layers; set scan_layers=true")
   lps = c.num_layers_per_pipeline_stage
-  piped = layers - c.first_num_dense_layers
-  what = f"{piped} decoder layers" + (f" after first_num_dense_layers {c.first_num_dense_layers}" if c.first_num_dense_layers else "")
-  if piped % (stages * lps):
-    raise ConfigError(
-      f"{what} do not split into {stages} stages ({STAGE_KEYS}) x num_layers_per_pipeline_stage {lps} x whole repeats; change num_layers_per_pipeline_stage or the stage count"
-    )
+  piped, what = _pipelined_layers(c, layers - c.first_num_dense_layers, stages)
   repeats = piped // (stages * lps)
   if c.num_pipeline_repeats not in (-1, repeats):
     raise ConfigError(
@@ -377,7 +394,7 @@ def _pipeline_values(c: MaxTextConfig, stages: int, layers: int, batch: int, bat
     raise ConfigError(
       f"the circular schedule (num_pipeline_repeats {repeats}) with pipeline_delay_activation_forwarding needs num_pipeline_microbatches >= 2 x {stages} stages, got {micro}"
     )
-  return {"num_pipeline_repeats": repeats, "num_pipeline_microbatches": micro}
+  return {"num_pipeline_repeats": repeats, "num_pipeline_microbatches": micro, "pipeline_parallel_layers": piped}
 
 
 def _check_context(c: MaxTextConfig, context: int, sequence: int) -> None:

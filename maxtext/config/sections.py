@@ -297,8 +297,14 @@ class PipelineParallelism(Section):
   num_layers_per_pipeline_stage: int = Field(
     1, gt=0, description="Consecutive layers a stage runs per visit; below layers/stages the schedule is circular (num_pipeline_repeats > 1)."
   )
+  pipeline_parallel_layers: int = Field(
+    -1,
+    description="Pipeline only the first this many main-stack decoder layers; the rest run after the pipeline with the stage axis as data "
+    "parallelism; -1 -> all of them.",
+  )
   num_pipeline_repeats: int = Field(
-    -1, description="Visits of each microbatch to each stage: layers / (stages x num_layers_per_pipeline_stage); -1 -> that value (derived)."
+    -1,
+    description="Visits of each microbatch to each stage: pipelined layers / (stages x num_layers_per_pipeline_stage); -1 -> that value (derived).",
   )
   num_pipeline_microbatches: int = Field(
     -1, description="Microbatches the pipeline splits each batch into; a multiple of the stages; -1 -> stages (x2 with delayed forwarding)."
@@ -328,6 +334,7 @@ DEFAULT_LOGICAL_AXIS_RULES: list[list] = [
   ["exp", ["expert"]],
   ["head_dim", []],
   ["layers", ["stage"]],
+  ["layers_outside_pipeline", []],
   ["dense_layers", []],
   ["norm", []],
   ["mhc", []],

@@ -99,14 +99,15 @@ def bias_update(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
 def update_routing_biases(other: nnx.State, load: jax.Array, config: MaxTextConfig) -> nnx.State:
   """Apply bias_update to the routing bias of every main-model MoE layer in a non-Param state.
 
-  load [MoE layers, num_experts] is what the step's forward pass routed (the multi-token-prediction
-  modules' biases are left as they are).
+  load [MoE layers, num_experts] is what the step's forward pass routed, in the order of the stacks 'layers' then
+  'layers_outside_pipeline' (the multi-token-prediction modules' biases are left as they are).
   """
   leaves = []
   for path, var in nnx.to_flat_state(other):
     keys = [str(p) for p in path]
-    if keys[0] == "layers" and keys[-1] == "routed_bias":
-      layer_load = load if config.scan_layers else load[int(keys[1])]
+    if keys[0] in ("layers", "layers_outside_pipeline") and keys[-1] == "routed_bias":
+      n = var[...].shape[0]
+      layer_load = (load[:n] if keys[0] == "layers" else load[-n:]) if config.scan_layers else load[int(keys[1])]
       var = var.replace(bias_update(var[...], layer_load, config.routed_bias_update_rate))
     leaves.append((path, var))
   return nnx.from_flat_state(leaves)

@@ -21,7 +21,7 @@ delay d (2 with pipeline_delay_activation_forwarding, else 1):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -36,6 +36,7 @@ from maxtext.mesh import logical_to_spec
 
 STAGE_AXIS = "stage"
 LAYERS_AXIS = "layers"  # the logical axis of the pipelined layer stack (sharded over `stage`)
+OUTSIDE_AXIS = "layers_outside_pipeline"  # MaxText's name: the main-stack layers after pipeline_parallel_layers (not stage-sharded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Plan:
   microbatches: int
   delay: int  # iterations between a stage's output and the next stage's use of it (1, or 2 with delayed forwarding)
   fsdp_ag_once: bool
+  outside: int = 0  # main-stack layers after the pipelined ones (pipeline_parallel_layers), run unpipelined
 
   @classmethod
   def of(cls, config: MaxTextConfig) -> Plan | None:
@@ -62,6 +64,7 @@ class Plan:
       config.num_pipeline_microbatches,
       2 if config.pipeline_delay_activation_forwarding else 1,
       config.pipeline_fsdp_ag_once,
+      config.num_decoder_layers - config.first_num_dense_layers - config.pipeline_parallel_layers,
     )
 
   @property
@@ -97,47 +100,144 @@ def banner(config: MaxTextConfig) -> str | None:
   plan = Plan.of(config)
   if plan is None:
     return None
+  outside = f" ({plan.outside} after them run with stage as data parallelism)" if plan.outside else ""
   return (
-    f"pipeline: {plan.schedule}, {plan.stages} stages, {plan.microbatches} microbatches, {plan.iterations} iterations, "
+    f"pipeline: {plan.layers} of {plan.layers + plan.outside} layers pipelined{outside}, {plan.schedule}, {plan.stages} stages, {plan.microbatches} microbatches, "
+    f"{plan.iterations} iterations, "
     f"bubble {plan.bubble:.1%} = {plan.delay}x({plan.stages}-1)/({plan.microbatches}x{plan.repeats}+{plan.delay}x({plan.stages}-1))"
   )
+
+
+def act_as_dp_rules(rules: Any) -> list:
+  """Logical axis rules for everything outside the pipeline (embedding, the layers after pipeline_parallel_layers,
+  logits): `stage` joins the mesh axes of every rule that names `data`, just before it (as MaxText's rules for
+  layers outside the pipeline do), so the batch is split over the stages there instead of replicated on them; rules
+  without `data` (all weights' rules) stay as they are."""
+  out = []
+  for name, axes in rules:
+    axes = [axes] if isinstance(axes, str) else list(axes)
+    if "data" in axes:
+      axes = [a for a in axes if a != STAGE_AXIS]
+      axes.insert(axes.index("data"), STAGE_AXIS)
+    out.append([name, axes])
+  return out
 
 
 # ------------------------------------------------------------------------------------- train state <-> checkpoints
 
 
-def _permute_layers(tree: Any, config: MaxTextConfig, to_plain: bool) -> Any:
-  """Permute the leading axis of every array Variable whose first logical axis is 'layers', in one compiled program
-  (a restored tree's arrays are donated to it)."""
-  plan = Plan.of(config)
-  if plan is None or plan.repeats == 1:
-    return tree
-  index = np.argsort(plan.order()) if to_plain else plan.order()
-  is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_var)
-  chosen = [
-    i
-    for i, v in enumerate(leaves)
-    if is_var(v) and isinstance(v.get_value(), jax.Array) and (v.get_metadata().get("logical_axes") or (None,))[0] == LAYERS_AXIS
-  ]
+def _is_var(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _stacked(v: Any) -> bool:
+  """A Variable of the pipelined stack holding an array (optax's MaskedNode placeholders hold none)."""
+  return _is_var(v) and hasattr(v.get_value(), "shape") and (v.get_metadata().get("logical_axes") or (None,))[0] == LAYERS_AXIS
+
+
+def _spec_of(value: Any, first: str | None, axes: tuple, rules: Any) -> Any:
+  """value's NamedSharding with the leading axis's logical name `first` (None where value has no mesh)."""
+  sharding = getattr(value, "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return None
+  return jax.sharding.NamedSharding(sharding.mesh, logical_to_spec((first, *axes[1:]), rules, sharding.mesh))
+
+
+def _apply(fn: Callable, values: list, shardings: list, donate: bool) -> list:
+  """fn(list of arrays) -> list of arrays: jitted for device arrays (out_shardings given), numpy for host arrays,
+  shapes only (jax.eval_shape) for abstract ones."""
+  if all(isinstance(v, jax.ShapeDtypeStruct) for v in values):
+    return [jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s) for o, s in zip(jax.eval_shape(fn, values), shardings, strict=True)]
+  if all(isinstance(v, jax.Array) for v in values) and all(s is not None for s in shardings):
+    return jax.jit(fn, out_shardings=shardings, donate_argnums=0 if donate else ())(values)
+  return [np.asarray(o) for o in fn([np.asarray(v) for v in values])]
+
+
+def _stacks(m: Any) -> tuple[dict, list, Any]:
+  """(m as a plain dict, the Variables of its pipelined stack, that stack's treedef)."""
+  raw = dict(m.raw_mapping) if isinstance(m, nnx.State) else dict(m)
+  leaves, treedef = jax.tree.flatten(raw[LAYERS_AXIS], is_leaf=_is_var)
+  return raw, leaves, treedef
+
+
+def _rebuilt(m: Any, raw: dict) -> Any:
+  return nnx.State(raw) if isinstance(m, nnx.State) else type(m)(raw)
+
+
+def _join(m: Any, plan: Plan, rules: Any) -> Any:
+  """A mapping holding the pipelined stack (train-state order) and the layers outside the pipeline -> one 'layers'
+  stack of all main-stack layers in plain order."""
+  raw, leaves, treedef = _stacks(m)
+  outside = treedef.flatten_up_to(raw.pop(OUTSIDE_AXIS)) if plan.outside else [None] * len(leaves)
+  chosen = [i for i, v in enumerate(leaves) if _stacked(v)]
   if not chosen:
-    return tree
-  arrays = [leaves[i].get_value() for i in chosen]
-  permute = jax.jit(lambda xs: [jnp.take(x, index, axis=0) for x in xs], out_shardings=[a.sharding for a in arrays], donate_argnums=() if to_plain else 0)
-  for i, value in zip(chosen, permute(arrays), strict=True):
+    return _rebuilt(m, raw)
+  plain = np.argsort(plan.order())
+
+  def fn(xs: list) -> list:
+    n = len(chosen)
+    lib = jnp if not isinstance(xs[0], np.ndarray) else np
+    joined = [lib.take(x, plain, axis=0) for x in xs[:n]]
+    return [lib.concatenate([j, o], axis=0) for j, o in zip(joined, xs[n:], strict=True)] if plan.outside else joined
+
+  values = [leaves[i].get_value() for i in chosen] + ([outside[i].get_value() for i in chosen] if plan.outside else [])
+  axes = [tuple(leaves[i].get_metadata()["logical_axes"]) for i in chosen]
+  shardings = [_spec_of(leaves[i].get_value(), None if plan.outside else LAYERS_AXIS, a, rules) for i, a in zip(chosen, axes, strict=True)]
+  for i, value in zip(chosen, _apply(fn, values, shardings, donate=False), strict=True):
     leaves[i] = leaves[i].replace(value=value)
-  return jax.tree.unflatten(treedef, leaves)
+  raw[LAYERS_AXIS] = jax.tree.unflatten(treedef, leaves)
+  return _rebuilt(m, raw)
+
+
+def _split(m: Any, plan: Plan, rules: Any) -> Any:
+  """The inverse of _join: plain-order 'layers' of all main-stack layers -> the pipelined stack in train-state order
+  and, when some layers stay outside the pipeline, the stack of those ('layers_outside_pipeline')."""
+  raw, leaves, treedef = _stacks(m)
+  chosen = [i for i, v in enumerate(leaves) if _stacked(v)]
+  outside = list(leaves)
+  if chosen:
+    order, n = plan.order(), plan.layers
+
+    def fn(xs: list) -> list:
+      lib = jnp if not isinstance(xs[0], np.ndarray) else np
+      return [lib.take(x[:n], order, axis=0) for x in xs] + ([x[n:] for x in xs] if plan.outside else [])
+
+    axes = [tuple(leaves[i].get_metadata()["logical_axes"]) for i in chosen]
+    values = [leaves[i].get_value() for i in chosen]
+    shardings = [_spec_of(v, LAYERS_AXIS, a, rules) for v, a in zip(values, axes, strict=True)]
+    shardings += [_spec_of(v, OUTSIDE_AXIS, a, rules) for v, a in zip(values, axes, strict=True)] if plan.outside else []
+    results = _apply(fn, values, shardings, donate=not plan.outside)  # split arrays cannot reuse the joined buffers
+    for k, (i, a) in enumerate(zip(chosen, axes, strict=True)):
+      leaves[i] = leaves[i].replace(value=results[k])
+      if plan.outside:
+        outside[i] = leaves[i].replace(value=results[len(chosen) + k], logical_axes=(OUTSIDE_AXIS, *a[1:]))
+  raw[LAYERS_AXIS] = jax.tree.unflatten(treedef, leaves)
+  if plan.outside:
+    raw[OUTSIDE_AXIS] = jax.tree.unflatten(treedef, outside)
+  return _rebuilt(m, raw)
+
+
+def _convert(tree: Any, config: MaxTextConfig, to_plain: bool) -> Any:
+  plan = Plan.of(config)
+  if plan is None or (plan.repeats == 1 and not plan.outside):
+    return tree
+  convert = _join if to_plain else _split
+  holds_stack = lambda x: isinstance(x, Mapping) and LAYERS_AXIS in x  # noqa: E731 - the model's, the optimizer's moments', ...
+  return jax.tree.map(lambda m: convert(m, plan, config.logical_axis_rules) if holds_stack(m) else m, tree, is_leaf=lambda x: holds_stack(x) or _is_var(x))
 
 
 def to_storage(tree: Any, config: MaxTextConfig) -> Any:
-  """A train state (or any tree of its Variables) with the pipelined layer stack in plain layer order, as checkpoints
-  hold it. A new array per permuted leaf while saving; the identity without a circular pipeline."""
-  return _permute_layers(tree, config, to_plain=True)
+  """A train state (or any tree of its Variables, abstract ones included) as checkpoints hold it: one 'layers' stack
+  of all main-stack layers in plain order, whatever the pipeline. A new array per stacked leaf while saving (its
+  layer axis unsharded when layers stay outside the pipeline); the identity without a circular schedule or
+  pipeline_parallel_layers."""
+  return _convert(tree, config, to_plain=True)
 
 
 def from_storage(tree: Any, config: MaxTextConfig) -> Any:
-  """The inverse of to_storage: a restored tree in the order this config's pipeline keeps in the train state."""
-  return _permute_layers(tree, config, to_plain=False)
+  """The inverse of to_storage: a restored tree in the layout this config's pipeline keeps in the train state (its
+  arrays are donated)."""
+  return _convert(tree, config, to_plain=False)
 
 
 # ----------------------------------------------------------------------------------------------------- the schedule

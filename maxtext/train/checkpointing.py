@@ -116,6 +116,7 @@ class Checkpointer:
     differ) are a ConfigError: nothing is moved.
     """
     initial = data_iter.get_state() if data_iter is not None else None
+    abstract_state = pipeline.to_storage(abstract_state, self.config)  # the layout on disk
     for step in sorted(self.manager.all_steps(), reverse=True):
       problem = check_compatible(self.directory / str(step) / ITEM, abstract_state, self.config.checkpoint_dir)
       schedule = data_state = restored = None

@@ -128,6 +128,7 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
   from maxtext.layers.lora import LoRAParam
   from maxtext.layers.mhc import MHCParam
 
+  abstract_params = pipeline.to_storage(abstract_params, config)  # as checkpoints hold the layers: one stack, plain order
   if config.load_parameters_path:
     path = config.load_parameters_path
     check_base_quantization(config, path, abstract_params)

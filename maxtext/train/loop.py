@@ -69,7 +69,7 @@ def _restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpoint
         log(warning)
       return _with_frozen_base(setup, restored.state, log, formats)
   if config.load_full_state_path:
-    state = checkpointing.restore_full_state(config.load_full_state_path, state_lib.checkpointed(setup.abstract_state, config))
+    state = checkpointing.restore_full_state(config.load_full_state_path, pipeline.to_storage(state_lib.checkpointed(setup.abstract_state, config), config))
     state = pipeline.from_storage(state, config)
     log(f"loaded full state at step {int(state['step'])} from {config.load_full_state_path}")
     return _with_frozen_base(setup, state, log, formats)

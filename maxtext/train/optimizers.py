@@ -25,7 +25,7 @@ from maxtext.config.adapters import slot_axis as lora_slot_axis
 
 NO_DECAY_NAMES = ("scale", "bias", "sinks")  # norm scales, biases (also per-head ones), attention sink logits
 LORA_SLOT_AXIS = "lora_slot"  # the adapter-slot axis of a multi-adapter model, named here for Muon (it has no logical name)
-MUON_BATCH_AXES = ("layers", "dense_layers", "exp", LORA_SLOT_AXIS)
+MUON_BATCH_AXES = ("layers", "layers_outside_pipeline", "dense_layers", "exp", LORA_SLOT_AXIS)
 
 
 def _is_variable(x: Any) -> bool:
