@@ -134,7 +134,8 @@ CASES = [
     "layers_not_dividing_stages",
     [BASE, "ici_pipeline_parallelism=4", "num_layers_per_pipeline_stage=3"],
     {},
-    "16 decoder layers do not split into 4 stages (ici_pipeline_parallelism x dcn_pipeline_parallelism) x num_layers_per_pipeline_stage 3",
+    "16 decoder layers do not split into 4 stages (ici_pipeline_parallelism x dcn_pipeline_parallelism) x num_layers_per_pipeline_stage 3 x whole "
+    "repeats; change num_layers_per_pipeline_stage or the stage count, or pipeline only pipeline_parallel_layers=12 of them",
   ),
   (
     "microbatches_not_multiple_of_stages",
@@ -154,6 +155,14 @@ CASES = [
     {},
     "needs num_pipeline_microbatches >= 2 x 2",
   ),
+  (
+    "pipeline_parallel_layers_not_dividing_stages",
+    [BASE, "ici_pipeline_parallelism=4", "pipeline_parallel_layers=6"],
+    {},
+    "pipeline_parallel_layers 6 do not split into 4 stages (ici_pipeline_parallelism x dcn_pipeline_parallelism)",
+  ),
+  ("pipeline_parallel_layers_too_many", [BASE, "ici_pipeline_parallelism=2", "pipeline_parallel_layers=18"], {}, "pipeline_parallel_layers 18 is not -1 (all) or 1..16"),
+  ("pipeline_parallel_layers_without_stages", [BASE, "pipeline_parallel_layers=8"], {}, "pipeline_parallel_layers configure pipeline parallelism"),
   ("pipeline_keys_without_stages", [BASE, "num_pipeline_microbatches=4"], {}, "num_pipeline_microbatches configure pipeline parallelism"),
   ("pipeline_unscanned", [BASE, "ici_pipeline_parallelism=2", "scan_layers=false"], {}, "set scan_layers=true"),
   (
