@@ -7,6 +7,10 @@ delay d (2 with pipeline_delay_activation_forwarding, else 1):
   stacked layers stage-major (index s v l + r l + i holds layer (r p + s) l + i), so the `layers` axis, sharded over
   `stage`, gives each stage exactly its blocks. Checkpoints keep the plain order (`to_storage` / `from_storage`;
   the identity when v = 1), so the stored layout does not depend on the pipeline.
+- Layers outside. With pipeline_parallel_layers = L below the main stack's M layers, only its first L layers form
+  the pipelined stack; the other M - L form a second stack (logical axis 'layers_outside_pipeline', not split over
+  `stage`) that the decoder runs after the pipeline, with `stage` as data parallelism there as everywhere outside the
+  pipeline (act_as_dp_rules). Checkpoints join the two stacks into one plain-order 'layers' stack of M layers.
 - Schedule. Work item j = r m + k is microbatch k at repeat r. In iteration t stage s runs item j = t - d s when
   0 <= j < m v, on its block r = j div m, with the per-layer scan and remat of the unpipelined decoder inside.
   T = m v + d (p - 1) iterations; the bubble (work discarded) is d (p - 1) / (m v + d (p - 1)).
@@ -110,15 +114,16 @@ def banner(config: MaxTextConfig) -> str | None:
 
 def act_as_dp_rules(rules: Any) -> list:
   """Logical axis rules for everything outside the pipeline (embedding, the layers after pipeline_parallel_layers,
-  logits): `stage` joins the mesh axes of every rule that names `data`, just before it (as MaxText's rules for
-  layers outside the pipeline do), so the batch is split over the stages there instead of replicated on them; rules
-  without `data` (all weights' rules) stay as they are."""
+  logits): `stage` joins the mesh axes of every rule that names `data`, as the last of them, so the batch is split
+  over the stages there instead of replicated on them. Last: each device's rows outside the pipeline are then a
+  slice of its rows inside it (MaxText puts `stage` before `data`; with data parallelism across slices that order
+  made XLA's partitioner replicate whole-batch arrays: docs/parallelism.md). Rules without `data` (all weights'
+  rules) stay as they are."""
   out = []
   for name, axes in rules:
     axes = [axes] if isinstance(axes, str) else list(axes)
     if "data" in axes:
-      axes = [a for a in axes if a != STAGE_AXIS]
-      axes.insert(axes.index("data"), STAGE_AXIS)
+      axes = [a for a in axes if a != STAGE_AXIS] + [STAGE_AXIS]
     out.append([name, axes])
   return out
 
