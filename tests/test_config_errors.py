@@ -161,7 +161,12 @@ CASES = [
     {},
     "pipeline_parallel_layers 6 do not split into 4 stages (ici_pipeline_parallelism x dcn_pipeline_parallelism)",
   ),
-  ("pipeline_parallel_layers_too_many", [BASE, "ici_pipeline_parallelism=2", "pipeline_parallel_layers=18"], {}, "pipeline_parallel_layers 18 is not -1 (all) or 1..16"),
+  (
+    "pipeline_parallel_layers_too_many",
+    [BASE, "ici_pipeline_parallelism=2", "pipeline_parallel_layers=18"],
+    {},
+    "pipeline_parallel_layers 18 is not -1 (all) or 1..16",
+  ),
   ("pipeline_parallel_layers_without_stages", [BASE, "pipeline_parallel_layers=8"], {}, "pipeline_parallel_layers configure pipeline parallelism"),
   ("pipeline_keys_without_stages", [BASE, "num_pipeline_microbatches=4"], {}, "num_pipeline_microbatches configure pipeline parallelism"),
   ("pipeline_unscanned", [BASE, "ici_pipeline_parallelism=2", "scan_layers=false"], {}, "set scan_layers=true"),

@@ -288,7 +288,7 @@ def test_pipeline_parallel_layers_loss_and_gradients_equal_one_device():
   assert (plan.layers, plan.outside, plan.repeats) == (4, 4, 2)
   assert "pipeline: 4 of 8 layers pipelined (4 after them run with stage as data parallelism)" in pipeline.banner(config)
   rules = dict((name, axes) for name, axes in pipeline.act_as_dp_rules(config.logical_axis_rules))
-  assert rules["activation_batch"] == ["data", "stage", "fsdp", "expert"] and rules["layers"] == ["stage"] and rules["layers_outside_pipeline"] == []
+  assert rules["activation_batch"] == ["data", "fsdp", "expert", "stage"] and rules["layers"] == ["stage"] and rules["layers_outside_pipeline"] == []
   one_device = from_overrides(num_devices=1, **{**SMALL, **MODELS["mixtral"], "per_device_batch_size": 8 * SMALL["per_device_batch_size"]})
   ref_loss, ref_grads = loss_and_grads("mixtral", one_device)  # the same global batch
   loss, grads = loss_and_grads("mixtral", config)

@@ -114,17 +114,16 @@ def banner(config: MaxTextConfig) -> str | None:
 
 def act_as_dp_rules(rules: Any) -> list:
   """Logical axis rules for everything outside the pipeline (embedding, the layers after pipeline_parallel_layers,
-  logits): `stage` joins the mesh axes of every rule that names `data`, right after `data` (the mesh's own order),
-  so the batch is split over the stages there instead of replicated on them. MaxText puts `stage` before `data`:
-  with data parallelism across slices that order made XLA's partitioner replicate whole-batch arrays, and `stage`
-  last cost more temporaries than right after `data` (AOT figures: docs/tpu.md). Rules without `data` (all weights'
-  rules) stay as they are."""
+  logits): `stage` joins the mesh axes of every rule that names `data`, as the last of them, so the batch is split
+  over the stages there instead of replicated on them, and each device's rows outside the pipeline are a slice of
+  its rows inside it. MaxText puts `stage` before `data`: with data parallelism across slices that order (and
+  `stage` right after `data`) made XLA's partitioner replicate whole-batch arrays (AOT figures: docs/tpu.md).
+  Rules without `data` (all weights' rules) stay as they are."""
   out = []
   for name, axes in rules:
     axes = [axes] if isinstance(axes, str) else list(axes)
     if "data" in axes:
-      axes = [a for a in axes if a != STAGE_AXIS]
-      axes.insert(axes.index("data") + 1, STAGE_AXIS)
+      axes = [a for a in axes if a != STAGE_AXIS] + [STAGE_AXIS]
     out.append([name, axes])
   return out
 
