@@ -74,3 +74,20 @@ def data_sharding(config: MaxTextConfig, mesh: Mesh) -> NamedSharding:
   """Sharding of a [batch, seq] input array: batch over config.data_sharding."""
   axes = tuple(a for a in config.data_sharding if mesh.shape.get(a, 1) > 1)
   return NamedSharding(mesh, PartitionSpec(axes if axes else None, None))
+
+
+def over_axis(sharding: NamedSharding, shape: tuple[int, ...], axis: str) -> NamedSharding:
+  """sharding with its array also split over mesh axis `axis`, on the dimension that then keeps the largest
+  shards; unchanged where the axis has size 1, is already used, or divides no dimension with the axes there."""
+  mesh, size = sharding.mesh, sharding.mesh.shape.get(axis, 1)
+  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  names = [(p,) if isinstance(p, str) else tuple(p or ()) for p in spec]
+  if size == 1 or any(axis in n for n in names):
+    return sharding
+  ways = [math.prod(mesh.shape[a] for a in n) * size for n in names]
+  fits = [d for d in range(len(shape)) if shape[d] % ways[d] == 0]
+  if not fits:
+    return sharding
+  dim = max(fits, key=lambda d: shape[d] // ways[d])
+  spec[dim] = (*names[dim], axis)
+  return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)

@@ -286,9 +286,9 @@ def test_pipeline_parallel_layers_loss_and_gradients_equal_one_device():
   )
   plan = pipeline.Plan.of(config)
   assert (plan.layers, plan.outside, plan.repeats) == (4, 4, 2)
-  assert "pipeline: 4 of 8 layers pipelined (4 after them run with stage as data parallelism)" in pipeline.banner(config)
-  rules = dict((name, axes) for name, axes in pipeline.act_as_dp_rules(config.logical_axis_rules))
-  assert rules["activation_batch"] == ["data", "fsdp", "expert", "stage"] and rules["layers"] == ["stage"] and rules["layers_outside_pipeline"] == []
+  assert "pipeline: 4 of 8 layers pipelined (4 after them run on every stage)" in pipeline.banner(config)
+  rules = dict((name, axes) for name, axes in config.logical_axis_rules)
+  assert rules["layers"] == ["stage"] and rules["layers_outside_pipeline"] == []
   one_device = from_overrides(num_devices=1, **{**SMALL, **MODELS["mixtral"], "per_device_batch_size": 8 * SMALL["per_device_batch_size"]})
   ref_loss, ref_grads = loss_and_grads("mixtral", one_device)  # the same global batch
   loss, grads = loss_and_grads("mixtral", config)
@@ -322,6 +322,8 @@ def test_pipeline_parallel_layers_checkpoint_resumes_on_one_device_and_back(trai
   with jax.set_mesh(one_setup.mesh):
     restored = Checkpointer(one.model_copy(update={"checkpoint_dir": pp_config.checkpoint_dir})).restore_latest(one_setup.abstract_state).state
   expected = pipeline.to_storage(pp_state, pp_config)
+  joined = [x for x in jax.tree.leaves(expected["params"]) if x.ndim > 1 and x.shape[0] == pp_config.num_decoder_layers]
+  assert joined and all("stage" in str(x.sharding.spec) for x in joined)  # the joined stack stays split over the stages
   for key in ("params", "opt_state"):
     for a, b in zip(jax.tree.leaves(expected[key]), jax.tree.leaves(restored[key]), strict=True):
       np.testing.assert_array_equal(np.asarray(b), np.asarray(a))

@@ -299,8 +299,7 @@ class PipelineParallelism(Section):
   )
   pipeline_parallel_layers: int = Field(
     -1,
-    description="Pipeline only the first this many main-stack decoder layers; the rest run after the pipeline with the stage axis as data "
-    "parallelism; -1 -> all of them.",
+    description="Pipeline only the first this many main-stack decoder layers; the rest run after the pipeline, on every stage; -1 -> all of them.",
   )
   num_pipeline_repeats: int = Field(
     -1,

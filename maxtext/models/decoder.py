@@ -48,21 +48,20 @@ def stacked_layers(config: MaxTextConfig, policy: Policy, keys: jax.Array, axis:
   return nnx.merge(graphdef, state)
 
 
-def main_stacks(config: MaxTextConfig, outer: MaxTextConfig, policy: Policy, rngs: nnx.Rngs) -> tuple[DecoderLayer, DecoderLayer | None]:
+def main_stacks(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs) -> tuple[DecoderLayer, DecoderLayer | None]:
   """The layers after first_num_dense_layers, stacked: (axis 'layers', the layers after them on axis
   'layers_outside_pipeline', or None).
 
   Without a pipeline 'layers' holds them all. With one it holds the first pipeline_parallel_layers, sharded over
-  `stage`, in the pipeline's train-state order; the rest, if any, are built with `outer` (the rules that shard their
-  activations' batch over `stage` too). Each layer gets the random key of its plain index, so every layout starts
-  with the same weights.
+  `stage`, in the pipeline's train-state order; the rest, if any, form the second stack, not split by stage. Each
+  layer gets the random key of its plain index, so every layout starts with the same weights.
   """
   keys = jax.random.split(rngs.params(), config.num_decoder_layers - config.first_num_dense_layers)
   plan = pipeline.Plan.of(config)
   if plan is None:
     return stacked_layers(config, policy, keys, LAYERS_AXIS), None
   pipelined = stacked_layers(config, policy, keys[: plan.layers][plan.order()], LAYERS_AXIS)
-  return pipelined, stacked_layers(outer, policy, keys[plan.layers :], OUTSIDE_AXIS) if plan.outside else None
+  return pipelined, stacked_layers(config, policy, keys[plan.layers :], OUTSIDE_AXIS) if plan.outside else None
 
 
 def tied_to_carry(weights: Any, carry: jax.Array, compute_dtype: Any) -> Any:
@@ -94,13 +93,10 @@ class Transformer(nnx.Module):
     # Tied tables also produce the logits: unit-variance rows would give logits of std sqrt(emb_dim) at init.
     tied_scale = 1.0 if (c.normalize_embedding_logits or not c.logits_via_embedding) else c.emb_dim**-0.5
     self.embed = Embed(c.vocab_size, c.emb_dim, init_std=tied_scale, dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
-    # Everything outside the pipeline (embedding, DeepSeek's dense layers, the layers after pipeline_parallel_layers,
-    # logits, MTP) splits its activations' batch over `stage` as well: `outer` is the config with those rules.
-    self.outer = c if pipeline.Plan.of(c) is None else c.model_copy(update={"logical_axis_rules": pipeline.act_as_dp_rules(c.logical_axis_rules)})
     n_dense = c.first_num_dense_layers
     if c.scan_layers:
-      self.dense_layers = stacked_layers(self.outer, policy, jax.random.split(rngs.params(), n_dense), DENSE_LAYERS_AXIS, dense=True) if n_dense else None
-      self.layers, self.layers_outside_pipeline = main_stacks(c, self.outer, policy, rngs)
+      self.dense_layers = stacked_layers(c, policy, jax.random.split(rngs.params(), n_dense), DENSE_LAYERS_AXIS, dense=True) if n_dense else None
+      self.layers, self.layers_outside_pipeline = main_stacks(c, policy, rngs)
     else:
       self.dense_layers = nnx.List([DecoderLayer(c, self.family, policy=policy, rngs=rngs, dense=True) for _ in range(n_dense)]) if n_dense else None
       self.layers = nnx.List([DecoderLayer(c, self.family, policy=policy, rngs=rngs) for _ in range(c.num_decoder_layers - n_dense)])
@@ -111,7 +107,7 @@ class Transformer(nnx.Module):
     # The output kernel stays in weight_dtype; quantize_logits_proj quantizes its product (output_head).
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **{**kw, "quant": None})
     mtp_policy = dataclasses.replace(policy, quantization=None)  # MaxText's quantize_mtp=false: the MTP modules stay unquantized
-    self.mtp = nnx.List([MTPBlock(self.outer, self.family, policy=mtp_policy, rngs=rngs) for _ in range(c.mtp_num_layers)]) if c.mtp_num_layers else None
+    self.mtp = nnx.List([MTPBlock(c, self.family, policy=mtp_policy, rngs=rngs) for _ in range(c.mtp_num_layers)]) if c.mtp_num_layers else None
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """Token embeddings as the first layer sees them (scaled by sqrt(emb_dim) for Gemma)."""
@@ -122,7 +118,7 @@ class Transformer(nnx.Module):
 
   def input_stream(self, tokens: jax.Array) -> jax.Array:
     """tokens [B, S] -> the residual stream state entering the first layer ([B, S, E], or [B, S, n, E] with mHC)."""
-    x = constrain(self.embed_tokens(tokens), ("activation_batch", "activation_length", "activation_embed"), self.outer.logical_axis_rules)
+    x = constrain(self.embed_tokens(tokens), ("activation_batch", "activation_length", "activation_embed"), self.config.logical_axis_rules)
     return expand_streams(x, self.config)
 
   def hidden_states(
@@ -250,7 +246,7 @@ class Transformer(nnx.Module):
       precision(c.matmul_precision),
       scale,
       c.final_logits_soft_cap or 0.0,
-      self.outer.logical_axis_rules,
+      c.logical_axis_rules,
       self.policy.integer_bf16_rounding,
       c.num_vocab_tiling,
       dataclasses.replace(self.policy.quantization, stored=False) if c.quantize_logits_proj else None,

@@ -9,8 +9,9 @@ delay d (2 with pipeline_delay_activation_forwarding, else 1):
   the identity when v = 1), so the stored layout does not depend on the pipeline.
 - Layers outside. With pipeline_parallel_layers = L below the main stack's M layers, only its first L layers form
   the pipelined stack; the other M - L form a second stack (logical axis 'layers_outside_pipeline', not split over
-  `stage`) that the decoder runs after the pipeline, with `stage` as data parallelism there as everywhere outside the
-  pipeline (act_as_dp_rules). Checkpoints join the two stacks into one plain-order 'layers' stack of M layers.
+  `stage`) that the decoder runs after the pipeline on every stage, as it runs the embedding and the logits.
+  Checkpoints join the two stacks into one plain-order 'layers' stack of M layers, split over `stage` on another
+  dimension (mesh.over_axis) so that no device holds more of it than of the two stacks.
 - Schedule. Work item j = r m + k is microbatch k at repeat r. In iteration t stage s runs item j = t - d s when
   0 <= j < m v, on its block r = j div m, with the per-layer scan and remat of the unpipelined decoder inside.
   T = m v + d (p - 1) iterations; the bubble (work discarded) is d (p - 1) / (m v + d (p - 1)).
@@ -34,6 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
 from maxtext.config.derived import axis_size
 from maxtext.mesh import logical_to_spec
@@ -104,28 +106,12 @@ def banner(config: MaxTextConfig) -> str | None:
   plan = Plan.of(config)
   if plan is None:
     return None
-  outside = f" ({plan.outside} after them run with stage as data parallelism)" if plan.outside else ""
+  outside = f" ({plan.outside} after them run on every stage)" if plan.outside else ""
   return (
     f"pipeline: {plan.layers} of {plan.layers + plan.outside} layers pipelined{outside}, {plan.schedule}, {plan.stages} stages, {plan.microbatches} microbatches, "
     f"{plan.iterations} iterations, "
     f"bubble {plan.bubble:.1%} = {plan.delay}x({plan.stages}-1)/({plan.microbatches}x{plan.repeats}+{plan.delay}x({plan.stages}-1))"
   )
-
-
-def act_as_dp_rules(rules: Any) -> list:
-  """Logical axis rules for everything outside the pipeline (embedding, the layers after pipeline_parallel_layers,
-  logits): `stage` joins the mesh axes of every rule that names `data`, as the last of them, so the batch is split
-  over the stages there instead of replicated on them, and each device's rows outside the pipeline are a slice of
-  its rows inside it. MaxText puts `stage` before `data`: with data parallelism across slices that order (and
-  `stage` right after `data`) made XLA's partitioner replicate whole-batch arrays (AOT figures: docs/tpu.md).
-  Rules without `data` (all weights' rules) stay as they are."""
-  out = []
-  for name, axes in rules:
-    axes = [axes] if isinstance(axes, str) else list(axes)
-    if "data" in axes:
-      axes = [a for a in axes if a != STAGE_AXIS] + [STAGE_AXIS]
-    out.append([name, axes])
-  return out
 
 
 # ------------------------------------------------------------------------------------- train state <-> checkpoints
@@ -140,12 +126,14 @@ def _stacked(v: Any) -> bool:
   return _is_var(v) and hasattr(v.get_value(), "shape") and (v.get_metadata().get("logical_axes") or (None,))[0] == LAYERS_AXIS
 
 
-def _spec_of(value: Any, first: str | None, axes: tuple, rules: Any) -> Any:
-  """value's NamedSharding with the leading axis's logical name `first` (None where value has no mesh)."""
+def _spec_of(value: Any, first: str | None, axes: tuple, rules: Any, shape: tuple[int, ...] | None = None) -> Any:
+  """value's NamedSharding (in its memory) with the leading axis's logical name `first` (None where value has no
+  mesh); given the shape of a joined stack (first None), also split over `stage` where a dimension allows."""
   sharding = getattr(value, "sharding", None)
   if not isinstance(sharding, jax.sharding.NamedSharding):
     return None
-  return jax.sharding.NamedSharding(sharding.mesh, logical_to_spec((first, *axes[1:]), rules, sharding.mesh))
+  named = jax.sharding.NamedSharding(sharding.mesh, logical_to_spec((first, *axes[1:]), rules, sharding.mesh), memory_kind=sharding.memory_kind)
+  return named if shape is None else mesh_lib.over_axis(named, shape, STAGE_AXIS)
 
 
 def _apply(fn: Callable, values: list, shardings: list, donate: bool) -> list:
@@ -187,7 +175,10 @@ def _join(m: Any, plan: Plan, rules: Any) -> Any:
 
   values = [leaves[i].get_value() for i in chosen] + ([outside[i].get_value() for i in chosen] if plan.outside else [])
   axes = [tuple(leaves[i].get_metadata()["logical_axes"]) for i in chosen]
-  shardings = [_spec_of(leaves[i].get_value(), None if plan.outside else LAYERS_AXIS, a, rules) for i, a in zip(chosen, axes, strict=True)]
+  joined = [(plan.layers + plan.outside, *leaves[i].get_value().shape[1:]) if plan.outside else None for i in chosen]
+  shardings = [
+    _spec_of(leaves[i].get_value(), None if plan.outside else LAYERS_AXIS, a, rules, shape) for i, a, shape in zip(chosen, axes, joined, strict=True)
+  ]
   for i, value in zip(chosen, _apply(fn, values, shardings, donate=False), strict=True):
     leaves[i] = leaves[i].replace(value=value)
   raw[LAYERS_AXIS] = jax.tree.unflatten(treedef, leaves)

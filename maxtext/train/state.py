@@ -13,7 +13,6 @@ the rest stay frozen (LoRA marks its adapters here). Checkpoints store this dict
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -71,25 +70,8 @@ def train_state_shardings(abstract: TrainState, config: MaxTextConfig, mesh: Mes
   the data axis too (shard_optimizer_over_data) and kept in host memory (optimizer_memory_host_offload)."""
   tree = shardings(abstract, config, mesh)
   if config.shard_optimizer_over_data:
-    tree = dict(tree, opt_state=jax.tree.map(lambda s, a: over_axis(s, a.shape, DATA_AXIS), tree["opt_state"], abstract["opt_state"]))
+    tree = dict(tree, opt_state=jax.tree.map(lambda s, a: mesh_lib.over_axis(s, a.shape, DATA_AXIS), tree["opt_state"], abstract["opt_state"]))
   return offload_optimizer(tree, config)
-
-
-def over_axis(sharding: NamedSharding, shape: tuple[int, ...], axis: str) -> NamedSharding:
-  """sharding with its array also split over mesh axis `axis`, on the dimension that then keeps the largest
-  shards; unchanged where the axis has size 1, is already used, or divides no dimension with the axes there."""
-  mesh, size = sharding.mesh, sharding.mesh.shape.get(axis, 1)
-  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-  names = [(p,) if isinstance(p, str) else tuple(p or ()) for p in spec]
-  if size == 1 or any(axis in n for n in names):
-    return sharding
-  ways = [math.prod(mesh.shape[a] for a in n) * size for n in names]
-  fits = [d for d in range(len(shape)) if shape[d] % ways[d] == 0]
-  if not fits:
-    return sharding
-  dim = max(fits, key=lambda d: shape[d] // ways[d])
-  spec[dim] = (*names[dim], axis)
-  return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind)
 
 
 def offload_optimizer(shardings_tree: TrainState, config: MaxTextConfig) -> TrainState:
