@@ -196,7 +196,7 @@ PIPELINED = dict(
   pipeline_fsdp_ag_once=True,
 )
 # pipeline_parallel_layers: the first 4 of the 8 layers pipelined (2 stages x 2 repeats), the other 4 after the pipeline
-# with `stage` as data parallelism.
+# on every stage.
 PARTIAL = dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2, pipeline_parallel_layers=4, num_pipeline_microbatches=4)
 CIRCULAR_4 = dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1, num_pipeline_microbatches=8)
 
