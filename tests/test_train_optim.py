@@ -59,6 +59,21 @@ def test_adamw_first_step_decays_kernels_but_not_norm_scales_or_biases():
   np.testing.assert_allclose(u["bias"], -1.0, rtol=1e-6)
 
 
+def test_adamw_mask_exempts_the_parameters_its_patterns_find_from_decay():
+  """adamw_mask (MaxText's key): regular expressions over parameter paths; what they find gets no weight decay,
+  with AdamW and with Muon's masked decay alike; other kernels still decay. A bad pattern is a one-line error."""
+  from maxtext.errors import ConfigError
+
+  for opt_type in ("adamw", "muon"):
+    config = tiny_config(num_devices=1, opt_type=opt_type, adam_weight_decay=0.1, adam_eps=0.0, gradient_clipping_threshold=0.0, adamw_mask=["^kern"])
+    plain = _update(config.model_copy(update={"adamw_mask": []}))
+    masked = _update(config)
+    np.testing.assert_allclose(masked["kernel"], plain["kernel"] + 0.1 * 2.0, rtol=1e-5)  # the decay term -wd * p is gone
+    np.testing.assert_allclose(masked["scale"], plain["scale"], rtol=1e-6)
+  with pytest.raises(ConfigError, match="adamw_mask"):
+    tiny_config(num_devices=1, adamw_mask=["(unclosed"])
+
+
 def test_sgd_momentum_accumulates():
   config = tiny_config(num_devices=1, opt_type="sgd", sgd_momentum=0.5, gradient_clipping_threshold=0.0)
   np.testing.assert_allclose(_update(config, steps=2)["kernel"], -(1.0 + 0.5), rtol=1e-6)

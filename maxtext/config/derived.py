@@ -162,10 +162,11 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
     raise ConfigError(
       f"invalid value for 'max_num_checkpoints_to_keep': {c.max_num_checkpoints_to_keep}; it would delete every checkpoint; use a positive number or leave it unset to keep all"
     )
-  try:
-    re.compile(c.lora.lora_module_path)
-  except re.error as e:
-    raise ConfigError(f"invalid value for 'lora.lora_module_path': {c.lora.lora_module_path!r} is not a regular expression ({e}); fix the pattern") from None
+  for key, pattern in [("lora.lora_module_path", c.lora.lora_module_path)] + [("adamw_mask", p) for p in c.adamw_mask]:
+    try:
+      re.compile(pattern)
+    except re.error as e:
+      raise ConfigError(f"invalid value for '{key}': {pattern!r} is not a regular expression ({e}); fix the pattern") from None
   if c.lr_schedule_type == "wsd" and c.warmup_steps_fraction + c.wsd_decay_steps_fraction > 1:
     raise ConfigError("warmup_steps_fraction + wsd_decay_steps_fraction > 1; lower one of them")
   unknown_axes = [a for a in c.mesh_axes if a not in PARALLEL_AXES]

@@ -412,6 +412,9 @@ class AdamW(Section):
   adam_eps: float = Field(1e-8, ge=0, description="Added to the denominator outside the square root.")
   adam_eps_root: float = Field(0.0, ge=0, description="Added to the second moment inside the square root.")
   adam_weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (norm scales and biases excluded).")
+  adamw_mask: list[str] = Field(
+    [], description="Regular expressions; a parameter whose path (e.g. 'layers/mlp/wi_0/kernel') one of them finds gets no weight decay either."
+  )
   mu_dtype: Literal["", "float32", "bfloat16"] = Field(
     "", description="adamw, muon and sgd with momentum: storage dtype of the first moment (momentum); '' -> weight_dtype. bfloat16 saves 2 bytes per parameter."
   )

@@ -11,6 +11,7 @@ and momentum do not move an adapter that no document in the batch trains.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import jax
@@ -36,9 +37,17 @@ def _path_names(path: tuple) -> list[str]:
   return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
-def decay_mask(params: Any) -> Any:
-  """True for parameters that get weight decay: everything except norm scales, biases and sinks."""
-  return jax.tree_util.tree_map_with_path(lambda path, _: not _is_vector_path(_path_names(path)), params)
+def decay_mask(params: Any, excluded: tuple[str, ...] = ()) -> Any:
+  """True for parameters that get weight decay: everything except norm scales, biases and sinks, and parameters
+  whose path ('layers/mlp/wi_0/kernel') one of the regular expressions `excluded` finds (adamw_mask)."""
+  patterns = [re.compile(p) for p in excluded]
+
+  def decays(path: tuple) -> bool:
+    names = _path_names(path)
+    joined = "/".join(names[:-1] if names and names[-1] == "value" else names)
+    return not _is_vector_path(names) and not any(p.search(joined) for p in patterns)
+
+  return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
 
 
 def _is_vector_path(names: list[str]) -> bool:
@@ -146,7 +155,7 @@ def build(config: MaxTextConfig) -> optax.GradientTransformation:
       eps_root=config.adam_eps_root,
       weight_decay=config.adam_weight_decay,
       mu_dtype=mu_dtype(config),
-      mask=decay_mask,
+      mask=functools.partial(decay_mask, excluded=tuple(config.adamw_mask)),
     )
   elif config.opt_type == "sgd":
     opt = optax.sgd(1.0, momentum=config.sgd_momentum or None, accumulator_dtype=mu_dtype(config))
@@ -162,7 +171,7 @@ def build(config: MaxTextConfig) -> optax.GradientTransformation:
       mu_dtype=mu_dtype(config),
       muon_weight_dimension_numbers=functools.partial(_muon_dims_tree, slot_axis=slot_axis),
     )
-    opt = optax.chain(muon, optax.add_decayed_weights(-config.adam_weight_decay, mask=decay_mask))
+    opt = optax.chain(muon, optax.add_decayed_weights(-config.adam_weight_decay, mask=functools.partial(decay_mask, excluded=tuple(config.adamw_mask))))
   if config.gradient_clipping_threshold > 0:
     opt = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), opt)
   if slot_axis is not None:
