@@ -44,8 +44,7 @@ def decay_mask(params: Any, excluded: tuple[str, ...] = ()) -> Any:
 
   def decays(path: tuple) -> bool:
     names = _path_names(path)
-    joined = "/".join(names[:-1] if names and names[-1] == "value" else names)
-    return not _is_vector_path(names) and not any(p.search(joined) for p in patterns)
+    return not _is_vector_path(names) and not any(p.search(_joined(names)) for p in patterns)
 
   return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
 
@@ -55,9 +54,14 @@ def _is_vector_path(names: list[str]) -> bool:
   return any(n in name for name in names for n in NO_DECAY_NAMES)
 
 
+def _joined(names: list[str]) -> str:
+  """A parameter's path as 'layers/mlp/wi_0/kernel' (nnx states add a trailing 'value'; optimizer moments lead with their own keys)."""
+  return "/".join(names[:-1] if names and names[-1] == "value" else names)
+
+
 def _is_adapter_path(names: list[str]) -> bool:
-  """An adapter matrix, by lora's rule (nnx states add a trailing 'value'; optimizer moments lead with their own keys)."""
-  return is_adapter_path("/".join(names[:-1] if names and names[-1] == "value" else names))
+  """An adapter matrix, by lora's rule."""
+  return is_adapter_path(_joined(names))
 
 
 def adapter_slot_axes(params: Any, slot_axis: int) -> Any:
@@ -143,6 +147,7 @@ def mu_dtype(config: MaxTextConfig) -> jnp.dtype:
 
 def build(config: MaxTextConfig) -> optax.GradientTransformation:
   """Gradient clipping + the chosen optimizer at unit learning rate (updates are -direction)."""
+  decays = functools.partial(decay_mask, excluded=tuple(config.adamw_mask))
   slot_axis = None
   if config.lora.enable_lora and config.lora.max_lora_adapters > 1:
     slot_axis = lora_slot_axis(config)
@@ -155,7 +160,7 @@ def build(config: MaxTextConfig) -> optax.GradientTransformation:
       eps_root=config.adam_eps_root,
       weight_decay=config.adam_weight_decay,
       mu_dtype=mu_dtype(config),
-      mask=functools.partial(decay_mask, excluded=tuple(config.adamw_mask)),
+      mask=decays,
     )
   elif config.opt_type == "sgd":
     opt = optax.sgd(1.0, momentum=config.sgd_momentum or None, accumulator_dtype=mu_dtype(config))
@@ -171,7 +176,7 @@ def build(config: MaxTextConfig) -> optax.GradientTransformation:
       mu_dtype=mu_dtype(config),
       muon_weight_dimension_numbers=functools.partial(_muon_dims_tree, slot_axis=slot_axis),
     )
-    opt = optax.chain(muon, optax.add_decayed_weights(-config.adam_weight_decay, mask=functools.partial(decay_mask, excluded=tuple(config.adamw_mask))))
+    opt = optax.chain(muon, optax.add_decayed_weights(-config.adam_weight_decay, mask=decays))
   if config.gradient_clipping_threshold > 0:
     opt = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), opt)
   if slot_axis is not None:

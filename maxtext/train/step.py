@@ -141,10 +141,6 @@ def make_train_step(
     grads = jax.lax.optimization_barrier(grads)
     loss = objective.loss(sums, weight)
     grad_norm = optax.tree.norm(grads)
-    if opt_state_on_device is not None and objective.iterations == 1:
-      # No barrier ties the copy to the gradients: XLA schedules it, and tied to them it measured more device memory
-      # (benchmarks/README.md, "Optimizer state in host memory").
-      state = dict(state, opt_state=jax.device_put(state["opt_state"], opt_state_on_device))
     updates, opt_state = optimizer.update(grads, state["opt_state"], trainable)
     new_trainable = optax.apply_updates(trainable, jax.tree.map(lambda u: lr * u, updates))
     new_state = dict(state, params=nnx.merge_state(new_trainable, frozen), opt_state=opt_state)
@@ -162,11 +158,13 @@ def make_train_step(
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       weight = objective.weight(batch)
       lr = schedule(state["step"])
+      if opt_state_on_device is not None:
+        # One copy for the step's updates, which XLA schedules: tied to the finished gradients by a barrier it
+        # measured more device memory (benchmarks/README.md, "Optimizer state in host memory").
+        state = dict(state, opt_state=jax.device_put(state["opt_state"], opt_state_on_device))
       if objective.iterations == 1:
         new_state, metrics = update(state, batch, weight, lr)
       else:  # several updates on one batch: metrics are their means
-        if opt_state_on_device is not None:  # the loop carries the optimizer state on the device
-          state = dict(state, opt_state=jax.device_put(state["opt_state"], opt_state_on_device))
 
         def one(s, _):
           return update(s, batch, weight, lr)
