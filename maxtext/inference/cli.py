@@ -34,7 +34,7 @@ def check_adapter(config: MaxTextConfig) -> list[str] | None:
 
 def check_training_only_axes(config: MaxTextConfig) -> None:
   """Decoding runs no pipeline and no context parallelism: a config that asks for either is a one-line error."""
-  from maxtext.config.derived import axis_size
+  from maxtext.config.parallelism import axis_size
 
   for axis, keys in (("stage", "ici_pipeline_parallelism, dcn_pipeline_parallelism"), ("context", "ici_context_parallelism, dcn_context_parallelism")):
     if axis_size(config.ici_parallelism, config.dcn_parallelism, config.mesh_axes, axis) > 1:

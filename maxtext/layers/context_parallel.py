@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtext.config import MaxTextConfig
-from maxtext.config.derived import axis_size
+from maxtext.config.parallelism import axis_size
 from maxtext.layers.chunked_attention import ChunkedBlocks, chunked_attention
 from maxtext.layers.xla_attention import attention_mask, xla_attention
 from maxtext.mesh import logical_to_spec

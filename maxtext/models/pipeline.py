@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
-from maxtext.config.derived import axis_size
+from maxtext.config.parallelism import axis_size
 from maxtext.mesh import logical_to_spec
 
 STAGE_AXIS = "stage"
