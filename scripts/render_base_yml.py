@@ -1,4 +1,4 @@
-"""Regenerate configs/base.yml from the pydantic schema (run after editing sections.py)."""
+"""Regenerate configs/base.yml from the pydantic schema (run after editing sections.py or model_sections.py)."""
 
 from pathlib import Path
 

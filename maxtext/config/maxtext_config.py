@@ -4,26 +4,27 @@ from __future__ import annotations
 
 from pydantic import ConfigDict
 
+from maxtext.config import model_sections as m
 from maxtext.config import sections as s
 
 SECTION_CLASSES: tuple[type[s.Section], ...] = (
   s.RunInfo,
   s.Distributed,
   s.Checkpointing,
-  s.DataTypes,
-  s.ModelArchitecture,
-  s.Attention,
-  s.SplashAttention,
-  s.MlaAttention,
-  s.Rope,
-  s.YarnRope,
-  s.MoEGeneral,
-  s.MoEKernels,
-  s.DeepSeekMoE,
-  s.MTP,
-  s.ManifoldConstrainedHyperConnections,
-  s.Logits,
-  s.Quantization,
+  m.DataTypes,
+  m.ModelArchitecture,
+  m.Attention,
+  m.SplashAttention,
+  m.MlaAttention,
+  m.Rope,
+  m.YarnRope,
+  m.MoEGeneral,
+  m.MoEKernels,
+  m.DeepSeekMoE,
+  m.MTP,
+  m.ManifoldConstrainedHyperConnections,
+  m.Logits,
+  m.Quantization,
   s.HardwareAndMesh,
   s.IciParallelism,
   s.DcnParallelism,

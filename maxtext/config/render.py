@@ -13,7 +13,7 @@ from maxtext.config.sections import DerivedValues
 
 HEADER = """\
 # maxtext base config: every key with its default and a one-line comment.
-# Generated from maxtext/config/sections.py by scripts/render_base_yml.py;
+# Generated from maxtext/config/sections.py and model_sections.py by scripts/render_base_yml.py;
 # tests/test_config_schema.py fails if the two drift apart.
 # Override any key with key=value on the command line or an M_<KEY> environment variable.
 """

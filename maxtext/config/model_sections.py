@@ -1,0 +1,207 @@
+"""The model's config sections, named after MaxText's (dtypes, architecture, attention, rope, MoE, MTP, mHC, logits,
+quantization); the run's are in maxtext.config.sections, and MaxTextConfig merges both."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from maxtext.config.sections import Section
+
+
+class DataTypes(Section):
+  dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Activation and compute dtype.")
+  weight_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter storage dtype.")
+  matmul_precision: Literal["default", "high", "highest"] = Field("default", description="jax.lax precision for matmuls.")
+
+
+class ModelArchitecture(Section):
+  decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "deepseek"] = Field(
+    "llama2", description="Decoder family (block type)."
+  )
+  global_parameter_scale: int = Field(1, gt=0, description="Power of two scaling layers, heads, mlp and embedding dims (see docs/config.md).")
+  base_emb_dim: int = Field(2048, gt=0, description="Model (embedding) width before global_parameter_scale.")
+  base_num_query_heads: int = Field(16, gt=0, description="Query heads before global_parameter_scale.")
+  base_num_kv_heads: int = Field(16, gt=0, description="Key/value heads before global_parameter_scale.")
+  base_mlp_dim: int = Field(7168, gt=0, description="MLP hidden width before global_parameter_scale.")
+  base_num_decoder_layers: int = Field(16, gt=0, description="Decoder layers before global_parameter_scale.")
+  head_dim: int = Field(128, gt=0, description="Width of each attention head.")
+  mlp_activations: list[Literal["silu", "gelu", "gelu_exact", "relu", "sigmoid", "linear"]] = Field(
+    ["silu", "linear"], min_length=1, max_length=2, description="MLP activations; two entries make a gated MLP (act0(x W0) * act1(x W1))."
+  )
+  mlp_activations_limit: float = Field(
+    -1.0,
+    description="gpt_oss experts' clamped SwiGLU: x W0 clipped to <= limit, x W1 to [-limit, limit], then (x W1 + 1) * x W0 * act0(1.702 x W0); -1 -> off.",
+  )
+  vocab_size: int = Field(32_000, gt=0, description="Vocabulary size of the embedding and output logits.")
+  normalization_layer_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+  use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head before rotary embedding (qwen3, gemma3).")
+  attention_bias: bool = Field(False, description="q/k/v/o projection biases (gpt_oss; HF attention_bias of llama, qwen3, gemma).")
+
+
+class Attention(Section):
+  attention: Literal["autoselected", "dot_product", "flash", "cudnn"] = Field(
+    "autoselected",
+    description="autoselected: the platform's fused kernel where it honours the inputs, else XLA (logged); flash: the fused kernel or a "
+    "config error; cudnn: GPU cuDNN or a config error; dot_product: XLA (docs/models.md).",
+  )
+  sliding_window_size: int = Field(0, ge=0, description="Local attention window for sliding-window layers; 0 -> full attention.")
+  attn_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on attention logits; None -> off.")
+  query_pre_attn_scalar: float = Field(0.0, ge=0, description="Queries are scaled by 1/sqrt(this); 0 -> head_dim.")
+  attention_sink: bool = Field(
+    False, description="A learned logit per query head joins every attention softmax (gpt_oss's sinks; families whose checkpoints have them)."
+  )
+
+
+class SplashAttention(Section):
+  sa_block_q: int = Field(512, gt=0, description="TPU splash attention: query block of the forward pass.")
+  sa_block_kv: int = Field(512, gt=0, description="TPU splash attention: key/value block of the forward pass.")
+  sa_block_kv_compute: int = Field(512, gt=0, description="TPU splash attention: key/value sub-block computed at once (divides sa_block_kv).")
+  sa_block_q_dkv: int = Field(512, gt=0, description="TPU splash attention: query block of the dK/dV backward kernel.")
+  sa_block_kv_dkv: int = Field(512, gt=0, description="TPU splash attention: key/value block of the dK/dV backward kernel.")
+  sa_block_kv_dkv_compute: int = Field(512, gt=0, description="TPU splash attention: key/value sub-block of the dK/dV kernel.")
+  sa_block_q_dq: int = Field(512, gt=0, description="TPU splash attention: query block of the dQ backward kernel (unfused backward).")
+  sa_block_kv_dq: int = Field(512, gt=0, description="TPU splash attention: key/value block of the dQ backward kernel (unfused backward).")
+  sa_use_fused_bwd_kernel: bool = Field(False, description="TPU splash attention: one backward kernel computes dQ, dK and dV.")
+
+
+class MlaAttention(Section):
+  q_lora_rank: int = Field(0, ge=0, description="deepseek MLA: rank of the query down-projection; 0 -> queries projected directly from the input.")
+  kv_lora_rank: int = Field(512, ge=0, description="deepseek MLA: rank of the compressed key/value latent.")
+  qk_nope_head_dim: int = Field(128, ge=0, description="deepseek MLA: per-head query/key width without rotary embedding.")
+  qk_rope_head_dim: int = Field(64, ge=0, description="deepseek MLA: per-head query width with rotary embedding; the rotary key is shared by all heads.")
+  v_head_dim: int = Field(128, ge=0, description="deepseek MLA: per-head value width.")
+  mla_naive_kvcache: bool = Field(
+    False,
+    description="deepseek decoding: true caches per-head keys and values (the naive form); false caches the compressed latent and rotary key "
+    "(kv_lora_rank + qk_rope_head_dim values per token) and decode steps attend in the latent space (absorbed form).",
+  )
+
+
+class Rope(Section):
+  rope_type: Literal["default", "llama3.1", "yarn"] = Field(
+    "default", description="Rotary embedding variant; llama3.1 adds frequency scaling; yarn (deepseek, gpt_oss) NTK-by-parts scaling."
+  )
+  rope_max_timescale: float = Field(10_000.0, gt=0, description="Rotary base wavelength (theta).")
+  rope_scaling_factor: float = Field(8.0, gt=0, description="llama3.1 rope: frequency scaling factor.")
+  rope_low_freq_factor: float = Field(1.0, gt=0, description="llama3.1 rope: low-frequency factor.")
+  rope_high_freq_factor: float = Field(4.0, gt=0, description="llama3.1 rope: high-frequency factor.")
+  rope_original_max_position_embeddings: int = Field(8192, gt=0, description="llama3.1 rope: original context length.")
+  rope_linear_scaling_factor: float = Field(
+    1.0, gt=0, description="Positions divided by this on the layers that use rope_max_timescale (gemma3: the global layers); 1 -> off."
+  )
+  local_rope_max_timescale: float = Field(
+    -1.0, description="Rotary base of sliding-window (local) layers, which then take no linear scaling (gemma3); -1 -> rope_max_timescale."
+  )
+
+
+class YarnRope(Section):
+  original_max_position_embeddings: int = Field(4096, gt=0, description="yarn rope: context length the model was pretrained with.")
+  rope_factor: int = Field(40, gt=0, description="yarn rope: context extension factor.")
+  beta_fast: int = Field(32, gt=0, description="yarn rope: rotations above which frequencies are kept (extrapolated).")
+  beta_slow: int = Field(1, gt=0, description="yarn rope: rotations below which frequencies are divided by rope_factor (interpolated).")
+  mscale: float = Field(1.0, ge=0, description="yarn rope, deepseek MLA: softmax scale multiplied by (0.1 mscale ln(rope_factor) + 1)^2; 0 -> no correction.")
+  rope_interleave: bool = Field(
+    True, description="MLA and yarn rope: rotary pairs are interleaved (x0, x1), (x2, x3), ... rather than split in halves (other rope: always halves)."
+  )
+  rope_truncate: bool = Field(True, description="yarn rope: round the correction range to whole dimensions.")
+  rope_attention_scaling: bool = Field(False, description="yarn rope: scale cos/sin by (0.1 ln(rope_factor) + 1).")
+
+
+class MoEGeneral(Section):
+  num_experts: int = Field(1, gt=0, description="Experts per MoE layer; 1 -> dense MLP.")
+  num_experts_per_tok: int = Field(1, gt=0, description="Experts each token is routed to (top-k).")
+  load_balance_loss_weight: float = Field(0.01, ge=0, description="Weight of the router load-balance loss added to the training loss.")
+  capacity_factor: float = Field(-1.0, description="Expert capacity = capacity_factor x tokens x top-k / experts; tokens over it are dropped; -1 -> dropless.")
+  base_moe_mlp_dim: int = Field(-1, description="Hidden width of each routed (and shared) expert before global_parameter_scale; -1 -> base_mlp_dim.")
+  norm_topk_prob: bool = Field(False, description="Renormalise the top-k routing weights to sum to 1 (mixtral always does).")
+
+
+class MoEKernels(Section):
+  sparse_matmul: bool = Field(
+    True, description="Experts run as grouped matmuls over tokens sorted by expert; false: dense dispatch (batched matmuls over per-expert buffers)."
+  )
+  megablox: bool = Field(
+    True,
+    description="With sparse_matmul: the platform's grouped-matmul kernel (TPU: Pallas megablox; GPU/CPU: the platform policy's measured choice, "
+    "docs/config.md); false: jax.lax.ragged_dot.",
+  )
+  use_tokamax_gmm: bool = Field(False, description="With sparse_matmul and megablox: tokamax's grouped matmul (pip install tokamax).")
+  wi_tile_fwd_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wi forward grouped matmul.")
+  wi_tile_fwd_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wi forward grouped matmul.")
+  wi_tile_fwd_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wi forward grouped matmul.")
+  wi_tile_dlhs_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wi input-gradient grouped matmul.")
+  wi_tile_dlhs_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wi input-gradient grouped matmul.")
+  wi_tile_dlhs_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wi input-gradient grouped matmul.")
+  wi_tile_drhs_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wi weight-gradient grouped matmul.")
+  wi_tile_drhs_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wi weight-gradient grouped matmul.")
+  wi_tile_drhs_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wi weight-gradient grouped matmul.")
+  wo_tile_fwd_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wo forward grouped matmul.")
+  wo_tile_fwd_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wo forward grouped matmul.")
+  wo_tile_fwd_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wo forward grouped matmul.")
+  wo_tile_dlhs_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wo input-gradient grouped matmul.")
+  wo_tile_dlhs_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wo input-gradient grouped matmul.")
+  wo_tile_dlhs_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wo input-gradient grouped matmul.")
+  wo_tile_drhs_batch_seq: int = Field(512, gt=0, description="megablox: rows (routed tokens) block of the wo weight-gradient grouped matmul.")
+  wo_tile_drhs_embed_dim: int = Field(1024, gt=0, description="megablox: embed block of the wo weight-gradient grouped matmul.")
+  wo_tile_drhs_mlp_dim: int = Field(1024, gt=0, description="megablox: mlp block of the wo weight-gradient grouped matmul.")
+
+
+class DeepSeekMoE(Section):
+  first_num_dense_layers: int = Field(0, ge=0, description="The first this many layers use a dense MLP (base_mlp_dim) instead of experts.")
+  shared_experts: int = Field(0, ge=0, description="Always-on experts per MoE layer, fused into one MLP of width shared_experts x moe_mlp_dim.")
+  routed_scaling_factor: float = Field(1.0, description="Routed experts' weights are multiplied by this.")
+  routed_score_func: Literal["", "softmax", "sigmoid"] = Field("", description="Router scores: softmax (''), or sigmoid (deepseek).")
+  routed_bias: bool = Field(
+    False,
+    description="Per-expert router bias: with sigmoid scores a score-correction bias on the scores that choose experts (not the weights; deepseek), "
+    "with softmax a trained bias on the router logits (gpt_oss).",
+  )
+  routed_bias_update_rate: float = Field(
+    0.0, ge=0, description="Aux-loss-free balancing: each step bias += rate x sign(mean load - expert load); 0 -> bias not updated."
+  )
+  mlp_bias: bool = Field(False, description="Biases on every routed expert's projections (gpt_oss).")
+  n_routing_groups: int = Field(-1, description="Group-limited routing: experts split into this many groups; -1 -> off.")
+  topk_routing_group: int = Field(-1, description="Group-limited routing: tokens choose experts only in their best this many groups; -1 -> off.")
+
+
+class MTP(Section):
+  mtp_num_layers: int = Field(0, ge=0, description="Multi-token prediction modules (layer k predicts token t+1+k); training-only extra loss; 0 -> off.")
+  mtp_loss_scaling_factor: float = Field(0.1, ge=0, description="Weight of the mean multi-token-prediction loss added to the training loss.")
+
+
+class ManifoldConstrainedHyperConnections(Section):
+  mhc_expansion_rate: int = Field(1, gt=0, description="Residual streams n; 1 -> ordinary residual network.")
+  sinkhorn_iterations: int = Field(20, gt=0, description="Sinkhorn-Knopp iterations projecting H_res onto doubly-stochastic matrices.")
+
+
+class Logits(Section):
+  logits_via_embedding: bool = Field(False, description="Tie the output projection to the token embedding.")
+  normalize_embedding_logits: bool = Field(False, description="With tied embeddings, divide logits by sqrt(emb_dim).")
+  final_logits_soft_cap: float | None = Field(None, description="cap * tanh(logits / cap) on output logits; None -> off.")
+  logits_dot_in_fp32: bool = Field(
+    False, description="Output logits matmul on float32 operands with float32 logits; false -> dtype operands, logits rounded to dtype, then float32."
+  )
+
+
+class Quantization(Section):
+  quantization: Literal["", "int8", "fp8", "fp8_full", "int4w"] = Field(
+    "",
+    description="Matmul quantization with qwix (docs/quantization.md): int8 weights and activations; fp8 e4m3 forward, e5m2 gradients; "
+    "fp8_full fp8 with the calibration keys (static scaling); int4w int4 weights (LoRA base, decode); '' off.",
+  )
+  quantization_local_shard_count: int = Field(
+    -1, description="fp8/fp8_full: the weight gradient's quantized contraction (token) axis gets this many scale tiles; -1 -> one per slice."
+  )
+  weight_quantization_calibration_method: str = Field(
+    "absmax", description="fp8_full: weight scale: absmax[,s], rms,s or fixed,lo,hi (static); other modes use absmax."
+  )
+  act_quantization_calibration_method: str = Field("absmax", description="fp8_full: activation scale, as weight_quantization_calibration_method.")
+  bwd_quantization_calibration_method: str = Field("absmax", description="fp8_full: gradient scale, as weight_quantization_calibration_method.")
+  quantize_logits_proj: bool = Field(False, description="Quantize the output (logits) projection too; otherwise it stays in the compute dtype.")
+  quantize_kvcache: bool = Field(False, description="decode: keep keys and values in kv_quant_dtype with scales.")
+  kv_quant_dtype: Literal["int8", "int4"] = Field("int8", description="decode: the quantized KV cache's integer type.")
+  kv_quant_axis: Literal["", "dkv", "heads_and_dkv"] = Field(
+    "heads_and_dkv", description="decode: axes one KV-cache scale covers: dkv (each head's vector), heads_and_dkv (all heads of a token)."
+  )
