@@ -68,7 +68,7 @@ def _rope(hf: HFFields) -> dict[str, Any]:
   scaling, parameters = hf.section("rope_scaling"), hf.section("rope_parameters")
   merged = {**scaling.values, **parameters.values}
   names = {k: ("rope_parameters." if k in parameters.values else "rope_scaling.") + k for k in merged}
-  params = HFFields(merged, hf.source, names=names)
+  params = HFFields(merged, hf.source, "rope_parameters." if parameters.values else "rope_scaling.", names)  # a missing key: the section set
   theta, local_theta = hf.number("rope_theta", 10_000.0, positive=True), hf.number("rope_local_base_freq", None, positive=True)
   local: HFFields | None = None
   if "full_attention" in merged or "sliding_attention" in merged:  # per layer type (gemma3)
