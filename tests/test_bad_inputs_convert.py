@@ -177,3 +177,9 @@ def test_a_tensor_in_two_shards_and_a_broken_index_are_refused(tmp_path):
   (tmp_path / safetensors_io.INDEX).write_text(json.dumps({"metadata": {}}))
   with pytest.raises(ConfigError, match="has no weight_map"):
     safetensors_io.read_tensors(tmp_path)
+
+
+def test_deepseek_dense_layers_must_leave_a_moe_layer():
+  deepseek = dict(model_type="deepseek_v3", num_attention_heads=2, n_routed_experts=4, num_hidden_layers=2, first_k_dense_replace=2)
+  with pytest.raises(ConfigError, match="first_k_dense_replace=2 for num_hidden_layers=2, which leaves no MoE layer"):
+    hf_config.overrides_from_hf(deepseek)

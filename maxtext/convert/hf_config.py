@@ -223,6 +223,9 @@ def _check_consistent(hf: HFFields) -> None:
       raise ConfigError(
         f"config.json has n_group={groups}, topk_group={topk} for n_routed_experts={experts}; n_group must divide the experts and topk_group <= n_group"
       )
+    dense, layers = hf.int("first_k_dense_replace", 0, minimum=0), hf.int("num_hidden_layers")
+    if dense >= layers:
+      raise ConfigError(f"config.json has first_k_dense_replace={dense} for num_hidden_layers={layers}, which leaves no MoE layer; fix one of them")
     nope, rope = hf.int("qk_nope_head_dim"), hf.int("qk_rope_head_dim")
     head_dim = hf.int("head_dim", None)
     if head_dim not in (None, rope):
