@@ -32,7 +32,7 @@ def resolve_tokenizer(config: MaxTextConfig) -> Tokenizer:
 
 def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer) -> features.DocumentEncoder:
   """The record encoder of the run's objective: documents, SFT conversations, DPO pairs or GRPO prompts."""
-  template = resolve_chat_template(config.chat_template, config.chat_template_path, tokenizer.chat_template) if config.use_sft else None
+  template = resolve_chat_template(config.chat_template, config.chat_template_path, tokenizer.chat_template, tokenizer.path) if config.use_sft else None
   kwargs = dict(
     add_bos=config.add_bos,
     add_eos=config.add_eos,
