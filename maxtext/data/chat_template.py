@@ -91,8 +91,7 @@ class ChatTemplate:
         raise DataError(f"{where}: the chat template ({self.source.origin}) ended its renderer process ({e}); fix the template") from None
     if answer.get("error") == NOT_PREFIX:
       raise DataError(
-        f"{where}: the chat template ({self.source.origin}) does not render conversations prefix by prefix; "
-        "use a template whose output only grows turn by turn"
+        f"{where}: the chat template ({self.source.origin}) does not render conversations prefix by prefix; use a template whose output only grows turn by turn"
       )
     if "error" in answer:
       raise DataError(f"{where}: the chat template ({self.source.origin}) failed: {answer['error']}; fix the template or the record")

@@ -28,9 +28,7 @@ class DataIterator:
   so bad data fails before any training step.
   """
 
-  def __init__(
-    self, dataset, config: MaxTextConfig, mesh: Mesh, split: str, description: str, process_index: int, process_count: int, why_empty: str = ""
-  ):
+  def __init__(self, dataset, config: MaxTextConfig, mesh: Mesh, split: str, description: str, process_index: int, process_count: int, why_empty: str = ""):
     self.split = split
     self.description = description
     self.process_index, self.process_count = process_index, process_count
