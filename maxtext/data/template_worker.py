@@ -117,7 +117,9 @@ def send(value: dict) -> None:
 def main() -> None:
   send({"ready": True})
   setup = json.loads(sys.stdin.readline())
-  resource.setrlimit(resource.RLIMIT_AS, (setup["max_bytes"], setup["max_bytes"]))
+  _, hard = resource.getrlimit(resource.RLIMIT_AS)
+  limit = setup["max_bytes"] if hard == resource.RLIM_INFINITY else min(setup["max_bytes"], hard)
+  resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
   max_chars = setup["max_chars"]
   try:
     template = compile_template(setup["source"])
