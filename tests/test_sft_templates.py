@@ -6,7 +6,12 @@ exit 2) is tests/test_bad_inputs_templates.py.
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +31,7 @@ CHATML = (
   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 TURNS = [{"role": "user", "content": "predict the next token"}, {"role": "assistant", "content": "the next token of every document"}]
+REPO = Path(__file__).resolve().parents[1]
 ORIGIN = "chat_template_path '/t.jinja'"
 
 
@@ -100,15 +106,50 @@ def test_failing_template_is_one_data_error_naming_it(source, cause):
   assert "\n" not in message
 
 
+ENDLESS = "{% for m in messages %}{{ m.content }}{% endfor %}{% if messages|length > 1 %}{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
+
+
 def test_endless_template_stops_at_the_deadline_and_the_renderer_restarts(monkeypatch):
   monkeypatch.setattr(chat_template, "RENDER_SECONDS", 1.0)
-  loops = "{% for m in messages %}{{ m.content }}{% endfor %}{% if messages|length > 1 %}{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
-  template = ChatTemplate(TemplateSource(loops, ORIGIN))
+  template = ChatTemplate(TemplateSource(ENDLESS, ORIGIN))
   with pytest.raises(DataError, match=rf"the chat template \({ORIGIN}\) did not finish rendering within 1 s"):
     template.pieces(TURNS, {}, "chat.jsonl line 3")
   # the late renderer was killed; the next conversation starts another
   assert template.pieces(TURNS[:1], {}, "chat.jsonl line 4") == [("predict the next token", False)]
   template.close()
+
+
+def test_renderer_ends_when_its_parent_is_killed_mid_render(tmp_path):
+  """kill -9 of the trainer while its renderer runs an endless loop leaves no renderer behind (it used to spin on)."""
+  pid_file = tmp_path / "renderer.pid"
+  script = f"""
+import sys
+from maxtext.data.chat_template import ChatTemplate, TemplateSource
+t = ChatTemplate(TemplateSource({ENDLESS!r}, "chat_template"))
+open({str(pid_file)!r}, "w").write(str(t._proc.pid))
+t.pieces([{{"role": "user", "content": "a"}}, {{"role": "assistant", "content": "b"}}], {{}}, "here")
+"""
+  parent = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(REPO)))
+  deadline = time.monotonic() + 60
+  while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  renderer = int(pid_file.read_text())
+  time.sleep(0.5)  # the render is under way
+  parent.kill()
+  parent.wait()
+  deadline = time.monotonic() + 15
+  while _alive(renderer) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert not _alive(renderer)
+
+
+def _alive(pid: int) -> bool:
+  """True while pid runs (a zombie, dead but not yet reaped by init, counts as ended)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
 
 
 def test_compile_errors_name_the_template():

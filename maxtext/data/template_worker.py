@@ -11,7 +11,10 @@ so it starts in a fraction of a second). It talks newline-delimited JSON over st
 
 The parent bounds each answer's wall time and kills this process when it is late; this process limits its own
 address space (RLIMIT_AS, so a template that builds a huge value fails with MemoryError here, not in the trainer)
-and the characters each render may produce.
+and the characters each render may produce. Two backstops end it when nobody waits for it any more: a watchdog
+thread exits the process once its parent is gone (it runs between the template's bytecodes), and each request may use
+at most CPU_SECONDS_PER_REQUEST of CPU time (RLIMIT_CPU, raised before each request), so an endless loop never
+outlives the run that started it.
 """
 
 import sys
@@ -20,12 +23,17 @@ if sys.path and sys.path[0]:  # this file's directory (maxtext/data): keep its m
   sys.path.pop(0)
 
 import json  # noqa: E402
+import os  # noqa: E402
 import resource  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
 
 import jinja2  # noqa: E402
 from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
 
 NOT_PREFIX = "not_prefix"  # the error of a template whose output does not only grow turn by turn
+CPU_SECONDS_PER_REQUEST = 60  # far above the parent's wall-time deadline: only reached when the parent is gone or stuck
+PARENT_CHECK_SECONDS = 1.0  # how often the watchdog looks for the parent
 
 
 class TooLong(Exception):
@@ -109,12 +117,37 @@ def cause(e: BaseException) -> str:
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def die_with_parent() -> None:
+  """Exit as soon as the parent process is gone (the renderer is then reparented): a daemon watchdog thread."""
+  parent = os.getppid()
+
+  def watch() -> None:
+    while os.getppid() == parent:
+      time.sleep(PARENT_CHECK_SECONDS)
+    os._exit(1)
+
+  threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
+
+
+def limit_cpu_for_next_request() -> None:
+  """At most CPU_SECONDS_PER_REQUEST more CPU seconds; past them the kernel ends this process (SIGXCPU)."""
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  used = int(usage.ru_utime + usage.ru_stime) + 1
+  _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+  soft = used + CPU_SECONDS_PER_REQUEST
+  if hard != resource.RLIM_INFINITY:
+    soft = min(soft, hard)
+  resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
 def send(value: dict) -> None:
   sys.stdout.write(json.dumps(value) + "\n")
   sys.stdout.flush()
 
 
 def main() -> None:
+  die_with_parent()
+  limit_cpu_for_next_request()
   send({"ready": True})
   setup = json.loads(sys.stdin.readline())
   _, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -131,6 +164,7 @@ def main() -> None:
     return
   send({"ok": True})
   for line in sys.stdin:
+    limit_cpu_for_next_request()
     request = json.loads(line)
     try:
       answer = {"pieces": pieces(template, request["messages"], request["special"], max_chars)}
