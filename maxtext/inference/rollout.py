@@ -25,7 +25,16 @@ from maxtext.inference.sampling import SamplingParams
 class Rollout:
   """Samples completions for token prompts from given parameters (an nnx Param state and the non-Param state)."""
 
-  def __init__(self, config: MaxTextConfig, graphdef: nnx.GraphDef, abstract_params: nnx.State, abstract_other: nnx.State, mesh: Mesh, eos_id: int | None, tokenizer_vocab_size: int | None = None):
+  def __init__(
+    self,
+    config: MaxTextConfig,
+    graphdef: nnx.GraphDef,
+    abstract_params: nnx.State,
+    abstract_other: nnx.State,
+    mesh: Mesh,
+    eos_id: int | None,
+    tokenizer_vocab_size: int | None = None,
+  ):
     """tokenizer_vocab_size: the ids the reward functions' tokenizer can decode (a padded vocabulary's others are never sampled)."""
     self.graphdef = graphdef
     model = nnx.merge(graphdef, abstract_params, abstract_other)
