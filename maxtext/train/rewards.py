@@ -119,13 +119,13 @@ def as_scores(name: str, values: Any, count: int, where: list[str]) -> np.ndarra
 
 
 def mean_and_std(values: np.ndarray, axis: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """Mean and population std of finite float64 values along axis (keepdims), computed on values / max |value| so
+  """Mean and population std of finite float64 values along axis (kept as a size-1 axis; None: over all), computed on values / max |value| so
   that no intermediate overflows: rewards of +-1e300 have mean 0 and std 1e300, not inf."""
   values = np.asarray(values, np.float64)
-  scale = np.max(np.abs(values), axis=axis, keepdims=True)
+  scale = np.max(np.abs(values), axis=axis, keepdims=axis is not None)
   scale = np.where(scale > 0, scale, 1.0)
   scaled = values / scale
-  return scaled.mean(axis=axis, keepdims=True) * scale, scaled.std(axis=axis, keepdims=True) * scale
+  return scaled.mean(axis=axis, keepdims=axis is not None) * scale, scaled.std(axis=axis, keepdims=axis is not None) * scale
 
 
 def _call(reward: Reward, arguments: bytes, rows: slice) -> Any:
