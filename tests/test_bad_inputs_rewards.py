@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_bad_inputs import CASE_TIMEOUT_SECONDS, GRPO, _env, _make_inputs, _run_case, _train
+from tests.test_bad_inputs import GRPO, _env, _make_inputs, _run_case, _train
 from tests.test_data_common import sp_model
 
+RUN_TIMEOUT_SECONDS = 300  # a GRPO run of the tiny model takes about 30 s of CPU: reaching it means the run hung
 # Reward functions written into each case's working directory (the trainer imports `hooks` from there).
 HOOKS = '''
 import os
@@ -59,14 +60,14 @@ def _no_lock_left(work: Path) -> bool:
 
 
 def _timed_out(work: Path) -> subprocess.CompletedProcess:
-  return subprocess.run(_args(_train(*GRPO_HOOKS, *TIMEOUT), work), capture_output=True, text=True, cwd=work, env=_env(), timeout=CASE_TIMEOUT_SECONDS)
+  return subprocess.run(_args(_train(*GRPO_HOOKS, *TIMEOUT), work), capture_output=True, text=True, cwd=work, env=_env(), timeout=RUN_TIMEOUT_SECONDS)
 
 
 def _terminated(work: Path) -> tuple[int, str, str]:
   """Step 0 trains; step 1's reward hangs; SIGTERM as soon as it does -> (exit code, stdout, stderr)."""
   proc = subprocess.Popen(_args(_train(*GRPO_HOOKS, *HANGS), work), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work, env=_env())
   try:
-    deadline = time.monotonic() + CASE_TIMEOUT_SECONDS
+    deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
     while not (work / "in_reward").exists() and proc.poll() is None and time.monotonic() < deadline:
       time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)

@@ -207,12 +207,15 @@ def main(argv: list[str]) -> None:
   threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
   if os.getppid() != parent:
     os._exit(1)
+  memory_limit = "the host's memory"
   if memory_bytes > 0:
-    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    limit = memory_bytes if hard == resource.RLIM_INFINITY else min(memory_bytes, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-  limit = f"grpo_reward_memory_gib={memory_bytes / 2**30:g}" if memory_bytes > 0 else "the host's memory"
-  serve(Connection(request_fd, writable=False), Connection(reply_fd, readable=False), limit)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    try:
+      resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes if hard == resource.RLIM_INFINITY else min(memory_bytes, hard), hard))
+      memory_limit = f"grpo_reward_memory_gib={memory_bytes / 2**30:g}"
+    except (ValueError, OSError):  # a platform without RLIMIT_DATA: the functions share the host's memory
+      pass
+  serve(Connection(request_fd, writable=False), Connection(reply_fd, readable=False), memory_limit)
 
 
 if __name__ == "__main__":
