@@ -8,6 +8,7 @@ The other reward failures are one-line errors of the worker itself (tests/test_s
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import subprocess
 import time
@@ -104,7 +105,9 @@ def test_sigterm_while_a_reward_hangs_saves_the_last_step_and_exits_0(runs):
   assert code == 0, err[-3000:]
   assert "received SIGTERM: saved a checkpoint after step 0" in out, out[-3000:]
   assert "Traceback" not in out + err
-  assert (work / "out" / "r" / "checkpoints" / "1").is_dir() and not (work / "out" / "r" / "checkpoints" / "2").exists()
+  checkpoints = work / "out" / "r" / "checkpoints"
+  assert (checkpoints / "1").is_dir() and not (checkpoints / "2").exists()
+  assert json.loads((checkpoints / "data_iterator" / "1" / "process_0.json").read_text())["batches_read"] == 1  # step 1's prompts put back
   assert _no_lock_left(work)
 
 
