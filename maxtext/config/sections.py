@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
 
 
 class Section(BaseModel):
@@ -294,7 +294,16 @@ class RL(Section):
   grpo_reward_functions: list[str] = Field(
     [], description="GRPO: reward functions 'module:function', each (prompts, completions, **row columns) -> one float per completion."
   )
-  grpo_reward_weights: list[float] = Field([], description="GRPO: weight of each reward function in the total reward; [] -> all 1.")
+  grpo_reward_weights: list[FiniteFloat] = Field([], description="GRPO: weight of each reward function in the total reward; [] -> all 1.")
+  grpo_reward_timeout_s: float = Field(
+    600.0, gt=0, allow_inf_nan=False, description="GRPO: seconds one reward function may take per step before the run stops with an error naming it."
+  )
+  grpo_reward_memory_gib: float = Field(
+    8.0,
+    gt=0,
+    allow_inf_nan=False,
+    description="GRPO: memory (GiB) the reward functions' worker process may allocate; beyond it the run stops naming the function.",
+  )
 
 
 class Tokenizer(Section):

@@ -50,7 +50,12 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
   bos = [tokenizer.bos_id] if config.add_bos and tokenizer.bos_id is not None else []
   prompt = bos + tokenizer.encode(config.prompt)
   mesh = mesh_lib.create(config)
-  generator_args = dict(max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length, eos_id=tokenizer.eos_id)
+  generator_args = dict(
+    max_target_length=config.max_target_length,
+    max_prefill_length=config.max_prefill_predict_length,
+    eos_id=tokenizer.eos_id,
+    tokenizer_vocab_size=tokenizer.vocab_size,  # a padded vocabulary's extra ids are never sampled
+  )
   Generator.check_lengths(config.max_target_length, config.max_prefill_predict_length)
   Generator.check_prompt(prompt, config.max_prefill_predict_length, config.vocab_size)
   adapter_ids = check_adapter(config)

@@ -57,8 +57,11 @@ class Generator:
     eos_id: int | None = None,
     mesh: Mesh | None = None,
     fixed_bucket: bool = False,
+    tokenizer_vocab_size: int | None = None,
   ):
-    """fixed_bucket: pad every prompt batch to max_prefill_length (one prefill compile for all prompt lengths)."""
+    """fixed_bucket: pad every prompt batch to max_prefill_length (one prefill compile for all prompt lengths).
+    tokenizer_vocab_size: the ids the tokenizer can decode; with a padded vocabulary (the model's vocab_size larger)
+    the ids from it up are never sampled. None: every id of the model's vocabulary may be."""
     c = model.config
     self.config = c
     self.sampling = sampling or SamplingParams()
@@ -68,6 +71,7 @@ class Generator:
     self.eos_id = -1 if eos_id is None else int(eos_id)
     self.mesh = mesh
     self.fixed_bucket = fixed_bucket
+    self.tokenizer_vocab_size = check_tokenizer_vocab_size(tokenizer_vocab_size, c.vocab_size)
     self.layout = cache_layout.layout(c, self.max_target_length)
     self.graphdef, self.state = nnx.split(model)
     self.prefill = jax.jit(self._prefill)
@@ -152,7 +156,7 @@ class Generator:
     rows = jnp.arange(b)
 
     def emit(carry_out, counts, done, logits, i):
-      tok = sample(logits, jax.random.fold_in(key, i), self.sampling)
+      tok = sample(logits, jax.random.fold_in(key, i), self.sampling, self.tokenizer_vocab_size)
       write = ~done
       carry_out = carry_out.at[rows, jnp.where(write, counts, self.max_target_length)].set(tok, mode="drop")  # finished rows write nowhere
       counts = counts + write
@@ -270,7 +274,8 @@ def generate(
   lora.lora_adapters, a slot number or -1 (the base model); one value applies to every prompt.
 
   Defaults come from model.config: the decode_sampling_* keys, max_target_length, max_prefill_predict_length
-  and add_bos. A tokenizer whose vocabulary does not fit the model's is a DataError.
+  and add_bos. A tokenizer whose vocabulary does not fit the model's is a DataError; with a padded vocabulary
+  (the model's larger than the tokenizer's) the ids the tokenizer cannot decode are never sampled.
   """
   c = model.config
   check_tokenizer(tokenizer, c.vocab_size)
@@ -284,6 +289,7 @@ def generate(
     max_target_length=max_target_length,
     max_prefill_length=max_prefill_predict_length,
     eos_id=tokenizer.eos_id,
+    tokenizer_vocab_size=tokenizer.vocab_size,
   )
   if adapter_ids is not None and (isinstance(adapter_ids, (str, int, np.integer)) or np.ndim(adapter_ids) == 0):
     adapter_ids = [adapter_ids] * len(texts)
@@ -298,3 +304,14 @@ def check_tokenizer(tokenizer, vocab_size: int) -> None:
     raise DataError(
       f"tokenizer '{tokenizer.path}' has {tokenizer.vocab_size} tokens but the model's vocabulary has {vocab_size}; use the tokenizer the model was trained with"
     )
+
+
+def check_tokenizer_vocab_size(tokenizer_vocab_size: int | None, vocab_size: int) -> int | None:
+  """Generator's tokenizer_vocab_size: None, or 1 .. the model's vocab_size (a ConfigError otherwise)."""
+  if tokenizer_vocab_size is None:
+    return None
+  if isinstance(tokenizer_vocab_size, bool) or not 1 <= int(tokenizer_vocab_size) <= vocab_size:
+    raise ConfigError(
+      f"tokenizer_vocab_size={tokenizer_vocab_size!r} is not between 1 and the model's vocab_size {vocab_size}; pass the tokenizer's vocab_size (or None)"
+    )
+  return int(tokenizer_vocab_size)

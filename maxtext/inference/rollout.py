@@ -3,7 +3,8 @@
 The decoder (maxtext.inference.generate.Generator) is compiled once, for prompts padded to
 max_prefill_predict_length, against the train state's abstract parameters; each call runs it on the parameter
 arrays the train step has just updated: no copy of the weights and no second model exist. The layers stay stacked as the train state holds them (decode's
-per-layer copy for CPU, `unstack.for_decoding`, is not made). Sampling follows the decode_sampling_* keys; each
+per-layer copy for CPU, `unstack.for_decoding`, is not made). Sampling follows the decode_sampling_* keys and never
+draws the ids of a padded vocabulary that the tokenizer cannot decode; each
 row's adapter slot (lora.max_lora_adapters > 1) selects the adapter its completions are sampled with.
 """
 
@@ -24,7 +25,17 @@ from maxtext.inference.sampling import SamplingParams
 class Rollout:
   """Samples completions for token prompts from given parameters (an nnx Param state and the non-Param state)."""
 
-  def __init__(self, config: MaxTextConfig, graphdef: nnx.GraphDef, abstract_params: nnx.State, abstract_other: nnx.State, mesh: Mesh, eos_id: int | None):
+  def __init__(
+    self,
+    config: MaxTextConfig,
+    graphdef: nnx.GraphDef,
+    abstract_params: nnx.State,
+    abstract_other: nnx.State,
+    mesh: Mesh,
+    eos_id: int | None,
+    tokenizer_vocab_size: int | None = None,
+  ):
+    """tokenizer_vocab_size: the ids the reward functions' tokenizer can decode (a padded vocabulary's others are never sampled)."""
     self.graphdef = graphdef
     model = nnx.merge(graphdef, abstract_params, abstract_other)
     self.generator = Generator(
@@ -34,6 +45,7 @@ class Rollout:
       max_prefill_length=config.max_prefill_predict_length,
       eos_id=eos_id,
       mesh=mesh,
+      tokenizer_vocab_size=tokenizer_vocab_size,
       fixed_bucket=True,  # one compile, made by the preflight checks; no recompilation mid-run
     )
 

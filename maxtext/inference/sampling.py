@@ -52,8 +52,18 @@ def allowed_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
   return logits
 
 
-def sample(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
-  """logits [B, V] -> next tokens [B] int32."""
+def mask_padding(logits: jax.Array, tokenizer_vocab_size: int | None) -> jax.Array:
+  """float32 logits [B, V] with the ids >= tokenizer_vocab_size set to NEG_INF: a padded vocabulary's extra ids (the
+  model's vocab_size rounded up past the tokenizer's) have no piece to decode, so no strategy may pick them."""
+  logits = logits.astype(jnp.float32)
+  if tokenizer_vocab_size is None or tokenizer_vocab_size >= logits.shape[-1]:
+    return logits
+  return jnp.where(jnp.arange(logits.shape[-1]) < tokenizer_vocab_size, logits, NEG_INF)
+
+
+def sample(logits: jax.Array, key: jax.Array, params: SamplingParams, tokenizer_vocab_size: int | None = None) -> jax.Array:
+  """logits [B, V] -> next tokens [B] int32, never an id >= tokenizer_vocab_size (None: every id of the model may be drawn)."""
+  logits = mask_padding(logits, tokenizer_vocab_size)
   if params.strategy == "greedy":
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return jax.random.categorical(key, allowed_logits(logits, params), axis=-1).astype(jnp.int32)

@@ -38,8 +38,9 @@ from maxtext import memory_limit
 from maxtext.aot import memory
 from maxtext.config import MaxTextConfig
 from maxtext.data.features import NO_ADAPTER
-from maxtext.errors import ConfigError
+from maxtext.errors import ConfigError, DataError
 from maxtext.train import reference as reference_lib
+from maxtext.train import reward_worker
 from maxtext.train import rewards as rewards_lib
 from maxtext.train.loss import token_log_probs
 from maxtext.train.objective import SummedTerms
@@ -51,9 +52,17 @@ Batch = dict[str, jax.Array]
 
 
 def group_advantages(rewards: np.ndarray) -> np.ndarray:
-  """rewards [prompts, num_generations] -> (r - group mean) / (group population std + ADVANTAGE_EPS), float32."""
+  """rewards [prompts, num_generations] -> (r - group mean) / (group population std + ADVANTAGE_EPS), float32.
+
+  Computed on each group's rewards divided by their largest magnitude s, as (z - mean z) / (std z + ADVANTAGE_EPS / s):
+  the same value, without overflow for any finite rewards (+-1e300 give advantages +-1, not 0)."""
   rewards = np.asarray(rewards, np.float64)
-  return ((rewards - rewards.mean(axis=1, keepdims=True)) / (rewards.std(axis=1, keepdims=True) + ADVANTAGE_EPS)).astype(np.float32)
+  scale = np.max(np.abs(rewards), axis=1, keepdims=True)
+  scale = np.where(scale > 0, scale, 1.0)
+  scaled = rewards / scale
+  centred = scaled - scaled.mean(axis=1, keepdims=True)
+  spread = scaled.std(axis=1, keepdims=True) + ADVANTAGE_EPS / scale
+  return np.divide(centred, spread, out=np.zeros_like(centred), where=spread > 0).astype(np.float32)
 
 
 def grpo_terms(
@@ -173,17 +182,21 @@ class Trainer:
     from maxtext.data.pipeline import resolve_tokenizer
 
     self.config, self.setup, self.step_fn, self.data_iter = config, setup, step_fn, data_iter
-    self.rewards = rewards_lib.load(config.grpo_reward_functions, config.grpo_reward_weights)
+    self.reward_names = rewards_lib.short_names(config.grpo_reward_functions)
+    self.reward_weights = [float(w) for w in config.grpo_reward_weights] or [1.0] * len(self.reward_names)
+    self.rewards = reward_worker.shared(config.grpo_reward_functions, config.grpo_reward_timeout_s, config.grpo_reward_memory_gib)
     self.tokenizer = resolve_tokenizer(config)
     self.eos_id = self.tokenizer.eos_id
     self.rollout, self.score_fn = setup.rollout, setup.score_fn  # compiled once per setup
     self.multi_adapter = config.lora.enable_lora and config.lora.max_lora_adapters > 1
     self.base_key = jax.random.key(config.decode_sampling_seed)
 
-  def step(self, state: dict[str, Any], step: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+  def step(self, state: dict[str, Any], step: int, interrupted: Callable[[], bool] = reward_worker.never) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """One GRPO step on the next prompts; returns the updated state (ready) and the step's metrics, or None when
-    num_epoch passes over the prompts are used up."""
+    num_epoch passes over the prompts are used up or interrupted() turned true while a reward function ran (the
+    step is dropped and its prompts are put back: a resumed run takes them again)."""
     c, g = self.config, self.config.num_generations
+    position = self.data_iter.get_state()
     prompts = next(self.data_iter, None)
     if prompts is None:
       return None
@@ -197,8 +210,13 @@ class Trainer:
 
     texts = [self.tokenizer.decode([t for t in comp if t != self.eos_id]) for comp in completions]
     columns = {k: [p["fields"].get(k) for p in rows] for k in dict.fromkeys(k for p in prompts for k in p["fields"])}
-    scores = {r.short_name: rewards_lib.score(r, [p["text"] for p in rows], texts, columns, [p["where"] for p in rows]) for r in self.rewards}
-    total = sum(r.weight * scores[r.short_name] for r in self.rewards)
+    where = [p["where"] for p in rows]
+    try:
+      scores = {name: self.rewards.score(i, [p["text"] for p in rows], texts, columns, where, interrupted) for i, name in enumerate(self.reward_names)}
+    except reward_worker.Interrupted:
+      self.data_iter.set_state(position)
+      return None
+    total = self._total(scores, where)
     local = rollout_rows(tokens, completions, c.max_target_length)
     local["advantages"] = group_advantages(total.reshape(-1, g)).reshape(-1)
     if self.multi_adapter:
@@ -214,16 +232,30 @@ class Trainer:
     updated = time.perf_counter()
     seconds = {"rollout": sampled - began, "scoring": scored - sampled, "update": updated - scored}
     total_seconds = max(updated - began, 1e-9)
+    stats = {name: rewards_lib.mean_and_std(v) for name, v in {"": total, **scores}.items()}  # no overflow for huge finite rewards
     host = {
-      "reward": float(np.mean(total)),
-      "reward_std": float(np.std(total)),
-      **{f"reward/{name}/mean": float(np.mean(v)) for name, v in scores.items()},
-      **{f"reward/{name}/std": float(np.std(v)) for name, v in scores.items()},
+      "reward": float(stats[""][0]),
+      "reward_std": float(stats[""][1]),
+      **{f"reward/{name}/mean": float(stats[name][0]) for name in scores},
+      **{f"reward/{name}/std": float(stats[name][1]) for name in scores},
       "completion_length": float(np.mean([len(comp) for comp in completions])),
       **{f"{k}_seconds": v for k, v in seconds.items()},
       **{f"{k}_share": v / total_seconds for k, v in seconds.items()},
     }
     return state, {**metrics, **host}
+
+  def _total(self, scores: dict[str, np.ndarray], where: list[str]) -> np.ndarray:
+    """sum_f w_f r_f per completion; a total beyond float64's range is a DataError."""
+    with np.errstate(over="ignore", invalid="ignore"):
+      total = sum(w * scores[name] for name, w in zip(self.reward_names, self.reward_weights))
+    bad = np.flatnonzero(~np.isfinite(total))
+    if bad.size:
+      i = int(bad[0])
+      raise DataError(
+        f"the weighted reward total of {where[i]} (completion {i}) overflows a float64 ({', '.join(f'{n}: {scores[n][i]:g}' for n in self.reward_names)}); "
+        "scale the rewards or grpo_reward_weights down"
+      )
+    return total
 
   def _global(self, local: dict[str, np.ndarray]) -> Batch:
     """This process's rows -> global arrays in the train step's batch shardings."""

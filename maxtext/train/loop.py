@@ -265,11 +265,12 @@ def _loop(
       profiler.before_step(step, state)
       grpo = checked.trainer is not None  # rollout, scoring and update (maxtext.train.grpo): done when it returns
       if grpo:
-        done_step = checked.trainer.step(state, step)
+        done_step = checked.trainer.step(state, step, lambda: preemption.requested)
       else:
         batch = next(data_iter, None)
         done_step = None if batch is None else step_fn(state, batch)
       if done_step is None:  # num_epoch passes over the data (GRPO: the prompts) are done: a normal end, saved below
+        # (or a signal stopped a GRPO step in its reward functions: the stop reason becomes the signal's below)
         result.stop_reason = "data_used_up"
         break
       state, metrics = done_step
@@ -313,7 +314,9 @@ def _loop(
     result.stop_reason = preemption.signal_name.lower()
     where = (
       f"saved a checkpoint after step {result.steps_done - 1} in {config.checkpoint_dir}"
-      if ckpt is not None
+      if ckpt is not None and result.steps_done > start
+      else f"stopped during step {start}, nothing new to save"
+      if result.steps_done == start
       else "stopped (enable_checkpointing=false: nothing saved)"
     )
     writer.log(f"received {preemption.signal_name}: {where}; rerun the same command to continue")

@@ -68,7 +68,8 @@ class TrainSetup:
     from maxtext.inference.rollout import Rollout
 
     other = self.abstract_state.get("other", nnx.State({}))
-    return Rollout(self.config, self.graphdef, self.abstract_state["params"], other, self.mesh, resolve_tokenizer(self.config).eos_id)
+    tokenizer = resolve_tokenizer(self.config)
+    return Rollout(self.config, self.graphdef, self.abstract_state["params"], other, self.mesh, tokenizer.eos_id, tokenizer.vocab_size)
 
   @functools.cached_property
   def score_fn(self) -> Any:
