@@ -35,8 +35,11 @@ def create_iterator(config: MaxTextConfig, mesh: Mesh, split: str = "train") -> 
 
     return create_prompt_iterator(config, mesh, split, process_index, process_count)
   local_batch = local_batch_size(config, mesh, process_count, split)
+  from maxtext.data.mixture import components
+
+  names = tuple(c.name for c in components(config, split))
   dataset, description = local_batches(config, split, process_index, process_count, local_batch)
-  return DataIterator(dataset, config, mesh, split, description, process_index, process_count)
+  return DataIterator(dataset, config, mesh, split, description, process_index, process_count, names)
 
 
 def batch_rows(config: MaxTextConfig, split: str) -> int:

@@ -13,6 +13,7 @@ import jax
 from maxtext import memory_limit
 from maxtext.config import MaxTextConfig
 from maxtext.distributed import all_processes_agree
+from maxtext.data.mixture import data_metrics
 from maxtext.errors import UserError
 from maxtext.models import pipeline
 from maxtext.train import checkpointing, initial_params, outputs, preflight, reference, run_lock
@@ -273,6 +274,7 @@ def _loop(
         result.stop_reason = "data_used_up"
         break
       state, metrics = done_step
+      metrics = {**metrics, **data_metrics(data_iter)}  # host floats (a mixture's realised fractions), no device sync
       if not grpo:
         report()  # the previous step's metrics, while this step runs
       pending.append((step, metrics))
