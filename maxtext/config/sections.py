@@ -263,9 +263,7 @@ class DatasetGeneral(Section):
   enable_data_shuffling: bool = Field(True, description="Shuffle training records (globally for random-access sources, in a window for streamed ones).")
   data_shuffle_seed: int = Field(0, description="Seed of the data shuffle.")
   num_epoch: int = Field(1, gt=0, description="Passes over the training data.")
-  grain_train_files: str = Field(
-    "", description="grain: glob (or comma-separated globs) of training files; 'glob,weight;glob,weight' is a weighted mixture."
-  )
+  grain_train_files: str = Field("", description="grain: glob (or comma-separated globs) of training files; 'glob,weight;glob,weight' is a weighted mixture.")
   grain_eval_files: str = Field("", description="grain: glob (or comma-separated globs) of eval files.")
   grain_train_mixture_config_path: str = Field(
     "", description='grain: JSON mixture of training files, {"<name>": {"path": "<glob>", "weight": <w>}, ...}; overrides grain_train_files.'

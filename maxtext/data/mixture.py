@@ -106,7 +106,7 @@ def _from_json(path: str) -> list[Component]:
   found = []
   for name, entry in data.items():
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"].strip() or "weight" not in entry:
-      raise ConfigError(f"{key} '{path}': component {echo(name)} must be {{\"path\": \"<glob>\", \"weight\": <number>}}; fix the file")
+      raise ConfigError(f'{key} \'{path}\': component {echo(name)} must be {{"path": "<glob>", "weight": <number>}}; fix the file')
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
       raise ConfigError(f"{key} '{path}': component name {echo(name)} must be letters, digits, '_', '.' or '-' (it names a metric); rename it")
     found.append(Component(name, entry["path"].strip(), _weight(f"{key} '{path}'", name, entry["weight"])))
@@ -173,7 +173,9 @@ class MarkComponent:
 class MixtureDataset(grain.IterDataset):
   """Documents drawn from the components with probabilities proportional to their weights (see the module docstring)."""
 
-  def __init__(self, parts: list[ComponentDocuments], found: list[Component], seed: int, num_epoch: int, exhaustion: str, process_index: int, process_count: int):
+  def __init__(
+    self, parts: list[ComponentDocuments], found: list[Component], seed: int, num_epoch: int, exhaustion: str, process_index: int, process_count: int
+  ):
     super().__init__()
     self.parts, self.names = parts, [c.name for c in found]
     weights = np.asarray([c.weight for c in found], np.float64)

@@ -12,8 +12,8 @@ import jax
 
 from maxtext import memory_limit
 from maxtext.config import MaxTextConfig
-from maxtext.distributed import all_processes_agree
 from maxtext.data.mixture import data_metrics
+from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
 from maxtext.models import pipeline
 from maxtext.train import checkpointing, initial_params, outputs, preflight, reference, run_lock
