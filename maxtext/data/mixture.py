@@ -84,11 +84,13 @@ def _from_string(key: str, value: str) -> list[Component]:
 
 
 def component_name(pattern: str, index: int, taken: set[str]) -> str:
-  """A metric-friendly name from a glob's last part: '/data/web-*.jsonl' -> 'web'; 'component<index>' if that is empty or taken."""
-  base = os.path.basename(pattern.split(",")[0].rstrip("/"))
-  base = base.split(".")[0]
-  name = re.sub(r"[^A-Za-z0-9_]+", "_", base).strip("_")
-  return name if name and name not in taken else f"component{index}"
+  """A metric-friendly name from the glob's last part with a name in it ('/data/web-*.jsonl' and '/data/web/*.jsonl' ->
+  'web'); 'component<index>' if there is none or it is taken."""
+  for part in reversed(pattern.split(",")[0].split(os.sep)):
+    name = re.sub(r"[^A-Za-z0-9_]+", "_", re.sub(r"\[[^\]]*\]|[*?]", "", part.split(".")[0])).strip("_")
+    if name:
+      return name if name not in taken else f"component{index}"
+  return f"component{index}"
 
 
 def _from_json(path: str) -> list[Component]:
