@@ -85,7 +85,7 @@ def test_eval_files_take_no_weights(files):
 
 def test_fractions_over_2000_batches_match_the_weights(files):
   """3-way 0.5/0.3/0.2 mixture, small components reused (repeat): each realised fraction within 0.02 of its weight."""
-  cfg = config(grain_train_files=spec(files), mixture_exhaustion="repeat", num_epoch=10_000, packing=False, enable_data_shuffling=True, max_target_length=16)
+  cfg = config(grain_train_files=spec(files), mixture_exhaustion="repeat", num_epoch=10_000, packing=False, max_target_length=16)
   ds, description = pipeline.local_batches(cfg, "train", 0, 1, 4)
   assert description.startswith("mixture of web (0.5), code (0.3), math (0.2)")
   it = iter(ds)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
+import string
 import time
-from typing import Any
 
 from etils import epath
 
@@ -34,7 +35,7 @@ class WandbRun:
     self._wandb = wandb
     self.tag = tag
     self.directory = run_dir(config)
-    run_id = _read_or_make_id(self.directory, wandb.util.generate_id)
+    run_id = _read_or_make_id(self.directory)
     local = None if os.environ.get("WANDB_DIR") or outputs.is_remote(self.directory) else self.directory
     self.started = time.time()
     try:
@@ -65,13 +66,19 @@ class WandbRun:
     self.run.finish()
 
 
-def _read_or_make_id(directory: str, make: Any) -> str:
+def new_run_id() -> str:
+  """A fresh W&B run id: 8 lowercase letters and digits, as W&B makes them."""
+  return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def _read_or_make_id(directory: str) -> str:
+  """The run's W&B id from <run dir>/wandb_run_id, written there first if the run has none yet."""
   path = epath.Path(directory) / ID_FILE
   if path.exists():
     run_id = path.read_text().strip()
     if run_id:
       return run_id
-  run_id = make()
+  run_id = new_run_id()
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(run_id + "\n")
   return run_id
