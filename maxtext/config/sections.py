@@ -269,7 +269,9 @@ class DatasetGeneral(Section):
     "", description='grain: JSON mixture of training files, {"<name>": {"path": "<glob>", "weight": <w>}, ...}; overrides grain_train_files.'
   )
   mixture_exhaustion: Literal["stop", "repeat"] = Field(
-    "stop", description="Mixtures: a component that runs out ends the data ('stop') or is reshuffled and reused ('repeat')."
+    "stop",
+    description="Mixtures: 'stop' ends the data once a component has had num_epoch passes; 'repeat' reshuffles and reuses a component "
+    "that runs out, until every component has had num_epoch passes.",
   )
   grain_file_type: Literal["arrayrecord", "parquet", "jsonl"] = Field("arrayrecord", description="grain: file format.")
   grain_worker_count: int = Field(
