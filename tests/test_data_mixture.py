@@ -180,6 +180,17 @@ def test_hf_and_parquet_mixtures_resume(files, tmp_path):
       np.testing.assert_array_equal(it.next_local()["inputs"], w)
 
 
+def test_json_mixture_config_names_the_metrics(files, tmp_path):
+  path = tmp_path / "mix.json"
+  path.write_text(json.dumps({"wiki-en": {"path": str(files / "web.jsonl"), "weight": 1}, "maths": {"path": str(files / "m*.jsonl"), "weight": 1}}))
+  cfg = config(grain_train_mixture_config_path=str(path), packing=False, max_target_length=16)
+  it = create_iterator(cfg, mesh_for(cfg))
+  it.next_local()
+  metrics = it.mixture_metrics()
+  assert list(metrics) == ["data/wiki-en_fraction", "data/maths_fraction"] and sum(metrics.values()) == pytest.approx(1)
+  assert "grain_train_mixture_config_path" in it.description
+
+
 def test_component_that_yields_nothing_is_a_data_error(files, tmp_path):
   write_jsonl(tmp_path / "empty.jsonl", [{"text": "  "}] * 3)
   cfg = config(grain_train_files=f"{files}/web.jsonl,1;{tmp_path}/empty.jsonl,1", packing=False, max_target_length=16)
