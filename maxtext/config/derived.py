@@ -31,6 +31,7 @@ PATH_KEYS = (
   "chat_template_path",
   "compiled_trainstep_file",
   "save_quantized_params_path",
+  "grain_train_mixture_config_path",
 )
 QUANTIZATION_CALIBRATION_KEYS = ("weight_quantization_calibration_method", "act_quantization_calibration_method", "bwd_quantization_calibration_method")
 _CALIBRATION = re.compile(r"^(absmax(,[0-9.eE+-]+)?|rms,[0-9.eE+-]+|fixed,[0-9.eE+-]+(,[0-9.eE+-]+)?)$")  # qwix's calibration methods
@@ -45,6 +46,17 @@ def absolute_path(path: str) -> str:
     return path
   absolute = os.path.abspath(os.path.expanduser(path))
   return absolute + os.sep if path.endswith(("/", os.sep)) and not absolute.endswith(os.sep) else absolute
+
+
+def absolute_globs(value: str) -> str:
+  """Comma-separated globs made absolute; in a mixture ('globs,weight;globs,weight') each component's globs."""
+  if ";" in value:
+    parts = []
+    for part in value.split(";"):
+      globs, comma, weight = part.rpartition(",")
+      parts.append(absolute_globs(globs) + comma + weight if comma else absolute_globs(part))
+    return ";".join(parts)
+  return ",".join(absolute_path(part.strip()) for part in value.split(",")) if value else value
 
 
 MAX_RUN_NAME_BYTES = 200  # a directory name (file systems allow 255 bytes), leaving room for what tools append
@@ -79,7 +91,7 @@ def resolve_paths(c: MaxTextConfig) -> dict[str, Any]:
   for key in GLOB_KEYS:
     value = getattr(c, key)
     _check_path(key, value)
-    resolved = ",".join(absolute_path(part.strip()) for part in value.split(",")) if value else value
+    resolved = absolute_globs(value)
     if resolved != value:
       updates[key] = resolved
   for section, key in NESTED_PATH_KEYS:
@@ -122,6 +134,8 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
       )
     if c.dataset_type == "synthetic":
       raise ConfigError("lora.adapter_column reads a column of the data records; dataset_type=synthetic has none, use a file dataset or drop it")
+  if c.enable_wandb and importlib.util.find_spec("wandb") is None:
+    raise ConfigError("enable_wandb=true needs the wandb package; pip install 'maxtext[wandb]' (or wandb), or set enable_wandb=false")
   if heads % kv_heads:
     raise ConfigError(f"num_query_heads {heads} is not a multiple of num_kv_heads {kv_heads}; change base_num_query_heads or base_num_kv_heads")
   if c.num_experts_per_tok > c.num_experts:

@@ -29,6 +29,9 @@ class RunInfo(Section):
   log_period: int = Field(100, gt=0, description="Flush TensorBoard and the metrics file every this many steps.")
   enable_tensorboard: bool = Field(True, description="Write TensorBoard event files under the run's tensorboard dir.")
   metrics_file: str = Field("", description="If set, append one JSON line of metrics per step to this file.")
+  enable_wandb: bool = Field(False, description="Log the metrics, the resolved config and the training-curves PNG to Weights & Biases (process 0).")
+  wandb_project_name: str = Field("maxtext", description="W&B project of the run.")
+  wandb_run_name: str = Field("", description="W&B display name of the run; empty -> run_name.")
   init_weights_seed: int = Field(0, description="PRNG seed for parameter initialisation.")
   device_peak_tflops: float = Field(
     0.0,
@@ -260,8 +263,16 @@ class DatasetGeneral(Section):
   enable_data_shuffling: bool = Field(True, description="Shuffle training records (globally for random-access sources, in a window for streamed ones).")
   data_shuffle_seed: int = Field(0, description="Seed of the data shuffle.")
   num_epoch: int = Field(1, gt=0, description="Passes over the training data.")
-  grain_train_files: str = Field("", description="grain: glob (or comma-separated globs) of training files.")
+  grain_train_files: str = Field("", description="grain: glob (or comma-separated globs) of training files; 'glob,weight;glob,weight' is a weighted mixture.")
   grain_eval_files: str = Field("", description="grain: glob (or comma-separated globs) of eval files.")
+  grain_train_mixture_config_path: str = Field(
+    "", description='grain: JSON mixture of training files, {"<name>": {"path": "<glob>", "weight": <w>}, ...}; overrides grain_train_files.'
+  )
+  mixture_exhaustion: Literal["stop", "repeat"] = Field(
+    "stop",
+    description="Mixtures: 'stop' ends the data once a component has had num_epoch passes; 'repeat' reshuffles and reuses a component "
+    "that runs out, until every component has had num_epoch passes.",
+  )
   grain_file_type: Literal["arrayrecord", "parquet", "jsonl"] = Field("arrayrecord", description="grain: file format.")
   grain_worker_count: int = Field(
     1, ge=0, description="Data worker processes for random-access sources (ArrayRecord, JSONL, tfds, embedded); 0 -> main process."
@@ -269,7 +280,9 @@ class DatasetGeneral(Section):
   grain_prefetch_buffer_size: int = Field(2, ge=0, description="Batches prefetched per worker (or by a thread when there are no workers); 0 -> none.")
   grain_shuffle_buffer_size: int = Field(1024, gt=0, description="Records in the shuffle window of streamed sources (grain parquet, hf).")
   hf_path: str = Field("", description="hf: dataset builder or path (e.g. json, parquet).")
-  hf_train_files: str = Field("", description="hf: glob of local training files (streamed); empty -> the files hf_path names itself.")
+  hf_train_files: str = Field(
+    "", description="hf: glob of local training files (streamed), or 'glob,weight;glob,weight' (a mixture); empty -> the files hf_path names itself."
+  )
   hf_eval_files: str = Field("", description="hf: glob of local eval files.")
   use_sft: bool = Field(False, description="Supervised finetuning on conversations (messages or prompt/completion columns).")
   sft_train_on_completion_only: bool = Field(True, description="SFT: train only on assistant tokens.")

@@ -35,11 +35,14 @@ def create_iterator(config: MaxTextConfig, mesh: Mesh, split: str = "train") -> 
 
     return create_prompt_iterator(config, mesh, split, process_index, process_count)
   local_batch = local_batch_size(config, mesh, process_count, split)
+  from maxtext.data.mixture import components
+
+  names = tuple(c.name for c in components(config, split))  # a weighted mixture's components (checked here first)
   notes, why_empty = [], ""
   if config.use_dpo:  # dropped pairs are counted and named, not lost silently
     notes, why_empty = dpo_notes(config, split, process_index, process_count)
   dataset, description = local_batches(config, split, process_index, process_count, local_batch)
-  iterator = DataIterator(dataset, config, mesh, split, description, process_index, process_count, why_empty)
+  iterator = DataIterator(dataset, config, mesh, split, description, process_index, process_count, why_empty, names)
   iterator.notes = notes
   return iterator
 

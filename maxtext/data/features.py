@@ -20,6 +20,9 @@ PACKED_FEATURES = ("inputs", "targets", "weights")
 # Per-token LoRA adapter slot (lora.adapter_column): a document feature, a row feature and a batch key; -1 on padding.
 ADAPTER_KEY = "adapter_ids"
 NO_ADAPTER = -1
+# Mixture component of a document (maxtext.data.mixture): 1 + its index on the document's first token, 0 elsewhere
+# (and on padding). A row and local-batch feature only: the DataIterator counts it and drops it from the batch.
+MIXTURE_KEY = "mixture_starts"
 
 
 def packed_features(with_adapters: bool) -> tuple[str, ...]:
@@ -153,7 +156,10 @@ def shift(tokens: np.ndarray, mask: np.ndarray, adapters: np.ndarray | None = No
 
 def _span(doc: dict[str, np.ndarray], start: int, stop: int) -> dict[str, np.ndarray]:
   adapters = doc.get(ADAPTER_KEY)
-  return shift(doc["tokens"][start:stop], doc["mask"][start:stop], None if adapters is None else adapters[start:stop])
+  row = shift(doc["tokens"][start:stop], doc["mask"][start:stop], None if adapters is None else adapters[start:stop])
+  if MIXTURE_KEY in doc:
+    row[MIXTURE_KEY] = doc[MIXTURE_KEY][start:stop]
+  return row
 
 
 def truncate(doc: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
@@ -198,6 +204,8 @@ def pad_row(row: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
   }
   if ADAPTER_KEY in row:
     out[ADAPTER_KEY] = np.pad(row[ADAPTER_KEY].astype(np.int32), (0, pad), constant_values=NO_ADAPTER)
+  if MIXTURE_KEY in row:
+    out[MIXTURE_KEY] = padded(row[MIXTURE_KEY])
   return out
 
 
@@ -215,4 +223,6 @@ def finalize_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   }
   if ADAPTER_KEY in row:  # the packer pads with 0, a real slot: padding goes to the base model instead
     out[ADAPTER_KEY] = np.where(segment == 0, NO_ADAPTER, row[ADAPTER_KEY]).astype(np.int32)
+  if MIXTURE_KEY in row:  # the packer pads with 0: no document starts there
+    out[MIXTURE_KEY] = row[MIXTURE_KEY].astype(np.int32)
   return out

@@ -13,8 +13,8 @@ from jax.sharding import Mesh
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
-from maxtext.data import batch_key, batch_rows
-from maxtext.data.features import ADAPTER_KEY, BATCH_KEYS, NO_ADAPTER
+from maxtext.data import batch_key, batch_rows, mixture
+from maxtext.data.features import ADAPTER_KEY, BATCH_KEYS, MIXTURE_KEY, NO_ADAPTER
 from maxtext.errors import DataError, UserError
 
 STATE_VERSION = 1
@@ -28,7 +28,18 @@ class DataIterator:
   so bad data fails before any training step.
   """
 
-  def __init__(self, dataset, config: MaxTextConfig, mesh: Mesh, split: str, description: str, process_index: int, process_count: int, why_empty: str = ""):
+  def __init__(
+    self,
+    dataset,
+    config: MaxTextConfig,
+    mesh: Mesh,
+    split: str,
+    description: str,
+    process_index: int,
+    process_count: int,
+    why_empty: str = "",
+    mixture_names: tuple[str, ...] = (),
+  ):
     self.split = split
     self.description = description
     self.process_index, self.process_count = process_index, process_count
@@ -38,6 +49,8 @@ class DataIterator:
     self.global_shape = (rows, config.max_target_length)
     self.sharding = mesh_lib.data_sharding(config, mesh)
     self.keys = BATCH_KEYS + (ADAPTER_KEY,) if config.lora.adapter_column else BATCH_KEYS
+    self.mixture_names = list(mixture_names)  # a mixture's components: its batches carry MIXTURE_KEY, counted here
+    self._mixture_counts = np.zeros(len(mixture_names), np.int64)
     self._dataset = dataset
     self._it = iter(dataset)
     self._batches_read = 0
@@ -68,12 +81,20 @@ class DataIterator:
     if batch is None:
       raise StopIteration
     self._batches_read += 1
+    if self.mixture_names:
+      starts = batch.pop(MIXTURE_KEY)
+      self._mixture_counts += np.bincount(starts.ravel(), minlength=len(self.mixture_names) + 1)[1:]
     return batch
+
+  def mixture_metrics(self) -> dict[str, float]:
+    """{'data/<name>_fraction': ...}: each mixture component's share of the documents in the batches read so far
+    (restored with the state, so a resumed run goes on counting); {} without a mixture."""
+    return mixture.fractions(self.mixture_names, self._mixture_counts) if self.mixture_names else {}
 
   def get_state(self) -> dict[str, Any]:
     """JSON-serialisable position of this process's data (restore it with set_state)."""
     inner = self._state_before_peek if self._peeked is not None else self._it.get_state()
-    return {
+    state = {
       "version": STATE_VERSION,
       "split": self.split,
       "process_index": self.process_index,
@@ -81,6 +102,9 @@ class DataIterator:
       "batches_read": self._batches_read,
       "grain": inner,
     }
+    if self.mixture_names:
+      state["mixture_counts"] = dict(zip(self.mixture_names, self._mixture_counts.tolist()))
+    return state
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Continue from a get_state() dict: the following batches equal those the saved iterator would have given.
@@ -94,6 +118,12 @@ class DataIterator:
         f"data iterator state was saved by process {state.get('process_index')} of {state.get('process_count')}, "
         f"this is process {self.process_index} of {self.process_count}; resume with the same number of processes"
       )
+    counts = state.get("mixture_counts", {})
+    if list(counts) != self.mixture_names:
+      raise DataError(
+        f"the saved data position is of {'a mixture of ' + ', '.join(counts) if counts else 'unmixed data'}, this run reads "
+        f"{'a mixture of ' + ', '.join(self.mixture_names) if self.mixture_names else 'unmixed data'}; resume with the data settings it was saved with"
+      )
     before = self._it.get_state()
     try:
       self._it.set_state(state["grain"])
@@ -105,6 +135,7 @@ class DataIterator:
       ) from None
     self._peeked = self._state_before_peek = None
     self._batches_read = state["batches_read"]
+    self._mixture_counts = np.asarray([int(counts[name]) for name in self.mixture_names], np.int64)
 
   def close(self) -> None:
     """Stop prefetch threads and worker processes; the iterator cannot be used afterwards."""
@@ -133,7 +164,8 @@ class DataIterator:
 
   def _local_rows(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
     """A batch as grain gives it -> this process's int32 rows (a short eval batch padded with empty rows)."""
-    batch = {k: np.asarray(batch[k], np.int32) for k in self.keys}
+    keys = self.keys + (MIXTURE_KEY,) if self.mixture_names else self.keys
+    batch = {k: np.asarray(batch[k], np.int32) for k in keys}
     rows = batch["inputs"].shape[0]
     if rows < self.local_batch:  # the last eval batch: pad with empty rows (on the base model)
       batch = {k: np.pad(v, ((0, self.local_batch - rows), (0, 0)), constant_values=NO_ADAPTER if k == ADAPTER_KEY else 0) for k, v in batch.items()}

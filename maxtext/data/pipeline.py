@@ -9,7 +9,7 @@ import grain.experimental as gx
 import numpy as np
 
 from maxtext.config import MaxTextConfig, adapters
-from maxtext.data import embedded, features, preference, prompts, sources
+from maxtext.data import embedded, features, mixture, preference, prompts, sources
 from maxtext.data.sft import resolve_chat_template
 from maxtext.errors import ConfigError
 from maxtext.tokenizer import Tokenizer, load_tokenizer
@@ -81,7 +81,11 @@ def encoded_documents(config: MaxTextConfig, split: str, process_index: int, pro
   num_epoch = config.num_epoch if training else 1
   if shuffle and not 0 <= config.data_shuffle_seed < 2**32:
     raise ConfigError(f"invalid value for 'data_shuffle_seed': {config.data_shuffle_seed}; use an integer in [0, 2**32)")
+  found = mixture.components(config, split)
   encoder = make_encoder(config, resolve_tokenizer(config))
+  if found:  # a weighted mixture: shuffled, shared and repeated per component
+    source = mixture.mixed_documents(config, found, encoder, process_index, process_count)
+    return source.dataset, source
   source = open_source(config, split, process_index, process_count, num_epoch)
 
   if source.random_access:
@@ -131,6 +135,8 @@ def local_batches(config: MaxTextConfig, split: str, process_index: int, process
   else:
     ds = ds.map(Truncate(length)) if config.use_truncation else gx.FlatMapIterDataset(ds, features.ChunkTransform(length))
     packed = features.packed_features(bool(config.lora.adapter_column))
+    if isinstance(source.dataset, mixture.MixtureDataset):
+      packed += (features.MIXTURE_KEY,)
     meta, finalize, pad = (), features.finalize_packed, Pad(length)
   if config.packing:
     ds = gx.FirstFitPackIterDataset(

@@ -130,6 +130,11 @@ def grain_source(config, split: str) -> Source:
   pattern = getattr(config, key)
   if not pattern:
     raise ConfigError(f"{key} is empty; set {key} to a glob of {config.grain_file_type} files")
+  return grain_files_source(config, key, pattern)
+
+
+def grain_files_source(config, key: str, pattern: str) -> Source:
+  """The grain_file_type files matching pattern; `key` names the setting in errors."""
   files = expand_glob(pattern, key)
   kind = config.grain_file_type
   if kind == "jsonl":
@@ -220,6 +225,11 @@ def hf_source(config, split: str, process_index: int, process_count: int, num_ep
     raise ConfigError("hf_path is empty; set hf_path to a dataset builder (json, parquet, csv, text) or a local dataset directory")
   if split == "eval" and not pattern:
     raise ConfigError("hf_eval_files is empty; set hf_eval_files to a glob of eval files")
+  return hf_files_source(config, key, pattern, process_index, process_count, num_epoch)
+
+
+def hf_files_source(config, key: str, pattern: str, process_index: int, process_count: int, num_epoch: int) -> Source:
+  """hf_path streamed over the files matching pattern (all of hf_path's own files when empty); `key` names the setting in errors."""
   files = expand_glob(pattern, key) if pattern else None
   return Source(HFStream(config.hf_path, files, process_index, process_count, num_epoch), f"hf {config.hf_path} {pattern}".strip())
 

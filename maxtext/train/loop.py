@@ -12,6 +12,7 @@ import jax
 
 from maxtext import memory_limit
 from maxtext.config import MaxTextConfig
+from maxtext.data.mixture import data_metrics
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
 from maxtext.models import pipeline
@@ -274,6 +275,7 @@ def _loop(
         result.stop_reason = "data_used_up"
         break
       state, metrics = done_step
+      metrics = {**metrics, **data_metrics(data_iter)}  # host floats (a mixture's realised fractions), no device sync
       if not grpo:
         report()  # the previous step's metrics, while this step runs
       pending.append((step, metrics))

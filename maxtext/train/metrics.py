@@ -1,4 +1,4 @@
-"""Per-step metrics: the MaxText log line, TensorBoard scalars and a JSON-lines file (process 0 only)."""
+"""Per-step metrics: the MaxText log line, TensorBoard scalars, Weights & Biases and a JSON-lines file (process 0 only)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ class MetricsWriter:
     self.config = config
     self.is_main = jax.process_index() == 0
     self.tensorboard = None
+    self.wandb = None
     self.file = None
     self._opened = False  # the TensorBoard directory and the metrics file are made by the first write, so a run
     # that fails before its first step (e.g. out of memory) leaves neither behind
@@ -63,6 +64,10 @@ class MetricsWriter:
       from tensorboardX import SummaryWriter
 
       self.tensorboard = SummaryWriter(self.config.tensorboard_dir)
+    if self.config.enable_wandb:
+      from maxtext.train.wandb_run import WandbRun
+
+      self.wandb = WandbRun(self.config)
     if self.config.metrics_file:
       with self._writing():
         path = epath.Path(self.config.metrics_file)
@@ -96,6 +101,8 @@ class MetricsWriter:
       for key, value in clean.items():
         if math.isfinite(value):
           self.tensorboard.add_scalar(f"learning/{key}", value, step)
+    if self.wandb is not None:
+      self.wandb.log(step, clean)
     if self.file is not None:
       with self._writing():
         self.file.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}) + "\n")
@@ -113,5 +120,7 @@ class MetricsWriter:
     self.flush()
     if self.tensorboard is not None:
       self.tensorboard.close()
+    if self.wandb is not None:
+      self.wandb.close()
     if self.file is not None:
       self.file.close()
