@@ -11,7 +11,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
 # Every section's settings (and MaxTextConfig's): unknown keys are errors, values read-only, and no float key (nor a
 # float in a list) takes inf or nan: a rate, weight, fraction or threshold that is not finite fails or degenerates only
 # once the run has started.
