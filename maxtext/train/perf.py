@@ -225,7 +225,7 @@ class Yardstick:
     if not source.startswith("measured"):
       return cls(tflops, source)
     fmt = "int8" if source.startswith(MEASURED_INT8) else "bf16"
-    return cls(tflops, source, measured=True, cache=cache_path(), key=cache_key(fmt), remeasure=functools.partial(fresh_matmul_tflops, fmt))
+    return cls(tflops, source, measured=True, cache=cache_path(), key=cache_key(fmt), remeasure=lambda: fresh_matmul_tflops(fmt))
 
   def described(self) -> str:
     """The source, with the cache file and the key that overrides it for a measured figure (the banner's words)."""
