@@ -138,3 +138,10 @@ def test_a_table_or_configured_peak_is_never_measured(monkeypatch):
   monkeypatch.setattr(perf, "fresh_matmul_tflops", lambda fmt="bf16": pytest.fail("measured"))
   stick = perf.Yardstick.of(from_overrides(num_devices=1, device_peak_tflops=0.1))
   assert stick.source == "config" and stick.mfu(0.095) == pytest.approx(0.95)
+
+
+def test_an_eval_batch_that_does_not_split_over_the_batch_shards_is_refused():
+  """It used to end the run at its first eval with a sharding traceback, after the run had written its directory."""
+  with pytest.raises(ConfigError, match=r"eval_per_device_batch_size 0.125 x 8 devices = 1 sequences do not split over the 8 batch shards"):
+    from_overrides(num_devices=8, eval_per_device_batch_size=0.125)
+  assert from_overrides(num_devices=8, eval_per_device_batch_size=0.25, ici_fsdp_parallelism=2, ici_tensor_parallelism=4).global_batch_size_to_eval_on == 2

@@ -377,6 +377,11 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
   layers = c.base_num_decoder_layers * mult["layers"]
   batch_shards = math.prod(axis_size(ici, dcn, axes, a) for a in set(c.data_sharding))
   pipeline = pipeline_values(c, axis_size(ici, dcn, axes, "stage"), layers, micro, batch_shards)
+  if c.eval_per_device_batch_size and eval_rows % batch_shards:
+    raise ConfigError(
+      f"eval_per_device_batch_size {c.eval_per_device_batch_size} x {devices} devices = {int(eval_rows)} sequences do not split over the {batch_shards} "
+      "batch shards (data_sharding axes); change eval_per_device_batch_size"
+    )
   check_context(c, axis_size(ici, dcn, axes, "context"), axis_size(ici, dcn, axes, "sequence"))
 
   run_name = c.run_name or f"{c.model_name}_{datetime.datetime.now():%Y-%m-%d-%H-%M}"

@@ -190,7 +190,7 @@ def check_eval_memory_fit(config: MaxTextConfig, setup: setup_lib.TrainSetup) ->
   """The compiled eval step, beside the rest of the train state (optimizer state: a run or maxtext.eval holds the whole
   state while it evaluates), within memory.MEMORY_HEADROOM of what a device may use; compiled here, reused by the evals."""
   with jax.set_mesh(setup.mesh), memory_limit.one_line("compiling the eval step", eval_memory_remedy(config)):
-    compiled = setup.compiled_eval
+    compiled = setup.compiled_eval(config.global_batch_size_to_eval_on)
   sizes = memory.step_bytes(compiled)
   if sizes is None:
     return

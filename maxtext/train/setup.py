@@ -61,21 +61,18 @@ class TrainSetup:
     """jit_step compiled for abstract_state and abstract_batch (its memory_analysis() is what a step needs)."""
     return self.jit_step.lower(self.abstract_state, self.abstract_batch).compile()
 
-  @functools.cached_property
-  def abstract_eval_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-    """An eval batch: abstract_batch with global_batch_size_to_eval_on rows."""
-    rows = self.config.global_batch_size_to_eval_on
+  def abstract_eval_batch(self, rows: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """An eval batch of `rows` rows (global_batch_size_to_eval_on): abstract_batch with that many rows."""
     return {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype, sharding=v.sharding) for k, v in self.abstract_batch.items()}
 
   def eval_arguments(self, state: Any) -> tuple[Any, Any, Any]:
     """The parts of a train state (or its abstract form) that the eval step reads: params, other, reference."""
     return state["params"], state.get("other", nnx.State({})), state.get(reference.KEY, nnx.State({}))
 
-  @functools.cached_property
-  def compiled_eval(self) -> Any:
-    """jit_eval compiled for abstract_state's parameters and abstract_eval_batch (its memory_analysis() is what an eval
-    batch needs); jit_eval's later calls on batches of that shape reuse the compilation."""
-    return self.jit_eval.lower(*self.eval_arguments(self.abstract_state), self.abstract_eval_batch).compile()
+  def compiled_eval(self, rows: int) -> Any:
+    """jit_eval compiled for abstract_state's parameters and an eval batch of `rows` rows (its memory_analysis() is
+    what an eval batch needs); jit_eval's later calls on batches of that shape reuse the compilation."""
+    return self.jit_eval.lower(*self.eval_arguments(self.abstract_state), self.abstract_eval_batch(rows)).compile()
 
   @functools.cached_property
   def rollout(self) -> Any:
