@@ -1,9 +1,10 @@
 """Every check a run can fail, done before it writes anything (no directory, lock, checkpoint or metrics writer).
 
 `run_checks(config, mesh, setup) -> Checked`, cheapest first: hardware and eval settings, the model (abstract
-build), restore paths (load_parameters_path, load_full_state_path, lora.lora_restore_path, the run's own
-checkpoints), room in the output locations, the data sources and tokenizer (the train iterator is opened; the
-eval one is opened and closed), the compiled train step and whether it fits the device memory.
+build) and the adamw_mask patterns against its parameters, restore paths (load_parameters_path,
+load_full_state_path, lora.lora_restore_path, the run's own checkpoints), room in the output locations, the data
+sources and tokenizer (the train iterator is opened; the eval one is opened and closed), the compiled train step
+and, with evals, the compiled eval step, and whether they fit the device memory.
 """
 
 from __future__ import annotations
