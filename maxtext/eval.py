@@ -3,6 +3,9 @@
 The parameters come from load_parameters_path, load_full_state_path, or the run's own latest checkpoint
 (<base_output_directory>/<run_name>/checkpoints/); the batches from the eval split of the training data pipeline
 (eval_steps batches, or the whole split with eval_steps=-1 or 0), scored by the training loop's eval step.
+
+An eval that does not fit the device memory is refused before anything is read (exit 2, as a training run's checks
+do); an out-of-memory error that still happens is one `error: out of memory in the eval ...` line, exit 1.
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ USAGE = config_usage(
   "as training. Parameters: load_parameters_path, load_full_state_path, or the latest checkpoint of run_name.",
   "python -m maxtext.eval configs/quickstart.yml eval_steps=5",
 )
-# An eval that does not fit is refused before anything is read (exit 2); an out-of-memory error that still happens is
-# one `error: out of memory in the eval ...` line, exit 1 (maxtext.memory_limit), as in training.
 
 
 def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) -> dict[str, float]:

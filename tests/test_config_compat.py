@@ -145,3 +145,23 @@ def test_an_eval_batch_that_does_not_split_over_the_batch_shards_is_refused():
   with pytest.raises(ConfigError, match=r"eval_per_device_batch_size 0.125 x 8 devices = 1 sequences do not split over the 8 batch shards"):
     from_overrides(num_devices=8, eval_per_device_batch_size=0.125)
   assert from_overrides(num_devices=8, eval_per_device_batch_size=0.25, ici_fsdp_parallelism=2, ici_tensor_parallelism=4).global_batch_size_to_eval_on == 2
+
+
+def test_adamw_mask_patterns_must_find_a_trained_parameter():
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from maxtext.train import preflight
+
+  class Params(nnx.Module):
+    def __init__(self):
+      self.embed = nnx.Param(jnp.zeros((4, 2)))
+      self.kernel = nnx.Param(jnp.zeros((2, 3)))
+      self.scale = nnx.Param(jnp.zeros((3,)))
+
+  params = nnx.state(Params(), nnx.Param)
+  preflight.check_adamw_mask(from_overrides(num_devices=1, adamw_mask=["^embed", "kern"]), params)
+  with pytest.raises(ConfigError, match=r"adamw_mask pattern '\^kernel/w' finds no trained parameter's path.*paths look like 'embed', 'kernel'"):
+    preflight.check_adamw_mask(from_overrides(num_devices=1, adamw_mask=["^embed", "^kernel/w"]), params)
+  with pytest.raises(ConfigError, match="opt_type=sgd does not apply"):
+    preflight.check_adamw_mask(from_overrides(num_devices=1, opt_type="sgd", adamw_mask=["^embed"]), params)
