@@ -188,6 +188,14 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict[str,
   return values, sources
 
 
+def _check_utf8(text: str, what: str) -> None:
+  """Refuse text the OS could not decode as UTF-8: Python keeps each undecodable byte as a lone surrogate
+  (U+DC80..U+DCFF), which no encoder (YAML, file names, logs) accepts later."""
+  bad = next((i for i, ch in enumerate(text) if "\udc80" <= ch <= "\udcff"), None)
+  if bad is not None:
+    raise ConfigError(f"{what} is not valid UTF-8 (byte 0x{ord(text[bad]) - 0xDC00:02x} at character {bad + 1}); pass UTF-8 text")
+
+
 def parse_cli_value(text: str, key: str | None = None) -> Any:
   """YAML typing for command-line values; 'none' (any case) is None.
 
@@ -195,6 +203,7 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
   text the user typed (`run_name=2024` is the name '2024', not an int; a line break or tab is kept, not folded), and a
   value spelled like one of a Literal key's choices is that choice.
   """
+  _check_utf8(text, f"the value of '{key}'" if key else "a command-line value")
   field = _field(key) if key else None
   if field is not None and text in typing.get_args(field.annotation) and typing.get_origin(field.annotation) is typing.Literal:
     return text  # a Literal choice is taken as typed: remat_policy=none is the policy 'none'
@@ -208,14 +217,6 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
   if field is not None and field.annotation is str and (isinstance(value, bool | int | float) or (not quoted and any(c in text for c in "\n\r\t\0"))):
     return text  # a number stays the text typed; so does an unquoted line break, which YAML would fold into a space
   return value
-
-
-def _check_utf8(text: str, what: str) -> None:
-  """Refuse text the OS could not decode as UTF-8: Python keeps each undecodable byte as a lone surrogate
-  (U+DC80..U+DCFF), which no encoder (YAML, file names, logs) accepts later."""
-  bad = next((i for i, ch in enumerate(text) if "\udc80" <= ch <= "\udcff"), None)
-  if bad is not None:
-    raise ConfigError(f"{what} is not valid UTF-8 (byte 0x{ord(text[bad]) - 0xDC00:02x} at character {bad + 1}); pass UTF-8 text")
 
 
 # key -> the values given before the last one, for keys given more than once on the command line (the last wins)
