@@ -2,7 +2,10 @@
 
 The parameters come from load_parameters_path, load_full_state_path, or the run's own latest checkpoint
 (<base_output_directory>/<run_name>/checkpoints/); the batches from the eval split of the training data pipeline
-(eval_steps batches, or the whole split with eval_steps=-1), scored by the training loop's eval step.
+(eval_steps batches, or the whole split with eval_steps=-1 or 0), scored by the training loop's eval step.
+
+An eval that does not fit the device memory is refused before anything is read (exit 2, as a training run's checks
+do); an out-of-memory error that still happens is one `error: out of memory in the eval ...` line, exit 1.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from maxtext.cli import config_usage, entry
 USAGE = config_usage(
   "maxtext.eval",
   "Evaluate a checkpoint without training: print the eval loss and perplexity over eval_steps batches of the\n"
-  "eval split (eval_steps=-1: the whole split), read by the same data pipeline and scored by the same eval step\n"
+  "eval split (eval_steps=-1 or 0: the whole split), read by the same data pipeline and scored by the same eval step\n"
   "as training. Parameters: load_parameters_path, load_full_state_path, or the latest checkpoint of run_name.",
   "python -m maxtext.eval configs/quickstart.yml eval_steps=5",
 )
@@ -29,13 +32,14 @@ def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) 
   import jax
   from etils import epath
 
+  from maxtext import memory_limit
   from maxtext import mesh as mesh_lib
   from maxtext.errors import ConfigError
-  from maxtext.train import checkpointing, loop
+  from maxtext.train import checkpointing, loop, preflight
   from maxtext.train import setup as setup_lib
 
   if config.eval_steps <= 0 and config.dataset_type == "synthetic":
-    raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
+    raise ConfigError(f"eval_steps={config.eval_steps} evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
   if config.use_grpo:
     raise ConfigError("use_grpo has no eval loss (its rows are sampled); score a GRPO model with maxtext.decode and your reward functions")
   own = epath.Path(config.checkpoint_dir)
@@ -44,9 +48,10 @@ def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) 
     raise ConfigError(f"nothing to evaluate: no checkpoint in {config.checkpoint_dir} and no load_parameters_path or load_full_state_path; set one of them")
   mesh = mesh if mesh is not None else mesh_lib.create(config)
   setup = setup_lib.build(config, mesh)
+  preflight.check_eval_memory_fit(config, setup)  # before any array is read
   ckpt = checkpointing.Checkpointer(config) if has_own else None
   try:
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), memory_limit.one_line("in the eval", preflight.eval_memory_remedy(config)):
       state = loop.restore_or_init(setup, ckpt, None, log)  # eval reads its own split from the start
       began = time.perf_counter()
       result = loop._evaluate(config, setup, state)

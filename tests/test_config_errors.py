@@ -63,7 +63,6 @@ CASES = [
   ("lora_not_mapping", ["lora_list.yml"], {}, "config key 'lora' (in lora_list.yml) must be a mapping"),
   ("no_equals", [BASE, "steps"], {}, "command-line argument 'steps' is not key=value"),
   ("empty_key", [BASE, "=5"], {}, "command-line argument '=5' is not key=value"),
-  ("key_twice", [BASE, "steps=1", "steps=2"], {}, "config key 'steps' is given twice on the command line"),
   ("env_and_cli", [BASE, "steps=1"], {"M_STEPS": "2"}, "config key 'steps' is set both on the command line and by environment variable M_STEPS"),
   (
     "model_conflict",

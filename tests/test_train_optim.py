@@ -52,7 +52,7 @@ def _update(config, grads_value=1.0, steps=1):
 
 
 def test_adamw_first_step_decays_kernels_but_not_norm_scales_or_biases():
-  config = tiny_config(num_devices=1, opt_type="adamw", adam_weight_decay=0.1, adam_eps=0.0, gradient_clipping_threshold=0.0)
+  config = tiny_config(num_devices=1, opt_type="adamw", adam_weight_decay=0.1, gradient_clipping_threshold=0.0)
   u = _update(config)
   np.testing.assert_allclose(u["kernel"], -(1.0 + 0.1 * 2.0), rtol=1e-6)  # -(m/sqrt(v) + wd * p) at unit lr
   np.testing.assert_allclose(u["scale"], -1.0, rtol=1e-6)
@@ -65,7 +65,7 @@ def test_adamw_mask_exempts_the_parameters_its_patterns_find_from_decay():
   from maxtext.errors import ConfigError
 
   for opt_type in ("adamw", "muon"):
-    config = tiny_config(num_devices=1, opt_type=opt_type, adam_weight_decay=0.1, adam_eps=0.0, gradient_clipping_threshold=0.0, adamw_mask=["^kern"])
+    config = tiny_config(num_devices=1, opt_type=opt_type, adam_weight_decay=0.1, gradient_clipping_threshold=0.0, adamw_mask=["^kern"])
     plain = _update(config.model_copy(update={"adamw_mask": []}))
     masked = _update(config)
     np.testing.assert_allclose(masked["kernel"], plain["kernel"] + 0.1 * 2.0, rtol=1e-5)  # the decay term -wd * p is gone

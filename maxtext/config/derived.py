@@ -34,7 +34,6 @@ PATH_KEYS = (
   "grain_train_mixture_config_path",
 )
 QUANTIZATION_CALIBRATION_KEYS = ("weight_quantization_calibration_method", "act_quantization_calibration_method", "bwd_quantization_calibration_method")
-_CALIBRATION = re.compile(r"^(absmax(,[0-9.eE+-]+)?|rms,[0-9.eE+-]+|fixed,[0-9.eE+-]+(,[0-9.eE+-]+)?)$")  # qwix's calibration methods
 GRADIENT_QUANTIZED = ("fp8", "fp8_full")  # modes whose backward products quantize the incoming gradient
 GLOB_KEYS = ("grain_train_files", "grain_eval_files", "hf_train_files", "hf_eval_files")
 NESTED_PATH_KEYS = (("lora", "lora_restore_path"),)
@@ -175,8 +174,9 @@ def _check_quantization(c: MaxTextConfig) -> None:
   """Cross-field checks of the quantization keys (one-line ConfigErrors)."""
   for key in QUANTIZATION_CALIBRATION_KEYS:
     value = getattr(c, key)
-    if not _CALIBRATION.match(value):
-      raise ConfigError(f"invalid value for '{key}': {value!r}; use absmax, absmax,<c>, rms,<c> or fixed,<lo>,<hi>")
+    problem = calibration_problem(value)
+    if problem:
+      raise ConfigError(f"invalid value for '{key}': {echo(value)} {problem}; use absmax, absmax,<c> or rms,<c> (c > 0), fixed,<c> or fixed,-<c>,<c>")
     if value != "absmax" and c.quantization != "fp8_full":
       raise ConfigError(f"{key}={value} applies to quantization=fp8_full (int8, fp8 and int4w scale by absmax each step); set quantization=fp8_full or drop it")
   shards = c.quantization_local_shard_count
@@ -209,6 +209,29 @@ def _check_quantization(c: MaxTextConfig) -> None:
         f"quantize_kvcache=true quantizes keys and values per kv head; decoder_block={c.decoder_block} (MLA) caches a compressed latent,"
         " which stays in the compute dtype here; drop quantize_kvcache"
       )
+
+
+def calibration_problem(method: str) -> str | None:
+  """What is wrong with a qwix calibration method for fp8 ('absmax', 'absmax,c', 'rms,c', 'fixed,c', 'fixed,lo,hi'), or None.
+
+  Every factor is a finite number > 0 (qwix takes absmax,-3 and scales by a negative or zero absmax, which it quietly
+  replaces by 1); a fixed range holds 0 and is symmetric, since fp8 has no zero point (qwix refuses others mid-run)."""
+  name, *args = method.split(",")
+  try:
+    numbers = [float(a) for a in args]
+  except ValueError:
+    return "has a factor that is not a number"
+  counts = {"absmax": (0, 1), "rms": (1,), "fixed": (1, 2)}
+  if name not in counts:
+    return "is not a calibration method"
+  if len(numbers) not in counts[name]:
+    return f"gives {name} {len(numbers)} factors"
+  if not all(math.isfinite(x) for x in numbers):
+    return "has a factor that is not finite"
+  if name != "fixed" or len(numbers) == 1:
+    return None if all(x > 0 for x in numbers) else "has a factor that is not > 0"
+  lo, hi = numbers
+  return None if lo == -hi and hi > 0 else f"is not a range [-c, c] around 0 (fp8 scales are symmetric: {lo} .. {hi})"
 
 
 def _check_quantization_tiles(config: MaxTextConfig, tiles: int) -> None:
@@ -368,6 +391,11 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
   layers = c.base_num_decoder_layers * mult["layers"]
   batch_shards = math.prod(axis_size(ici, dcn, axes, a) for a in set(c.data_sharding))
   pipeline = pipeline_values(c, axis_size(ici, dcn, axes, "stage"), layers, micro, batch_shards)
+  if c.eval_per_device_batch_size and eval_rows % batch_shards:
+    raise ConfigError(
+      f"eval_per_device_batch_size {c.eval_per_device_batch_size} x {devices} devices = {int(eval_rows)} sequences do not split over the {batch_shards} "
+      "batch shards (data_sharding axes); change eval_per_device_batch_size"
+    )
   check_context(c, axis_size(ici, dcn, axes, "context"), axis_size(ici, dcn, axes, "sequence"))
 
   run_name = c.run_name or f"{c.model_name}_{datetime.datetime.now():%Y-%m-%d-%H-%M}"

@@ -188,6 +188,14 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict[str,
   return values, sources
 
 
+def _check_utf8(text: str, what: str) -> None:
+  """Refuse text the OS could not decode as UTF-8: Python keeps each undecodable byte as a lone surrogate
+  (U+DC80..U+DCFF), which no encoder (YAML, file names, logs) accepts later."""
+  bad = next((i for i, ch in enumerate(text) if "\udc80" <= ch <= "\udcff"), None)
+  if bad is not None:
+    raise ConfigError(f"{what} is not valid UTF-8 (byte 0x{ord(text[bad]) - 0xDC00:02x} at character {bad + 1}); pass UTF-8 text")
+
+
 def parse_cli_value(text: str, key: str | None = None) -> Any:
   """YAML typing for command-line values; 'none' (any case) is None.
 
@@ -195,6 +203,7 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
   text the user typed (`run_name=2024` is the name '2024', not an int; a line break or tab is kept, not folded), and a
   value spelled like one of a Literal key's choices is that choice.
   """
+  _check_utf8(text, f"the value of '{key}'" if key else "a command-line value")
   field = _field(key) if key else None
   if field is not None and text in typing.get_args(field.annotation) and typing.get_origin(field.annotation) is typing.Literal:
     return text  # a Literal choice is taken as typed: remat_policy=none is the policy 'none'
@@ -210,19 +219,38 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
   return value
 
 
-def _parse_cli(args: Sequence[str]) -> dict[str, Any]:
+# key -> the values given before the last one, for keys given more than once on the command line (the last wins)
+Overridden = dict[str, list[str]]
+
+
+def _parse_cli(args: Sequence[str]) -> tuple[dict[str, Any], Overridden]:
+  """(values, overridden): a key given more than once takes its last value, as in MaxText (OmegaConf), where
+  scripts append overrides to a base command line; `overridden` keeps the earlier texts for the sources."""
   out: dict[str, Any] = {}
+  texts: dict[str, str] = {}
+  overridden: Overridden = {}
   for arg in args:
     if "=" not in arg:
+      _check_utf8(arg, f"command-line argument {echo(arg)}")
       raise ConfigError(f"command-line argument '{arg}' is not key=value; write e.g. steps=100")
     key, text = arg.split("=", 1)
     key = key.strip()
+    _check_utf8(key, f"the key of command-line argument {echo(arg)}")
     if not key or any(c.isspace() for c in key):
       raise ConfigError(f"command-line argument '{arg}' is not key=value; write e.g. steps=100")
+    _check_utf8(text, f"the value of '{key}' on the command line")
     if key in out:
-      raise ConfigError(f"config key '{key}' is given twice on the command line; keep one")
+      overridden.setdefault(key, []).append(texts[key])
+      del out[key]  # the last one also takes the last place, as if given once
+    texts[key] = text
     out[key] = parse_cli_value(text, key)
-  return _flatten(out, "on the command line")
+  return _flatten(out, "on the command line"), overridden
+
+
+def overridden_source(key: str, earlier: list[str]) -> str:
+  """The source of a key given more than once on the command line: 'command line (given 2 times, the last wins; earlier: steps=1)'."""
+  shown = ", ".join(f"{key}={t if t.isprintable() and len(t) <= 60 else echo(t, 60)}" for t in earlier)
+  return f"command line (given {len(earlier) + 1} times, the last wins; earlier: {shown})"
 
 
 def env_name(key: str) -> str:
@@ -236,6 +264,8 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
   for name, text in env.items():
     if not name.startswith(ENV_PREFIX):
       continue
+    _check_utf8(name, f"environment variable name {echo(name)}")
+    _check_utf8(text, f"the value of environment variable {name}")
     key = by_env_name.get(name)
     if key is None:
       guess = name[len(ENV_PREFIX) :].lower().replace("__", ".")
@@ -367,7 +397,7 @@ def load_with_sources(
   if "=" in argv[0] and not config_path.is_file():
     raise ConfigError(f"the first argument must be a YAML config file, got '{argv[0]}'; usage: python -m maxtext.<entry> configs/base.yml key=value ...")
   values, sources = _load_yaml_chain(config_path)
-  cli = _parse_cli(argv[1:])
+  cli, overridden = _parse_cli(argv[1:])
   env_values = _parse_env(env)
 
   for key in sorted(set(cli) & set(env_values)):
@@ -390,7 +420,7 @@ def load_with_sources(
     sources.update({k: f"models/{model_path.name}" for k in model_values})
 
   values.update(cli)
-  sources.update({k: "command line" for k in cli})
+  sources.update({k: overridden_source(k, overridden[k]) if k in overridden else "command line" for k in cli})
   values.update(env_values)
   sources.update({k: f"env {env_name(k)}" for k in env_values})
   sources = SourceMap(sources)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pydantic import ConfigDict
-
 from maxtext.config import model_sections as m
 from maxtext.config import sections as s
 
@@ -48,7 +46,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
 class MaxTextConfig(*SECTION_CLASSES):  # type: ignore[misc]
   """The whole run configuration. Build it with maxtext.config.load(argv); read-only."""
 
-  model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
+  model_config = s.SECTION_CONFIG
 
   def __hash__(self) -> int:  # lists inside make pydantic's field hash fail; hash the canonical JSON instead
     return hash(self.model_dump_json())

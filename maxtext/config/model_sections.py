@@ -195,7 +195,7 @@ class Quantization(Section):
     -1, description="fp8/fp8_full: the weight gradient's quantized contraction (token) axis gets this many scale tiles; -1 -> one per slice."
   )
   weight_quantization_calibration_method: str = Field(
-    "absmax", description="fp8_full: weight scale: absmax[,s], rms,s or fixed,lo,hi (static); other modes use absmax."
+    "absmax", description="fp8_full: weight scale: absmax[,s], rms,s or fixed,c (static range [-c, c]; s, c > 0); other modes use absmax."
   )
   act_quantization_calibration_method: str = Field("absmax", description="fp8_full: activation scale, as weight_quantization_calibration_method.")
   bwd_quantization_calibration_method: str = Field("absmax", description="fp8_full: gradient scale, as weight_quantization_calibration_method.")

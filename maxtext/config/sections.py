@@ -11,11 +11,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
 
+# Every section's settings (and MaxTextConfig's): unknown keys are errors, values read-only, and no float key (nor a
+# float in a list) takes inf or nan: a rate, weight, fraction or threshold that is not finite fails or degenerates only
+# once the run has started.
+SECTION_CONFIG = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True, allow_inf_nan=False)
+
 
 class Section(BaseModel):
-  """Base of every section: unknown keys are errors, values are read-only."""
+  """Base of every section: unknown keys are errors, values are read-only, floats are finite."""
 
-  model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
+  model_config = SECTION_CONFIG
 
 
 class RunInfo(Section):
@@ -216,7 +221,9 @@ class Optimizer(Section):
 class AdamW(Section):
   adam_b1: float = Field(0.9, ge=0, lt=1, description="Exponential decay of the first moment.")
   adam_b2: float = Field(0.95, ge=0, lt=1, description="Exponential decay of the second moment.")
-  adam_eps: float = Field(1e-8, ge=0, description="Added to the denominator outside the square root.")
+  adam_eps: float = Field(
+    1e-8, gt=0, description="Added to the denominator outside the square root (> 0: a parameter whose gradients are 0 would divide 0 by 0)."
+  )
   adam_eps_root: float = Field(0.0, ge=0, description="Added to the second moment inside the square root.")
   adam_weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (norm scales and biases excluded).")
   adamw_mask: list[str] = Field(
@@ -232,7 +239,7 @@ class TrainingLoop(Section):
   per_device_batch_size: float = Field(12.0, gt=0, description="Sequences per device per micro-batch.")
   max_target_length: int = Field(2048, gt=0, description="Sequence length of training rows.")
   eval_interval: int = Field(-1, description="Evaluate every this many steps; -1 -> never.")
-  eval_steps: int = Field(-1, description="Batches per evaluation; -1 -> the whole eval split.")
+  eval_steps: int = Field(-1, description="Batches per evaluation; -1 (or 0, as in MaxText) -> the whole eval split.")
   eval_per_device_batch_size: float = Field(
     0.0, ge=0, description="Sequences per device in an eval batch; 0 -> per_device_batch_size. Evaluation keeps no gradients, so it can take more."
   )

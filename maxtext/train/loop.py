@@ -290,7 +290,7 @@ def _loop(
         save(done)
       if config.eval_interval > 0 and done % config.eval_interval == 0:
         report(state)
-        with memory_limit.one_line(f"in the eval after step {step}", preflight.memory_remedy(config)):
+        with memory_limit.one_line(f"in the eval after step {step}", preflight.eval_memory_remedy(config)):
           ev = _evaluate(config, setup, state, lambda: preemption.requested)
         if ev is None:
           break  # preempted during the eval

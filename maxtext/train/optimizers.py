@@ -49,6 +49,11 @@ def decay_mask(params: Any, excluded: tuple[str, ...] = ()) -> Any:
   return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
 
 
+def parameter_paths(params: Any) -> list[str]:
+  """Every parameter's path as adamw_mask's patterns see it ('layers/mlp/wi_0/kernel')."""
+  return [_joined(_path_names(path)) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
 def _is_vector_path(names: list[str]) -> bool:
   """A norm scale, bias or sink: no weight decay, and AdamW rather than Muon even when it has two axes (a [heads, head_dim] bias)."""
   return any(n in name for name in names for n in NO_DECAY_NAMES)

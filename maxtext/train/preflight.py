@@ -1,15 +1,17 @@
 """Every check a run can fail, done before it writes anything (no directory, lock, checkpoint or metrics writer).
 
 `run_checks(config, mesh, setup) -> Checked`, cheapest first: hardware and eval settings, the model (abstract
-build), restore paths (load_parameters_path, load_full_state_path, lora.lora_restore_path, the run's own
-checkpoints), room in the output locations, the data sources and tokenizer (the train iterator is opened; the
-eval one is opened and closed), the compiled train step and whether it fits the device memory.
+build) and the adamw_mask patterns against its parameters, restore paths (load_parameters_path,
+load_full_state_path, lora.lora_restore_path, the run's own checkpoints), room in the output locations, the data
+sources and tokenizer (the train iterator is opened; the eval one is opened and closed), the compiled train step
+and, with evals, the compiled eval step, and whether they fit the device memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +21,7 @@ from maxtext import memory_limit, platform
 from maxtext import mesh as mesh_lib
 from maxtext.aot import memory, remat_auto
 from maxtext.config import MaxTextConfig
-from maxtext.errors import ConfigError
+from maxtext.errors import ConfigError, gib
 from maxtext.train import checkpointing, initial_params, outputs
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
@@ -43,7 +45,7 @@ def run_checks(
   platform.check_hardware(config)
   check_quantization(config)
   if config.eval_interval > 0 and config.eval_steps <= 0 and config.dataset_type == "synthetic":
-    raise ConfigError("eval_steps=-1 evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
+    raise ConfigError(f"eval_steps={config.eval_steps} evaluates the whole eval split, but synthetic data never ends; set eval_steps to a positive number")
   if config.use_grpo:  # a reward function that does not import fails before anything is built
     from maxtext.train import rewards
 
@@ -59,6 +61,7 @@ def run_checks(
     chosen = remat_auto.chosen_step(choice)  # compiled while choosing
     setup = chosen.setup if chosen is not None else None
   setup = setup or setup_lib.build(config, mesh)
+  check_adamw_mask(config, setup.abstract_state["params"])
   checkpointed = state_lib.checkpointed(setup.abstract_state, config)
   check_restore_paths(config, setup, checkpointed)
 
@@ -79,6 +82,8 @@ def run_checks(
   with jax.set_mesh(mesh):  # traced as the loop would run it
     step_fn = compiled_step(config, setup, mesh)
   check_memory_fit(config, step_fn)
+  if config.eval_interval > 0:
+    check_eval_memory_fit(config, setup)
   trainer = None
   if config.use_grpo:  # reward functions imported, tokenizer loaded, rollout decoder built
     from maxtext.train import grpo
@@ -99,6 +104,23 @@ def check_quantization(config: MaxTextConfig) -> None:
     raise ConfigError(
       "save_quantized_params_path is written by python -m maxtext.decode (quantize a checkpoint once, then decode from it); drop it from training"
     )
+
+
+def check_adamw_mask(config: MaxTextConfig, params: Any) -> None:
+  """Each adamw_mask pattern finds at least one trained parameter: one that finds none would exempt nothing, silently."""
+  if not config.adamw_mask:
+    return
+  if config.opt_type == "sgd":
+    raise ConfigError("adamw_mask exempts parameters from weight decay, which opt_type=sgd does not apply; drop adamw_mask")
+  from maxtext.train import optimizers, trainable
+
+  paths = optimizers.parameter_paths(trainable.split_params(params, config)[0])
+  for pattern in config.adamw_mask:
+    if not any(re.search(pattern, path) for path in paths):
+      examples = ", ".join(repr(p) for p in [p for p in paths if not p.endswith(optimizers.NO_DECAY_NAMES)][:3])
+      raise ConfigError(
+        f"adamw_mask pattern {pattern!r} finds no trained parameter's path, so it exempts nothing from weight decay; paths look like {examples}; fix or drop it"
+      )
 
 
 def check_outputs(config: MaxTextConfig, checkpoint_bytes: int) -> None:
@@ -158,6 +180,35 @@ def memory_remedy(config: MaxTextConfig) -> str:
   """The keys that lower a train step's memory, as a clause of a one-line error."""
   remat = "" if config.remat_policy == "full" else "use remat_policy=full, "
   return f"lower per_device_batch_size ({config.per_device_batch_size}) or max_target_length ({config.max_target_length}), {remat}or shard over more devices"
+
+
+def eval_memory_remedy(config: MaxTextConfig) -> str:
+  """The keys that lower an eval batch's memory, as a clause of a one-line error."""
+  rows = (
+    f"lower eval_per_device_batch_size ({config.eval_per_device_batch_size})"
+    if config.eval_per_device_batch_size
+    else f"set eval_per_device_batch_size below per_device_batch_size ({config.per_device_batch_size})"
+  )
+  return f"{rows}, lower max_target_length ({config.max_target_length}), or shard over more devices"
+
+
+def check_eval_memory_fit(config: MaxTextConfig, setup: setup_lib.TrainSetup) -> None:
+  """The compiled eval step, beside the rest of the train state (optimizer state: a run or maxtext.eval holds the whole
+  state while it evaluates), within memory.MEMORY_HEADROOM of what a device may use; compiled here, reused by the evals."""
+  with jax.set_mesh(setup.mesh), memory_limit.one_line("compiling the eval step", eval_memory_remedy(config)):
+    compiled = setup.compiled_eval(config.global_batch_size_to_eval_on)
+  sizes = memory.step_bytes(compiled)
+  if sizes is None:
+    return
+  need, temp = sizes
+  state = setup.abstract_state
+  beside = memory.shard_bytes(state, device_only=True) - memory.shard_bytes(setup.eval_arguments(state), device_only=True)
+  limit = memory_limit.limit_per_device()
+  if need + beside > memory.MEMORY_HEADROOM * limit.bytes:
+    raise ConfigError(
+      f"the compiled eval step needs {need / 2**30:.2f} GiB per device ({temp / 2**30:.2f} GiB of it temporaries), beside {gib(beside)} "
+      f"of optimizer state, but {limit.what} leaves {limit.bytes / 2**30:.2f} GiB per device; {eval_memory_remedy(config)}"
+    )
 
 
 def check_memory_fit(config: MaxTextConfig, compiled: Any) -> None:

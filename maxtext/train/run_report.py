@@ -114,6 +114,9 @@ class RunReport:
     """Throughput and MFU of a step that took `seconds` (measured once its results were ready)."""
     tflops = self.flops / seconds
     mfu = self.yardstick.mfu(tflops)
+    raised = self.yardstick.take_note()
+    if raised:
+      self.log(raised)
     self.step_seconds.append(seconds)
     self.step_mfu.append(mfu)
     return {

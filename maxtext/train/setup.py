@@ -61,6 +61,19 @@ class TrainSetup:
     """jit_step compiled for abstract_state and abstract_batch (its memory_analysis() is what a step needs)."""
     return self.jit_step.lower(self.abstract_state, self.abstract_batch).compile()
 
+  def abstract_eval_batch(self, rows: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """An eval batch of `rows` rows (global_batch_size_to_eval_on): abstract_batch with that many rows."""
+    return {k: jax.ShapeDtypeStruct((rows, *v.shape[1:]), v.dtype, sharding=v.sharding) for k, v in self.abstract_batch.items()}
+
+  def eval_arguments(self, state: Any) -> tuple[Any, Any, Any]:
+    """The parts of a train state (or its abstract form) that the eval step reads: params, other, reference."""
+    return state["params"], state.get("other", nnx.State({})), state.get(reference.KEY, nnx.State({}))
+
+  def compiled_eval(self, rows: int) -> Any:
+    """jit_eval compiled for abstract_state's parameters and an eval batch of `rows` rows (its memory_analysis() is
+    what an eval batch needs); jit_eval's later calls on batches of that shape reuse the compilation."""
+    return self.jit_eval.lower(*self.eval_arguments(self.abstract_state), self.abstract_eval_batch(rows)).compile()
+
   @functools.cached_property
   def rollout(self) -> Any:
     """GRPO: the rollout decoder over this setup's parameters (maxtext.inference.rollout), compiled per prompt bucket on first use."""
@@ -94,7 +107,7 @@ class TrainSetup:
 
   def eval_on(self, state: state_lib.TrainState, batch: dict[str, jax.Array]) -> Any:
     """The objective's sums over one eval batch, for the parameters of `state`."""
-    return self.jit_eval(state["params"], state.get("other", nnx.State({})), state.get(reference.KEY, nnx.State({})), batch)
+    return self.jit_eval(*self.eval_arguments(state), batch)
 
 
 def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = None, policy: platform.Policy | None = None) -> TrainSetup:
