@@ -3,6 +3,8 @@
 The parameters come from load_parameters_path, load_full_state_path, or the run's own latest checkpoint
 (<base_output_directory>/<run_name>/checkpoints/); the batches from the eval split of the training data pipeline
 (eval_steps batches, or the whole split with eval_steps=-1), scored by the training loop's eval step.
+With eval_harness_tasks set, it runs those lm-evaluation-harness tasks on the model instead (decode's model sources,
+hf_model_path included) and prints each task's metrics.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from collections.abc import Callable
 from typing import Any
 
 from maxtext.cli import config_usage, entry
+from maxtext.errors import ConfigError
 
 USAGE = config_usage(
   "maxtext.eval",
   "Evaluate a checkpoint without training: print the eval loss and perplexity over eval_steps batches of the\n"
   "eval split (eval_steps=-1: the whole split), read by the same data pipeline and scored by the same eval step\n"
-  "as training. Parameters: load_parameters_path, load_full_state_path, or the latest checkpoint of run_name.",
+  "as training. Parameters: load_parameters_path, load_full_state_path, or the latest checkpoint of run_name.\n"
+  "eval_harness_tasks=[task,...] (with eval_harness_include_path=DIR for local task files) runs lm-evaluation-harness\n"
+  "tasks on the model instead (docs/evaluation.md).",
   "python -m maxtext.eval configs/quickstart.yml eval_steps=5",
 )
 
@@ -30,7 +35,6 @@ def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) 
   from etils import epath
 
   from maxtext import mesh as mesh_lib
-  from maxtext.errors import ConfigError
   from maxtext.train import checkpointing, loop
   from maxtext.train import setup as setup_lib
 
@@ -56,12 +60,38 @@ def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) 
   return {**result, "perplexity": math.exp(min(result["eval_loss"], 700.0)), "seconds": time.perf_counter() - began}
 
 
+def harness(config: Any, argv: list[str]) -> dict[str, Any]:
+  """simple_evaluate's results for config.eval_harness_tasks on the model decode would load (argv: the command's
+  arguments, for hf_model_path's architecture), global_batch_size_to_eval_on requests per forward pass; an unknown
+  task is a ConfigError before the model is loaded."""
+  from lm_eval import simple_evaluate
+  from lm_eval.tasks import TaskManager
+
+  from maxtext.integrations.lm_eval_backend import MaxTextLM, load
+
+  tasks = TaskManager(include_path=config.eval_harness_include_path or None)
+  missing = [t for t in config.eval_harness_tasks if not tasks.match_tasks([t])]
+  if missing:
+    where = f" or in {config.eval_harness_include_path}" if config.eval_harness_include_path else ""
+    raise ConfigError(
+      f"unknown harness task(s) {', '.join(missing)}: not among the harness's tasks{where}; fix eval_harness_tasks or set eval_harness_include_path"
+    )
+  model, tokenizer, mesh = load(argv)
+  return simple_evaluate(model=MaxTextLM(model, tokenizer, batch_size=config.global_batch_size_to_eval_on, mesh=mesh), tasks=list(config.eval_harness_tasks), task_manager=tasks)
+
+
 @entry(USAGE)
 def main(argv: list[str]) -> None:
   from maxtext.config import load
   from maxtext.process import prepare
 
   config = load(argv, devices=prepare)
+  if config.eval_harness_tasks:
+    from maxtext.integrations.lm_eval_backend import results_lines
+
+    for line in results_lines(harness(config, argv)):
+      print(line)
+    return
   r = evaluate(config)
   batches = f"{config.eval_steps} batches" if config.eval_steps > 0 else "the whole eval split"
   scores = (  # DPO reports its rewards on held-out pairs; a perplexity of the DPO loss would mean nothing

@@ -31,6 +31,7 @@ PATH_KEYS = (
   "chat_template_path",
   "compiled_trainstep_file",
   "save_quantized_params_path",
+  "eval_harness_include_path",
 )
 QUANTIZATION_CALIBRATION_KEYS = ("weight_quantization_calibration_method", "act_quantization_calibration_method", "bwd_quantization_calibration_method")
 _CALIBRATION = re.compile(r"^(absmax(,[0-9.eE+-]+)?|rms,[0-9.eE+-]+|fixed,[0-9.eE+-]+(,[0-9.eE+-]+)?)$")  # qwix's calibration methods

@@ -319,6 +319,10 @@ class Decoding(Section):
   decode_lora_adapter: str = Field(
     "", description="decode: with lora.max_lora_adapters > 1, the adapter (a lora.lora_adapters name) the prompt runs on ('' = slot 0)."
   )
+  eval_harness_tasks: list[str] = Field(
+    [], description="eval: lm-evaluation-harness tasks (names or YAML files) maxtext.eval runs on the model instead of the eval loss; [] -> none."
+  )
+  eval_harness_include_path: str = Field("", description="eval: a directory of harness task YAML files to find eval_harness_tasks in besides the harness's own.")
 
 
 class AOT(Section):
