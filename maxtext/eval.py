@@ -77,7 +77,9 @@ def harness(config: Any, argv: list[str]) -> dict[str, Any]:
       f"unknown harness task(s) {', '.join(missing)}: not among the harness's tasks{where}; fix eval_harness_tasks or set eval_harness_include_path"
     )
   model, tokenizer, mesh = load(argv)
-  return simple_evaluate(model=MaxTextLM(model, tokenizer, batch_size=config.global_batch_size_to_eval_on, mesh=mesh), tasks=list(config.eval_harness_tasks), task_manager=tasks)
+  return simple_evaluate(
+    model=MaxTextLM(model, tokenizer, batch_size=config.global_batch_size_to_eval_on, mesh=mesh), tasks=list(config.eval_harness_tasks), task_manager=tasks
+  )
 
 
 @entry(USAGE)

@@ -69,7 +69,9 @@ def _batch_size(value: Any) -> int:
   except (TypeError, ValueError):
     size = 0
   if size < 1:
-    raise ConfigError(f"batch_size {value!r} is not supported by the maxtext backend (it does not tune batch sizes); pass a whole number >= 1, e.g. --batch_size 8")
+    raise ConfigError(
+      f"batch_size {value!r} is not supported by the maxtext backend (it does not tune batch sizes); pass a whole number >= 1, e.g. --batch_size 8"
+    )
   return size
 
 
@@ -168,7 +170,9 @@ class MaxTextLM(TemplateLM):
     c = self.maxtext_config
     template = resolve_chat_template(c.chat_template, c.chat_template_path, self.tokenizer.chat_template)
     if template is None:
-      raise ConfigError(f"--apply_chat_template: tokenizer '{self.tokenizer.path}' has no chat template; set chat_template or chat_template_path in --model_args")
+      raise ConfigError(
+        f"--apply_chat_template: tokenizer '{self.tokenizer.path}' has no chat template; set chat_template or chat_template_path in --model_args"
+      )
     return template
 
   def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -316,7 +320,9 @@ class MaxTextLM(TemplateLM):
       sampling = self._sampling(kwargs)
       room = self._max_length - max_gen_toks
       if room < 1:
-        raise DataError(f"a task asks for max_gen_toks={max_gen_toks}, which leaves no room for a prompt within max_length {self._max_length}; raise max_length")
+        raise DataError(
+          f"a task asks for max_gen_toks={max_gen_toks}, which leaves no room for a prompt within max_length {self._max_length}; raise max_length"
+        )
       prompts = {i: self.tok_encode(requests[i].args[0])[-room:] for i in members}
       order = sorted(members, key=lambda i: -len(prompts[i]))
       for start in range(0, len(order), self._batch):
@@ -336,10 +342,10 @@ class MaxTextLM(TemplateLM):
 
 
 def results_lines(results: dict[str, Any]) -> list[str]:
-  """One line per task of simple_evaluate's results: 'task: metric value, ...' (stderr columns left out)."""
+  """One line per task of simple_evaluate's results: 'task: metric value, ... (N samples)' (stderr values left out)."""
   lines = []
   for task, metrics in results.get("results", {}).items():
-    shown = [f"{k.split(',')[0]}: {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)) and "_stderr" not in k and k != "alias"]
-    lines.append(f"{task}: {', '.join(shown)}")
+    shown = [f"{k.split(',')[0]}: {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float)) and "_stderr" not in k and k != "sample_len"]
+    samples = f" ({metrics['sample_len']} samples)" if "sample_len" in metrics else ""
+    lines.append(f"{task}: {', '.join(shown)}{samples}")
   return lines
-
