@@ -320,7 +320,7 @@ class Decoding(Section):
     "", description="decode: with lora.max_lora_adapters > 1, the adapter (a lora.lora_adapters name) the prompt runs on ('' = slot 0)."
   )
   eval_harness_tasks: list[str] = Field(
-    [], description="eval: lm-evaluation-harness tasks (names or YAML files) maxtext.eval runs on the model instead of the eval loss; [] -> none."
+    [], description="eval: lm-evaluation-harness task names maxtext.eval runs on the model instead of the eval loss; [] -> none."
   )
   eval_harness_include_path: str = Field("", description="eval: a directory of harness task YAML files to find eval_harness_tasks in besides the harness's own.")
 
