@@ -64,6 +64,9 @@ def harness(config: Any, argv: list[str]) -> dict[str, Any]:
   """simple_evaluate's results for config.eval_harness_tasks on the model decode would load (argv: the command's
   arguments, for hf_model_path's architecture), global_batch_size_to_eval_on requests per forward pass; an unknown
   task is a ConfigError before the model is loaded."""
+  from maxtext.integrations import require_lm_eval
+
+  require_lm_eval()
   from lm_eval import simple_evaluate
   from lm_eval.tasks import TaskManager
 

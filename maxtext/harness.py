@@ -17,6 +17,9 @@ from maxtext.errors import ConfigError
 
 @entry(None)  # the harness's argparse answers -h/--help
 def main(argv: list[str]) -> None:
+  from maxtext.integrations import require_lm_eval
+
+  require_lm_eval()
   from lm_eval._cli import HarnessCLI
   from lm_eval.utils import setup_logging
 
