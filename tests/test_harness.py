@@ -140,3 +140,16 @@ def test_unknown_task_is_one_line_exit_2_nothing_written(model_dir, task_dir, tm
   assert len(lines) == 1 and lines[0].startswith("error: unknown harness task(s) no_such_task"), proc.stderr[-3000:]
   assert "Traceback" not in proc.stdout + proc.stderr
   assert _snapshot(tmp_path) == before
+
+
+def test_unsupported_options_are_one_line_errors_not_ignored(backends):
+  from lm_eval.api.instance import Instance
+
+  from maxtext.errors import ConfigError, DataError
+  from maxtext.integrations.lm_eval_backend import MaxTextLM
+
+  ours, _ = backends
+  with pytest.raises(ConfigError, match="batch_size 'auto'"):
+    MaxTextLM(ours.model, ours.tokenizer, batch_size="auto")
+  with pytest.raises(DataError, match=r"gen_kwargs \['num_beams'\]"):
+    ours.generate_until([Instance("generate_until", {}, ("w1 w2", {"until": ["w3"], "num_beams": 2}), 0)])
