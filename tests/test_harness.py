@@ -153,3 +153,22 @@ def test_unsupported_options_are_one_line_errors_not_ignored(backends):
     MaxTextLM(ours.model, ours.tokenizer, batch_size="auto")
   with pytest.raises(DataError, match=r"gen_kwargs \['num_beams'\]"):
     ours.generate_until([Instance("generate_until", {}, ("w1 w2", {"until": ["w3"], "num_beams": 2}), 0)])
+
+
+def test_training_runs_harness_tasks_every_interval_into_the_metrics(model_dir, task_dir, tmp_path, capsys):
+  """eval_harness_interval=2 over 4 steps: the tasks run after steps 1 and 3 on the live parameters, in the metrics file."""
+  import json
+
+  from maxtext.errors import ConfigError
+  from maxtext.train.loop import train
+  from tests.test_train_helpers import tiny_config
+
+  keys = dict(tokenizer_type="huggingface", tokenizer_path=str(model_dir), eval_harness_include_path=str(task_dir), eval_harness_interval=2)
+  keys.update(base_output_directory=str(tmp_path / "out"), run_name="r", steps=4, enable_checkpointing=False, metrics_file=str(tmp_path / "m.jsonl"))
+  with pytest.raises(ConfigError, match="unknown harness task"):
+    train(tiny_config(num_devices=8, eval_harness_tasks=["no_such_task"], **keys))
+  assert not (tmp_path / "out").exists() and not (tmp_path / "m.jsonl").exists()  # checked before anything is written
+  train(tiny_config(num_devices=8, eval_harness_tasks=["tiny_choice"], **keys))
+  rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows if "harness/tiny_choice/acc" in r] == [1, 3]
+  assert "harness after step 3: tiny_choice/acc: " in capsys.readouterr().out
