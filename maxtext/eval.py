@@ -68,17 +68,11 @@ def harness(config: Any, argv: list[str]) -> dict[str, Any]:
 
   require_lm_eval()
   from lm_eval import simple_evaluate
-  from lm_eval.tasks import TaskManager
 
-  from maxtext.integrations.lm_eval_backend import MaxTextLM, load
+  from maxtext.integrations.lm_eval_backend import MaxTextLM, load, task_manager, unknown_tasks
 
-  tasks = TaskManager(include_path=config.eval_harness_include_path or None)
-  missing = [t for t in config.eval_harness_tasks if not tasks.match_tasks([t])]
-  if missing:
-    where = f" or in {config.eval_harness_include_path}" if config.eval_harness_include_path else ""
-    raise ConfigError(
-      f"unknown harness task(s) {', '.join(missing)}: not among the harness's tasks{where}; fix eval_harness_tasks or set eval_harness_include_path"
-    )
+  unknown_tasks(config.eval_harness_tasks, config.eval_harness_include_path)
+  tasks = task_manager(config.eval_harness_include_path or None)
   model, tokenizer, mesh = load(argv)
   return simple_evaluate(
     model=MaxTextLM(model, tokenizer, batch_size=config.global_batch_size_to_eval_on, mesh=mesh), tasks=list(config.eval_harness_tasks), task_manager=tasks

@@ -26,18 +26,12 @@ class TrainingHarness:
         f"eval_harness_interval={config.eval_harness_interval} needs the tasks to run; set eval_harness_tasks=[task,...] or eval_harness_interval=-1"
       )
     require_lm_eval()
-    from lm_eval.tasks import TaskManager
-
     from maxtext.data.pipeline import resolve_tokenizer
+    from maxtext.integrations.lm_eval_backend import task_manager, unknown_tasks
 
+    unknown_tasks(config.eval_harness_tasks, config.eval_harness_include_path)
     self.config, self.setup = config, setup
-    self.tasks = TaskManager(include_path=config.eval_harness_include_path or None)
-    missing = [t for t in config.eval_harness_tasks if not self.tasks.match_tasks([t])]
-    if missing:
-      where = f" or in {config.eval_harness_include_path}" if config.eval_harness_include_path else ""
-      raise ConfigError(
-        f"unknown harness task(s) {', '.join(missing)}: not among the harness's tasks{where}; fix eval_harness_tasks or set eval_harness_include_path"
-      )
+    self.tasks = task_manager(config.eval_harness_include_path or None)
     self.tokenizer = resolve_tokenizer(config)
 
   def __call__(self, state: dict[str, Any]) -> dict[str, float]:

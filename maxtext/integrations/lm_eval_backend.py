@@ -14,6 +14,7 @@ left truncation to max_length, the rolling windows, stop sequences), so scores a
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -51,6 +52,25 @@ def load(argv: Sequence[str]) -> tuple[Transformer, Any, Any]:
   tokenizer = load_decode_tokenizer(config)
   mesh = mesh_lib.create(config)
   return load_model(config, mesh, log=lambda m: None), tokenizer, mesh
+
+
+@functools.lru_cache(maxsize=4)
+def task_manager(include_path: str | None = None) -> Any:
+  """The harness's TaskManager (its own tasks plus include_path's), indexed once per process: indexing reads
+  thousands of YAML files."""
+  from lm_eval.tasks import TaskManager
+
+  return TaskManager(include_path=include_path or None)
+
+
+def unknown_tasks(tasks: Sequence[str], include_path: str) -> None:
+  """A ConfigError naming the tasks the harness does not know (before any model is loaded)."""
+  missing = [t for t in tasks if not task_manager(include_path or None).match_tasks([t])]
+  if missing:
+    where = f" or in {include_path}" if include_path else ""
+    raise ConfigError(
+      f"unknown harness task(s) {', '.join(missing)}: not among the harness's tasks{where}; fix eval_harness_tasks or set eval_harness_include_path"
+    )
 
 
 def _config_argv(config: str | None, keys: dict[str, Any]) -> list[str]:
