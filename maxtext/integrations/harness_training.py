@@ -16,9 +16,9 @@ from maxtext.errors import ConfigError
 
 
 class TrainingHarness:
-  """Runs config.eval_harness_tasks on a train state (setup: the run's TrainSetup, for the model's graph and mesh)."""
+  """Runs config.eval_harness_tasks on a train state; made (and the tasks checked) before the train step compiles."""
 
-  def __init__(self, config: MaxTextConfig, setup: Any):
+  def __init__(self, config: MaxTextConfig):
     from maxtext.integrations import require_lm_eval
 
     if not config.eval_harness_tasks:
@@ -30,18 +30,19 @@ class TrainingHarness:
     from maxtext.integrations.lm_eval_backend import task_manager, unknown_tasks
 
     unknown_tasks(config.eval_harness_tasks, config.eval_harness_include_path)
-    self.config, self.setup = config, setup
+    self.config = config
     self.tasks = task_manager(config.eval_harness_include_path or None)
     self.tokenizer = resolve_tokenizer(config)
 
-  def __call__(self, state: dict[str, Any]) -> dict[str, float]:
-    """{'harness/<task>/<metric>': value} of the tasks on state's parameters (stderr values left out)."""
+  def __call__(self, state: dict[str, Any], setup: Any) -> dict[str, float]:
+    """{'harness/<task>/<metric>': value} of the tasks on state's parameters (setup: the run's TrainSetup, for the
+    model's graph and mesh; stderr values left out)."""
     from lm_eval import simple_evaluate
 
     from maxtext.integrations.lm_eval_backend import MaxTextLM
 
-    model = nnx.merge(self.setup.graphdef, state["params"], state.get("other", nnx.State({})))
-    lm = MaxTextLM(model, self.tokenizer, batch_size=self.config.global_batch_size_to_eval_on, mesh=self.setup.mesh)
+    model = nnx.merge(setup.graphdef, state["params"], state.get("other", nnx.State({})))
+    lm = MaxTextLM(model, self.tokenizer, batch_size=self.config.global_batch_size_to_eval_on, mesh=setup.mesh)
     results = simple_evaluate(model=lm, tasks=list(self.config.eval_harness_tasks), task_manager=self.tasks)
     return {
       f"harness/{task}/{name.split(',')[0]}": float(value)

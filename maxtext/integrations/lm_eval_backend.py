@@ -95,6 +95,16 @@ def _batch_size(value: Any) -> int:
   return size
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one compile per model structure and bucket, shared by every backend object
+def _score_rows(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, targets: jax.Array, last: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """tokens, targets [B, S] -> (log p(target) [B, S], target is the argmax [B, S], log-probs at position last[b] [B, V])."""
+  logp = jax.nn.log_softmax(nnx.merge(graphdef, state)(tokens).astype(jnp.float32), axis=-1)
+  picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  greedy = jnp.argmax(logp, axis=-1) == targets
+  final = jnp.take_along_axis(logp, last[:, None, None], axis=1)[:, 0]
+  return picked, greedy, final
+
+
 @register_model("maxtext")
 class MaxTextLM(TemplateLM):
   """An lm-evaluation-harness model backed by a maxtext Transformer and its tokenizer.
@@ -138,7 +148,6 @@ class MaxTextLM(TemplateLM):
     if self._max_length < 2:
       raise ConfigError(f"max_length {self._max_length} leaves no room to score a token; raise max_length or max_target_length")
     self._graphdef, self._state = nnx.split(self.model)
-    self._score = jax.jit(self._score_rows)
     self._generators: dict[tuple[int, int, SamplingParams], Generator] = {}
     self._rows = -(-self._batch // self._batch_multiple()) * self._batch_multiple()
     self._bos_text = tokenizer.special_tokens.get("bos_token") or None
@@ -215,14 +224,6 @@ class MaxTextLM(TemplateLM):
     return text
 
   # -- log-likelihoods -------------------------------------------------------------------------------------
-  def _score_rows(self, state: nnx.State, tokens: jax.Array, targets: jax.Array, last: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """tokens, targets [B, S] -> (log p(target) [B, S], target is the argmax [B, S], log-probs at position last[b] [B, V])."""
-    logp = jax.nn.log_softmax(nnx.merge(self._graphdef, state)(tokens).astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    greedy = jnp.argmax(logp, axis=-1) == targets
-    final = jnp.take_along_axis(logp, last[:, None, None], axis=1)[:, 0]
-    return picked, greedy, final
-
   def _batch_multiple(self) -> int:
     if self.mesh is None:
       return 1
@@ -280,7 +281,7 @@ class MaxTextLM(TemplateLM):
         n = len(inputs[i])
         tokens[r, :n], goals[r, :n], last[r] = inputs[i], targets[i], n - 1
       with self._mesh_context():
-        p, g, f = jax.device_get(self._score(self._state, tokens, goals, last))
+        p, g, f = jax.device_get(_score_rows(self._graphdef, self._state, tokens, goals, last))
       for r, i in enumerate(chunk):
         n = len(inputs[i])
         picked[i], greedy[i], final[i] = p[r, :n], g[r, :n], f[r]

@@ -168,14 +168,14 @@ def train(
     if done and done[0] >= config.steps:  # a rerun of a finished run: say so, touch nothing
       log_main(f"checkpoint at step {done[0]} in {config.checkpoint_dir} already reaches steps={config.steps}; nothing to train (raise steps to train further)")
       return TrainResult(done[0], {}, {}, "nothing_to_train")
-    with memory_limit.one_line("compiling the train step", preflight.memory_remedy(config)):
-      checked = preflight.run_checks(config, mesh, setup, log_main)
-    config = checked.config  # remat_policy=auto and decoder_layer_input=auto resolved
-    harness = None  # eval_harness_interval: its tasks are checked here, before anything is written
+    harness = None  # eval_harness_interval: its tasks are checked here, before anything is compiled or written
     if config.eval_harness_interval > 0:
       from maxtext.integrations.harness_training import TrainingHarness
 
-      harness = TrainingHarness(config, checked.setup)
+      harness = TrainingHarness(config)
+    with memory_limit.one_line("compiling the train step", preflight.memory_remedy(config)):
+      checked = preflight.run_checks(config, mesh, setup, log_main)
+    config = checked.config  # remat_policy=auto and decoder_layer_input=auto resolved
     if preemption.requested:
       log_main(f"received {preemption.signal_name} before the first step: stopped, nothing was written; rerun the same command to start")
       return TrainResult(0, {}, {}, preemption.signal_name.lower())
@@ -191,7 +191,11 @@ def train(
 
 
 def _run(
-  config: MaxTextConfig, checked: preflight.Checked, preemption: Preemption, on_step: Callable[[int], None] | None, harness: Callable[[Any], dict] | None = None
+  config: MaxTextConfig,
+  checked: preflight.Checked,
+  preemption: Preemption,
+  on_step: Callable[[int], None] | None,
+  harness: Callable[[Any, Any], dict] | None = None,
 ) -> TrainResult:
   """Restore or init, then the step loop; runs under the run lock, after every check passed."""
   mesh, setup, data_iter = checked.mesh, checked.setup, checked.data_iter
@@ -226,7 +230,7 @@ def _loop(
   writer: MetricsWriter,
   state: Any,
   start: int,
-  harness: Callable[[Any], dict] | None = None,
+  harness: Callable[[Any, Any], dict] | None = None,
 ) -> TrainResult:
   mesh, setup, step_fn, data_iter = checked.mesh, checked.setup, checked.step_fn, checked.data_iter
   story = RunReport(config, mesh, setup.policy, start, writer.log, checked.choice)
@@ -311,7 +315,7 @@ def _loop(
           break
       if harness is not None and done % config.eval_harness_interval == 0:
         report(state)
-        scores = harness(state)  # harness/<task>/<metric> on the live parameters
+        scores = harness(state, setup)  # harness/<task>/<metric> on the live parameters
         writer.write(step, scores, f"harness after step {step}: " + ", ".join(f"{k.removeprefix('harness/')}: {v:.4f}" for k, v in scores.items()))
         last_time[0] = time.perf_counter()  # harness time is not step time
     report(state)
