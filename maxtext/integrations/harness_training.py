@@ -33,6 +33,7 @@ class TrainingHarness:
     self.config = config
     self.tasks = task_manager(config.eval_harness_include_path or None)
     self.tokenizer = resolve_tokenizer(config)
+    self.lm: Any = None  # the backend, made at the first run
 
   def __call__(self, state: dict[str, Any], setup: Any) -> dict[str, float]:
     """{'harness/<task>/<metric>': value} of the tasks on state's parameters (setup: the run's TrainSetup, for the
@@ -42,8 +43,11 @@ class TrainingHarness:
     from maxtext.integrations.lm_eval_backend import MaxTextLM
 
     model = nnx.merge(setup.graphdef, state["params"], state.get("other", nnx.State({})))
-    lm = MaxTextLM(model, self.tokenizer, batch_size=self.config.global_batch_size_to_eval_on, mesh=setup.mesh)
-    results = simple_evaluate(model=lm, tasks=list(self.config.eval_harness_tasks), task_manager=self.tasks)
+    if self.lm is None:
+      self.lm = MaxTextLM(model, self.tokenizer, batch_size=self.config.global_batch_size_to_eval_on, mesh=setup.mesh)
+    else:
+      self.lm.load_parameters(model)  # the compiled scorer and decoders are reused
+    results = simple_evaluate(model=self.lm, tasks=list(self.config.eval_harness_tasks), task_manager=self.tasks)
     return {
       f"harness/{task}/{name.split(',')[0]}": float(value)
       for task, metrics in results["results"].items()

@@ -95,7 +95,6 @@ def _batch_size(value: Any) -> int:
   return size
 
 
-@functools.partial(jax.jit, static_argnums=0)  # one compile per model structure and bucket, shared by every backend object
 def _score_rows(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, targets: jax.Array, last: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """tokens, targets [B, S] -> (log p(target) [B, S], target is the argmax [B, S], log-probs at position last[b] [B, V])."""
   logp = jax.nn.log_softmax(nnx.merge(graphdef, state)(tokens).astype(jnp.float32), axis=-1)
@@ -148,9 +147,15 @@ class MaxTextLM(TemplateLM):
     if self._max_length < 2:
       raise ConfigError(f"max_length {self._max_length} leaves no room to score a token; raise max_length or max_target_length")
     self._graphdef, self._state = nnx.split(self.model)
+    self._score = jax.jit(functools.partial(_score_rows, self._graphdef))
     self._generators: dict[tuple[int, int, SamplingParams], Generator] = {}
     self._rows = -(-self._batch // self._batch_multiple()) * self._batch_multiple()
     self._bos_text = tokenizer.special_tokens.get("bos_token") or None
+
+  def load_parameters(self, model: Transformer) -> None:
+    """Score and generate with model's parameters from now on (the same structure: the compiled functions are kept)."""
+    self.model = unstack.for_decoding(model)
+    self._state = nnx.split(self.model)[1]
 
   # -- what the harness asks of a model ----------------------------------------------------------------------
   @property
@@ -281,7 +286,7 @@ class MaxTextLM(TemplateLM):
         n = len(inputs[i])
         tokens[r, :n], goals[r, :n], last[r] = inputs[i], targets[i], n - 1
       with self._mesh_context():
-        p, g, f = jax.device_get(_score_rows(self._graphdef, self._state, tokens, goals, last))
+        p, g, f = jax.device_get(self._score(self._state, tokens, goals, last))
       for r, i in enumerate(chunk):
         n = len(inputs[i])
         picked[i], greedy[i], final[i] = p[r, :n], g[r, :n], f[r]
@@ -351,7 +356,7 @@ class MaxTextLM(TemplateLM):
         batch = [prompts[i] for i in chunk]
         batch += [batch[0]] * (self._batch - len(batch))  # one compile per batch size
         gen = self._generator(prefill_bucket(len(batch[0]), room), max_gen_toks, sampling)
-        result = gen.generate(batch, seed=self.maxtext_config.decode_sampling_seed)
+        result = gen.generate(batch, seed=self.maxtext_config.decode_sampling_seed, state=self._state)
         for i, tokens in zip(chunk, result.tokens):
           tokens = tokens[:max_gen_toks]
           if self.tokenizer.eos_id in tokens:
