@@ -6,6 +6,8 @@ The parameters come from load_parameters_path, load_full_state_path, or the run'
 
 An eval that does not fit the device memory is refused before anything is read (exit 2, as a training run's checks
 do); an out-of-memory error that still happens is one `error: out of memory in the eval ...` line, exit 1.
+With eval_harness_tasks set, it runs those lm-evaluation-harness tasks on the model instead (decode's model sources,
+hf_model_path included) and prints each task's metrics.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from collections.abc import Callable
 from typing import Any
 
 from maxtext.cli import config_usage, entry
+from maxtext.errors import ConfigError
 
 USAGE = config_usage(
   "maxtext.eval",
   "Evaluate a checkpoint without training: print the eval loss and perplexity over eval_steps batches of the\n"
   "eval split (eval_steps=-1 or 0: the whole split), read by the same data pipeline and scored by the same eval step\n"
-  "as training. Parameters: load_parameters_path, load_full_state_path, or the latest checkpoint of run_name.",
+  "as training. Parameters: load_parameters_path, load_full_state_path, or the latest checkpoint of run_name.\n"
+  "eval_harness_tasks=[task,...] (with eval_harness_include_path=DIR for local task files) runs lm-evaluation-harness\n"
+  "tasks on the model instead (docs/evaluation.md).",
   "python -m maxtext.eval configs/quickstart.yml eval_steps=5",
 )
 
@@ -34,7 +39,6 @@ def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) 
 
   from maxtext import memory_limit
   from maxtext import mesh as mesh_lib
-  from maxtext.errors import ConfigError
   from maxtext.train import checkpointing, loop, preflight
   from maxtext.train import setup as setup_lib
 
@@ -61,12 +65,37 @@ def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) 
   return {**result, "perplexity": math.exp(min(result["eval_loss"], 700.0)), "seconds": time.perf_counter() - began}
 
 
+def harness(config: Any, argv: list[str]) -> dict[str, Any]:
+  """simple_evaluate's results for config.eval_harness_tasks on the model decode would load (argv: the command's
+  arguments, for hf_model_path's architecture), global_batch_size_to_eval_on requests per forward pass; an unknown
+  task is a ConfigError before the model is loaded."""
+  from maxtext.integrations import require_lm_eval
+
+  require_lm_eval()
+  from lm_eval import simple_evaluate
+
+  from maxtext.integrations.lm_eval_backend import MaxTextLM, load, task_manager, unknown_tasks
+
+  unknown_tasks(config.eval_harness_tasks, config.eval_harness_include_path)
+  tasks = task_manager(config.eval_harness_include_path or None)
+  model, tokenizer, mesh = load(argv)
+  return simple_evaluate(
+    model=MaxTextLM(model, tokenizer, batch_size=config.global_batch_size_to_eval_on, mesh=mesh), tasks=list(config.eval_harness_tasks), task_manager=tasks
+  )
+
+
 @entry(USAGE)
 def main(argv: list[str]) -> None:
   from maxtext.config import load
   from maxtext.process import prepare
 
   config = load(argv, devices=prepare)
+  if config.eval_harness_tasks:
+    from maxtext.integrations.lm_eval_backend import results_lines
+
+    for line in results_lines(harness(config, argv)):
+      print(line)
+    return
   r = evaluate(config)
   batches = f"{config.eval_steps} batches" if config.eval_steps > 0 else "the whole eval split"
   scores = (  # DPO reports its rewards on held-out pairs; a perplexity of the DPO loss would mean nothing

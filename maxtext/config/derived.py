@@ -32,6 +32,7 @@ PATH_KEYS = (
   "compiled_trainstep_file",
   "save_quantized_params_path",
   "grain_train_mixture_config_path",
+  "eval_harness_include_path",
 )
 QUANTIZATION_CALIBRATION_KEYS = ("weight_quantization_calibration_method", "act_quantization_calibration_method", "bwd_quantization_calibration_method")
 GRADIENT_QUANTIZED = ("fp8", "fp8_full")  # modes whose backward products quantize the incoming gradient

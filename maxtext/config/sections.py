@@ -348,6 +348,15 @@ class Decoding(Section):
   decode_lora_adapter: str = Field(
     "", description="decode: with lora.max_lora_adapters > 1, the adapter (a lora.lora_adapters name) the prompt runs on ('' = slot 0)."
   )
+  eval_harness_tasks: list[str] = Field(
+    [], description="eval: lm-evaluation-harness task names maxtext.eval runs on the model instead of the eval loss; [] -> none."
+  )
+  eval_harness_include_path: str = Field(
+    "", description="eval: a directory of harness task YAML files to find eval_harness_tasks in besides the harness's own."
+  )
+  eval_harness_interval: int = Field(
+    -1, description="train: run eval_harness_tasks on the live parameters every this many steps, metrics harness/<task>/<metric>; -1 -> never."
+  )
 
 
 class AOT(Section):

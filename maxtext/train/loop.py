@@ -169,6 +169,11 @@ def train(
     if done and done[0] >= config.steps:  # a rerun of a finished run: say so, touch nothing
       log_main(f"checkpoint at step {done[0]} in {config.checkpoint_dir} already reaches steps={config.steps}; nothing to train (raise steps to train further)")
       return TrainResult(done[0], {}, {}, "nothing_to_train")
+    harness = None  # eval_harness_interval: its tasks are checked here, before anything is compiled or written
+    if config.eval_harness_interval > 0:
+      from maxtext.integrations.harness_training import TrainingHarness
+
+      harness = TrainingHarness(config)
     with memory_limit.one_line("compiling the train step", preflight.memory_remedy(config)):
       checked = preflight.run_checks(config, mesh, setup, log_main)
     config = checked.config  # remat_policy=auto and decoder_layer_input=auto resolved
@@ -178,7 +183,7 @@ def train(
     with run_lock.hold(run_lock.run_dir(config.checkpoint_dir), log_main):
       try:
         with memory_limit.one_line("before the first train step (restoring or initialising the state)", preflight.memory_remedy(config)):
-          return _run(config, checked, preemption, on_step)
+          return _run(config, checked, preemption, on_step, harness)
       except Exception as e:
         error = outputs.as_user_error(e, config.checkpoint_dir, checked.checkpoint_bytes, "a checkpoint or metrics")
         if error is None:
@@ -186,7 +191,13 @@ def train(
         raise error from None
 
 
-def _run(config: MaxTextConfig, checked: preflight.Checked, preemption: Preemption, on_step: Callable[[int], None] | None) -> TrainResult:
+def _run(
+  config: MaxTextConfig,
+  checked: preflight.Checked,
+  preemption: Preemption,
+  on_step: Callable[[int], None] | None,
+  harness: Callable[[Any, Any], dict] | None = None,
+) -> TrainResult:
   """Restore or init, then the step loop; runs under the run lock, after every check passed."""
   mesh, setup, data_iter = checked.mesh, checked.setup, checked.data_iter
   ckpt = checkpointing.Checkpointer(config) if config.enable_checkpointing else None
@@ -197,7 +208,7 @@ def _run(config: MaxTextConfig, checked: preflight.Checked, preemption: Preempti
       state = restore_or_init(setup, ckpt, data_iter, log_main, state_lib.compiled_formats(checked.step_fn))
     start = int(state["step"])
     writer = MetricsWriter(config)
-    result = _loop(config, checked, preemption, on_step, ckpt, writer, state, start)
+    result = _loop(config, checked, preemption, on_step, ckpt, writer, state, start, harness)
     failed = False
     return result
   finally:
@@ -220,6 +231,7 @@ def _loop(
   writer: MetricsWriter,
   state: Any,
   start: int,
+  harness: Callable[[Any, Any], dict] | None = None,
 ) -> TrainResult:
   mesh, setup, step_fn, data_iter = checked.mesh, checked.setup, checked.step_fn, checked.data_iter
   story = RunReport(config, mesh, setup.policy, start, writer.log, checked.choice)
@@ -304,6 +316,11 @@ def _loop(
           if config.save_checkpoint_on_completion and not is_last:
             save(done)
           break
+      if harness is not None and done % config.eval_harness_interval == 0:
+        report(state)
+        scores = harness(state, setup)  # harness/<task>/<metric> on the live parameters
+        writer.write(step, scores, f"harness after step {step}: " + ", ".join(f"{k.removeprefix('harness/')}: {v:.4f}" for k, v in scores.items()))
+        last_time[0] = time.perf_counter()  # harness time is not step time
     report(state)
     profiler.stop(state)
     if ckpt is not None:
