@@ -233,7 +233,7 @@ class _Loop:
     self.story = RunReport(config, checked.mesh, checked.setup.policy, start, writer.log, checked.choice)
     self.result = TrainResult(start, {}, {}, "completed")
     self.pending: list[tuple[int, Any]] = []  # (step index, device metrics) not yet fetched
-    self.last_time = time.perf_counter()
+    self.last_time = 0.0  # perf_counter() when the last logged step (or eval) ended; set when the steps begin
     self.profiler = _Profiler(config, start)
     self.saved = start  # steps done in the newest saved (or restored) checkpoint
 
@@ -249,6 +249,7 @@ class _Loop:
         f"received {self.preemption.signal_name} before the first step: stopped at step {self.start}, nothing new to save; rerun the same command to continue"
       )
       return self.result
+    self.last_time = time.perf_counter()
     in_step = memory_limit.one_line(lambda: f"in train step {self.start + len(self.result.losses)}", preflight.memory_remedy(config))
     with jax.set_mesh(self.checked.mesh), in_step:
       for step in range(self.start, config.steps):
