@@ -48,6 +48,14 @@ class DecoderLayer(nnx.Module):
     self.mlp_connection = make_connection(c, rngs=rngs)
     lora.attach(self, c, rngs)  # adapters last, so base parameters draw the same random keys with or without LoRA
 
+  def branches(self) -> tuple[tuple[nnx.Module, RMSNorm, nnx.Module, RMSNorm | None], ...]:
+    """The layer's data flow, bottom to top: the attention branch, then the MLP (or MoE) branch, each as (its
+    residual connection, pre-norm, body, post-norm or None). maxtext.models.counting reads it."""
+    return (
+      (self.attention_connection, self.pre_attention_norm, self.attention, self.post_attention_norm),
+      (self.mlp_connection, self.pre_mlp_norm, self.mlp, self.post_mlp_norm),
+    )
+
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, cache: LayerCache | None = None) -> tuple:
     """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense);
     with a KV cache (decoding), (..., updated cache)."""

@@ -208,7 +208,7 @@ def _run(
       state = restore_or_init(setup, ckpt, data_iter, log_main, state_lib.compiled_formats(checked.step_fn))
     start = int(state["step"])
     writer = MetricsWriter(config)
-    result = _loop(config, checked, preemption, on_step, ckpt, writer, state, start, harness)
+    result = _Loop(config, checked, preemption, on_step, ckpt, writer, state, start, harness).run()
     failed = False
     return result
   finally:
@@ -222,126 +222,176 @@ def _run(
           raise
 
 
-def _loop(
-  config: MaxTextConfig,
-  checked: preflight.Checked,
-  preemption: Preemption,
-  on_step: Callable[[int], None] | None,
-  ckpt: checkpointing.Checkpointer | None,
-  writer: MetricsWriter,
-  state: Any,
-  start: int,
-  harness: Callable[[Any, Any], dict] | None = None,
-) -> TrainResult:
-  mesh, setup, step_fn, data_iter = checked.mesh, checked.setup, checked.step_fn, checked.data_iter
-  story = RunReport(config, mesh, setup.policy, start, writer.log, checked.choice)
-  story.banner()
-  if config.compiled_trainstep_file:
-    writer.log(f"loaded the compiled train step from {config.compiled_trainstep_file}")
+class _Loop:
+  """The step loop as named phases: step, log (one step late), checkpoint, eval, preemption and end.
 
-  result = TrainResult(start, {}, {}, "completed")
-  if preemption.requested:
-    result.stop_reason = preemption.signal_name.lower()
-    writer.log(f"received {preemption.signal_name} before the first step: stopped at step {start}, nothing new to save; rerun the same command to continue")
-    return result
-  pending: list[tuple[int, Any]] = []  # (step index, device metrics) not yet fetched
-  last_time = [time.perf_counter()]
-  profiler = _Profiler(config, start)
-  saved = [start]  # steps done in the newest saved (or restored) checkpoint
+  Holds what the phases share: the state, the run's result, the metrics not yet fetched, the time of the last
+  logged step and the newest saved step.
+  """
 
-  def report(ready: Any = None) -> None:
+  def __init__(
+    self,
+    config: MaxTextConfig,
+    checked: preflight.Checked,
+    preemption: Preemption,
+    on_step: Callable[[int], None] | None,
+    ckpt: checkpointing.Checkpointer | None,
+    writer: MetricsWriter,
+    state: Any,
+    start: int,
+    harness: Callable[[Any, Any], dict] | None = None,
+  ):
+    self.config, self.checked, self.preemption, self.on_step = config, checked, preemption, on_step
+    self.ckpt, self.writer, self.state, self.start = ckpt, writer, state, start
+    self.harness = harness  # eval_harness_interval's tasks on the live parameters, or None
+    self.story = RunReport(config, checked.mesh, checked.setup.policy, start, writer.log, checked.choice)
+    self.result = TrainResult(start, {}, {}, "completed")
+    self.pending: list[tuple[int, Any]] = []  # (step index, device metrics) not yet fetched
+    self.last_time = 0.0  # perf_counter() when the last logged step (or eval) ended; set when the steps begin
+    self.profiler = _Profiler(config, start)
+    self.saved = start  # steps done in the newest saved (or restored) checkpoint
+
+  def run(self) -> TrainResult:
+    """Banner, the steps, then the end: the final save, the preemption line and the summary."""
+    config = self.config
+    self.story.banner()
+    if config.compiled_trainstep_file:
+      self.writer.log(f"loaded the compiled train step from {config.compiled_trainstep_file}")
+    if self.preemption.requested:
+      self.result.stop_reason = self.preemption.signal_name.lower()
+      self.writer.log(
+        f"received {self.preemption.signal_name} before the first step: stopped at step {self.start}, nothing new to save; rerun the same command to continue"
+      )
+      return self.result
+    self.last_time = time.perf_counter()
+    in_step = memory_limit.one_line(lambda: f"in train step {self.start + len(self.result.losses)}", preflight.memory_remedy(config))
+    with jax.set_mesh(self.checked.mesh), in_step:
+      for step in range(self.start, config.steps):
+        if not self.step(step) or self.preemption.requested:
+          break
+        self.checkpoint(step + 1)
+        if not self.eval(step):
+          break
+        self.harness_eval(step)
+      self.last_save()
+    self.writer.flush()
+    return self.end()
+
+  def step(self, step: int) -> bool:
+    """Run one step (GRPO: rollout, scoring and update) and queue its metrics; False when the data is used up."""
+    self.profiler.before_step(step, self.state)
+    trainer = self.checked.trainer  # GRPO (maxtext.train.grpo): the step is done when it returns
+    if trainer is not None:
+      done_step = trainer.step(self.state, step, lambda: self.preemption.requested)
+    else:
+      batch = next(self.checked.data_iter, None)
+      done_step = None if batch is None else self.checked.step_fn(self.state, batch)
+    if done_step is None:  # num_epoch passes over the data (GRPO: the prompts) are done: a normal end, saved at the end
+      # (or a signal stopped a GRPO step in its reward functions: the stop reason becomes the signal's at the end)
+      self.result.stop_reason = "data_used_up"
+      return False
+    self.state, metrics = done_step
+    metrics = {**metrics, **data_metrics(self.checked.data_iter)}  # host floats (a mixture's realised fractions), no device sync
+    if trainer is None:
+      self.log()  # the previous step's metrics, while this step runs
+    self.pending.append((step, metrics))
+    if trainer is not None:
+      self.log()  # already finished: timed without the next step's rollout
+    self.result.steps_done = step + 1
+    return True
+
+  def log(self, ready: Any = None) -> None:
     """Fetch and write the pending metrics (blocks until that step has finished; `ready`: the state it produced, when no later step runs)."""
-    if ready is not None and pending:
+    if ready is not None and self.pending:
       jax.block_until_ready(ready)
-    while pending:
-      step, device_metrics = pending.pop(0)
+    while self.pending:
+      step, device_metrics = self.pending.pop(0)
       m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
       now = time.perf_counter()
-      seconds, last_time[0] = now - last_time[0], now
-      _check_finite(config, step, m)
-      m.update(story.step_metrics(seconds))
-      result.losses[step] = m["loss"]
-      writer.write(step, m, format_line(step, m))
-      story.after_step(step, m)
-      if on_step is not None:
-        on_step(step)
+      seconds, self.last_time = now - self.last_time, now
+      _check_finite(self.config, step, m)
+      m.update(self.story.step_metrics(seconds))
+      self.result.losses[step] = m["loss"]
+      self.writer.write(step, m, format_line(step, m))
+      self.story.after_step(step, m)
+      if self.on_step is not None:
+        self.on_step(step)
 
-  def save(steps_done: int) -> None:
-    report(state)  # a NaN in the step being saved aborts here, before anything is written
-    writer.flush()  # the metrics file holds every step the checkpoint holds
-    if ckpt is not None:
-      ckpt.save(steps_done, state_lib.checkpointed(state, config), data_iter.get_state())
-      saved[0] = steps_done
+  def checkpoint(self, done: int) -> None:
+    """Save after `done` steps at every checkpoint_period and, with save_checkpoint_on_completion, after the last step."""
+    if done % self.config.checkpoint_period == 0 or (done == self.config.steps and self.config.save_checkpoint_on_completion):
+      self.save(done)
 
-  with jax.set_mesh(mesh), memory_limit.one_line(lambda: f"in train step {start + len(result.losses)}", preflight.memory_remedy(config)):
-    for step in range(start, config.steps):
-      profiler.before_step(step, state)
-      grpo = checked.trainer is not None  # rollout, scoring and update (maxtext.train.grpo): done when it returns
-      if grpo:
-        done_step = checked.trainer.step(state, step, lambda: preemption.requested)
-      else:
-        batch = next(data_iter, None)
-        done_step = None if batch is None else step_fn(state, batch)
-      if done_step is None:  # num_epoch passes over the data (GRPO: the prompts) are done: a normal end, saved below
-        # (or a signal stopped a GRPO step in its reward functions: the stop reason becomes the signal's below)
-        result.stop_reason = "data_used_up"
-        break
-      state, metrics = done_step
-      metrics = {**metrics, **data_metrics(data_iter)}  # host floats (a mixture's realised fractions), no device sync
-      if not grpo:
-        report()  # the previous step's metrics, while this step runs
-      pending.append((step, metrics))
-      if grpo:
-        report()  # already finished: timed without the next step's rollout
-      done = step + 1
-      result.steps_done = done
-      if preemption.requested:
-        break
-      is_last = done == config.steps
-      if done % config.checkpoint_period == 0 or (is_last and config.save_checkpoint_on_completion):
-        save(done)
-      if config.eval_interval > 0 and done % config.eval_interval == 0:
-        report(state)
-        with memory_limit.one_line(f"in the eval after step {step}", preflight.eval_memory_remedy(config)):
-          ev = _evaluate(config, setup, state, lambda: preemption.requested)
-        if ev is None:
-          break  # preempted during the eval
-        result.eval_losses[step] = ev["eval_loss"]
-        story.after_eval(step, ev["eval_loss"])
-        writer.write(step, ev, f"eval after step {step}: eval_loss: {ev['eval_loss']:.4f}, total_weights: {int(ev['eval_total_weights'])}")
-        last_time[0] = time.perf_counter()  # eval time is not step time
-        if config.target_eval_loss > 0 and ev["eval_loss"] <= config.target_eval_loss:
-          writer.log(f"eval_loss {ev['eval_loss']:.4f} reached target_eval_loss {config.target_eval_loss}; stopping after step {step}")
-          result.stop_reason = "target_eval_loss"
-          if config.save_checkpoint_on_completion and not is_last:
-            save(done)
-          break
-      if harness is not None and done % config.eval_harness_interval == 0:
-        report(state)
-        scores = harness(state, setup)  # harness/<task>/<metric> on the live parameters
-        writer.write(step, scores, f"harness after step {step}: " + ", ".join(f"{k.removeprefix('harness/')}: {v:.4f}" for k, v in scores.items()))
-        last_time[0] = time.perf_counter()  # harness time is not step time
-    report(state)
-    profiler.stop(state)
-    if ckpt is not None:
-      data_end = result.stop_reason == "data_used_up" and config.save_checkpoint_on_completion
-      if (preemption.requested or data_end) and saved[0] != result.steps_done:
-        save(result.steps_done)
-      ckpt.wait()  # a signal now waits for the final save to finish
-  writer.flush()
-  if preemption.requested:
-    result.stop_reason = preemption.signal_name.lower()
+  def save(self, steps_done: int) -> None:
+    """Log every pending step (a NaN in the step being saved aborts here, before anything is written), then save."""
+    self.log(self.state)
+    self.writer.flush()  # the metrics file holds every step the checkpoint holds
+    if self.ckpt is not None:
+      self.ckpt.save(steps_done, state_lib.checkpointed(self.state, self.config), self.checked.data_iter.get_state())
+      self.saved = steps_done
+
+  def eval(self, step: int) -> bool:
+    """Evaluate after step every eval_interval steps; False when the run stops (preempted, or target_eval_loss reached)."""
+    config, done = self.config, step + 1
+    if config.eval_interval <= 0 or done % config.eval_interval != 0:
+      return True
+    self.log(self.state)
+    with memory_limit.one_line(f"in the eval after step {step}", preflight.eval_memory_remedy(config)):
+      ev = _evaluate(config, self.checked.setup, self.state, lambda: self.preemption.requested)
+    if ev is None:
+      return False  # preempted during the eval
+    self.result.eval_losses[step] = ev["eval_loss"]
+    self.story.after_eval(step, ev["eval_loss"])
+    self.writer.write(step, ev, f"eval after step {step}: eval_loss: {ev['eval_loss']:.4f}, total_weights: {int(ev['eval_total_weights'])}")
+    self.last_time = time.perf_counter()  # eval time is not step time
+    if config.target_eval_loss > 0 and ev["eval_loss"] <= config.target_eval_loss:
+      self.writer.log(f"eval_loss {ev['eval_loss']:.4f} reached target_eval_loss {config.target_eval_loss}; stopping after step {step}")
+      self.result.stop_reason = "target_eval_loss"
+      if config.save_checkpoint_on_completion and done != config.steps:
+        self.save(done)
+      return False
+    return True
+
+  def harness_eval(self, step: int) -> None:
+    """Every eval_harness_interval steps: the harness tasks on the live parameters, as harness/<task>/<metric> metrics."""
+    if self.harness is None or (step + 1) % self.config.eval_harness_interval != 0:
+      return
+    self.log(self.state)
+    scores = self.harness(self.state, self.checked.setup)
+    self.writer.write(step, scores, f"harness after step {step}: " + ", ".join(f"{k.removeprefix('harness/')}: {v:.4f}" for k, v in scores.items()))
+    self.last_time = time.perf_counter()  # harness time is not step time
+
+  def last_save(self) -> None:
+    """Log the last step, stop the profiler, save the last step after a preemption or used-up data, wait for the saves."""
+    self.log(self.state)
+    self.profiler.stop(self.state)
+    if self.ckpt is None:
+      return
+    data_end = self.result.stop_reason == "data_used_up" and self.config.save_checkpoint_on_completion
+    if (self.preemption.requested or data_end) and self.saved != self.result.steps_done:
+      self.save(self.result.steps_done)
+    self.ckpt.wait()  # a signal now waits for the final save to finish
+
+  def preempted(self) -> None:
+    """After SIGTERM/SIGINT: the stop reason, and one line saying what was saved."""
+    self.result.stop_reason = self.preemption.signal_name.lower()
     where = (
-      f"saved a checkpoint after step {result.steps_done - 1} in {config.checkpoint_dir}"
-      if ckpt is not None and result.steps_done > start
-      else f"stopped during step {start}, nothing new to save"
-      if result.steps_done == start
+      f"saved a checkpoint after step {self.result.steps_done - 1} in {self.config.checkpoint_dir}"
+      if self.ckpt is not None and self.result.steps_done > self.start
+      else f"stopped during step {self.start}, nothing new to save"
+      if self.result.steps_done == self.start
       else "stopped (enable_checkpointing=false: nothing saved)"
     )
-    writer.log(f"received {preemption.signal_name}: {where}; rerun the same command to continue")
-  result.state = state
-  story.summary(result.steps_done, result.stop_reason)
-  return result
+    self.writer.log(f"received {self.preemption.signal_name}: {where}; rerun the same command to continue")
+
+  def end(self) -> TrainResult:
+    """The preemption line (when a signal stopped the run), the summary, and the result."""
+    result = self.result
+    if self.preemption.requested:
+      self.preempted()
+    result.state = self.state
+    self.story.summary(result.steps_done, result.stop_reason)
+    return result
 
 
 def _check_finite(config: MaxTextConfig, step: int, m: dict[str, float]) -> None:

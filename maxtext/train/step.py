@@ -95,21 +95,9 @@ def _spike_check(spike: dict[str, jax.Array], loss: jax.Array, config: MaxTextCo
   return skip, {"losses": new_window, "count": jnp.where(skip, count, count + 1)}
 
 
-def make_train_step(
-  config: MaxTextConfig,
-  graphdef: nnx.GraphDef,
-  optimizer: optax.GradientTransformation,
-  mesh: Mesh,
-  objective: Objective | None = None,
-  opt_state_on_device: Any = None,
-) -> Callable:
-  """The pure train step: gradients weighted by objective.weight over gradient_accumulation_steps micro-batches,
-  objective.iterations updates on the batch at the learning rate of state['step'], which then advances by one.
-
-  opt_state_on_device: given when the optimizer state arrives in host memory (optimizer_memory_host_offload), its
-  shardings on the device: the update copies it there, and the jit's out_shardings return the new state to the host."""
-  objective = objective or objective_for(config)
-  schedule = learning_rate_schedule(config)
+def _make_update(config: MaxTextConfig, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, objective: Objective) -> Callable:
+  """One optimizer update: (state, batch, weight, lr) -> (state, metrics), gradients summed over
+  gradient_accumulation_steps micro-batches; spike skipping and the routing-bias update included."""
   accum = config.gradient_accumulation_steps
 
   def grad_objective(trainable, frozen, other, reference_trainable, batch, weight):
@@ -153,6 +141,26 @@ def make_train_step(
         new_state[key] = jax.tree.map(lambda new, old: jnp.where(skip, old, new), new_state[key], state[key])
       metrics["skipped"] = skip.astype(jnp.float32)
     return new_state, metrics
+
+  return update
+
+
+def make_train_step(
+  config: MaxTextConfig,
+  graphdef: nnx.GraphDef,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  objective: Objective | None = None,
+  opt_state_on_device: Any = None,
+) -> Callable:
+  """The pure train step: gradients weighted by objective.weight over gradient_accumulation_steps micro-batches,
+  objective.iterations updates on the batch at the learning rate of state['step'], which then advances by one.
+
+  opt_state_on_device: given when the optimizer state arrives in host memory (optimizer_memory_host_offload), its
+  shardings on the device: the update copies it there, and the jit's out_shardings return the new state to the host."""
+  objective = objective or objective_for(config)
+  schedule = learning_rate_schedule(config)
+  update = _make_update(config, graphdef, optimizer, objective)
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
