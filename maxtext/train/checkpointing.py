@@ -376,12 +376,12 @@ def _first_line(e: Exception) -> str:
 
 
 def _error_text(e: BaseException) -> str:
-  """The first line of the error's own message, or of the first error in its chain that has a readable one (some
-  errors of Orbax's readers print as a repr such as '<bound method ...>')."""
+  """The first line of the error's own message, or of the first error in its chain that has a readable one; without
+  the repr that TensorStore's read errors end with ('See full TensorStore details: <bound method ...>')."""
   first, seen = e, set()
   while e is not None and id(e) not in seen:
     seen.add(id(e))
-    text = str(e).strip()
+    text = str(e).strip().split(" See full TensorStore details")[0]
     if text and not text.startswith("<"):
       return text.splitlines()[0][:200]
     e = e.__cause__ or e.__context__
