@@ -454,7 +454,9 @@ def _another_state(item: epath.Path, checkpoint_dir: str, missing: list[str], ex
   recorded = manifest["settings"] if manifest else {}
   changed = [k for k in MANIFEST_SETTINGS if settings and k in recorded and k in settings and recorded[k] != settings[k] and k != "load_parameters_path"]
   if changed:
-    what = "they were written with " + ", ".join(f"{k}={recorded[k]}" for k in changed) + "; this config has " + ", ".join(f"{k}={settings[k]}" for k in changed)
+    what = (
+      "they were written with " + ", ".join(f"{k}={recorded[k]}" for k in changed) + "; this config has " + ", ".join(f"{k}={settings[k]}" for k in changed)
+    )
   else:
     parts = []
     if extra:
