@@ -14,6 +14,7 @@ from maxtext import models, platform
 from maxtext.config import from_overrides
 from maxtext.convert import hf_params
 from maxtext.convert.model_params import flat_params, model_from_flat
+from maxtext.errors import ConfigError
 from maxtext.layers import moe
 from maxtext.models import counting
 from maxtext.train import loss as loss_lib
@@ -226,7 +227,9 @@ def test_deepseek_round_trips_through_hf_names_with_mtp_and_experts(deepseek_mod
   for k, v in ours.items():
     assert np.array_equal(back[k], v), k
   no_mtp = config.model_copy(update={"mtp_num_layers": 0})
-  assert not any(k.startswith("mtp/") for k in hf_params.hf_to_maxtext(hf, no_mtp))
+  assert not any(k.startswith("mtp/") for k in hf_params.hf_to_maxtext(hf, no_mtp, stored_mtp_layers=config.mtp_num_layers))
+  with pytest.raises(ConfigError, match="num_hidden_layers is 3: the layers past it would be dropped"):  # only declared MTP layers may be left out
+    hf_params.hf_to_maxtext(hf, no_mtp)
   assert isinstance(model_from_flat(config, back), models.Transformer)
 
 

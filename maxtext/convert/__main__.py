@@ -25,8 +25,7 @@ BASE_YML = Path(__file__).resolve().parents[2] / "configs" / "base.yml"
 def hf_to_maxtext(hf_dir: str, out: str, overrides: list[str]) -> None:
   from maxtext.config.loader import parse_cli_value
   from maxtext.convert import checkpoint_io
-  from maxtext.convert.hf_config import overrides_from_hf
-  from maxtext.convert.safetensors_io import read_config
+  from maxtext.convert.hf_config import read_overrides
   from maxtext.hf import from_hf
 
   out_path = Path(out)
@@ -34,7 +33,7 @@ def hf_to_maxtext(hf_dir: str, out: str, overrides: list[str]) -> None:
   extra = {k: parse_cli_value(v) for k, v in (_split(a) for a in overrides)}
   model, config = from_hf(hf_dir, **extra)
   checkpoint_io.save(out_path, model)
-  keys = {**overrides_from_hf(read_config(hf_dir)), **extra}
+  keys = {**read_overrides(hf_dir), **extra}
   keys.pop("dtype", None)
   model_yml = {"base_config": str(BASE_YML), **keys, "load_parameters_path": str(out_path.absolute())}
   (out_path / MODEL_YML).write_text(yaml.safe_dump(model_yml, sort_keys=False))

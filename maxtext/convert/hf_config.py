@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from maxtext.config import MaxTextConfig
+from maxtext.convert import safetensors_io
+from maxtext.convert.hf_fields import HFFields
 from maxtext.errors import ConfigError
 from maxtext.models import registry
 
@@ -59,53 +62,54 @@ GEMMA3_TEXT_DEFAULTS = {
 GPT_OSS_SWIGLU_ALPHA = 1.702  # the sigmoid gain maxtext's clamped SwiGLU uses (MaxText's too)
 
 
-def _rope(hf: dict[str, Any]) -> dict[str, Any]:
+def _rope(hf: HFFields) -> dict[str, Any]:
   """Rotary keys of a config.json: rope_parameters (transformers 5) or rope_theta + rope_scaling; Gemma 3's per-layer-type
   parameters give the global layers' rope and local_rope_max_timescale."""
-  params = dict(hf.get("rope_scaling") or {})
-  params.update(hf.get("rope_parameters") or {})
-  local: dict[str, Any] | None = None
-  if "full_attention" in params or "sliding_attention" in params:  # per layer type (gemma3)
-    local = dict(params.get("sliding_attention") or {})
-    params = dict(params.get("full_attention") or {})
-  elif hf.get("rope_local_base_freq") is not None:
-    local = {"rope_theta": hf["rope_local_base_freq"]}
-  theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
-  out: dict[str, Any] = {"rope_max_timescale": float(theta)}
-  kind = params.get("rope_type", params.get("type", "default"))
+  scaling, parameters = hf.section("rope_scaling"), hf.section("rope_parameters")
+  merged = {**scaling.values, **parameters.values}
+  names = {k: ("rope_parameters." if k in parameters.values else "rope_scaling.") + k for k in merged}
+  params = HFFields(merged, hf.source, "rope_parameters." if parameters.values else "rope_scaling.", names)  # a missing key: the section set
+  theta, local_theta = hf.number("rope_theta", 10_000.0, positive=True), hf.number("rope_local_base_freq", None, positive=True)
+  local: HFFields | None = None
+  if "full_attention" in merged or "sliding_attention" in merged:  # per layer type (gemma3)
+    local, params = params.section("sliding_attention"), params.section("full_attention")
+  elif local_theta is not None:
+    local = HFFields({}, hf.source)
+  out: dict[str, Any] = {"rope_max_timescale": params.number("rope_theta", theta, positive=True)}
+  kind = params.text("rope_type", None) or params.text("type", "default")
   if kind == "llama3":
     out.update(
       rope_type="llama3.1",
-      rope_scaling_factor=float(params["factor"]),
-      rope_low_freq_factor=float(params["low_freq_factor"]),
-      rope_high_freq_factor=float(params["high_freq_factor"]),
-      rope_original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+      rope_scaling_factor=params.number("factor", positive=True),
+      rope_low_freq_factor=params.number("low_freq_factor", positive=True),
+      rope_high_freq_factor=params.number("high_freq_factor", positive=True),
+      rope_original_max_position_embeddings=params.int("original_max_position_embeddings"),
     )
   elif kind == "yarn":
     out.update(_yarn(params))
   elif kind == "linear":
-    out["rope_linear_scaling_factor"] = float(params["factor"])
+    out["rope_linear_scaling_factor"] = params.number("factor", positive=True)
   elif kind != "default":
     raise ConfigError(f"rope type '{kind}' in config.json is not supported; supported: default, linear, llama3, yarn")
   if local is not None:
-    if local.get("rope_type", local.get("type", "default")) != "default":
+    if (local.text("rope_type", None) or local.text("type", "default")) != "default":
       raise ConfigError("config.json scales the sliding-window layers' rope; maxtext's local layers use plain rope (local_rope_max_timescale)")
-    out["local_rope_max_timescale"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0)))
+    out["local_rope_max_timescale"] = local.number("rope_theta", local_theta or 10_000.0, positive=True)
   return out
 
 
-def _yarn(params: dict[str, Any]) -> dict[str, Any]:
+def _yarn(params: HFFields) -> dict[str, Any]:
   """HF yarn parameters -> rope_factor, beta_*, original_max_position_embeddings, mscale, rope_attention_scaling, rope_truncate.
 
   HF scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set (1 when they are
   equal, as in DeepSeek V3) and DeepSeek's softmax scale by mscale(factor, mscale_all_dim)^2; without them cos/sin
   get mscale(factor) and the softmax scale is unchanged.
   """
-  factor = float(params["factor"])
+  factor = params.number("factor", positive=True)
   if not factor.is_integer():
     raise ConfigError(f"yarn factor {factor} in config.json is not a whole number; maxtext's rope_factor is an integer")
-  m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-  if params.get("attention_factor") is not None:
+  m, m_all = params.number("mscale", None, minimum=0), params.number("mscale_all_dim", None, minimum=0)
+  if params.has("attention_factor"):
     raise ConfigError("yarn attention_factor in config.json is not supported; remove it (it is derived from factor and mscale)")
   if m and m_all and m != m_all:
     raise ConfigError(f"yarn mscale {m} != mscale_all_dim {m_all} in config.json is not supported; maxtext has one mscale")
@@ -113,185 +117,220 @@ def _yarn(params: dict[str, Any]) -> dict[str, Any]:
   return {
     "rope_type": "yarn",
     "rope_factor": int(factor),
-    "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
-    "beta_fast": int(params.get("beta_fast") or 32),
-    "beta_slow": int(params.get("beta_slow") or 1),
-    "mscale": float(m_all) if m_all else 0.0,
+    "original_max_position_embeddings": params.int("original_max_position_embeddings"),
+    "beta_fast": params.int("beta_fast", 32),
+    "beta_slow": params.int("beta_slow", 1),
+    "mscale": m_all or 0.0,
     "rope_attention_scaling": not both,
-    "rope_truncate": bool(params.get("truncate", True)),
+    "rope_truncate": params.flag("truncate", True),
   }
 
 
-def _moe(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+def _experts(hf: HFFields, *keys: str) -> int:
+  """The expert count, from the first of keys the config.json sets (families name it differently)."""
+  for key in keys:
+    if hf.has(key):
+      return hf.int(key)
+  return hf.int(keys[0])  # none set: the error names the family's own key
+
+
+def _moe(hf: HFFields, model_type: str) -> dict[str, Any]:
   """Expert keys of qwen3_moe and deepseek_v3 config.json files."""
   if model_type == "qwen3_moe":
-    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+    if hf.int("decoder_sparse_step", 1) != 1 or hf.values.get("mlp_only_layers"):
       raise ConfigError("qwen3_moe config.json with decoder_sparse_step != 1 or mlp_only_layers is not supported; every layer must be MoE")
     return {
-      "num_experts": hf.get("num_experts") or hf["num_local_experts"],
-      "num_experts_per_tok": hf["num_experts_per_tok"],
-      "base_moe_mlp_dim": hf["moe_intermediate_size"],
-      "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+      "num_experts": _experts(hf, "num_experts", "num_local_experts"),
+      "num_experts_per_tok": hf.int("num_experts_per_tok"),
+      "base_moe_mlp_dim": hf.int("moe_intermediate_size"),
+      "norm_topk_prob": hf.flag("norm_topk_prob", False),
     }
-  heads = hf["num_attention_heads"]
-  if (hf.get("num_key_value_heads") or heads) != heads:
+  heads = hf.int("num_attention_heads")
+  if hf.int("num_key_value_heads", heads) != heads:
     raise ConfigError("deepseek_v3 config.json with num_key_value_heads != num_attention_heads is not supported (MLA expands keys per head)")
+  groups = hf.int("n_group", 1)
+  nope, rope = hf.int("qk_nope_head_dim"), hf.int("qk_rope_head_dim")
   return {
     "base_num_kv_heads": heads,
-    "head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
-    "num_experts": hf.get("n_routed_experts") or hf["num_local_experts"],
-    "num_experts_per_tok": hf["num_experts_per_tok"],
-    "base_moe_mlp_dim": hf["moe_intermediate_size"],
-    "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-    "shared_experts": hf.get("n_shared_experts") or 0,
-    "first_num_dense_layers": hf.get("first_k_dense_replace") or 0,
-    "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+    "head_dim": nope + rope,
+    "num_experts": _experts(hf, "n_routed_experts", "num_local_experts"),
+    "num_experts_per_tok": hf.int("num_experts_per_tok"),
+    "base_moe_mlp_dim": hf.int("moe_intermediate_size"),
+    "norm_topk_prob": hf.flag("norm_topk_prob", True),
+    "shared_experts": hf.int("n_shared_experts", 0, minimum=0),
+    "first_num_dense_layers": hf.int("first_k_dense_replace", 0, minimum=0),
+    "routed_scaling_factor": hf.number("routed_scaling_factor", 1.0, positive=True),
     "routed_score_func": "sigmoid",
     "routed_bias": True,
     # One group (Kimi K2 and others) keeps every expert: the same routing as no groups.
-    "n_routing_groups": -1 if (hf.get("n_group") or 1) == 1 else hf["n_group"],
-    "topk_routing_group": -1 if (hf.get("n_group") or 1) == 1 else hf.get("topk_group") or 1,
-    "q_lora_rank": hf.get("q_lora_rank") or 0,
-    "kv_lora_rank": hf["kv_lora_rank"],
-    "qk_nope_head_dim": hf["qk_nope_head_dim"],
-    "qk_rope_head_dim": hf["qk_rope_head_dim"],
-    "v_head_dim": hf["v_head_dim"],
-    "rope_interleave": bool(hf.get("rope_interleave", True)),
+    "n_routing_groups": -1 if groups == 1 else groups,
+    "topk_routing_group": -1 if groups == 1 else hf.int("topk_group", 1),
+    "q_lora_rank": hf.int("q_lora_rank", 0, minimum=0),
+    "kv_lora_rank": hf.int("kv_lora_rank"),
+    "qk_nope_head_dim": nope,
+    "qk_rope_head_dim": rope,
+    "v_head_dim": hf.int("v_head_dim"),
+    "rope_interleave": hf.flag("rope_interleave", True),
   }
 
 
-def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+def text_config(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
   """The decoder's config.json fields: a multimodal Gemma 3 config's text_config (with Gemma3TextConfig's defaults for
   what it leaves out), else hf itself."""
   if hf.get("model_type") != "gemma3":
     return hf
-  text = {**GEMMA3_TEXT_DEFAULTS, **(hf.get("text_config") or {}), "model_type": "gemma3_text"}
+  text = {**GEMMA3_TEXT_DEFAULTS, **HFFields(hf, source).section("text_config").values, "model_type": "gemma3_text"}
   if "dtype" not in text and "torch_dtype" not in text:
     text["dtype"] = hf.get("dtype") or hf.get("torch_dtype")
   return text
 
 
-def _layer_types(hf: dict[str, Any], family_windows: list[int]) -> None:
+def _layer_types(hf: HFFields, family_windows: list[int]) -> None:
   """config.json's layer_types (or Gemma's sliding_window_pattern) must be the family's pattern of sliding and full layers."""
-  layers = hf["num_hidden_layers"]
+  layers = hf.int("num_hidden_layers")
   expected = ["sliding_attention" if w else "full_attention" for w in family_windows]
-  pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern"))
-  if pattern is not None and hf.get("model_type") == "gemma3_text" and int(pattern) != 6:
+  key = "sliding_window_pattern" if hf.has("sliding_window_pattern") else "_sliding_window_pattern"
+  pattern = hf.int(key, None)
+  if pattern is not None and hf.values.get("model_type") == "gemma3_text" and pattern != 6:
     raise ConfigError(f"config.json's sliding_window_pattern {pattern} is not Gemma 3's 6 (5 local layers, 1 global); maxtext's gemma3 has that pattern")
-  types = hf.get("layer_types")
+  types = hf.texts("layer_types")
   if types is None:
     return
   if len(types) != layers:
     raise ConfigError(f"config.json lists {len(types)} layer_types for num_hidden_layers={layers}; the two contradict each other, fix one")
-  if list(types) != expected:
+  if types != expected:
     first = next(i for i, (a, b) in enumerate(zip(types, expected)) if a != b)
     raise ConfigError(
-      f"config.json's layer_types say layer {first} is {types[first]}, but {hf['model_type']} alternates as {expected[: min(layers, 6)]}...; "
+      f"config.json's layer_types say layer {first} is {types[first]}, but {hf.values['model_type']} alternates as {expected[: min(layers, 6)]}...; "
       "maxtext follows the family's pattern: fix layer_types"
     )
 
 
-def _check_consistent(hf: dict[str, Any]) -> None:
+def _check_consistent(hf: HFFields) -> None:
   """Fields of one config.json that contradict each other: a one-line ConfigError naming them."""
-  heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+  heads = hf.int("num_attention_heads")
+  kv = hf.int("num_key_value_heads", heads)
   if heads % kv:
     raise ConfigError(f"config.json has num_attention_heads={heads}, not a multiple of num_key_value_heads={kv}; the two contradict each other")
-  experts = hf.get("n_routed_experts") or hf.get("num_local_experts") or hf.get("num_experts")
-  if experts and (hf.get("num_experts_per_tok") or 0) > experts:
-    raise ConfigError(f"config.json routes num_experts_per_tok={hf['num_experts_per_tok']} of only {experts} experts; the two contradict each other")
-  if hf.get("model_type") == "deepseek_v3":
-    groups, topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+  experts = next((hf.int(k, minimum=0) for k in ("n_routed_experts", "num_local_experts", "num_experts") if hf.has(k)), 0)
+  per_token = hf.int("num_experts_per_tok", 0, minimum=0)
+  if experts and per_token > experts:
+    raise ConfigError(f"config.json routes num_experts_per_tok={per_token} of only {experts} experts; the two contradict each other")
+  if hf.values.get("model_type") == "deepseek_v3":
+    experts = _experts(hf, "n_routed_experts", "num_local_experts")
+    groups, topk = hf.int("n_group", 1), hf.int("topk_group", 1)
     if experts % groups or not 1 <= topk <= groups:
       raise ConfigError(
         f"config.json has n_group={groups}, topk_group={topk} for n_routed_experts={experts}; n_group must divide the experts and topk_group <= n_group"
       )
-    if hf.get("head_dim") not in (None, hf["qk_rope_head_dim"]):
-      raise ConfigError(
-        f"config.json has head_dim={hf['head_dim']} but qk_rope_head_dim={hf['qk_rope_head_dim']}; DeepseekV3 sets head_dim to qk_rope_head_dim"
-      )
-    qk = hf.get("qk_head_dim")
-    if qk is not None and qk != hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]:
-      raise ConfigError(f"config.json has qk_head_dim={qk}, not qk_nope_head_dim + qk_rope_head_dim = {hf['qk_nope_head_dim'] + hf['qk_rope_head_dim']}")
+    dense, layers = hf.int("first_k_dense_replace", 0, minimum=0), hf.int("num_hidden_layers")
+    if dense >= layers:
+      raise ConfigError(f"config.json has first_k_dense_replace={dense} for num_hidden_layers={layers}, which leaves no MoE layer; fix one of them")
+    nope, rope = hf.int("qk_nope_head_dim"), hf.int("qk_rope_head_dim")
+    head_dim = hf.int("head_dim", None)
+    if head_dim not in (None, rope):
+      raise ConfigError(f"config.json has head_dim={head_dim} but qk_rope_head_dim={rope}; DeepseekV3 sets head_dim to qk_rope_head_dim")
+    qk = hf.int("qk_head_dim", None)
+    if qk is not None and qk != nope + rope:
+      raise ConfigError(f"config.json has qk_head_dim={qk}, not qk_nope_head_dim + qk_rope_head_dim = {nope + rope}")
 
 
-def _gpt_oss(hf: dict[str, Any]) -> dict[str, Any]:
+def _gpt_oss(hf: HFFields) -> dict[str, Any]:
   """Expert, bias, sink and activation keys of a gpt_oss config.json."""
-  alpha = float(hf.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA))
+  alpha = hf.number("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)
   if alpha != GPT_OSS_SWIGLU_ALPHA:
     raise ConfigError(f"gpt_oss config.json has swiglu_alpha={alpha}; maxtext's clamped SwiGLU uses {GPT_OSS_SWIGLU_ALPHA}")
-  if not hf.get("attention_bias", True):
+  if not hf.flag("attention_bias", True):
     raise ConfigError("gpt_oss config.json with attention_bias=false is not supported; gpt-oss checkpoints have q/k/v/o biases")
   return {
-    "num_experts": hf.get("num_local_experts") or hf["num_experts"],
-    "num_experts_per_tok": hf["num_experts_per_tok"],
-    "base_moe_mlp_dim": hf["intermediate_size"],
+    "num_experts": _experts(hf, "num_local_experts", "num_experts"),
+    "num_experts_per_tok": hf.int("num_experts_per_tok"),
+    "base_moe_mlp_dim": hf.int("intermediate_size"),
     "norm_topk_prob": True,  # a softmax over the chosen experts' logits
     "routed_bias": True,  # the router's bias on its logits
     "mlp_bias": True,
     "mlp_activations": ["sigmoid", "linear"],
-    "mlp_activations_limit": float(hf.get("swiglu_limit", 7.0)),
+    "mlp_activations_limit": hf.number("swiglu_limit", 7.0, positive=True),
     "attention_bias": True,
     "attention_sink": True,
     "rope_interleave": False,  # GptOss rotates split halves
   }
 
 
-def overrides_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-  """maxtext config keys describing the architecture in a Hugging Face config.json."""
-  hf = text_config(hf)
-  model_type = hf.get("model_type", "")
+def stored_mtp_layers(hf: dict[str, Any], source: str = "config.json") -> int:
+  """How many multi-token-prediction layers the checkpoint stores past num_hidden_layers (DeepSeek's
+  num_nextn_predict_layers; no other family stores any)."""
+  if hf.get("model_type") != "deepseek_v3":
+    return 0
+  return HFFields(hf, source).int("num_nextn_predict_layers", 0, minimum=0)
+
+
+def read_overrides(hf_dir: str | Path) -> dict[str, Any]:
+  """overrides_from_hf of the directory's config.json, its messages naming the file."""
+  return overrides_from_hf(safetensors_io.read_config(hf_dir), source=str(Path(hf_dir) / "config.json"))
+
+
+def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+  """maxtext config keys describing the architecture in a Hugging Face config.json (source: how messages name it).
+  Every field read is checked for its type and range (maxtext.convert.hf_fields)."""
+  prefix = "text_config." if hf.get("model_type") == "gemma3" else ""
+  f = HFFields(text_config(hf, source), source, prefix)
+  model_type = f.text("model_type", "")
   family = registry.by_hf_model_type(model_type)
   if family is None:
     supported = sorted(t for f in registry.FAMILIES.values() for t in f.hf_model_types)
     raise ConfigError(f"Hugging Face model_type '{model_type}' is not supported; supported: {', '.join(supported)}")
-  _check_consistent(hf)
-  heads = hf["num_attention_heads"]
-  act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+  _check_consistent(f)
+  heads, hidden = f.int("num_attention_heads"), f.int("hidden_size")
+  act = f.text("hidden_activation", None) or f.text("hidden_act", "silu")
   if act not in HF_ACTIVATIONS:
     raise ConfigError(f"activation '{act}' in config.json is not supported; supported: {', '.join(HF_ACTIVATIONS)}")
+  layers = f.int("num_hidden_layers")
   out: dict[str, Any] = {
     "decoder_block": family.name,
-    "base_emb_dim": hf["hidden_size"],
+    "base_emb_dim": hidden,
     "base_num_query_heads": heads,
-    "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
-    "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
-    "base_mlp_dim": hf["intermediate_size"],
-    "base_num_decoder_layers": hf["num_hidden_layers"],
-    "vocab_size": hf["vocab_size"],
-    "normalization_layer_epsilon": hf.get("rms_norm_eps", 1e-6),
+    "base_num_kv_heads": f.int("num_key_value_heads", heads),
+    "head_dim": f.int("head_dim", None) or hidden // heads,
+    "base_mlp_dim": f.int("intermediate_size"),
+    "base_num_decoder_layers": layers,
+    "vocab_size": f.int("vocab_size"),
+    "normalization_layer_epsilon": f.number("rms_norm_eps", 1e-6, positive=True),
     "mlp_activations": [HF_ACTIVATIONS[act], "linear"],
-    "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+    "logits_via_embedding": f.flag("tie_word_embeddings", False),
     "normalize_embedding_logits": False,
     "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
     "global_parameter_scale": 1,
-    **_rope(hf),
+    **_rope(f),
   }
-  if hf.get("mlp_bias"):
+  if f.flag("mlp_bias", False):
     raise ConfigError("config.json uses dense MLP biases, which maxtext's dense MLPs do not have")
-  if hf.get("attention_bias") and model_type in BIASED_ATTENTION_TYPES:
+  attention_bias = f.flag("attention_bias", False)
+  if attention_bias and model_type in BIASED_ATTENTION_TYPES:
     out["attention_bias"] = True
-  elif hf.get("attention_bias") and model_type not in UNBIASED_ATTENTION_TYPES:
+  elif attention_bias and model_type not in UNBIASED_ATTENTION_TYPES:
     raise ConfigError(f"config.json uses attention biases, which maxtext's {family.name} attention does not have")
-  if model_type == "gemma3_text" and hf.get("use_bidirectional_attention"):
+  if model_type == "gemma3_text" and f.flag("use_bidirectional_attention", False):
     raise ConfigError("config.json sets use_bidirectional_attention; maxtext's gemma3 is a causal decoder")
-  window = hf.get("sliding_window")
-  uses_window = model_type in WINDOWED_TYPES or (model_type == "mistral" and window) or (model_type in ("qwen3", "qwen3_moe") and hf.get("use_sliding_window"))
-  out["sliding_window_size"] = int(window) if uses_window and window else 0
+  window = f.int("sliding_window", None, minimum=0)
+  use_window = model_type in ("qwen3", "qwen3_moe") and f.flag("use_sliding_window", False)
+  uses_window = model_type in WINDOWED_TYPES or (model_type == "mistral" and window) or use_window
+  out["sliding_window_size"] = window if uses_window and window else 0
   if model_type in ("gemma2", "gemma3_text"):
-    out["attn_logits_soft_cap"] = hf.get("attn_logit_softcapping")
-    out["final_logits_soft_cap"] = hf.get("final_logit_softcapping")
-    out["query_pre_attn_scalar"] = float(hf.get("query_pre_attn_scalar") or out["head_dim"])
+    out["attn_logits_soft_cap"] = f.number("attn_logit_softcapping", None, positive=True)
+    out["final_logits_soft_cap"] = f.number("final_logit_softcapping", None, positive=True)
+    out["query_pre_attn_scalar"] = f.number("query_pre_attn_scalar", None, positive=True) or float(out["head_dim"])
   if model_type in WINDOWED_TYPES:
-    shape = SimpleNamespace(num_decoder_layers=hf["num_hidden_layers"], sliding_window_size=max(out["sliding_window_size"], 1))
-    _layer_types(hf, family.layer_windows(shape))  # type: ignore[arg-type]
+    shape = SimpleNamespace(num_decoder_layers=layers, sliding_window_size=max(out["sliding_window_size"], 1))
+    _layer_types(f, family.layer_windows(shape))  # type: ignore[arg-type]
   if model_type == "mixtral":
-    out["num_experts"] = hf["num_local_experts"]
-    out["num_experts_per_tok"] = hf["num_experts_per_tok"]
+    out["num_experts"] = f.int("num_local_experts")
+    out["num_experts_per_tok"] = f.int("num_experts_per_tok")
   if model_type == "gpt_oss":
-    out.update(_gpt_oss(hf))
+    out.update(_gpt_oss(f))
   if model_type in ("qwen3_moe", "deepseek_v3"):
-    out.update(_moe(hf, model_type))
-  dt = hf.get("dtype") or hf.get("torch_dtype")
+    out.update(_moe(f, model_type))
+  dt = f.text("dtype", None) or f.text("torch_dtype", None)
   if dt in ("float32", "bfloat16", "float16"):
     out["dtype"] = dt
   return out

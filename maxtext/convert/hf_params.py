@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from maxtext.config import MaxTextConfig
@@ -178,9 +179,15 @@ def _mtp_rules(c: MaxTextConfig) -> list[Rule]:
 MTP_SHARED_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 
 
-def _layer_index(name: str) -> int | None:
+# Tensors of quantized checkpoints (FP8 block scales of DeepSeek's, bitsandbytes and GPTQ scales) that only a
+# dequantizer consumes.
+QUANTIZATION_SCALES = ("_scale_inv", ".weight_scale", ".scales", ".absmax", ".qzeros")
+
+
+def _layer_index(name: str) -> int:
+  """i of a tensor 'model.layers.<i>.*'; -1 for a tensor outside the layers."""
   parts = name.split(".")
-  return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
+  return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
 
 
 # Multimodal Gemma 3 checkpoints keep the text decoder under one of these prefixes (hub layout, transformers 5 layout),
@@ -203,8 +210,23 @@ def text_decoder_tensors(tensors: dict[str, Array]) -> dict[str, Array]:
   return out
 
 
-def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str, Array]:
-  """Flat HF tensors -> flat maxtext params. Every tensor must be consumed (else a one-line ConfigError)."""
+def check_weight(name: str, value: Array) -> None:
+  """A float weight as the checkpoint stores it: a floating dtype (bfloat16 and float8 included) and only finite values
+  (one float64 sum per tensor, which no finite float32 tensor overflows), else a one-line ConfigError naming it."""
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    raise ConfigError(
+      f"tensor '{name}' has dtype {value.dtype}, not a floating type; maxtext reads it as a float weight: "
+      "the checkpoint is damaged or quantized in a format maxtext does not read (re-export it in float32 or bfloat16)"
+    )
+  if not np.isfinite(value.sum(dtype=np.float64)) and not np.isfinite(value).all():
+    bad = value.size - int(np.count_nonzero(np.isfinite(value)))
+    raise ConfigError(f"tensor '{name}' holds {bad} NaN or infinite value(s) of {value.size}; the checkpoint is corrupt: re-download or re-export it")
+
+
+def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_layers: int = 0) -> dict[str, Array]:
+  """Flat HF tensors -> flat maxtext params. Every tensor must be consumed, every weight a finite float (else a one-line
+  ConfigError). stored_mtp_layers: DeepSeek's num_nextn_predict_layers, the MTP layers past num_hidden_layers that
+  may be left out (those past config.mtp_num_layers are); no other tensor may be."""
   c = config
   tensors = mxfp4.dense_experts(text_decoder_tensors(tensors))
   used: set[str] = set()
@@ -212,6 +234,8 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str,
   def take(name: str) -> Array:
     if name not in tensors:
       raise ConfigError(f"checkpoint is missing tensor '{name}' that the {c.decoder_block} model needs; is this the right model directory?")
+    if name not in used:
+      check_weight(name, tensors[name])
     used.add(name)
     return tensors[name]
 
@@ -255,16 +279,33 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig) -> dict[str,
       if prefix + copy in tensors and main in tensors:
         if not np.array_equal(take(prefix + copy), tensors[main]):
           raise ConfigError(f"'{prefix + copy}' differs from '{main}'; maxtext's MTP modules share the main model's embedding and output head")
-  # Layers past num_hidden_layers are DeepSeek's multi-token-prediction modules (transformers does not run them):
-  # without mtp_num_layers they are left out.
-  used.update(k for k in tensors if (_layer_index(k) or 0) >= c.num_decoder_layers + c.mtp_num_layers)
+  # DeepSeek's multi-token-prediction layers past num_hidden_layers (transformers does not run them) that
+  # mtp_num_layers leaves out.
+  used.update(k for k in tensors if c.num_decoder_layers + c.mtp_num_layers <= _layer_index(k) < c.num_decoder_layers + stored_mtp_layers)
   # Tied checkpoints may carry a copy of the embedding as lm_head.
   if c.logits_via_embedding and "lm_head.weight" in tensors and np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
     used.add("lm_head.weight")
-  unused = sorted(set(tensors) - used)
-  if unused:
-    raise ConfigError(f"checkpoint has {len(unused)} tensor(s) the {c.decoder_block} model does not use: {shorten(unused)}; check the model type and config")
+  _check_all_used(sorted(set(tensors) - used), c, stored_mtp_layers)
   return out
+
+
+def _check_all_used(unused: list[str], c: MaxTextConfig, stored_mtp_layers: int) -> None:
+  """A one-line ConfigError naming the checkpoint's tensors the conversion did not consume, with the likely cause."""
+  if not unused:
+    return
+  last = max(_layer_index(k) for k in unused)
+  if last >= c.num_decoder_layers + stored_mtp_layers:
+    mtp = f" plus num_nextn_predict_layers={stored_mtp_layers} MTP layer(s)" if stored_mtp_layers else ""
+    raise ConfigError(
+      f"the safetensors hold tensors of layer {last} ('{next(k for k in unused if _layer_index(k) == last)}') but config.json's "
+      f"num_hidden_layers is {c.num_decoder_layers}{mtp}: the layers past it would be dropped; fix num_hidden_layers (or remove the stray tensors)"
+    )
+  if any(k.endswith(QUANTIZATION_SCALES) for k in unused):
+    raise ConfigError(
+      f"the checkpoint is quantized ('{next(k for k in unused if k.endswith(QUANTIZATION_SCALES))}' is a scale tensor); "
+      "maxtext reads float weights: dequantize it to bfloat16 first"
+    )
+  raise ConfigError(f"checkpoint has {len(unused)} tensor(s) the {c.decoder_block} model does not use: {shorten(unused)}; check the model type and config")
 
 
 def _first_line(e: Exception) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from maxtext.errors import ConfigError
+
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 BLOCKS, SCALES = "_blocks", "_scales"
 
@@ -35,5 +37,11 @@ def dense_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return tensors
   out = {k: v for k, v in tensors.items() if not any(k in (q + BLOCKS, q + SCALES) for q in quantized)}
   for name in quantized:
-    out[name] = dequantize(tensors[name + BLOCKS], tensors[name + SCALES])
+    blocks, scales = tensors[name + BLOCKS], tensors[name + SCALES]
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+      raise ConfigError(
+        f"MXFP4 tensors '{name + BLOCKS}' ({blocks.dtype} {tuple(blocks.shape)}) and '{name + SCALES}' ({scales.dtype} {tuple(scales.shape)}) "
+        "are not uint8 blocks with one uint8 scale per block; the checkpoint is damaged: re-download it"
+      )
+    out[name] = dequantize(blocks, scales)
   return out

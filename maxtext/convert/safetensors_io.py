@@ -36,18 +36,28 @@ def read_json_object(path: Path, fix: str) -> dict[str, Any]:
 
 
 def read_tensors(hf_dir: str | Path) -> dict[str, np.ndarray]:
-  """All tensors of the directory's safetensors files (bfloat16 is read as float32 exactly)."""
+  """All tensors of the directory's safetensors files (bfloat16 is read as float32 exactly); a tensor stored in two
+  files is a one-line ConfigError (which copy is meant cannot be told)."""
   d = Path(hf_dir)
   index = d / INDEX
   if index.is_file():
-    files = sorted({d / f for f in json.loads(index.read_text())["weight_map"].values()})
+    weight_map = read_json_object(index, "fix or re-download the file").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+      raise ConfigError(f"'{index}' has no weight_map of tensor names to file names; fix or re-download the file")
+    files = sorted({d / f for f in weight_map.values()})
   else:
     files = sorted(d.glob("*.safetensors"))
   if not files:
     raise ConfigError(f"no *.safetensors files in '{d}'; convert .bin checkpoints to safetensors first")
   tensors: dict[str, np.ndarray] = {}
+  origin: dict[str, Path] = {}
   for f in files:
-    tensors.update(_load(f))
+    loaded = _load(f)
+    twice = sorted(set(loaded) & set(tensors))
+    if twice:
+      raise ConfigError(f"tensor '{twice[0]}' is stored in both '{origin[twice[0]]}' and '{f}'; remove the stray file (the directory mixes two checkpoints?)")
+    tensors.update(loaded)
+    origin.update(dict.fromkeys(loaded, f))
   return tensors
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from maxtext.errors import ConfigError
+from maxtext.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
   from jax.sharding import Mesh
@@ -35,8 +35,31 @@ def create_iterator(config: MaxTextConfig, mesh: Mesh, split: str = "train") -> 
 
     return create_prompt_iterator(config, mesh, split, process_index, process_count)
   local_batch = local_batch_size(config, mesh, process_count, split)
+  notes, why_empty = [], ""
+  if config.use_dpo:  # dropped pairs are counted and named, not lost silently
+    notes, why_empty = dpo_notes(config, split, process_index, process_count)
   dataset, description = local_batches(config, split, process_index, process_count, local_batch)
-  return DataIterator(dataset, config, mesh, split, description, process_index, process_count)
+  iterator = DataIterator(dataset, config, mesh, split, description, process_index, process_count, why_empty)
+  iterator.notes = notes
+  return iterator
+
+
+def dpo_notes(config: MaxTextConfig, split: str, process_index: int, process_count: int) -> tuple[list[str], str]:
+  """The line that counts split's dropped pairs by reason (none when none is dropped), and what an empty split lacks;
+  a DataError when no pair of the split is usable."""
+  from maxtext.data.pipeline import survey_pairs
+
+  survey = survey_pairs(config, split, process_index, process_count)
+  reasons = survey.reasons()
+  if not reasons:
+    return [], ""
+  if survey.none_usable():
+    raise DataError(
+      f"the {split} data ({survey.description}) has no usable DPO pair: {survey.counted()}, {reasons}; fix the pairs (chosen and rejected must differ) or raise max_target_length"
+    )
+  dropped = sum(survey.dropped.values())
+  note = f"{split} data: {dropped} {survey.counted()} {'is' if dropped == 1 else 'are'} dropped: {reasons}"
+  return [note], f"{dropped} {survey.counted()} {'is' if dropped == 1 else 'are'} dropped ({reasons})"
 
 
 def batch_rows(config: MaxTextConfig, split: str) -> int:

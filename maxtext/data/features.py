@@ -9,6 +9,7 @@ import grain.experimental as gx
 import numpy as np
 
 from maxtext.data import sft
+from maxtext.data.chat_template import ChatTemplate
 from maxtext.data.records import decode_record, text_field
 from maxtext.errors import ConfigError, DataError
 from maxtext.tokenizer import Tokenizer
@@ -41,7 +42,7 @@ class DocumentEncoder:
     add_eos: bool,
     use_sft: bool = False,
     completion_only: bool = True,
-    chat_template: str | None = None,
+    chat_template: sft.TemplateSource | None = None,
     adapter_column: str = "",
     adapter_names: Sequence[str] = (),
   ):
@@ -57,9 +58,7 @@ class DocumentEncoder:
       raise ConfigError(f"add_eos is true but the tokenizer '{tokenizer.path}' has no EOS token; set add_eos=false")
     self.use_sft = use_sft
     self.completion_only = completion_only
-    self.chat_template = chat_template
-    if chat_template is not None:
-      sft.compile_template(chat_template)  # a syntax error surfaces now
+    self.chat_template = None if chat_template is None else ChatTemplate(chat_template)  # compiled now: a bad template fails here
 
   def pieces(self, record: dict[str, Any], where: str) -> list[sft.Piece]:
     """The document as (text, trainable) pieces."""
@@ -79,22 +78,29 @@ class DocumentEncoder:
         f"use_sft with a messages column needs a chat template and tokenizer '{self.tokenizer.path}' has none; set chat_template or chat_template_path"
       )
     messages = sft.check_messages(record[column], where)
-    return sft.render_messages(messages, self.chat_template, self.tokenizer.special_tokens, where)
+    return self.chat_template.pieces(messages, self.tokenizer.special_tokens, where)
+
+  def renders_template(self) -> bool:
+    """Whether documents are conversations rendered by a chat template (which may hold BOS and EOS itself)."""
+    return self.use_sft and len(self.columns) == 1
 
   def encode(self, record: dict[str, Any], where: str) -> dict[str, np.ndarray] | None:
+    """BOS + the pieces' tokens + EOS; a chat template's output that already starts with BOS (or ends with EOS,
+    whitespace after it aside) gets no second one."""
     pieces = [(text, trainable) for text, trainable in self.pieces(record, where) if text.strip()]
     if not pieces:
       return None
     ids: list[int] = []
     mask: list[int] = []
-    if self.bos is not None:
-      ids.append(self.bos)
-      mask.append(0)
     for text, trainable in pieces:
       tokens = self.tokenizer.encode(text)
       ids += tokens
       mask += [int(trainable or not self.completion_only)] * len(tokens)
-    if self.eos is not None:
+    templated = self.renders_template()
+    if self.bos is not None and not (templated and ids[:1] == [self.bos]):
+      ids.insert(0, self.bos)
+      mask.insert(0, 0)
+    if self.eos is not None and not (templated and self.ends_with_eos(ids)):
       ids.append(self.eos)
       mask.append(int(pieces[-1][1] or not self.completion_only))
     if len(ids) < 2:
@@ -103,6 +109,13 @@ class DocumentEncoder:
     if self.adapter_column:
       doc[ADAPTER_KEY] = np.full(len(ids), self.adapter_slot(record, where), np.int32)
     return doc
+
+  def ends_with_eos(self, ids: list[int]) -> bool:
+    """Whether the last EOS in ids is followed by nothing but whitespace."""
+    if self.eos not in ids:
+      return False
+    last = len(ids) - 1 - ids[::-1].index(self.eos)
+    return not self.tokenizer.decode(ids[last + 1 :]).strip()
 
   def adapter_slot(self, record: dict[str, Any], where: str) -> int:
     """The slot named by the record's adapter column: an adapter name or an integer slot; else a DataError."""

@@ -28,7 +28,7 @@ class DataIterator:
   so bad data fails before any training step.
   """
 
-  def __init__(self, dataset, config: MaxTextConfig, mesh: Mesh, split: str, description: str, process_index: int, process_count: int):
+  def __init__(self, dataset, config: MaxTextConfig, mesh: Mesh, split: str, description: str, process_index: int, process_count: int, why_empty: str = ""):
     self.split = split
     self.description = description
     self.process_index, self.process_count = process_index, process_count
@@ -44,10 +44,11 @@ class DataIterator:
     self._peeked: dict[str, np.ndarray] | None = None
     self._state_before_peek: dict[str, Any] | None = None
     atexit.register(_close_at_exit, weakref.ref(self))  # stop prefetch threads/workers before interpreter teardown
+    self.notes: list[str] = []  # lines about the data for the run's output (e.g. DPO pairs dropped, and why)
     self._peek()
     if self._peeked is None:
       raise DataError(
-        f"the {split} data ({description}) yields no batch: no documents with text (after dropping empty ones) or too few for "
+        f"the {split} data ({description}) yields no batch: {why_empty or 'no documents with text (after dropping empty ones)'} or too few for "
         f"{self.local_batch} rows of {config.max_target_length} tokens; check the files and train_data_columns, or lower {batch_key(config, split)}"
       )
 

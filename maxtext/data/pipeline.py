@@ -15,6 +15,7 @@ from maxtext.errors import ConfigError
 from maxtext.tokenizer import Tokenizer, load_tokenizer
 
 MIN_PACKING_BINS = 16
+SURVEY_PAIRS = 2000  # DPO: the pairs read at setup to count the dropped ones (all of a smaller data set)
 
 
 def resolve_tokenizer(config: MaxTextConfig) -> Tokenizer:
@@ -32,7 +33,7 @@ def resolve_tokenizer(config: MaxTextConfig) -> Tokenizer:
 
 def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer) -> features.DocumentEncoder:
   """The record encoder of the run's objective: documents, SFT conversations, DPO pairs or GRPO prompts."""
-  template = resolve_chat_template(config.chat_template, config.chat_template_path, tokenizer.chat_template) if config.use_sft else None
+  template = resolve_chat_template(config.chat_template, config.chat_template_path, tokenizer.chat_template, tokenizer.path) if config.use_sft else None
   kwargs = dict(
     add_bos=config.add_bos,
     add_eos=config.add_eos,
@@ -100,6 +101,20 @@ def encoded_documents(config: MaxTextConfig, split: str, process_index: int, pro
       ds = gx.WindowShuffleIterDataset(ds, window_size=config.grain_shuffle_buffer_size, seed=config.data_shuffle_seed)
     ds = ds.map(encoder).filter(is_document)
   return ds, source
+
+
+def survey_pairs(config: MaxTextConfig, split: str, process_index: int, process_count: int) -> preference.Survey:
+  """DPO: this process's first SURVEY_PAIRS pairs of split (in file order) encoded, and the dropped ones counted by reason."""
+  encoder = make_encoder(config, resolve_tokenizer(config))
+  source = open_source(config, split, process_index, process_count, num_epoch=1)
+  if source.random_access:
+    share = sources.process_share(len(source.dataset), process_index, process_count)
+    records: Any = (source.dataset[i] for i in range(share.start, share.stop, share.step))
+  else:
+    records = iter(source.dataset)
+  survey = preference.survey(encoder, records, SURVEY_PAIRS)
+  survey.description = source.description
+  return survey
 
 
 def local_batches(config: MaxTextConfig, split: str, process_index: int, process_count: int, local_batch: int) -> tuple[grain.IterDataset, str]:

@@ -10,18 +10,23 @@ pair k of a row the segment ids 2k - 1 (chosen) and 2k (rejected), positions res
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from maxtext.data.features import ADAPTER_KEY, DocumentEncoder, finalize_packed, pad_row, shift
-from maxtext.data.records import text_field
+from maxtext.data.records import decode_record, text_field
 from maxtext.errors import DataError
 
 HALF_KEY = "pair_half"  # 1 on the chosen sequence, 2 on the rejected one
 POSITION_KEY = "pair_positions"  # position within its own sequence
 META_FEATURES = (HALF_KEY, POSITION_KEY)  # packed as they are (no segment ids or positions of their own)
+# Why a pair is dropped.
+SAME = "same"  # chosen equals rejected: nothing to compare
+NO_ROOM = "no_room"  # within max_target_length // 2 tokens the responses leave no scored token, or do not differ
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -70,24 +75,73 @@ class PairEncoder(DocumentEncoder):
     )
 
   def encode(self, record: dict[str, Any], where: str) -> dict[str, np.ndarray] | None:
+    return self.element(record, where)[0]
+
+  def element(self, record: dict[str, Any], where: str) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    """(the pair's element, None), or (None, why it is dropped: SAME or NO_ROOM)."""
     seqs = self.sequences(record, where)
     if seqs is None:
-      return None
+      return None, SAME
     halves = []
     for tokens, mask in ((seqs[0], seqs[1]), (seqs[2], seqs[3])):
       tokens, mask = np.asarray(tokens[: self.half], np.int32), np.asarray(mask[: self.half], np.int32)
       row = shift(tokens, mask)
       if len(tokens) < 2 or not row["weights"].any():
-        return None  # truncation left this response without a scored token
+        return None, NO_ROOM  # truncation left this response without a scored token
       halves.append(row)
     if np.array_equal(halves[0]["inputs"], halves[1]["inputs"]):
-      return None  # truncation cut where the responses differ: nothing to compare
+      return None, NO_ROOM  # truncation cut where the responses differ: nothing to compare
     out = {k: np.concatenate([h[k] for h in halves]) for k in ("inputs", "targets", "weights")}
     out[HALF_KEY] = np.concatenate([np.full(len(h["inputs"]), i + 1, np.int32) for i, h in enumerate(halves)])
     out[POSITION_KEY] = np.concatenate([np.arange(len(h["inputs"]), dtype=np.int32) for h in halves])
     if self.adapter_column:
       out[ADAPTER_KEY] = np.full(len(out["inputs"]), self.adapter_slot(record, where), np.int32)
-    return out
+    return out, None
+
+
+@dataclasses.dataclass
+class Survey:
+  """What became of the pairs read: how many, whether that was all of them, and the dropped ones by reason."""
+
+  read: int
+  complete: bool
+  dropped: collections.Counter
+  half: int  # max_target_length // 2: the tokens each response sequence may take
+  description: str = ""  # the data read (files, dataset)
+
+  def reasons(self) -> str:
+    """'150 have chosen equal to rejected, 30 leave no room ...': the dropped pairs by reason."""
+    parts = []
+    same, no_room = self.dropped[SAME], self.dropped[NO_ROOM]
+    if same:
+      parts.append(f"{same} {'has' if same == 1 else 'have'} chosen equal to rejected")
+    if no_room:
+      parts.append(
+        f"{no_room} {'leaves' if no_room == 1 else 'leave'} no difference to score within max_target_length // 2 = {self.half} tokens "
+        "(the prompt takes the room)"
+      )
+    return " and ".join(parts)
+
+  def counted(self) -> str:
+    """'of the 200 pairs' or 'of the first 2000 pairs read'."""
+    return f"of the {self.read} pairs" if self.complete else f"of the first {self.read} pairs read"
+
+  def none_usable(self) -> bool:
+    return self.complete and self.read > 0 and sum(self.dropped.values()) == self.read
+
+
+def survey(encoder: PairEncoder, records: Iterable[tuple[str, Any]], limit: int) -> Survey:
+  """Encode up to `limit` (where, raw) records and count the pairs dropped, by reason."""
+  dropped: collections.Counter = collections.Counter()
+  read = 0
+  for where, raw in records:
+    if read == limit:
+      return Survey(read, False, dropped, encoder.half)
+    read += 1
+    _, why = encoder.element(decode_record(raw, where), where)
+    if why is not None:
+      dropped[why] += 1
+  return Survey(read, True, dropped, encoder.half)
 
 
 def _pair_segments(segment: np.ndarray, half: np.ndarray) -> np.ndarray:

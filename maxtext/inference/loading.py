@@ -21,13 +21,12 @@ from maxtext.tokenizer import Tokenizer, load_tokenizer
 
 def hf_config(argv: Sequence[str], hf_dir: str, **load_kwargs) -> MaxTextConfig:
   """The run's config with the architecture of the Hugging Face directory; keys set in argv win."""
-  from maxtext.convert.hf_config import overrides_from_hf
-  from maxtext.convert.safetensors_io import read_config
+  from maxtext.convert.hf_config import read_overrides
 
   if not os.path.isfile(os.path.join(hf_dir, "config.json")):
     raise ConfigError(f"hf_model_path '{hf_dir}' holds no config.json; pass a Hugging Face model directory (config.json + *.safetensors)")
   given = {a.split("=", 1)[0].strip() for a in argv[1:]}
-  arch = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}" for k, v in overrides_from_hf(read_config(hf_dir)).items()]
+  arch = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}" for k, v in read_overrides(hf_dir).items()]
   return load([argv[0], *(a for a in arch if a.split("=", 1)[0] not in given), *argv[1:]], **load_kwargs)
 
 
@@ -75,11 +74,11 @@ def _load(config: MaxTextConfig, mesh: Mesh, policy: Policy, log: Callable[[str]
   from maxtext.convert.peft import _abstract_params
 
   if config.hf_model_path:
-    from maxtext.convert import hf_params, safetensors_io
     from maxtext.convert.model_params import model_from_flat
+    from maxtext.hf import params_from_hf
 
     log(f"loading Hugging Face model {config.hf_model_path}")
-    return model_from_flat(config, hf_params.hf_to_maxtext(safetensors_io.read_tensors(config.hf_model_path), config), mesh, policy)
+    return model_from_flat(config, params_from_hf(config.hf_model_path, config), mesh, policy)
   from maxtext.train.checkpointing import item_path, latest_saved_step
   from maxtext.train.initial_params import load_initial_params
 

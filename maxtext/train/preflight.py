@@ -68,8 +68,13 @@ def run_checks(
   from maxtext.data import create_iterator
 
   data_iter = create_iterator(config, mesh, "train")
+  notes = list(getattr(data_iter, "notes", []))
   if config.eval_interval > 0:
-    close_iterator(create_iterator(config, mesh, "eval"))
+    eval_iter = create_iterator(config, mesh, "eval")
+    notes += getattr(eval_iter, "notes", [])
+    close_iterator(eval_iter)
+  for note in notes if log is not None else ():
+    log(note)
 
   with jax.set_mesh(mesh):  # traced as the loop would run it
     step_fn = compiled_step(config, setup, mesh)
