@@ -19,6 +19,7 @@ from maxtext import platform
 from maxtext.config import MaxTextConfig
 from maxtext.layers import expert_exchange, moe, moe_dispatch
 from maxtext.layers.dtypes import dtype
+from maxtext.models import specs
 
 
 def routing_dispatch_seconds(config: MaxTextConfig, repeats: int = 10) -> float:
@@ -32,10 +33,11 @@ def routing_dispatch_seconds(config: MaxTextConfig, repeats: int = 10) -> float:
 
   sparse = platform.moe_dispatch(c, platform.local_platform()) != "dense"
   seq = c.max_target_length
-  capacity = moe.expert_capacity(seq, c) if c.capacity_factor > 0 else 0
+  spec = specs.moe(c)
+  capacity = moe.expert_capacity(seq, spec) if c.capacity_factor > 0 else 0
 
   def one_layer(x: jax.Array, gate: jax.Array) -> jax.Array:
-    r = moe.route(x.astype(jnp.float32) @ gate, c, bias)
+    r = moe.route(x.astype(jnp.float32) @ gate, spec.routing, bias)
     positions = moe.capacity_positions(r.experts.reshape(-1, seq, c.num_experts_per_tok), c.num_experts).reshape(r.experts.shape)
     kept = positions < capacity if capacity else None
     if sparse:

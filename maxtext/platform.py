@@ -20,7 +20,10 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import ml_dtypes
+import numpy as np
 
 from maxtext.errors import ConfigError
 
@@ -40,6 +43,8 @@ CPU_CHUNKED_ATTENTION_FROM = 2048
 CPU_ATTENTION_KEY_BLOCK = 512
 
 MOE_DISPATCHES = ("megablox", "tokamax", "ragged_dot", "dense")
+# The config keys of fp8_full's calibration methods (checked by maxtext.config.derived, read by maxtext.layers.quantization.recipe)
+QUANTIZATION_CALIBRATION_KEYS = ("weight_quantization_calibration_method", "act_quantization_calibration_method", "bwd_quantization_calibration_method")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,9 @@ class PolicyKeys(Protocol):
   use_tokamax_gmm: bool
   num_experts: int
   num_experts_per_tok: int
+  dtype: str
+  weight_dtype: str
+  matmul_precision: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +101,28 @@ class SplashBlocks:
   block_q_dq: int = 512
   block_kv_dq: int = 512
   use_fused_bwd_kernel: bool = False
+
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}  # config name -> dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Dtypes:
+  """The model's numeric types, resolved once from the config's names (`resolve_dtypes`): the one place a dtype name becomes a dtype."""
+
+  params: np.dtype = DTYPES["float32"]  # weight_dtype: how parameters are stored
+  compute: np.dtype = DTYPES["bfloat16"]  # dtype: activations and matmul operands
+  accumulation: np.dtype = DTYPES["float32"]  # norms, softmax, routing, rotary and mHC mixing; matmuls accumulate in it
+  output: np.dtype = DTYPES["float32"]  # the logits the model returns
+  precision: Any = None  # matmul_precision as a jax.lax.Precision (None: XLA's default)
+
+
+def resolve_dtypes(config: PolicyKeys) -> Dtypes:
+  """The config's dtype, weight_dtype and matmul_precision names as types."""
+  import jax  # the policy is resolved when a model is built, after JAX started
+
+  precisions = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
+  return Dtypes(params=DTYPES[config.weight_dtype], compute=DTYPES[config.dtype], precision=precisions[config.matmul_precision])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +147,7 @@ class Policy:
   moe_dispatch: str = "ragged_dot"  # how MoE layers run their experts: megablox | tokamax | ragged_dot | dense (moe_dispatch())
   tokamax_implementation: str | None = None  # use_tokamax_gmm: tokamax's ragged_dot implementation; None lets tokamax choose
   ragged_all_to_all: bool = True  # expert-parallel dropless exchange by ragged_all_to_all (XLA:CPU lacks it: a padded all_to_all)
+  dtypes: Dtypes = Dtypes()  # the model's parameter, compute, accumulation and output dtypes and matmul precision
 
 
 def splash_blocks(config: PolicyKeys) -> SplashBlocks:
@@ -147,6 +178,7 @@ def for_platform(config: PolicyKeys, platform: str, interpret: bool = False) -> 
     moe_dispatch=moe_dispatch(config, platform),
     tokamax_implementation=TOKAMAX_IMPLEMENTATION[platform],
     ragged_all_to_all=not cpu,
+    dtypes=resolve_dtypes(config),
   )
 
 

@@ -12,6 +12,7 @@ from maxtext import from_hf, models
 from maxtext.config import ConfigError, from_overrides
 from maxtext.layers.mhc import HyperConnection, MHCParam, sinkhorn_knopp
 from maxtext.layers.residual import Residual, collapse_streams, expand_streams
+from maxtext.models import specs
 from maxtext.models.counting import param_count
 from tests.hf_fixtures import FAMILY_CONFIGS, hf_logits, save_tiny_model
 from tests.test_models import FAMILY_OVERRIDES, tiny
@@ -89,7 +90,7 @@ def test_n1_is_the_plain_residual_with_no_extra_parameters():
   shapes = lambda state: {p: (v.shape, v.dtype) for p, v in nnx.to_flat_state(state)}  # noqa: E731
   assert shapes(a) == shapes(b)
   x = jnp.ones((2, 3, 32))
-  assert expand_streams(x, explicit) is x and collapse_streams(x, explicit) is x  # the decoder's state stays [B, S, E]
+  assert expand_streams(x, specs.residual(explicit)) is x and collapse_streams(x, specs.residual(explicit)) is x  # the decoder's state stays [B, S, E]
   assert Residual()(x, jnp.tanh) is not None and np.array_equal(Residual()(x, jnp.tanh), x + jnp.tanh(x))
 
 

@@ -32,7 +32,8 @@ from maxtext import platform
 from maxtext.config import from_overrides
 from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers import moe
-from maxtext.layers.mlp import glu, glu_limit
+from maxtext.layers.mlp import glu
+from maxtext.models import specs
 from tests.test_train_helpers import FAST_COMPILE
 
 BASE = dict(vocab_size=64, base_num_query_heads=2, base_num_kv_heads=2, head_dim=8, base_num_decoder_layers=1, dtype="float32")
@@ -84,7 +85,7 @@ def _config(shape: str, capacity_factor: float, **mesh):
 
 def _layer(config, path: str) -> moe.MoE:
   policy = dataclasses.replace(platform.for_platform(config, "cpu", interpret=True), moe_dispatch=path)
-  return moe.MoE(config, policy=policy, rngs=nnx.Rngs(0))
+  return moe.MoE(specs.moe(config), policy=policy, rngs=nnx.Rngs(0))
 
 
 def _inputs(shape: str):
@@ -99,13 +100,13 @@ def _inputs(shape: str):
 
 def _kept(layer: moe.MoE, x: jax.Array) -> np.ndarray:
   """[B, S, k]: whether each pair is within its expert's capacity in its sequence, counted in numpy."""
-  c = layer.config
+  spec = layer.spec
   experts = np.asarray(_route(layer, x).experts).reshape(B, S, -1)
   kept = np.ones_like(experts, bool)
-  if c.capacity_factor > 0:
-    cap = moe.expert_capacity(S, c)
+  if spec.capacity_factor > 0:
+    cap = moe.expert_capacity(S, spec)
     for b in range(B):
-      seen = np.zeros(c.num_experts, int)
+      seen = np.zeros(spec.routing.num_experts, int)
       for s in range(S):
         for j in range(experts.shape[-1]):
           kept[b, s, j] = seen[experts[b, s, j]] < cap
@@ -115,20 +116,20 @@ def _kept(layer: moe.MoE, x: jax.Array) -> np.ndarray:
 
 def _route(layer: moe.MoE, x: jax.Array) -> moe.Routing:
   bias = layer.routed_bias[...] if layer.routed_bias is not None else None
-  return moe.route(layer.gate(x.reshape(B * S, -1)), layer.config, bias)
+  return moe.route(layer.gate(x.reshape(B * S, -1)), layer.spec.routing, bias)
 
 
 def _reference(layer: moe.MoE, x: jax.Array, kept: np.ndarray) -> jax.Array:
   """y [B, S, E] of the layer with plain jnp: every pair through its expert, weighted, the pairs not kept dropped."""
   tokens = x.reshape(B * S, -1)
   r = _route(layer, x)
-  c = layer.config
+  spec = layer.spec
 
   def project(x: jax.Array, name: str, spec: str) -> jax.Array:
     y = jnp.einsum(spec, x, getattr(layer, name)[...])
     return y if getattr(layer, name + "_bias") is None else y + getattr(layer, name + "_bias")[...]
 
-  h = glu(c.mlp_activations, glu_limit(c))(project(tokens, "wi_0", "td,edf->tef"), project(tokens, "wi_1", "td,edf->tef"))
+  h = glu(spec.activations, spec.glu_limit)(project(tokens, "wi_0", "td,edf->tef"), project(tokens, "wi_1", "td,edf->tef"))
   out = project(h, "wo", "tef,efd->ted")  # [T, E, d]
   chosen = jnp.take_along_axis(out, r.experts[:, :, None], axis=1)  # [T, k, d]
   y = jnp.einsum("tkd,tk->td", chosen, r.weights * kept.reshape(B * S, -1)).reshape(x.shape)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from maxtext.config.adapters import adapter_specs
 from maxtext.config.parallelism import PARALLEL_AXES, axis_size, check_context, fill_parallelism, parallelism_key, pipeline_values
 from maxtext.errors import ConfigError, echo
+from maxtext.platform import QUANTIZATION_CALIBRATION_KEYS
 
 if TYPE_CHECKING:
   from maxtext.config.maxtext_config import MaxTextConfig
@@ -34,7 +35,6 @@ PATH_KEYS = (
   "grain_train_mixture_config_path",
   "eval_harness_include_path",
 )
-QUANTIZATION_CALIBRATION_KEYS = ("weight_quantization_calibration_method", "act_quantization_calibration_method", "bwd_quantization_calibration_method")
 GRADIENT_QUANTIZED = ("fp8", "fp8_full")  # modes whose backward products quantize the incoming gradient
 GLOB_KEYS = ("grain_train_files", "grain_eval_files", "hf_train_files", "hf_eval_files")
 NESTED_PATH_KEYS = (("lora", "lora_restore_path"),)

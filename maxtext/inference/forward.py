@@ -49,7 +49,7 @@ def _hidden_states(model: Transformer, tokens: jax.Array, new_lengths: jax.Array
     x, s, t = _run_stack(getattr(model, stack.name), stack, x, scan_cache, tail_cache, run)
     scanned.append(s)
     tails.append(t)
-  hidden = model.final_norm(collapse_streams(x, model.config))
+  hidden = model.final_norm(collapse_streams(x, model.specs.residual))
   return hidden, DecodeCache(tuple(scanned), tuple(tails), cache.lengths + new_lengths)
 
 

@@ -23,10 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxtext.layers import matmul
 from maxtext.layers.quantization import pack_int4, unpack_int4
 from maxtext.layers.sharding import constrain
-from maxtext.layers.xla_attention import masked_softmax
+from maxtext.layers.xla_attention import head_major_attention
 
 CACHE_AXES = ("cache_batch", "cache_heads", "cache_sequence", "cache_kv")  # head-major: attention reads it without a transpose
 LATENT_AXES = ("cache_batch", None, "cache_sequence", "cache_kv")  # MLA's latent: one shared "head"
@@ -138,42 +137,3 @@ class LayerCache:
     cache, kv, mask = self.update(new, rules, window)
     keys, values = unpacked(kv["key"]), unpacked(kv["value"])
     return head_major_attention(q, keys, values, mask, scale, soft_cap, precision, sinks, kv.get("key_scale"), kv.get("value_scale")), cache
-
-
-def head_major_attention(
-  q: jax.Array,
-  keys: jax.Array,
-  values: jax.Array,
-  mask: jax.Array,
-  scale: float,
-  soft_cap: float | None,
-  precision: jax.lax.Precision,
-  sinks: jax.Array | None = None,
-  key_scale: jax.Array | None = None,
-  value_scale: jax.Array | None = None,
-) -> jax.Array:
-  """q [B, S, H, D] over head-major keys [B, K, T, D] and values [B, K, T, Dv] (H = K * G), mask [B, S, T] -> [B, S, H, Dv].
-
-  The XLA einsum path of xla_attention.xla_attention, with the cache read in its stored layout (no transpose
-  of the cache per step); logits and softmax in float32. Quantized keys/values come with their scales
-  [B, K or 1, T, 1], applied to the logits and to the softmax weights.
-  """
-  b, s, h, d = q.shape
-  kv_heads = keys.shape[1]
-  q = jnp.transpose(q.reshape(b, s, kv_heads, h // kv_heads, d), (0, 2, 3, 1, 4))  # [B, K, G, S, D]
-  logits = matmul.einsum("bkgsd,bktd->bkgst", q, keys, dtype=q.dtype, precision=precision, out_dtype=jnp.float32) * scale
-  if key_scale is not None:
-    logits = logits * per_key(key_scale).astype(jnp.float32)
-  if soft_cap is not None:
-    logits = soft_cap * jnp.tanh(logits / soft_cap)
-  probs = masked_softmax(logits, mask[:, None, None], sinks)
-  out_dtype = values.dtype
-  if value_scale is not None:
-    probs, out_dtype = probs * per_key(value_scale).astype(jnp.float32), q.dtype
-  out = matmul.einsum("bkgst,bktd->bkgsd", probs.astype(out_dtype), values, dtype=out_dtype, precision=precision)
-  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, values.shape[-1])
-
-
-def per_key(kv_scale: jax.Array) -> jax.Array:
-  """Cache scales [B, K or 1, T, 1] -> [B, K or 1, 1, 1, T], broadcasting over the logits [B, K, G, S, T]."""
-  return jnp.swapaxes(kv_scale, 2, 3)[:, :, None]

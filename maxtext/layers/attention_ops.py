@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,20 @@ from maxtext.mesh import logical_to_spec
 from maxtext.platform import Policy
 
 KERNELS = ("xla", "chunked", "splash", "cudnn")
+
+
+class LayerCache(Protocol):
+  """What attention layers ask of one layer's decode cache (maxtext.inference.kv_cache.LayerCache has it)."""
+
+  arrays: dict[str, jax.Array]
+
+  def update(self, new: dict[str, jax.Array], rules: Any, window: int = 0) -> tuple[Any, dict[str, jax.Array], jax.Array]: ...
+
+  def attend(
+    self, q: jax.Array, k: jax.Array, v: jax.Array, window: int, scale: float, soft_cap: float | None, precision: Any, rules: Any, sinks: Any = None
+  ) -> tuple: ...
+
+
 _log = logging.getLogger("maxtext.attention")
 _logged: set[str] = set()
 

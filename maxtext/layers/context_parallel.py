@@ -32,8 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtext.config import MaxTextConfig
-from maxtext.config.parallelism import axis_size
 from maxtext.layers.chunked_attention import ChunkedBlocks, chunked_attention
 from maxtext.layers.xla_attention import attention_mask, xla_attention
 from maxtext.mesh import logical_to_spec
@@ -45,19 +43,12 @@ PER_TOKEN_KEYS = ("inputs", "targets", "inputs_position", "targets_position", "i
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """How the sequence is split: shards along `context`, the attention strategy, and the dual-chunk load balance."""
+  """How the sequence is split: shards along `context`, the attention strategy, and the dual-chunk load balance
+  (maxtext.models.specs.context_layout reads it from the config)."""
 
   shards: int
   strategy: str = "all_gather"
   load_balance: bool = True
-
-  @classmethod
-  def of(cls, config: MaxTextConfig) -> Layout | None:
-    """The config's layout, or None without context parallelism."""
-    shards = axis_size(config.ici_parallelism, config.dcn_parallelism, config.mesh_axes, CONTEXT_AXIS)
-    if shards == 1:
-      return None
-    return cls(shards, config.context_parallel_strategy, config.context_parallel_load_balance)
 
   def order(self, length: int) -> np.ndarray:
     """order[i] = the natural position held at index i of the reordered sequence (identity without load balance)."""

@@ -1,4 +1,5 @@
-"""Config dtype and precision names -> JAX objects, and the dtype cast the layers use."""
+"""Dtype and precision names -> JAX objects (for code outside the model: the model's come resolved in
+maxtext.platform.Dtypes), and the dtype cast the layers use."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+from maxtext.platform import DTYPES
+
 PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH, "highest": jax.lax.Precision.HIGHEST}
 
 

@@ -11,10 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtext.layers import matmul, quantization
-from maxtext.layers.dtypes import dtype, precision
 
 if TYPE_CHECKING:
-  from maxtext.config import MaxTextConfig
   from maxtext.platform import Policy
 
 
@@ -24,12 +22,12 @@ def variance_scaling_init(key: jax.Array, shape: Sequence[int], fan_in: int, dty
   return (jax.random.truncated_normal(key, -2.0, 2.0, tuple(shape), jnp.float32) * std).astype(dtype)
 
 
-def dense_kwargs(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs) -> dict[str, Any]:
-  """DenseGeneral's keyword arguments from the config's dtypes and matmul precision and the platform policy's numerics."""
+def dense_kwargs(policy: Policy, rngs: nnx.Rngs) -> dict[str, Any]:
+  """DenseGeneral's keyword arguments from the policy's dtypes, matmul precision and numerics."""
   return dict(
-    dtype=dtype(config.dtype),
-    weight_dtype=dtype(config.weight_dtype),
-    precision=precision(config.matmul_precision),
+    dtype=policy.dtypes.compute,
+    weight_dtype=policy.dtypes.params,
+    precision=policy.dtypes.precision,
     rngs=rngs,
     integer_rounding=policy.integer_bf16_rounding,
     quant=policy.quantization,

@@ -1,7 +1,7 @@
 """LoRA adapters on the dense projections of each decoder layer: W x + (alpha / r) B A x.
 
-`attach(layer, config, rngs)` gives every DenseGeneral inside a decoder layer whose module path
-(relative to the layer, e.g. 'attention/query', 'mlp/wi_0', 'mlp/gate') matches lora.lora_module_path
+`attach(layer, spec, dtypes, rngs)` gives every DenseGeneral inside a decoder layer whose module path
+(relative to the layer, e.g. 'attention/query', 'mlp/wi_0', 'mlp/gate') matches LoRASpec.module_path (lora.lora_module_path)
 (re.search) an adapter in its `lora` slot. Because it runs inside each layer's constructor, stacked
 (scanned) layers get stacked adapters with a leading 'layers' axis like every other layer parameter.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 import re
 from collections.abc import Iterator
@@ -30,12 +31,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtext.config import MaxTextConfig
-from maxtext.config.adapters import adapter_specs, max_rank
 from maxtext.errors import ConfigError
 from maxtext.layers import matmul
-from maxtext.layers.dtypes import dtype
 from maxtext.layers.linear import DenseGeneral
+from maxtext.platform import Dtypes
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRASpec:
+  """The adapters of each decoder layer (maxtext.models.specs builds it from the lora.* keys when enable_lora)."""
+
+  module_path: str  # lora_module_path: a regex over module paths relative to the layer
+  alpha: float  # lora_alpha: the update is (alpha / r) B A x
+  ranks: tuple[int, ...]  # each adapter slot's rank r (one slot: lora_rank)
+  max_rank: int  # the rank of the stored matrices (max_lora_rank with several slots)
+  default_path: bool = True  # module_path is the default, which leaves routed experts alone instead of failing on them
 
 
 def _init_a(key: jax.Array, in_shape: tuple[int, ...], rank: int) -> jax.Array:
@@ -174,17 +184,17 @@ def _side_key(rngs: nnx.Rngs) -> jax.Array:
   return jax.random.fold_in(jax.random.fold_in(stream.key[...], stream.count[...]), 0x10A)
 
 
-def _reject_routed_experts(layer: nnx.Module, path: str, pattern: re.Pattern) -> None:
+def _reject_routed_experts(layer: nnx.Module, spec: LoRASpec, pattern: re.Pattern) -> None:
   """Routed experts take no adapters: an explicitly set lora_module_path that matches their stacked weights is an error.
 
   The default path names dense projections; in a MoE layer its 'mlp/(wi_0|wi_1|wo)' also matches the routed
   experts' weights, which it leaves alone (attention, router and shared experts still get adapters).
   """
-  from maxtext.config.sections import LoRA as LoRASection
   from maxtext.layers.moe import MoE
 
-  if path == LoRASection.model_fields["lora_module_path"].default:
+  if spec.default_path:
     return
+  path = spec.module_path
   for module_path_, m in nnx.iter_modules(layer):
     if isinstance(m, MoE):
       routed = [f"{module_path(module_path_)}/{w}" for w in ("wi_0", "wi_1", "wo")]
@@ -195,17 +205,16 @@ def _reject_routed_experts(layer: nnx.Module, path: str, pattern: re.Pattern) ->
         )
 
 
-def attach(layer: nnx.Module, config: MaxTextConfig, rngs: nnx.Rngs) -> None:
-  """Give the layer's matching DenseGenerals adapters (no-op unless lora.enable_lora)."""
-  cfg = config.lora
-  if not cfg.enable_lora:
+def attach(layer: nnx.Module, spec: LoRASpec | None, dtypes: Dtypes, rngs: nnx.Rngs) -> None:
+  """Give the layer's matching DenseGenerals adapters (no-op for spec None: lora.enable_lora off)."""
+  if spec is None:
     return
   modules = candidates(layer)
-  pattern = re.compile(cfg.lora_module_path)
-  _reject_routed_experts(layer, cfg.lora_module_path, pattern)
+  pattern = re.compile(spec.module_path)
+  _reject_routed_experts(layer, spec, pattern)
   chosen = sorted(p for p in modules if pattern.search(p))
   if not chosen:
-    raise ConfigError(f"lora.lora_module_path '{cfg.lora_module_path}' matches no module; available module paths: {', '.join(sorted(modules))}")
+    raise ConfigError(f"lora.lora_module_path '{spec.module_path}' matches no module; available module paths: {', '.join(sorted(modules))}")
   base_key = _side_key(rngs)
   for i, path in enumerate(chosen):
     dense = modules[path]
@@ -213,16 +222,15 @@ def attach(layer: nnx.Module, config: MaxTextConfig, rngs: nnx.Rngs) -> None:
     n_in = len(dense.in_shape)
     common = dict(
       dtype=dense.dtype,
-      weight_dtype=dtype(config.weight_dtype),
+      weight_dtype=dtypes.params,
       precision=dense.precision,
       key=jax.random.fold_in(base_key, i),
       integer_rounding=dense.integer_rounding,
     )
-    if cfg.max_lora_adapters == 1:
-      adapter = LoRA(dense.in_shape, dense.out_shape, axes[:n_in], axes[n_in:], cfg.lora_rank, cfg.lora_alpha, **common)
+    if len(spec.ranks) == 1:
+      adapter = LoRA(dense.in_shape, dense.out_shape, axes[:n_in], axes[n_in:], spec.ranks[0], spec.alpha, **common)
     else:
-      ranks = tuple(spec.rank for spec in adapter_specs(config))
-      adapter = MultiLoRA(dense.in_shape, dense.out_shape, axes[:n_in], axes[n_in:], ranks, max_rank(config), cfg.lora_alpha, **common)
+      adapter = MultiLoRA(dense.in_shape, dense.out_shape, axes[:n_in], axes[n_in:], spec.ranks, spec.max_rank, spec.alpha, **common)
     dense.lora = nnx.data(adapter)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -9,9 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxtext.config import MaxTextConfig
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
-from maxtext.layers.sharding import constrain
+from maxtext.layers.sharding import Rules, constrain
 from maxtext.platform import Policy
 
 ACTIVATIONS = {
@@ -29,17 +29,20 @@ def activation(name: str):
   return ACTIVATIONS[name]
 
 
-def glu_limit(config: MaxTextConfig) -> float:
-  """The clamp of the experts' gated activation: mlp_activations_limit for families with gpt-oss's clamped SwiGLU, else 0."""
-  from maxtext.models import registry  # layers import no model code at module level
+@dataclasses.dataclass(frozen=True)
+class MLPSpec:
+  """A dense gated MLP (maxtext.models.specs builds it)."""
 
-  return float(config.mlp_activations_limit) if registry.get(config.decoder_block).clamped_glu else 0.0
+  emb_dim: int
+  width: int  # hidden width: mlp_dim (DeepSeek's shared experts: shared_experts x moe_mlp_dim)
+  activations: tuple[str, ...]  # mlp_activations: two names gate wi_0 and wi_1, one name a single wi
+  rules: Rules = ()  # logical_axis_rules
 
 
 def glu(activations: tuple[str, ...], limit: float = 0.0) -> Callable[[jax.Array, jax.Array], jax.Array]:
   """The experts' gate: (h0, h1) = (x wi_0, x wi_1) -> the hidden activation before wo.
 
-  act0(h0) * act1(h1); with gpt-oss's clamped SwiGLU (limit L > 0, glu_limit): g = min(h0, L), u = clip(h1, -L, L),
+  act0(h0) * act1(h1); with gpt-oss's clamped SwiGLU (limit L > 0, MoESpec.glu_limit): g = min(h0, L), u = clip(h1, -L, L),
   (u + 1) * g * act0(1.702 g), as Hugging Face's GptOssExperts computes it.
   """
   act0, act1 = activation(activations[0]), activation(activations[-1])
@@ -55,23 +58,22 @@ def glu(activations: tuple[str, ...], limit: float = 0.0) -> Callable[[jax.Array
 
 
 class MLP(nnx.Module):
-  def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs, width: int | None = None):
-    c = config
-    self.config = c
-    m = c.mlp_dim if width is None else width
-    kw = dense_kwargs(c, policy, rngs)
-    self.acts = tuple(c.mlp_activations)
+  def __init__(self, spec: MLPSpec, *, policy: Policy, rngs: nnx.Rngs):
+    self.spec = spec
+    e, m = spec.emb_dim, spec.width
+    kw = dense_kwargs(policy, rngs)
+    self.acts = spec.activations
     if len(self.acts) == 2:
-      self.wi_0 = DenseGeneral((c.emb_dim,), (m,), ("embed", "mlp"), **kw)
-      self.wi_1 = DenseGeneral((c.emb_dim,), (m,), ("embed", "mlp"), **kw)
+      self.wi_0 = DenseGeneral((e,), (m,), ("embed", "mlp"), **kw)
+      self.wi_1 = DenseGeneral((e,), (m,), ("embed", "mlp"), **kw)
       self.wi = None
     else:
-      self.wi = DenseGeneral((c.emb_dim,), (m,), ("embed", "mlp"), **kw)
+      self.wi = DenseGeneral((e,), (m,), ("embed", "mlp"), **kw)
       self.wi_0 = self.wi_1 = None
-    self.wo = DenseGeneral((m,), (c.emb_dim,), ("mlp", "embed"), **kw)
+    self.wo = DenseGeneral((m,), (e,), ("mlp", "embed"), **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    rules = self.config.logical_axis_rules
+    rules = self.spec.rules
     if self.wi is not None:
       h = activation(self.acts[0])(checkpoint_name(self.wi(x), "mlpwi"))
     else:

@@ -5,7 +5,7 @@ softmax scores, the router has a trained bias on its logits: gpt-oss). Experts a
 plus, with sigmoid scores, an optional score-correction bias (routed_bias, DeepSeek's aux-loss-free balancing),
 optionally only inside the best topk_routing_group of n_routing_groups groups (each group scored by the sum of
 its two best biased scores). The chosen experts' weights are the unbiased scores, renormalised to sum to one
-with norm_topk_prob (always for mixtral; with softmax scores that is a softmax over the chosen experts' logits,
+with RoutingSpec.renormalize (norm_topk_prob, or a family that always renormalises; with softmax scores that is a softmax over the chosen experts' logits,
 as gpt-oss computes it), times routed_scaling_factor.
 
 Experts: gated MLPs act0(x wi_0) * act1(x wi_1) -> wo, or gpt-oss's clamped SwiGLU (maxtext.layers.mlp.glu);
@@ -24,6 +24,7 @@ experts' devices by ragged_all_to_all (no capacity padding).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -32,14 +33,45 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxtext.config import MaxTextConfig
 from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers import moe_dispatch, quantization
-from maxtext.layers.dtypes import dtype, precision
 from maxtext.layers.linear import DenseGeneral, variance_scaling_init
-from maxtext.layers.mlp import MLP, glu_limit
+from maxtext.layers.mlp import MLP, MLPSpec
+from maxtext.layers.sharding import Rules
 from maxtext.mesh import logical_to_spec
 from maxtext.platform import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSpec:
+  """How a MoE layer chooses its experts (see the module docstring)."""
+
+  num_experts: int
+  k: int  # num_experts_per_tok
+  score_func: str = "softmax"  # routed_score_func: softmax | sigmoid
+  groups: int = 0  # n_routing_groups (0: no group limit)
+  topk_groups: int = 0  # topk_routing_group: groups each token may choose from
+  renormalize: bool = False  # chosen weights renormalised to sum to one (norm_topk_prob; always for Mixtral)
+  scaling_factor: float = 1.0  # routed_scaling_factor
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+  """A mixture-of-experts layer (maxtext.models.specs builds it)."""
+
+  emb_dim: int
+  width: int  # moe_mlp_dim: each expert's hidden width
+  routing: RoutingSpec
+  activations: tuple[str, ...]  # mlp_activations of the experts' gate
+  glu_limit: float = 0.0  # > 0: the family's clamped SwiGLU with mlp_activations_limit (gpt-oss), maxtext.layers.mlp.glu
+  router_bias: bool = False  # the router has a trained bias on its logits (routed_bias with softmax scores: gpt-oss)
+  score_correction: bool = False  # a per-expert score-correction bias moved by the aux-loss-free update (routed_bias with sigmoid: DeepSeek)
+  expert_bias: bool = False  # mlp_bias: every expert projection adds a per-expert bias
+  shared: MLPSpec | None = None  # shared experts (shared_experts x width), run on every token
+  capacity_factor: float = -1.0  # > 0: each expert takes at most ceil(factor x seq_len x k / experts) pairs per sequence
+  wi_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wi_0/wi_1 (MaxText's wi_tile_* keys)
+  wo_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wo (wo_tile_* keys)
+  rules: Rules = ()  # logical_axis_rules
 
 
 class RoutingBias(nnx.Variable):
@@ -52,25 +84,25 @@ class Routing(NamedTuple):
   probs: jax.Array  # [T, E] float32 routing probabilities (for the load-balance loss)
 
 
-def route(logits: jax.Array, config: MaxTextConfig, bias: jax.Array | None = None) -> Routing:
-  """Choose num_experts_per_tok experts per token from router logits [T, E] (see the module docstring)."""
-  c = config
+def route(logits: jax.Array, spec: RoutingSpec, bias: jax.Array | None = None) -> Routing:
+  """Choose spec.k experts per token from router logits [T, E] (see the module docstring)."""
   logits = logits.astype(jnp.float32)
-  scores = jax.nn.sigmoid(logits) if c.routed_score_func == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+  sigmoid = spec.score_func == "sigmoid"
+  scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
   choice = scores if bias is None else scores + bias.astype(jnp.float32)
-  if c.n_routing_groups > 0:
+  if spec.groups > 0:
     t, e = choice.shape
-    grouped = choice.reshape(t, c.n_routing_groups, e // c.n_routing_groups)
+    grouped = choice.reshape(t, spec.groups, e // spec.groups)
     group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
-    _, best_groups = jax.lax.top_k(group_scores, c.topk_routing_group)
-    keep = jnp.sum(jax.nn.one_hot(best_groups, c.n_routing_groups, dtype=jnp.bool_), axis=1)  # [T, G]
+    _, best_groups = jax.lax.top_k(group_scores, spec.topk_groups)
+    keep = jnp.sum(jax.nn.one_hot(best_groups, spec.groups, dtype=jnp.bool_), axis=1)  # [T, G]
     choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
-  _, experts = jax.lax.top_k(choice, c.num_experts_per_tok)
+  _, experts = jax.lax.top_k(choice, spec.k)
   weights = jnp.take_along_axis(scores, experts, axis=-1)
-  if c.norm_topk_prob or c.decoder_block == "mixtral":
+  if spec.renormalize:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-  probs = scores if c.routed_score_func != "sigmoid" else scores / jnp.sum(scores, axis=-1, keepdims=True)
-  return Routing(weights * c.routed_scaling_factor, experts, probs)
+  probs = scores if not sigmoid else scores / jnp.sum(scores, axis=-1, keepdims=True)
+  return Routing(weights * spec.scaling_factor, experts, probs)
 
 
 def load_balance_loss(probs: jax.Array, experts: jax.Array, valid: jax.Array) -> jax.Array:
@@ -96,8 +128,9 @@ def bias_update(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
   return bias + rate * jnp.sign(mean - load).astype(bias.dtype)
 
 
-def update_routing_biases(other: nnx.State, load: jax.Array, config: MaxTextConfig) -> nnx.State:
-  """Apply bias_update to the routing bias of every main-model MoE layer in a non-Param state.
+def update_routing_biases(other: nnx.State, load: jax.Array, rate: float, scanned: bool) -> nnx.State:
+  """Apply bias_update (routed_bias_update_rate `rate`) to the routing bias of every main-model MoE layer in a
+  non-Param state; scanned: the layers are stacked (scan_layers).
 
   load [MoE layers, num_experts] is what the step's forward pass routed, in the order of the stacks 'layers' then
   'layers_outside_pipeline' (the multi-token-prediction modules' biases are left as they are).
@@ -107,16 +140,16 @@ def update_routing_biases(other: nnx.State, load: jax.Array, config: MaxTextConf
     keys = [str(p) for p in path]
     if keys[0] in ("layers", "layers_outside_pipeline") and keys[-1] == "routed_bias":
       n = var[...].shape[0]
-      layer_load = (load[:n] if keys[0] == "layers" else load[-n:]) if config.scan_layers else load[int(keys[1])]
-      var = var.replace(bias_update(var[...], layer_load, config.routed_bias_update_rate))
+      layer_load = (load[:n] if keys[0] == "layers" else load[-n:]) if scanned else load[int(keys[1])]
+      var = var.replace(bias_update(var[...], layer_load, rate))
     leaves.append((path, var))
   return nnx.from_flat_state(leaves)
 
 
-def expert_capacity(seq_len: int, config: MaxTextConfig) -> int:
+def expert_capacity(seq_len: int, spec: MoESpec) -> int:
   """Slots per expert in each sequence: ceil(capacity_factor x seq_len x k / experts) (at least 1)."""
-  c = config
-  return max(1, math.ceil(c.capacity_factor * seq_len * c.num_experts_per_tok / c.num_experts))
+  r = spec.routing
+  return max(1, math.ceil(spec.capacity_factor * seq_len * r.k / r.num_experts))
 
 
 def capacity_positions(experts: jax.Array, num_experts: int) -> jax.Array:
@@ -124,40 +157,22 @@ def capacity_positions(experts: jax.Array, num_experts: int) -> jax.Array:
   return moe_dispatch.sequence_positions(experts, num_experts)
 
 
-def grouped_tiles(config: MaxTextConfig) -> tuple[gmm.Tiles, gmm.Tiles]:
-  """Megablox blocks (rows, contracted, produced) of wi_0/wi_1 and of wo, from MaxText's wi_tile_*/wo_tile_* keys."""
-  c = config
-  wi = gmm.Tiles(
-    fwd=(c.wi_tile_fwd_batch_seq, c.wi_tile_fwd_embed_dim, c.wi_tile_fwd_mlp_dim),
-    dlhs=(c.wi_tile_dlhs_batch_seq, c.wi_tile_dlhs_mlp_dim, c.wi_tile_dlhs_embed_dim),
-    drhs=(c.wi_tile_drhs_batch_seq, c.wi_tile_drhs_embed_dim, c.wi_tile_drhs_mlp_dim),
-  )
-  wo = gmm.Tiles(
-    fwd=(c.wo_tile_fwd_batch_seq, c.wo_tile_fwd_mlp_dim, c.wo_tile_fwd_embed_dim),
-    dlhs=(c.wo_tile_dlhs_batch_seq, c.wo_tile_dlhs_embed_dim, c.wo_tile_dlhs_mlp_dim),
-    drhs=(c.wo_tile_drhs_batch_seq, c.wo_tile_drhs_mlp_dim, c.wo_tile_drhs_embed_dim),
-  )
-  return wi, wo
-
-
-def dispatch_plan(config: MaxTextConfig, policy: Policy, seq_len: int) -> moe_dispatch.Plan:
+def dispatch_plan(spec: MoESpec, policy: Policy, seq_len: int) -> moe_dispatch.Plan:
   """The static dispatch of a MoE layer: the policy's path (maxtext.platform.moe_dispatch), tiles, capacity per sequence."""
-  c = config
   path = policy.moe_dispatch
   kernel = gmm.Kernel("ragged_dot" if path == "dense" else path, interpret=policy.interpret_kernels, tokamax_implementation=policy.tokamax_implementation)
-  wi, wo = grouped_tiles(c)
   return moe_dispatch.Plan(
-    num_experts=c.num_experts,
-    k=c.num_experts_per_tok,
+    num_experts=spec.routing.num_experts,
+    k=spec.routing.k,
     sparse=path != "dense",
     kernel=kernel,
-    wi_tiles=wi,
-    wo_tiles=wo,
-    capacity=expert_capacity(seq_len, c) if c.capacity_factor > 0 else 0,
-    activations=tuple(c.mlp_activations),
-    glu_limit=glu_limit(c),
+    wi_tiles=spec.wi_tiles,
+    wo_tiles=spec.wo_tiles,
+    capacity=expert_capacity(seq_len, spec) if spec.capacity_factor > 0 else 0,
+    activations=spec.activations,
+    glu_limit=spec.glu_limit,
     quantization=policy.quantization,
-    dtype=dtype(c.dtype),
+    dtype=policy.dtypes.compute,
     integer_rounding=policy.integer_bf16_rounding,
     ragged_all_to_all=policy.ragged_all_to_all,
   )
@@ -201,15 +216,13 @@ def empty_stats(num_experts: int) -> dict[str, jax.Array]:
 class MoE(nnx.Module):
   """Routed experts' weights stacked [num_experts, ...], plus optional shared experts (one dense MLP)."""
 
-  def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs):
-    c = config
-    self.config = c
+  def __init__(self, spec: MoESpec, *, policy: Policy, rngs: nnx.Rngs):
+    self.spec = spec
     self.policy = policy
-    self.dtype = dtype(c.dtype)
-    self.precision = precision(c.matmul_precision)
-    wdt = dtype(c.weight_dtype)
-    e, m, n = c.emb_dim, c.moe_mlp_dim, c.num_experts
-    logit_bias = c.routed_bias and c.routed_score_func != "sigmoid"  # gpt-oss: the router's own bias; deepseek: a score correction
+    self.dtype = policy.dtypes.compute
+    self.precision = policy.dtypes.precision
+    wdt = policy.dtypes.params
+    e, m, n = spec.emb_dim, spec.width, spec.routing.num_experts
     self.gate = DenseGeneral(
       (e,),
       (n,),
@@ -219,7 +232,7 @@ class MoE(nnx.Module):
       precision=self.precision,
       rngs=rngs,
       integer_rounding=policy.integer_bf16_rounding,
-      use_bias=logit_bias,
+      use_bias=spec.router_bias,
     )
     for name, (fan_in, fan_out), axes in (
       ("wi_0", (e, m), ("exp", "embed", "mlp")),
@@ -229,14 +242,14 @@ class MoE(nnx.Module):
       param, scale = quantization.expert_weight(variance_scaling_init(rngs.params(), (n, fan_in, fan_out), fan_in, wdt), axes, policy.quantization)
       setattr(self, name, param)
       setattr(self, name + quantization.SCALE_SUFFIX, scale)
-    if c.mlp_bias:
+    if spec.expert_bias:
       self.wi_0_bias = nnx.Param(jnp.zeros((n, m), wdt), logical_axes=("exp", "mlp"))
       self.wi_1_bias = nnx.Param(jnp.zeros((n, m), wdt), logical_axes=("exp", "mlp"))
       self.wo_bias = nnx.Param(jnp.zeros((n, e), wdt), logical_axes=("exp", "embed"))
     else:
       self.wi_0_bias = self.wi_1_bias = self.wo_bias = None
-    self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if c.routed_bias and not logit_bias else None
-    self.shared_experts = MLP(c, policy=policy, rngs=rngs, width=c.shared_experts * m) if c.shared_experts else None
+    self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if spec.score_correction else None
+    self.shared_experts = MLP(spec.shared, policy=policy, rngs=rngs) if spec.shared is not None else None
 
   def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics).
@@ -245,22 +258,22 @@ class MoE(nnx.Module):
     load [num_experts] (valid tokens routed to each expert, before dropping), router_probs [num_experts] and tokens (the sums
     of valid tokens' router probabilities and of valid tokens, from which load_balance_from_sums gives lb_loss).
     """
-    c = self.config
+    spec = self.spec
     b, s, e = x.shape
     tokens = x.reshape(b * s, e).astype(self.dtype)
     valid = valid.reshape(-1)
-    r = route(self.gate(tokens), c, self.routed_bias[...] if self.routed_bias is not None else None)
-    chosen = jax.nn.one_hot(r.experts, c.num_experts, dtype=jnp.float32)  # [T,k,E]
+    r = route(self.gate(tokens), spec.routing, self.routed_bias[...] if self.routed_bias is not None else None)
+    chosen = jax.nn.one_hot(r.experts, spec.routing.num_experts, dtype=jnp.float32)  # [T,k,E]
     load = jnp.einsum("tke,t->e", chosen, valid.astype(jnp.float32))
     mesh = jax.sharding.get_abstract_mesh()
     single = mesh.empty or mesh.size == 1
     # the stored scales' logical axes: the last three (a scanned stack puts its layers axis first)
     scale_axes = None if self.wi_0_scale is None else tuple(v.get_metadata()["logical_axes"][-3:] for v in (self.wi_0_scale, self.wo_scale))
-    layout = moe_dispatch.Layout() if single else dispatch_layout(b, s, c.logical_axis_rules, mesh, scale_axes)
+    layout = moe_dispatch.Layout() if single else dispatch_layout(b, s, spec.rules, mesh, scale_axes)
     names = moe_dispatch.ExpertWeights._fields
     weights = moe_dispatch.ExpertWeights(*(None if p is None else p[...] for p in (getattr(self, name) for name in names)))
     routed = (r.weights.reshape(b, s, -1), r.experts.reshape(b, s, -1))
-    plan = dispatch_plan(c, self.policy, s)
+    plan = dispatch_plan(spec, self.policy, s)
     y, dropped = moe_dispatch.dispatch(x.astype(self.dtype), *routed, valid.reshape(b, s), weights, layout, plan, None if single else mesh)
     y = y.astype(self.dtype)
     if self.shared_experts is not None:
@@ -268,7 +281,7 @@ class MoE(nnx.Module):
     w = valid.astype(jnp.float32)
     probs, tokens = jnp.einsum("te,t->e", r.probs, w), jnp.sum(w)
     stats = {
-      "lb_loss": load_balance_from_sums(load, probs, tokens, c.num_experts_per_tok),
+      "lb_loss": load_balance_from_sums(load, probs, tokens, spec.routing.k),
       "dropped": dropped,
       "load": load,
       "router_probs": probs,

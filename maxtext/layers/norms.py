@@ -1,10 +1,22 @@
-"""RMSNorm, computed in float32."""
+"""RMSNorm, computed in float32, and the spec every norm of a model shares."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from maxtext.platform import Dtypes
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+  """What a model's RMSNorms share (maxtext.models.specs builds it)."""
+
+  epsilon: float  # normalization_layer_epsilon
+  zero_centered: bool = False  # the family stores s and applies (1 + s) (Gemma)
 
 
 class RMSNorm(nnx.Module):
@@ -16,6 +28,12 @@ class RMSNorm(nnx.Module):
     self.zero_centered = zero_centered
     init = jnp.zeros if zero_centered else jnp.ones
     self.scale = nnx.Param(init((dim,), weight_dtype), logical_axes=(logical_axis,))
+
+  @classmethod
+  def of(cls, dim: int, spec: NormSpec, dtypes: Dtypes, logical_axis: str = "norm", zero_centered: bool | None = None) -> RMSNorm:
+    """A norm over dim features as spec and dtypes say (zero_centered overrides the spec's: MLA's norms never are)."""
+    zc = spec.zero_centered if zero_centered is None else zero_centered
+    return cls(dim, spec.epsilon, dtype=dtypes.compute, weight_dtype=dtypes.params, zero_centered=zc, logical_axis=logical_axis)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)

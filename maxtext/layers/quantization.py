@@ -33,8 +33,8 @@ import qwix
 from flax import nnx
 from qwix._src.core import dot_general_qt
 
-from maxtext.config.derived import QUANTIZATION_CALIBRATION_KEYS
 from maxtext.errors import ConfigError
+from maxtext.platform import QUANTIZATION_CALIBRATION_KEYS
 
 QTYPES = {"int8": "int8", "int4": "int4", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}  # format -> jax.numpy dtype name
 INT4_GROUP = 128  # int4 weight scales: one per this many values of the last contracting axis (QLoRA-style groups), when it is a multiple

@@ -8,16 +8,25 @@ manifold-constrained hyper-connection (maxtext.layers.mhc).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 from flax import nnx
 
-from maxtext.config import MaxTextConfig
 from maxtext.layers import mhc
-from maxtext.layers.dtypes import dtype
+from maxtext.platform import Dtypes
 
 Branch = Callable[[jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualSpec:
+  """The residual stream (maxtext.models.specs builds it)."""
+
+  emb_dim: int
+  streams: int = 1  # mhc_expansion_rate: 1 is the plain residual, n > 1 mHC over n streams
+  sinkhorn_iterations: int = 20  # mHC: rounds making H_res doubly stochastic
 
 
 class Residual(nnx.Module):
@@ -27,20 +36,18 @@ class Residual(nnx.Module):
     return x + branch(x)
 
 
-def make_connection(config: MaxTextConfig, *, rngs: nnx.Rngs) -> nnx.Module:
-  """The connection each sub-block uses under this config (mHC init is deterministic: rngs unused)."""
-  del rngs
-  n = config.mhc_expansion_rate
-  if n == 1:
+def make_connection(spec: ResidualSpec, dtypes: Dtypes) -> nnx.Module:
+  """The connection each sub-block uses (mHC init is deterministic: it draws no random keys)."""
+  if spec.streams == 1:
     return Residual()
-  return mhc.HyperConnection(n, config.emb_dim, config.sinkhorn_iterations, weight_dtype=dtype(config.weight_dtype))
+  return mhc.HyperConnection(spec.streams, spec.emb_dim, spec.sinkhorn_iterations, weight_dtype=dtypes.params)
 
 
-def expand_streams(x: jax.Array, config: MaxTextConfig) -> jax.Array:
+def expand_streams(x: jax.Array, spec: ResidualSpec) -> jax.Array:
   """Embedding output [B, S, E] -> residual stream state before the first layer ([B, S, n, E] for n > 1)."""
-  return x if config.mhc_expansion_rate == 1 else mhc.expand(x, config.mhc_expansion_rate)
+  return x if spec.streams == 1 else mhc.expand(x, spec.streams)
 
 
-def collapse_streams(x: jax.Array, config: MaxTextConfig) -> jax.Array:
+def collapse_streams(x: jax.Array, spec: ResidualSpec) -> jax.Array:
   """Residual stream state after the last layer -> [B, S, E] for the final norm (the streams summed, / n)."""
-  return x if config.mhc_expansion_rate == 1 else mhc.collapse(x)
+  return x if spec.streams == 1 else mhc.collapse(x)

@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-if TYPE_CHECKING:
-  from maxtext.config import MaxTextConfig
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+  """One attention kind's rotary embedding (maxtext.models.specs builds it from the rope_* keys)."""
+
+  kind: str = "default"  # rope_type: default | llama3.1 | yarn
+  theta: float = 10_000.0  # rope_max_timescale
+  linear_scaling: float = 1.0  # rope_linear_scaling_factor: default and llama3.1 frequencies divided by it
+  llama3_factor: float = 8.0  # rope_scaling_factor
+  low_freq_factor: float = 1.0  # rope_low_freq_factor
+  high_freq_factor: float = 4.0  # rope_high_freq_factor
+  llama3_original_max_position: int = 8192  # rope_original_max_position_embeddings
+  yarn_factor: float = 1.0  # rope_factor
+  yarn_original_max_position: int = 4096  # original_max_position_embeddings
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True  # rope_truncate
+  attention_scaling: bool = False  # rope_attention_scaling: yarn scales cos/sin by its mscale
+  local_theta: float = 0.0  # local_rope_max_timescale: > 0, sliding-window layers rotate with this base, unscaled
+  interleave: bool = False  # rotary pairs interleaved (x[2i], x[2i+1]) instead of split halves
 
 
 def inverse_frequencies(
@@ -60,27 +78,21 @@ def yarn_inverse_frequencies(
   return inv / factor * (1.0 - keep) + inv * keep
 
 
-def layer_frequencies(c: MaxTextConfig, dim: int, local: bool = False) -> tuple[np.ndarray, float]:
+def layer_frequencies(spec: RopeSpec, dim: int, local: bool = False) -> tuple[np.ndarray, float]:
   """(inverse frequencies [dim // 2], cos/sin scale) of one layer's rotary embedding over `dim` dimensions.
 
-  local: a sliding-window layer; with local_rope_max_timescale set it rotates with that base and no scaling
-  (gemma3). Otherwise rope_type decides: llama3.1 or yarn frequency scaling (yarn also scales cos/sin with
-  rope_attention_scaling), or the default frequencies divided by rope_linear_scaling_factor.
+  local: a sliding-window layer; with local_theta set it rotates with that base and no scaling (gemma3).
+  Otherwise the kind decides: llama3.1 or yarn frequency scaling (yarn also scales cos/sin with
+  attention_scaling), or the default frequencies divided by linear_scaling.
   """
-  if local and c.local_rope_max_timescale > 0:
-    return inverse_frequencies(dim, c.local_rope_max_timescale), 1.0
-  if c.rope_type == "yarn":
-    inv = yarn_inverse_frequencies(dim, c.rope_max_timescale, c.rope_factor, c.original_max_position_embeddings, c.beta_fast, c.beta_slow, c.rope_truncate)
-    return inv, yarn_mscale(c.rope_factor) if c.rope_attention_scaling else 1.0
-  inv = inverse_frequencies(
-    dim, c.rope_max_timescale, c.rope_type, c.rope_scaling_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_max_position_embeddings
-  )
-  return inv / c.rope_linear_scaling_factor, 1.0
-
-
-def interleaved(c: MaxTextConfig, mla: bool) -> bool:
-  """Whether rotary pairs are interleaved: rope_interleave for MLA and yarn rope, split halves for every other rope."""
-  return c.rope_interleave and (mla or c.rope_type == "yarn")
+  s = spec
+  if local and s.local_theta > 0:
+    return inverse_frequencies(dim, s.local_theta), 1.0
+  if s.kind == "yarn":
+    inv = yarn_inverse_frequencies(dim, s.theta, s.yarn_factor, s.yarn_original_max_position, s.beta_fast, s.beta_slow, s.truncate)
+    return inv, yarn_mscale(s.yarn_factor) if s.attention_scaling else 1.0
+  inv = inverse_frequencies(dim, s.theta, s.kind, s.llama3_factor, s.low_freq_factor, s.high_freq_factor, s.llama3_original_max_position)
+  return inv / s.linear_scaling, 1.0
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array, interleave: bool = False, scale: float = 1.0) -> jax.Array:

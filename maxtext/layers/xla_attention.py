@@ -65,3 +65,42 @@ def masked_softmax(logits: jax.Array, mask: jax.Array, sinks: jax.Array | None) 
   _, kv_heads, groups, s, _ = logits.shape
   sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, groups, 1, 1), (logits.shape[0], kv_heads, groups, s, 1))
   return jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+
+
+def head_major_attention(
+  q: jax.Array,
+  keys: jax.Array,
+  values: jax.Array,
+  mask: jax.Array,
+  scale: float,
+  soft_cap: float | None,
+  precision: jax.lax.Precision,
+  sinks: jax.Array | None = None,
+  key_scale: jax.Array | None = None,
+  value_scale: jax.Array | None = None,
+) -> jax.Array:
+  """q [B, S, H, D] over head-major keys [B, K, T, D] and values [B, K, T, Dv] (H = K * G), mask [B, S, T] -> [B, S, H, Dv].
+
+  The XLA einsum path of xla_attention.xla_attention, with the cache read in its stored layout (no transpose
+  of the cache per step); logits and softmax in float32. Quantized keys/values come with their scales
+  [B, K or 1, T, 1], applied to the logits and to the softmax weights.
+  """
+  b, s, h, d = q.shape
+  kv_heads = keys.shape[1]
+  q = jnp.transpose(q.reshape(b, s, kv_heads, h // kv_heads, d), (0, 2, 3, 1, 4))  # [B, K, G, S, D]
+  logits = matmul.einsum("bkgsd,bktd->bkgst", q, keys, dtype=q.dtype, precision=precision, out_dtype=jnp.float32) * scale
+  if key_scale is not None:
+    logits = logits * per_key(key_scale).astype(jnp.float32)
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  probs = masked_softmax(logits, mask[:, None, None], sinks)
+  out_dtype = values.dtype
+  if value_scale is not None:
+    probs, out_dtype = probs * per_key(value_scale).astype(jnp.float32), q.dtype
+  out = matmul.einsum("bkgst,bktd->bkgsd", probs.astype(out_dtype), values, dtype=out_dtype, precision=precision)
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s, h, values.shape[-1])
+
+
+def per_key(kv_scale: jax.Array) -> jax.Array:
+  """Cache scales [B, K or 1, T, 1] -> [B, K or 1, 1, 1, T], broadcasting over the logits [B, K, G, S, T]."""
+  return jnp.swapaxes(kv_scale, 2, 3)[:, :, None]

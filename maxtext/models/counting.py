@@ -53,13 +53,14 @@ def _build(config: MaxTextConfig) -> _Tree:
   """Counting's abstract model: the architecture's weights in weight_dtype (quantization, a storage and matmul
   format, is left out: a stored-quantized kernel packs its values and adds scales)."""
   from maxtext import models, platform
+  from maxtext.models import specs
   from maxtext.models.decoder_layer import DecoderLayer
 
   policy = dataclasses.replace(platform.resolve(config), quantization=None)
   family = registry.get(config.decoder_block)
 
   def layer(dense: bool) -> Any:
-    return nnx.eval_shape(lambda: DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(0), dense=dense))
+    return nnx.eval_shape(lambda: DecoderLayer(specs.layer(config, family, dense=dense), policy=policy, rngs=nnx.Rngs(0)))
 
   kinds = {i < config.first_num_dense_layers for i in range(config.num_decoder_layers)} | ({False} if config.mtp_num_layers else set())
   return _Tree(models.abstract_model(config, policy), {dense: layer(dense) for dense in kinds})

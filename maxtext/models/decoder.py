@@ -14,8 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
-from maxtext.layers import context_parallel, lora
-from maxtext.layers.dtypes import dtype, precision
+from maxtext.layers import lora
 from maxtext.layers.embed import Embed
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.moe import load_balance_from_sums
@@ -23,8 +22,8 @@ from maxtext.layers.norms import RMSNorm
 from maxtext.layers.output_head import OutputHead
 from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.layers.sharding import constrain
-from maxtext.models import pipeline, registry, remat
-from maxtext.models.decoder_layer import DecoderLayer
+from maxtext.models import pipeline, registry, remat, specs
+from maxtext.models.decoder_layer import DecoderLayer, LayerSpec
 from maxtext.models.mtp import MTPBlock
 from maxtext.platform import Policy
 
@@ -38,17 +37,15 @@ def _prepend_axis(variable: nnx.Variable, name: str) -> nnx.Variable:
   return variable.replace(logical_axes=(name,) + tuple(axes))
 
 
-def stacked_layers(config: MaxTextConfig, policy: Policy, keys: jax.Array, axis: str, dense: bool = False) -> DecoderLayer:
-  """One DecoderLayer whose parameters have a leading axis named `axis`, one layer per random key in keys; dense=True
-  builds DeepSeek's leading dense layers."""
-  family = registry.get(config.decoder_block)
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(0), dense=dense)))
-  state = jax.vmap(lambda k: nnx.state(DecoderLayer(config, family, policy=policy, rngs=nnx.Rngs(k), dense=dense)))(keys)
+def stacked_layers(spec: LayerSpec, policy: Policy, keys: jax.Array, axis: str) -> DecoderLayer:
+  """One DecoderLayer whose parameters have a leading axis named `axis`, one layer per random key in keys."""
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(spec, policy=policy, rngs=nnx.Rngs(0))))
+  state = jax.vmap(lambda k: nnx.state(DecoderLayer(spec, policy=policy, rngs=nnx.Rngs(k))))(keys)
   state = jax.tree.map(lambda v: _prepend_axis(v, axis), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
   return nnx.merge(graphdef, state)
 
 
-def main_stacks(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs) -> tuple[DecoderLayer, DecoderLayer | None]:
+def main_stacks(config: MaxTextConfig, spec: LayerSpec, policy: Policy, rngs: nnx.Rngs) -> tuple[DecoderLayer, DecoderLayer | None]:
   """The layers after first_num_dense_layers, stacked: (axis 'layers', the layers after them on axis
   'layers_outside_pipeline', or None).
 
@@ -59,9 +56,9 @@ def main_stacks(config: MaxTextConfig, policy: Policy, rngs: nnx.Rngs) -> tuple[
   keys = jax.random.split(rngs.params(), config.num_decoder_layers - config.first_num_dense_layers)
   plan = pipeline.Plan.of(config)
   if plan is None:
-    return stacked_layers(config, policy, keys, LAYERS_AXIS), None
-  pipelined = stacked_layers(config, policy, keys[: plan.layers][plan.order()], LAYERS_AXIS)
-  return pipelined, stacked_layers(config, policy, keys[plan.layers :], OUTSIDE_AXIS) if plan.outside else None
+    return stacked_layers(spec, policy, keys, LAYERS_AXIS), None
+  pipelined = stacked_layers(spec, policy, keys[: plan.layers][plan.order()], LAYERS_AXIS)
+  return pipelined, stacked_layers(spec, policy, keys[plan.layers :], OUTSIDE_AXIS) if plan.outside else None
 
 
 def tied_to_carry(weights: Any, carry: jax.Array, compute_dtype: Any) -> Any:
@@ -89,25 +86,24 @@ class Transformer(nnx.Module):
     self.config = c
     self.policy = policy
     self.family = registry.get(c.decoder_block)
-    kw = dense_kwargs(c, policy, rngs)
+    self.specs = s = specs.model(c, self.family)
+    kw = dense_kwargs(policy, rngs)
     # Tied tables also produce the logits: unit-variance rows would give logits of std sqrt(emb_dim) at init.
     tied_scale = 1.0 if (c.normalize_embedding_logits or not c.logits_via_embedding) else c.emb_dim**-0.5
     self.embed = Embed(c.vocab_size, c.emb_dim, init_std=tied_scale, dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
     n_dense = c.first_num_dense_layers
     if c.scan_layers:
-      self.dense_layers = stacked_layers(c, policy, jax.random.split(rngs.params(), n_dense), DENSE_LAYERS_AXIS, dense=True) if n_dense else None
-      self.layers, self.layers_outside_pipeline = main_stacks(c, policy, rngs)
+      self.dense_layers = stacked_layers(s.dense_layer, policy, jax.random.split(rngs.params(), n_dense), DENSE_LAYERS_AXIS) if n_dense else None
+      self.layers, self.layers_outside_pipeline = main_stacks(c, s.layer, policy, rngs)
     else:
-      self.dense_layers = nnx.List([DecoderLayer(c, self.family, policy=policy, rngs=rngs, dense=True) for _ in range(n_dense)]) if n_dense else None
-      self.layers = nnx.List([DecoderLayer(c, self.family, policy=policy, rngs=rngs) for _ in range(c.num_decoder_layers - n_dense)])
+      self.dense_layers = nnx.List([DecoderLayer(s.dense_layer, policy=policy, rngs=rngs) for _ in range(n_dense)]) if n_dense else None
+      self.layers = nnx.List([DecoderLayer(s.layer, policy=policy, rngs=rngs) for _ in range(c.num_decoder_layers - n_dense)])
       self.layers_outside_pipeline = None  # no pipeline without scanned layers
-    self.final_norm = RMSNorm(
-      c.emb_dim, c.normalization_layer_epsilon, dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=self.family.zero_centered_norms
-    )
+    self.final_norm = RMSNorm.of(c.emb_dim, s.norm, policy.dtypes)
     # The output kernel stays in weight_dtype; quantize_logits_proj quantizes its product (output_head).
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **{**kw, "quant": None})
     mtp_policy = dataclasses.replace(policy, quantization=None)  # MaxText's quantize_mtp=false: the MTP modules stay unquantized
-    self.mtp = nnx.List([MTPBlock(c, self.family, policy=mtp_policy, rngs=rngs) for _ in range(c.mtp_num_layers)]) if c.mtp_num_layers else None
+    self.mtp = nnx.List([MTPBlock(s.layer, c.remat_policy, policy=mtp_policy, rngs=rngs) for _ in range(c.mtp_num_layers)]) if c.mtp_num_layers else None
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """Token embeddings as the first layer sees them (scaled by sqrt(emb_dim) for Gemma)."""
@@ -119,7 +115,7 @@ class Transformer(nnx.Module):
   def input_stream(self, tokens: jax.Array) -> jax.Array:
     """tokens [B, S] -> the residual stream state entering the first layer ([B, S, E], or [B, S, n, E] with mHC)."""
     x = constrain(self.embed_tokens(tokens), ("activation_batch", "activation_length", "activation_embed"), self.config.logical_axis_rules)
-    return expand_streams(x, self.config)
+    return expand_streams(x, self.specs.residual)
 
   def hidden_states(
     self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
@@ -144,7 +140,7 @@ class Transformer(nnx.Module):
       def body(h, i):
         h = checkpoint_name(h, remat.LAYER_INPUT)
         w = jax.tree.map(lambda a: checkpoint_name(a[r * lps + i], remat.SLICED_WEIGHTS), w_s)  # sliced inside the remat region
-        layer = nnx.merge(graphdef, tied_to_carry(w, h, dtype(c.dtype)))
+        layer = nnx.merge(graphdef, tied_to_carry(w, h, self.policy.dtypes.compute))
         return layer(h, positions_k, segments_k, static_window if static_window is not None else win_s[r * lps + i])
 
       body = remat.wrap(body, c.remat_policy, prevent_cse=False, offload_input=offload, sliced_weights=True)
@@ -173,7 +169,7 @@ class Transformer(nnx.Module):
 
     def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int | jax.Array):
       h = checkpoint_name(h, remat.LAYER_INPUT)  # before any other use of h, so an offloaded input is the only copy kept
-      layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, dtype(c.dtype)) if c.scan_layers else layer_state)
+      layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, self.policy.dtypes.compute) if c.scan_layers else layer_state)
       return layer(h, positions, segment_ids, window)
 
     if c.scan_layers:
@@ -227,7 +223,7 @@ class Transformer(nnx.Module):
       if self.layers_outside_pipeline is not None:
         x, after = self._run_layers(self.layers_outside_pipeline, x, positions, segment_ids, windows[n_dense + plan.layers :])
         stats = {k: jnp.concatenate([stats[k], after[k]]) for k in ("lb_loss", "dropped", "load")}
-    x = collapse_streams(x, c)
+    x = collapse_streams(x, self.specs.residual)
     hidden = self.final_norm(x)
     lb = (lb + jnp.sum(stats["lb_loss"])) * (c.load_balance_loss_weight / c.num_decoder_layers)
     return hidden, x, {"lb_loss": lb, "dropped": jnp.sum(stats["dropped"]), "load": stats["load"]}
@@ -242,8 +238,8 @@ class Transformer(nnx.Module):
       kernel, scale = self.output.kernel[...], 1.0
     return OutputHead(
       kernel,
-      dtype(c.dtype),
-      precision(c.matmul_precision),
+      self.policy.dtypes.compute,
+      self.policy.dtypes.precision,
       scale,
       c.final_logits_soft_cap or 0.0,
       c.logical_axis_rules,
@@ -262,7 +258,7 @@ class Transformer(nnx.Module):
   ) -> jax.Array:
     """tokens [B, S] -> logits [B, S, vocab]; under context parallelism with load balance the sequence runs in the
     shards' order and the logits come back in natural order."""
-    layout = context_parallel.Layout.of(self.config)
+    layout = self.specs.context
     if layout is None or not layout.load_balance:
       hidden, _ = self.hidden_states(tokens, positions, segment_ids, adapter_ids)
       return self.logits(hidden)

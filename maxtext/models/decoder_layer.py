@@ -2,51 +2,61 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtext.config import MaxTextConfig
 from maxtext.layers import lora
-from maxtext.layers.attention import Attention
-from maxtext.layers.dtypes import dtype
-from maxtext.layers.mla import MLA
-from maxtext.layers.mlp import MLP
-from maxtext.layers.moe import MoE, empty_stats
-from maxtext.layers.norms import RMSNorm
-from maxtext.layers.residual import make_connection
-from maxtext.layers.sharding import constrain
-from maxtext.models.family import Family
+from maxtext.layers.attention import Attention, AttentionSpec
+from maxtext.layers.lora import LoRASpec
+from maxtext.layers.mla import MLA, MLASpec
+from maxtext.layers.mlp import MLP, MLPSpec
+from maxtext.layers.moe import MoE, MoESpec, empty_stats
+from maxtext.layers.norms import NormSpec, RMSNorm
+from maxtext.layers.residual import ResidualSpec, make_connection
+from maxtext.layers.sharding import Rules, constrain
 from maxtext.platform import Policy
 
 if TYPE_CHECKING:
   from maxtext.inference.kv_cache import LayerCache
 
 
-class DecoderLayer(nnx.Module):
-  """dense=True forces a dense MLP (DeepSeek's first_num_dense_layers) in a model with experts."""
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+  """One decoder layer (maxtext.models.specs builds it)."""
 
-  def __init__(self, config: MaxTextConfig, family: Family, *, policy: Policy, rngs: nnx.Rngs, dense: bool = False):
-    c = config
-    self.config = c
-    zc = family.zero_centered_norms
+  emb_dim: int
+  attention: AttentionSpec | MLASpec  # the token mixer: grouped-query or multi-head latent attention
+  feed_forward: MLPSpec | MoESpec  # a dense MLP or a mixture of experts
+  norm: NormSpec  # the branch norms
+  residual: ResidualSpec  # the plain residual or mHC
+  post_norms: bool = False  # an RMSNorm on each branch output too (Gemma 2 and 3)
+  lora: LoRASpec | None = None  # adapters on the layer's projections (lora.enable_lora)
+  num_experts: int = 1  # the statistics' width (a dense layer in a model with experts reports zeros for each)
+  rules: Rules = ()  # logical_axis_rules
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, spec: LayerSpec, *, policy: Policy, rngs: nnx.Rngs):
+    self.spec = spec
 
     def norm() -> RMSNorm:
-      return RMSNorm(c.emb_dim, c.normalization_layer_epsilon, dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=zc)
+      return RMSNorm.of(spec.emb_dim, spec.norm, policy.dtypes)
 
     self.pre_attention_norm = norm()
-    self.attention = (
-      MLA(c, policy=policy, rngs=rngs) if family.mla else Attention(c, policy=policy, rngs=rngs, zero_centered_norm=zc, window_choices=family.layer_windows(c))
-    )
-    self.post_attention_norm = norm() if family.post_norms else None
+    mixer = MLA if isinstance(spec.attention, MLASpec) else Attention
+    self.attention = mixer(spec.attention, policy=policy, rngs=rngs)
+    self.post_attention_norm = norm() if spec.post_norms else None
     self.pre_mlp_norm = norm()
-    self.mlp = MoE(c, policy=policy, rngs=rngs) if c.num_experts > 1 and not dense else MLP(c, policy=policy, rngs=rngs)
-    self.post_mlp_norm = norm() if family.post_norms else None
-    self.attention_connection = make_connection(c, rngs=rngs)
-    self.mlp_connection = make_connection(c, rngs=rngs)
-    lora.attach(self, c, rngs)  # adapters last, so base parameters draw the same random keys with or without LoRA
+    ffn = MoE if isinstance(spec.feed_forward, MoESpec) else MLP
+    self.mlp = ffn(spec.feed_forward, policy=policy, rngs=rngs)
+    self.post_mlp_norm = norm() if spec.post_norms else None
+    self.attention_connection = make_connection(spec.residual, policy.dtypes)
+    self.mlp_connection = make_connection(spec.residual, policy.dtypes)
+    lora.attach(self, spec.lora, policy.dtypes, rngs)  # adapters last, so base parameters draw the same random keys with or without LoRA
 
   def branches(self) -> tuple[tuple[nnx.Module, RMSNorm, nnx.Module, RMSNorm | None], ...]:
     """The layer's data flow, bottom to top: the attention branch, then the MLP (or MoE) branch, each as (its
@@ -59,7 +69,7 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, cache: LayerCache | None = None) -> tuple:
     """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense);
     with a KV cache (decoding), (..., updated cache)."""
-    aux = empty_stats(self.config.num_experts)
+    aux = empty_stats(self.spec.num_experts)
 
     def attention_branch(h: jax.Array) -> jax.Array:
       nonlocal cache
@@ -81,5 +91,5 @@ class DecoderLayer(nnx.Module):
 
     x = self.attention_connection(x, attention_branch)
     x = self.mlp_connection(x, mlp_branch)
-    x = constrain(x, ("activation_batch", "activation_length") + (None,) * (x.ndim - 3) + ("activation_embed",), self.config.logical_axis_rules)
+    x = constrain(x, ("activation_batch", "activation_length") + (None,) * (x.ndim - 3) + ("activation_embed",), self.spec.rules)
     return (x, aux) if cache is None else (x, aux, cache)

@@ -13,27 +13,26 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtext.config import MaxTextConfig
-from maxtext.layers.dtypes import dtype
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.models import remat
-from maxtext.models.decoder_layer import DecoderLayer
-from maxtext.models.family import Family
+from maxtext.models.decoder_layer import DecoderLayer, LayerSpec
 from maxtext.platform import Policy
 
 
 class MTPBlock(nnx.Module):
-  def __init__(self, config: MaxTextConfig, family: Family, *, policy: Policy, rngs: nnx.Rngs):
-    c = config
-    e = c.emb_dim
-    nkw = dict(dtype=dtype(c.dtype), weight_dtype=dtype(c.weight_dtype), zero_centered=family.zero_centered_norms)
-    self.config = c
-    self.embed_norm = RMSNorm(e, c.normalization_layer_epsilon, **nkw)
-    self.hidden_norm = RMSNorm(e, c.normalization_layer_epsilon, **nkw)
-    self.projection = DenseGeneral((2 * e,), (e,), ("mlp", "embed"), **dense_kwargs(c, policy, rngs))
-    self.layer = DecoderLayer(c, family, policy=policy, rngs=rngs)
-    self.out_norm = RMSNorm(e, c.normalization_layer_epsilon, **nkw)
+  """One module of the chain: its layer is built like the main model's layers (spec), rematerialised by remat_policy."""
+
+  def __init__(self, spec: LayerSpec, remat_policy: str, *, policy: Policy, rngs: nnx.Rngs):
+    e = spec.emb_dim
+    self.residual = spec.residual
+    self.remat_policy = remat_policy
+    self.embed_norm = RMSNorm.of(e, spec.norm, policy.dtypes)
+    self.hidden_norm = RMSNorm.of(e, spec.norm, policy.dtypes)
+    self.projection = DenseGeneral((2 * e,), (e,), ("mlp", "embed"), **dense_kwargs(policy, rngs))
+    self.layer = DecoderLayer(spec, policy=policy, rngs=rngs)
+    self.out_norm = RMSNorm.of(e, spec.norm, policy.dtypes)
 
   def __call__(
     self, hidden: jax.Array, ahead_embeddings: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int
@@ -46,8 +45,8 @@ class MTPBlock(nnx.Module):
       return nnx.merge(graphdef, state)(x, positions, segment_ids, window)[0]
 
     # rematerialised like the decoder's layers; all gradients at once, so none of this layer's waits past the layer loop
-    x = remat.gradients_together(remat.wrap(layer, self.config.remat_policy, prevent_cse=True))(expand_streams(x, self.config), state, positions, segment_ids)
-    h = collapse_streams(x, self.config)
+    x = remat.gradients_together(remat.wrap(layer, self.remat_policy, prevent_cse=True))(expand_streams(x, self.residual), state, positions, segment_ids)
+    h = collapse_streams(x, self.residual)
     return h, self.out_norm(h)
 
 

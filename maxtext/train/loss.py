@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from maxtext.config import MaxTextConfig
 from maxtext.layers import context_parallel
+from maxtext.models import specs
 from maxtext.models.mtp import mtp_xent_sum
 
 
@@ -39,7 +40,7 @@ def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, tr
   Under context parallelism with load balance the per-token arrays are first put in the shards' order; the sums do
   not depend on it (multi-token prediction reorders its shifted targets the same way).
   """
-  layout = context_parallel.Layout.of(config)
+  layout = specs.context_layout(config)
   natural, batch = batch, context_parallel.reorder_batch(batch, layout)
   hidden, pre_norm, stats = model.forward_hidden(
     batch["inputs"], positions=batch["inputs_position"], segment_ids=batch["inputs_segmentation"], adapter_ids=batch.get("adapter_ids")

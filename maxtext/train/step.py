@@ -133,7 +133,7 @@ def _make_update(config: MaxTextConfig, graphdef: nnx.GraphDef, optimizer: optax
     new_trainable = optax.apply_updates(trainable, jax.tree.map(lambda u: lr * u, updates))
     new_state = dict(state, params=nnx.merge_state(new_trainable, frozen), opt_state=opt_state)
     if config.routed_bias_update_rate > 0:
-      new_state["other"] = update_routing_biases(other, objective.routing_load(sums), config)
+      new_state["other"] = update_routing_biases(other, objective.routing_load(sums), config.routed_bias_update_rate, config.scan_layers)
     metrics = {"loss": loss, **objective.metrics(sums, weight), "grad_norm": grad_norm, "lr": lr}
     if config.skip_step_on_spikes:
       skip, new_state["spike"] = _spike_check(state["spike"], loss, config)

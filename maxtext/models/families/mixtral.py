@@ -2,4 +2,4 @@
 
 from maxtext.models.family import Family
 
-FAMILY = Family(name="mixtral", hf_model_types=("mixtral",))
+FAMILY = Family(name="mixtral", hf_model_types=("mixtral",), renormalize_topk=True)  # a softmax over the chosen experts' logits
