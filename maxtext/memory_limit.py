@@ -138,8 +138,15 @@ class OutOfMemory(UserError):
   exit_code = EXIT_OUT_OF_MEMORY
 
 
+# TensorStore reports a full disk as RESOURCE_EXHAUSTED too ("Failed to write N bytes to file 7: No space left on
+# device"): that is a full output (maxtext.train.outputs), not memory.
+DISK_FULL_TEXTS = ("no space left on device", "disk quota exceeded")
+
+
 def is_out_of_memory(error: BaseException) -> bool:
   text = str(error)
+  if any(t in text.lower() for t in DISK_FULL_TEXTS):
+    return False
   return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text or "Out of memory" in text
 
 

@@ -144,8 +144,8 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
   _check_quantization(c)
   _check_post_training(c)
   _check_family_fields(c)
-  if c.load_parameters_path and c.load_full_state_path:
-    raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one")
+  if c.load_parameters_path and c.load_full_state_path and not c.lora.enable_lora:  # LoRA: the frozen base under the state's adapters
+    raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one (load_parameters_path= clears it)")
   if c.learning_rate_schedule_steps != -1 and c.learning_rate_schedule_steps < 1:
     raise ConfigError(f"invalid value for 'learning_rate_schedule_steps': {c.learning_rate_schedule_steps}; use -1 (= steps) or a positive integer")
   if c.max_num_checkpoints_to_keep is not None and c.max_num_checkpoints_to_keep < 1:

@@ -11,7 +11,7 @@ from maxtext.config.adapters import adapter_names
 from maxtext.errors import ConfigError
 from maxtext.inference import cache_layout, unstack
 from maxtext.inference.generate import Generator
-from maxtext.inference.loading import hf_config, load_decode_tokenizer, load_model
+from maxtext.inference.loading import check_save_path, hf_config, load_decode_tokenizer, load_model
 from maxtext.inference.sampling import SamplingParams
 
 
@@ -43,6 +43,7 @@ def check_training_only_axes(config: MaxTextConfig) -> None:
 
 def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
   check_training_only_axes(config)
+  check_save_path(config)
   if config.hf_model_path:
     config = hf_config(argv, config.hf_model_path)
   sampling = SamplingParams.from_config(config)

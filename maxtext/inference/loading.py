@@ -36,6 +36,21 @@ def serving_policy(config: MaxTextConfig, mesh: Mesh) -> Policy:
   return policy if policy.quantization is None else dataclasses.replace(policy, quantization=policy.quantization.storing())
 
 
+def check_save_path(config: MaxTextConfig) -> None:
+  """save_quantized_params_path names a new directory in a writable place; checked before anything is loaded,
+  computed or written (Orbax refuses an existing directory only when it writes, after the whole load)."""
+  from etils import epath
+
+  from maxtext.train import outputs
+
+  path = config.save_quantized_params_path
+  if not path:
+    return
+  if epath.Path(path).exists():
+    raise outputs.OutputError(f"save_quantized_params_path '{path}' already exists; name a new directory (nothing was overwritten)")
+  outputs.check_writable(path, 0, "save_quantized_params_path")
+
+
 def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = print, policy: Policy | None = None) -> Transformer:
   """The model to decode with, its parameters sharded over mesh; with `quantization`, its kernels stored quantized.
 
@@ -45,6 +60,7 @@ def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = p
   save_quantized_params_path: the loaded (quantized) parameters are also written there as a params checkpoint.
   policy: the platform policy to build with (default: serving_policy; benchmarks pass a variant of it).
   """
+  check_save_path(config)
   model = _load(config, mesh, policy or serving_policy(config, mesh), log)
   if config.save_quantized_params_path:
     from maxtext.train.checkpointing import save_params

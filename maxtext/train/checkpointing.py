@@ -5,12 +5,16 @@ itself is created by the first save):
 
     <step>/items/                            the full train state (Orbax PyTree, sharded arrays)
     <step>/schedule/                         the schedule record: learning_rate_schedule_steps this state was trained with
+    <step>/manifest/                         a checksum of each array, and the settings that shaped the state (MANIFEST)
     <step>.unusable-<time>/                  a step that failed to restore, set aside (never deleted)
     data_iterator/<step>/process_<i>.json    each process's data-iterator state for that step (written before the step)
 
-A step is usable only with all of its parts: arrays that match and restore, its schedule record, and (when the
-run resumes its data) a data-iterator state the pipeline accepts. A step missing any part is set aside like a step
-with damaged arrays, and the previous step is tried; a data position is never silently reset.
+A step is usable only with all of its parts: arrays that match, restore and agree with their checksums, its schedule
+record, and (when the run resumes its data) a data-iterator state the pipeline accepts. A step missing any part is set
+aside like a step with damaged arrays, and the previous step is tried; a data position is never silently reset. A
+step that holds another train state than the config builds (another optimizer, model or LoRA setting) is not damaged:
+that is a ConfigError naming the settings that changed, and nothing is moved. Nothing of a committed step is deleted
+before a newer step is committed.
 
 Restore order: the run's own latest checkpoint (full state + data position) -> else
 load_parameters_path (params only; fresh optimizer, step 0) or load_full_state_path
@@ -32,13 +36,26 @@ from etils import epath
 
 from maxtext.config import MaxTextConfig
 from maxtext.distributed import all_processes_agree
-from maxtext.errors import ConfigError, UserError
+from maxtext.errors import ConfigError, UserError, shorten
 from maxtext.models import pipeline
-from maxtext.train import outputs
+from maxtext.train import checksums, outputs
 
 ITEM = "items"
 SCHEDULE = "schedule"  # Orbax JSON item of each step: {"learning_rate_schedule_steps": N}
 SCHEDULE_KEY = "learning_rate_schedule_steps"
+MANIFEST = "manifest"  # Orbax JSON item of each step: {"arrays": {path: [dtype, checksum]}, "settings": {key: value}}
+# The settings a manifest records: those that shape the checkpointed state (or, for LoRA, the frozen base it trained over).
+MANIFEST_SETTINGS = (
+  "opt_type",
+  "sgd_momentum",
+  "skip_step_on_spikes",
+  "skip_step_interval",
+  "lora.enable_lora",
+  "lora.lora_rank",
+  "lora.lora_module_path",
+  "lora.max_lora_adapters",
+  "load_parameters_path",
+)
 LEGACY_SCHEDULE_FILE = "schedule.json"  # one record for all steps, written by versions before the per-step record
 DATA_DIR = "data_iterator"
 
@@ -75,7 +92,7 @@ class Checkpointer:
       create=False,  # save() creates the directory: a run that fails before its first save leaves none
       cleanup_tmp_directories=True,
     )
-    self.manager = ocp.CheckpointManager(self.directory, item_names=(ITEM, SCHEDULE), options=options)
+    self.manager = ocp.CheckpointManager(self.directory, item_names=(ITEM, SCHEDULE, MANIFEST), options=options)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -84,8 +101,9 @@ class Checkpointer:
     return self.directory / DATA_DIR / str(step) / f"process_{jax.process_index() if process is None else process}.json"
 
   def save(self, step: int, state: Any, data_state: dict[str, Any] | None) -> None:
-    """Save the state after `step` optimizer steps with its schedule record (async when async_checkpointing), its
-    layers in plain order; the data-iterator state is written first, so a finished step always has one."""
+    """Save the state after `step` optimizer steps with its schedule record and manifest (async when
+    async_checkpointing), its layers in plain order; the data-iterator state is written first, so a finished step
+    always has one."""
     self.directory.mkdir(parents=True, exist_ok=True)
     if data_state is not None:
       f = self._data_file(step)
@@ -93,15 +111,23 @@ class Checkpointer:
       f.write_text(json.dumps(data_state))
     state = pipeline.to_storage(state, self.config)
     record = {SCHEDULE_KEY: self.config.learning_rate_schedule_steps}
-    self.manager.save(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardSave(state), SCHEDULE: ocp.args.JsonSave(record)}), force=True)
-    self._prune_data_states(keep={step, *self.manager.all_steps()})
+    manifest = {"arrays": checksums.of_state(state), "settings": settings_of(self.config)}
+    items = {ITEM: ocp.args.StandardSave(state), SCHEDULE: ocp.args.JsonSave(record), MANIFEST: ocp.args.JsonSave(manifest)}
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self._prune_data_states(keep=step)
 
-  def _prune_data_states(self, keep: set[int]) -> None:
+  def _prune_data_states(self, keep: int | None = None) -> None:
+    """Delete this process's data-iterator states of steps whose directory is gone (Orbax deleted them, after a newer
+    step was committed), except `keep` (a step being saved). The state of a step that is still on disk, committed
+    or not, stays: Orbax's step list drops an old step as soon as a newer save starts, before that save commits,
+    so pruning by that list would leave the last committed step without its data position if the process died
+    before the commit."""
     root = self.directory / DATA_DIR
     if not root.is_dir():
       return
+    on_disk = {int(d.name.split(".", 1)[0]) for d in self.directory.iterdir() if d.name.split(".", 1)[0].isdigit()}
     for d in root.iterdir():
-      if d.name.isdigit() and int(d.name) not in keep:
+      if d.name.isdigit() and int(d.name) not in on_disk and int(d.name) != keep:
         own = d / f"process_{jax.process_index()}.json"
         if own.exists():
           own.unlink()
@@ -110,22 +136,25 @@ class Checkpointer:
     """The newest usable checkpoint, or None if there is none. With data_iter (an iterator with get_state/set_state)
     the step's schedule record and data-iterator state are part of the step, and data_iter is moved to that state.
 
-    A step that fails to restore (no readable metadata, missing or truncated array data, a state whose step
-    disagrees with its directory, a missing or damaged schedule record or data-iterator state) is moved aside (never
-    deleted) with one log line, and the previous step is tried. Checkpoints of another model (shapes or parameters
-    differ) are a ConfigError: nothing is moved.
+    A step that fails to restore (no readable metadata, missing, truncated or altered array data, a state whose step
+    disagrees with its directory, a missing or damaged schedule record, manifest or data-iterator state) is moved
+    aside (never deleted) with one log line, and the previous step is tried. Checkpoints of another train state
+    (another model, optimizer or LoRA setting) are a ConfigError: nothing is moved.
     """
     initial = data_iter.get_state() if data_iter is not None else None
     abstract_state = pipeline.to_storage(abstract_state, self.config)  # the layout on disk
+    settings = settings_of(self.config)
     for step in sorted(self.manager.all_steps(), reverse=True):
-      problem = check_compatible(self.directory / str(step) / ITEM, abstract_state, self.config.checkpoint_dir)
-      schedule = data_state = restored = None
+      problem = check_compatible(self.directory / str(step) / ITEM, abstract_state, self.config.checkpoint_dir, settings)
+      schedule = data_state = restored = manifest = None
+      if problem is None:
+        manifest, problem = read_manifest(self.directory / str(step))
       if problem is None and data_iter is not None:
         schedule, problem = self._schedule_record(step)
       if problem is None and data_iter is not None:
         data_state, problem = self._data_state(step)
       if problem is None:
-        restored, problem = self._arrays(step, abstract_state)
+        restored, problem = self._arrays(step, abstract_state, manifest)
       if problem is None and data_iter is not None:
         problem = _moved_to(data_iter, data_state, self.directory / str(step))
       if not all_processes_agree(problem is None) and problem is None:
@@ -137,13 +166,16 @@ class Checkpointer:
       self._set_aside(step, problem, log)
     return None
 
-  def _arrays(self, step: int, abstract_state: Any) -> tuple[Any, str | None]:
-    """(the step's train state, None) or (None, why its arrays are unusable)."""
+  def _arrays(self, step: int, abstract_state: Any, manifest: dict[str, Any] | None) -> tuple[Any, str | None]:
+    """(the step's train state, None) or (None, why its arrays are unusable): they do not read, hold another step,
+    or differ from the checksums its manifest recorded when they were saved."""
     problem = None
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(**{ITEM: ocp.args.StandardRestore(abstract_state)}))[ITEM]
       if int(restored["step"]) != step:
         problem = f"its state is at step {int(restored['step'])}"
+      else:
+        problem = checksum_problem(manifest, restored)
     except Exception as e:  # noqa: BLE001 - any failure to read this step's arrays means the step is damaged
       problem = f"its arrays do not restore: {_first_line(e).split(' See full')[0]}"
     if problem is not None:
@@ -201,9 +233,10 @@ class Checkpointer:
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
+    self._prune_data_states()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
+    self.wait()
     self.manager.close()
 
 
@@ -215,6 +248,57 @@ def _record_value(text: str) -> int | None:
     return None
   value = record.get(SCHEDULE_KEY) if isinstance(record, dict) else None
   return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def settings_of(config: MaxTextConfig) -> dict[str, Any]:
+  """The MANIFEST_SETTINGS of config, by their dotted key names."""
+  out = {}
+  for key in MANIFEST_SETTINGS:
+    value: Any = config
+    for part in key.split("."):
+      value = getattr(value, part)
+    out[key] = value
+  return out
+
+
+def read_manifest(step_dir: epath.Path) -> tuple[dict[str, Any] | None, str | None]:
+  """(a step's manifest, None); (None, None) for a step saved before manifests were written; (None, why it is unusable)."""
+  item = step_dir / MANIFEST
+  if not item.is_dir():
+    return None, None
+  try:
+    manifest = json.loads((item / "metadata").read_text())  # how Orbax stores a JSON item
+  except (ValueError, OSError) as e:
+    return None, f"its manifest {item} does not read ({_first_line(e)})"
+  arrays = manifest.get("arrays") if isinstance(manifest, dict) else None
+  settings = manifest.get("settings") if isinstance(manifest, dict) else None
+  if not isinstance(arrays, dict) or not isinstance(settings, dict):
+    return None, f"its manifest {item} is damaged (not a manifest)"
+  return manifest, None
+
+
+def check_lora_base(config: MaxTextConfig, step_dir: epath.Path, what: str) -> None:
+  """A LoRA checkpoint holds only the adapters: resumed without the frozen base it trained over (its manifest's
+  load_parameters_path), the adapters would train over a random init. That is a one-line ConfigError."""
+  if not config.lora.enable_lora or config.load_parameters_path:
+    return
+  manifest, _ = read_manifest(step_dir)
+  base = manifest["settings"].get("load_parameters_path") if manifest else None
+  if base:
+    raise ConfigError(
+      f"{what} {step_dir} holds LoRA adapters trained over the frozen base load_parameters_path={base}, but this config sets no "
+      f"load_parameters_path, so the base would be a random init; pass load_parameters_path={base}"
+    )
+
+
+def checksum_problem(manifest: dict[str, Any] | None, restored: Any) -> str | None:
+  """None when the restored arrays agree with the checksums the manifest recorded (or there is no manifest); else why not."""
+  if manifest is None:
+    return None
+  bad = checksums.mismatches(manifest["arrays"], restored)
+  if not bad:
+    return None
+  return f"its arrays differ from the checksums recorded when it was saved: {shorten(bad, 3)}"
 
 
 def _moved_to(data_iter: Any, state: dict[str, Any], step_dir: epath.Path) -> str | None:
@@ -243,26 +327,39 @@ def schedule_warning(config: MaxTextConfig, recorded: int | None, step: int, dir
   )
 
 
-def restore_params(path: str, abstract_params: Any) -> Any:
-  """Only the 'params' subtree of a checkpoint, into the shardings abstract_params carries."""
+def restore_params(path: str, abstract_params: Any, what: str = "load_parameters_path") -> Any:
+  """Only the 'params' subtree of a checkpoint, into the shardings abstract_params carries. Callers have matched
+  the checkpoint's metadata against abstract_params (match_params), so arrays that then fail to read are damage:
+  a one-line ConfigError naming the checkpoint (`what`: the config key that named it)."""
   target = {"params": abstract_params}
   args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)
   try:
     with ocp.PyTreeCheckpointer() as ckptr:
       return ckptr.restore(item_path(path), args=args)["params"]
-  except Exception as e:  # noqa: BLE001 - a user-named checkpoint that does not read (wrong tree, truncated arrays) is a config error
-    raise ConfigError(f"load_parameters_path '{path}' does not hold this model's parameters ({_first_line(e)}); check model_name and dimensions") from None
+  except Exception as e:  # noqa: BLE001 - a user-named checkpoint whose arrays do not read is damaged
+    gc.collect()  # finalize the reads Orbax abandoned (maxtext.errors.ABANDONED_READ_NOISE)
+    raise ConfigError(
+      f"{what} '{path}' is damaged: its array data does not read ({_error_text(e)}); write it again (e.g. rerun the command that made it) or pass another checkpoint"
+    ) from None
 
 
 def restore_full_state(path: str, abstract_state: Any) -> Any:
-  """A whole train state (params, optimizer state, step), into the shardings abstract_state carries."""
+  """A whole train state (params, optimizer state, step), into the shardings abstract_state carries; checked
+  against the checksums its step's manifest recorded."""
+  item = item_path(path)
+  manifest, problem = read_manifest(item.parent)
   try:
     with ocp.StandardCheckpointer() as ckptr:
-      return ckptr.restore(item_path(path), abstract_state)
+      state = ckptr.restore(item, abstract_state)
   except Exception as e:  # noqa: BLE001 - a user-named checkpoint that does not read (wrong tree, truncated arrays) is a config error
+    gc.collect()
     raise ConfigError(
-      f"load_full_state_path '{path}' does not match this run's train state ({_first_line(e)}); check the model and optimizer settings"
+      f"load_full_state_path '{path}' does not match this run's train state ({_error_text(e)}); check the model and optimizer settings"
     ) from None
+  problem = problem or checksum_problem(manifest, state)
+  if problem:
+    raise ConfigError(f"load_full_state_path '{path}' is damaged ({problem}); pass an earlier step of that run")
+  return state
 
 
 def save_params(path: str, params: Any) -> None:
@@ -276,6 +373,19 @@ def save_params(path: str, params: Any) -> None:
 def _first_line(e: Exception) -> str:
   text = str(e).strip()
   return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _error_text(e: BaseException) -> str:
+  """The first line of the error's own message, or of the first error in its chain that has a readable one; without
+  the repr that TensorStore's read errors end with ('See full TensorStore details: <bound method ...>')."""
+  first, seen = e, set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    text = str(e).strip().split(" See full TensorStore details")[0]
+    if text and not text.startswith("<"):
+      return text.splitlines()[0][:200]
+    e = e.__cause__ or e.__context__
+  return type(first).__name__
 
 
 def param_shapes(path: str) -> dict[str, tuple[int, ...]]:
@@ -311,28 +421,55 @@ def shapes_by_name(tree: Any) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-def check_compatible(item: epath.Path, abstract_state: Any, checkpoint_dir: str) -> str | None:
+def check_compatible(item: epath.Path, abstract_state: Any, checkpoint_dir: str, settings: dict[str, Any] | None = None) -> str | None:
   """None if the checkpoint item's metadata matches abstract_state; else why the step is damaged.
 
-  Metadata that reads but describes another model is the user's change, not damage: a ConfigError.
+  Metadata that reads but describes another train state (arrays it lacks or holds beyond this config's state, or of
+  other shapes) is the user's change, not damage: a ConfigError naming what changed (from the step's manifest and
+  `settings`, this config's settings_of) and how to go on.
   """
   try:
     tree = read_metadata_tree(item)
   except ConfigError as e:
     return f"no readable metadata: {str(e).split('(', 1)[-1].rsplit(')', 1)[0]}"
   saved, wanted = shapes_by_name(tree), shapes_by_name(abstract_state)
-  for name, shape in sorted(wanted.items(), key=lambda kv: (not kv[0].startswith("params/"), kv[0])):  # parameters first: the clearest message
-    if name not in saved:
-      if not saved:
-        return "its metadata lists no arrays"
+  if not saved:
+    return "its metadata lists no arrays"
+  order = lambda names: sorted(names, key=lambda n: (not n.startswith("params/"), n))  # noqa: E731 - parameters first: the clearest message
+  missing, extra = order(set(wanted) - set(saved)), order(set(saved) - set(wanted))
+  if missing or extra:
+    raise ConfigError(_another_state(item, checkpoint_dir, missing, extra, settings))
+  for name in order(wanted):
+    if saved[name] != wanted[name]:
       raise ConfigError(
-        f"checkpoints in {checkpoint_dir} were written by another model or optimizer (they lack '{name}'); use a new run_name or the config they were written with"
-      )
-    if saved[name] != shape:
-      raise ConfigError(
-        f"checkpoints in {checkpoint_dir} hold '{name}' with shape {saved[name]}, this config needs {shape}; use a new run_name or the config they were written with"
+        f"checkpoints in {checkpoint_dir} hold '{name}' with shape {saved[name]}, this config needs {wanted[name]}; use a new run_name or the config they were written with"
       )
   return None
+
+
+def _another_state(item: epath.Path, checkpoint_dir: str, missing: list[str], extra: list[str], settings: dict[str, Any] | None) -> str:
+  """The one line for checkpoints holding another train state than the config builds: the settings that changed
+  (when the step's manifest recorded them), else the arrays that differ, and the two ways on."""
+  manifest, _ = read_manifest(item.parent)
+  recorded = manifest["settings"] if manifest else {}
+  changed = [k for k in MANIFEST_SETTINGS if settings and k in recorded and k in settings and recorded[k] != settings[k] and k != "load_parameters_path"]
+  if changed:
+    what = (
+      "they were written with " + ", ".join(f"{k}={recorded[k]}" for k in changed) + "; this config has " + ", ".join(f"{k}={settings[k]}" for k in changed)
+    )
+  else:
+    parts = []
+    if extra:
+      parts.append(f"they hold {shorten([repr(n) for n in extra], 2)}, which this config's state lacks")
+    if missing:
+      parts.append(f"they lack {shorten([repr(n) for n in missing], 2)}, which this config needs")
+    what = "; ".join(parts)
+  lora = recorded.get("lora.enable_lora", settings.get("lora.enable_lora") if settings else False)
+  restart = f"lora.lora_restore_path={item} (fresh optimizer, step 0)" if lora else f"load_parameters_path={item} (fresh optimizer, step 0)"
+  return (
+    f"checkpoints in {checkpoint_dir} hold another train state than this config builds ({what}); nothing was moved. Resume with the settings "
+    f"they were written with, or start a new run from their parameters: run_name=<new name> {restart}"
+  )
 
 
 def restore_some_params(path: str, abstract_params: Any, what: str, may_lack: Any = None) -> tuple[Any, list[str]]:

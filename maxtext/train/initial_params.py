@@ -129,6 +129,11 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
   from maxtext.layers.mhc import MHCParam
 
   abstract_params = pipeline.to_storage(abstract_params, config)  # as checkpoints hold the layers: one stack, plain order
+  if config.lora.enable_lora and not config.load_parameters_path:
+    log(
+      f"warning: lora.enable_lora=true without load_parameters_path: the frozen base is a random init (init_weights_seed={config.init_weights_seed}), "
+      "not a trained model; set load_parameters_path=<base checkpoint> to train the adapters over one"
+    )
   if config.load_parameters_path:
     path = config.load_parameters_path
     check_base_quantization(config, path, abstract_params)

@@ -135,14 +135,18 @@ def check_restore_paths(config: MaxTextConfig, setup: setup_lib.TrainSetup, chec
       raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")
     wanted = nnx.filter_state(params, nnx.Any(LoRAParam, MHCParam))
     checkpointing.match_params(config.lora.lora_restore_path, wanted, "lora.lora_restore_path", may_lack=MHCParam)
+  settings = checkpointing.settings_of(config)
   if config.load_full_state_path:
-    problem = checkpointing.check_compatible(checkpointing.item_path(config.load_full_state_path), checkpointed, config.load_full_state_path)
+    item = checkpointing.item_path(config.load_full_state_path)
+    problem = checkpointing.check_compatible(item, checkpointed, config.load_full_state_path, settings)
     if problem:
       raise ConfigError(f"load_full_state_path '{config.load_full_state_path}' is not a usable checkpoint ({problem}); pass another step directory")
+    checkpointing.check_lora_base(config, item.parent, "load_full_state_path")
   if config.enable_checkpointing:
     newest = checkpointing.newest_step_dir(config.checkpoint_dir)
-    if newest is not None:  # a damaged newest step is set aside at restore; another model's checkpoints stop here
-      checkpointing.check_compatible(newest / checkpointing.ITEM, checkpointed, config.checkpoint_dir)
+    if newest is not None:  # a damaged newest step is set aside at restore; another train state's checkpoints stop here
+      checkpointing.check_compatible(newest / checkpointing.ITEM, checkpointed, config.checkpoint_dir, settings)
+      checkpointing.check_lora_base(config, newest, "the run's checkpoint")
 
 
 def compiled_step(config: MaxTextConfig, setup: setup_lib.TrainSetup, mesh: jax.sharding.Mesh) -> Any:

@@ -52,6 +52,14 @@ def run_dir(config: MaxTextConfig) -> str:
   return os.path.dirname(os.path.dirname(config.checkpoint_dir))
 
 
+def continuation(config: MaxTextConfig, checkpoint: str) -> str:
+  """The keys to add to a run's command to start a new run from its last state (load_full_state_path). A LoRA run
+  keeps its load_parameters_path (the frozen base under the state's adapters); any other run clears one the config
+  sets (e.g. a converted model's YAML), since it starts from one of the two."""
+  keys = f"run_name=<new name> load_full_state_path={checkpoint}/{checkpointing.ITEM}"
+  return f"{keys} load_parameters_path=" if config.load_parameters_path and not config.lora.enable_lora else keys
+
+
 class RunReport:
   """Prints the banner, the progress lines and the summary of one call of maxtext.train.loop.train."""
 
@@ -183,7 +191,7 @@ class RunReport:
     if checkpoint and stop_reason == "data_used_up":
       self.log(
         f"resume: the data is used up, so rerunning this command trains nothing; to train further, start a new run from the last state: "
-        f"run_name=<new name> load_full_state_path={checkpoint}/{checkpointing.ITEM} (its data starts from the beginning)"
+        f"{continuation(c, checkpoint)} (its data starts from the beginning)"
       )
     elif checkpoint:
       self.log("resume: rerun the same command; it continues from the latest checkpoint (raise steps= to train further)")
