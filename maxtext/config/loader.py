@@ -393,6 +393,10 @@ def load_with_sources(
   sources.update({k: "command line" for k in cli})
   values.update(env_values)
   sources.update({k: f"env {env_name(k)}" for k in env_values})
+  from maxtext.convert.hf_dir import apply_architecture, is_hf_dir  # a Hugging Face directory's config.json sets the architecture
+
+  if is_hf_dir(values.get("load_parameters_path")):
+    apply_architecture(str(values["load_parameters_path"]), values, sources, "base.yml")
   sources = SourceMap(sources)
   known = set(all_keys())
   for key in [k for k in values if k not in known]:  # MaxText keys without effect: listed, then dropped
