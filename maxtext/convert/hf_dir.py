@@ -226,6 +226,34 @@ def _param_readers(files: _Files, config: Any, shapes: dict[str, tuple[int, ...]
   return readers, used
 
 
+def _streamed(hf_dir: str, config: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, Callable] | None:
+  """Readers of every parameter in shapes, the directory's headers checked (every tensor present in its shape, none
+  left over); None when the checkpoint needs the whole-tensor conversion. Reads no tensor."""
+  from maxtext.convert import hf_config, hf_params, safetensors_io
+
+  files = _Files(hf_dir)
+  found = _param_readers(files, config, shapes)
+  if found is None or set(found[0]) != set(shapes):
+    return None
+  readers, used = found
+  stored_mtp = hf_config.stored_mtp_layers(safetensors_io.read_config(hf_dir), f"{hf_dir}/config.json")
+  hf_params._check_all_used(sorted(set(files.where) - used), config, stored_mtp)
+  return readers
+
+
+def _shapes(target: Any) -> dict[str, tuple[int, ...]]:
+  from flax import nnx
+
+  from maxtext.convert.model_params import path_str
+
+  return {path_str(k): tuple(v.get_value().shape) for k, v in nnx.to_flat_state(target)}
+
+
+def check(hf_dir: str, config: Any, target: Any) -> None:
+  """Preflight: the directory's tensors fit target's parameters (headers only; a whole-tensor checkpoint is checked as it loads)."""
+  _streamed(hf_dir, config, _shapes(target))
+
+
 def restore(hf_dir: str, config: Any, target: Any) -> Any:
   """target (an nnx.State of sharded ShapeDtypeStructs: the model's base parameters) filled from hf_dir's safetensors.
   Each array is built by jax.make_array_from_callback, so a process reads only its devices' slices; a checkpoint that
@@ -236,25 +264,20 @@ def restore(hf_dir: str, config: Any, target: Any) -> Any:
   from maxtext.convert import hf_config, hf_params, safetensors_io
   from maxtext.convert.model_params import path_str
 
-  leaves = list(nnx.to_flat_state(target))
-  shapes = {path_str(k): tuple(v.get_value().shape) for k, v in leaves}
-  files = _Files(hf_dir)
-  stored_mtp = hf_config.stored_mtp_layers(safetensors_io.read_config(hf_dir), f"{hf_dir}/config.json")
-  found = _param_readers(files, config, shapes)
-  if found is None or set(found[0]) != set(shapes):
+  shapes = _shapes(target)
+  readers = _streamed(hf_dir, config, shapes)
+  if readers is None:
+    stored_mtp = hf_config.stored_mtp_layers(safetensors_io.read_config(hf_dir), f"{hf_dir}/config.json")
     flat = hf_params.hf_to_maxtext(safetensors_io.read_tensors(hf_dir), config, stored_mtp)
     for k, a in flat.items():
       if k in shapes and tuple(a.shape) != shapes[k]:
         raise ConfigError(f"parameter '{k}' converts to shape {tuple(a.shape)} but the config's model needs {shapes[k]}; check config.json")
     readers = {k: (lambda idx, a=a: a[tuple(idx)]) for k, a in flat.items()}
-  else:
-    readers, used = found
-    hf_params._check_all_used(sorted(set(files.where) - used), config, stored_mtp)
   missing = sorted(set(shapes) - set(readers))
   if missing:
     raise ConfigError(f"the Hugging Face checkpoint has no tensor for {missing[0]} (and {len(missing) - 1} more); check the model type and config")
   out = []
-  for keys, var in leaves:
+  for keys, var in nnx.to_flat_state(target):
     abstract = var.get_value()
     read = readers[path_str(keys)]
     sharding = getattr(abstract, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
