@@ -1,6 +1,7 @@
 """`python -m maxtext.eval <config.yml> load_parameters_path=... key=value ...`: loss and perplexity without training.
 
-The parameters come from load_parameters_path, load_full_state_path, or the run's own latest checkpoint
+The parameters come from hf_model_path (a Hugging Face directory, read as load_parameters_path is), load_parameters_path
+(an Orbax checkpoint or a Hugging Face directory), load_full_state_path, or the run's own latest checkpoint
 (<base_output_directory>/<run_name>/checkpoints/); the batches from the eval split of the training data pipeline
 (eval_steps batches, or the whole split with eval_steps=-1), scored by the training loop's eval step.
 """
@@ -19,7 +20,8 @@ USAGE = config_usage(
   "maxtext.eval",
   "Evaluate a checkpoint without training: print the eval loss and perplexity over eval_steps batches of the\n"
   "eval split (eval_steps=-1: the whole split), read by the same data pipeline and scored by the same eval step\n"
-  "as training. Parameters: load_parameters_path, load_full_state_path, or the latest checkpoint of run_name.",
+  "as training. Parameters: hf_model_path, load_parameters_path, load_full_state_path, or the latest checkpoint\n"
+  "of run_name.",
   "python -m maxtext.eval configs/quickstart.yml eval_steps=5",
 )
 
@@ -56,11 +58,28 @@ def evaluate(config: Any, log: Callable[[str], None] = print, mesh: Any = None) 
   return {**result, "perplexity": math.exp(min(result["eval_loss"], 700.0)), "seconds": time.perf_counter() - began}
 
 
+def with_hf_model(argv: list[str], config: Any) -> list[str]:
+  """argv with hf_model_path's Hugging Face directory as load_parameters_path (its config.json sets the architecture,
+  its tokenizer the tokenizer); argv unchanged without hf_model_path."""
+  from maxtext.convert.hf_dir import is_hf_dir
+  from maxtext.errors import ConfigError
+
+  path = config.hf_model_path
+  if not path:
+    return argv
+  if not is_hf_dir(path):
+    raise ConfigError(f"hf_model_path '{path}' is not a Hugging Face model directory (config.json + *.safetensors); point it at one")
+  if config.load_parameters_path or config.load_full_state_path:
+    raise ConfigError("hf_model_path and load_parameters_path/load_full_state_path both name the parameters to evaluate; set only one")
+  return [*argv, f"load_parameters_path={path}"]
+
+
 @entry(USAGE)
 def main(argv: list[str]) -> None:
   from maxtext.config import load
   from maxtext.process import prepare
 
+  argv = with_hf_model(argv, load(argv))  # no devices started: only hf_model_path is read
   config = load(argv, devices=prepare)
   r = evaluate(config)
   batches = f"{config.eval_steps} batches" if config.eval_steps > 0 else "the whole eval split"

@@ -117,3 +117,16 @@ def test_key_contradicting_config_json_is_one_line(llama, tmp_path):
   assert len(lines) == 1 and lines[0].startswith("error: 'base_emb_dim=64' (command line) contradicts"), proc.stderr
   assert "config.json" in lines[0] and "hidden_size" not in lines[0]
   assert _snapshot(tmp_path) == before
+
+
+def test_eval_takes_hf_model_path(llama, tmp_path):
+  """maxtext.eval's hf_model_path scores the directory's weights (architecture from its config.json)."""
+  from maxtext.config import load
+  from maxtext.eval import evaluate, with_hf_model
+
+  d, _ = llama
+  argv = [BASE, f"hf_model_path={d}", "eval_steps=1", "per_device_batch_size=1", "dataset_type=synthetic", f"base_output_directory={tmp_path}", "run_name=e"]
+  config = load(with_hf_model(argv, load(argv, env={})), env={})
+  lines = []
+  result = evaluate(config, log=lines.append)
+  assert f"loaded parameters from {d}" in lines and np.isfinite(result["eval_loss"])
