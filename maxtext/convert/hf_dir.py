@@ -14,6 +14,17 @@ import numpy as np
 from maxtext.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# What a Hugging Face model directory holds besides its weights and config.json, copied into merged exports.
+HF_EXTRAS = (
+  *TOKENIZER_FILES,
+  "special_tokens_map.json",
+  "added_tokens.json",
+  "vocab.json",
+  "merges.txt",
+  "chat_template.jinja",
+  "chat_template.json",
+  "generation_config.json",
+)
 NOT_ARCHITECTURE = ("dtype",)  # config.json's storage dtype: the run's dtype stays its own (as hf-to-maxtext leaves it)
 
 
@@ -59,6 +70,29 @@ def apply_architecture(hf_dir: str, values: dict[str, Any], sources: dict[str, s
   if not values.get("tokenizer_path") and any((Path(hf_dir) / f).is_file() for f in TOKENIZER_FILES):
     values["tokenizer_path"], values["tokenizer_type"] = str(Path(hf_dir).absolute()), "huggingface"
     sources["tokenizer_path"] = sources["tokenizer_type"] = source.removesuffix("/config.json")
+
+
+def source_dir(config: Any) -> Path | None:
+  """The Hugging Face directory a run's model came from: load_parameters_path itself, or the tokenizer directory
+  that hf-to-maxtext's maxtext_model.yml records; None when neither is one."""
+  for path in (config.load_parameters_path, config.tokenizer_path if config.tokenizer_type == "huggingface" else ""):
+    if path and Path(path).is_dir() and any((Path(path) / f).is_file() for f in (*TOKENIZER_FILES, "generation_config.json")):
+      return Path(path)
+  return None
+
+
+def copy_extras(source: Path | None, out: Path) -> list[str]:
+  """Copy the tokenizer files and generation_config.json of source into out (an exported HF directory); their names."""
+  import shutil
+
+  if source is None:
+    return []
+  copied = []
+  for name in HF_EXTRAS:
+    if (source / name).is_file() and not (out / name).exists():
+      shutil.copyfile(source / name, out / name)
+      copied.append(name)
+  return copied
 
 
 # ---- reading: each tensor's slice an index of a maxtext parameter needs ----
