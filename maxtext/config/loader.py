@@ -207,6 +207,8 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
   quoted = text.lstrip()[:1] in ("'", '"')  # a quoted YAML string means what YAML reads (from_overrides writes these)
   if field is not None and field.annotation is str and (isinstance(value, bool | int | float) or (not quoted and any(c in text for c in "\n\r\t\0"))):
     return text  # a number stays the text typed; so does an unquoted line break, which YAML would fold into a space
+  if field is not None and field.annotation is str and not quoted and isinstance(value, dict | list):
+    return text  # prompt=Question: what is -- a string key's text, not the YAML mapping (or list) it would spell
   return value
 
 
