@@ -62,7 +62,7 @@ def test_lora_sft_decode_and_merge_from_an_hf_chat_model(tmp_path):
   hf = tmp_path / "chat"
   save_chat_model(hf)
   data = tmp_path / "sft.jsonl"
-  rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "pong pong"}]} for q in ("hi", "hello", "ping", "what is")]
+  rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "yes dog"}]} for q in ("hi", "hello", "ping", "what is")]
   data.write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
   run = [
     BASE,
@@ -89,7 +89,7 @@ def test_lora_sft_decode_and_merge_from_an_hf_chat_model(tmp_path):
   ckpt = sorted((tmp_path / "out" / "ft" / "checkpoints").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)[-1]
   decode = _run("maxtext.decode", *run, "use_chat_template=true", "prompt=hi", "max_prefill_predict_length=8", cwd=tmp_path)
   completion = re.search(r"^completion: (.*)$", decode, re.M).group(1)
-  assert completion.strip() == "pong pong", decode[-1500:]
+  assert completion.strip() == "yes dog", decode[-1500:]
   merged = tmp_path / "merged"
   _run("maxtext.convert", "lora-to-peft", "--merge", "--checkpoint", str(ckpt), "--out", str(merged), "--config", *run, cwd=tmp_path)
   tok = transformers.AutoTokenizer.from_pretrained(merged)
@@ -97,5 +97,5 @@ def test_lora_sft_decode_and_merge_from_an_hf_chat_model(tmp_path):
   ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
   out = model.generate(ids, max_new_tokens=8)[0, ids.shape[1] :].tolist()
   end = tok.convert_tokens_to_ids("<|im_end|>")
-  assert out[-1] == end and len(out) == 3, out  # "pong pong" then <|im_end|>, where generate stops
+  assert out[-1] == end and len(out) == 3, out  # "yes dog" then <|im_end|>, where generate stops
   assert tok.decode(out[:-1]).strip() == completion.strip()
