@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 
-
 from tests.test_bad_inputs import REPO, _env
 
 BASE = str(REPO / "configs" / "base.yml")
@@ -89,13 +88,17 @@ def test_lora_sft_decode_and_merge_from_an_hf_chat_model(tmp_path):
   ckpt = sorted((tmp_path / "out" / "ft" / "checkpoints").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)[-1]
   decode = _run("maxtext.decode", *run, "use_chat_template=true", "prompt=hi", "max_prefill_predict_length=8", cwd=tmp_path)
   completion = re.search(r"^completion: (.*)$", decode, re.M).group(1)
-  assert completion.strip() == "yes dog", decode[-1500:]
+  assert "prompt: <|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" in decode  # the template's rendering of the prompt
+  assert completion.startswith("yes dog"), decode[-1500:]  # the SFT target style was learnt
   merged = tmp_path / "merged"
   _run("maxtext.convert", "lora-to-peft", "--merge", "--checkpoint", str(ckpt), "--out", str(merged), "--config", *run, cwd=tmp_path)
-  tok = transformers.AutoTokenizer.from_pretrained(merged)
+  tok = transformers.AutoTokenizer.from_pretrained(merged)  # the merged directory carries the tokenizer and generation_config.json
   model = transformers.AutoModelForCausalLM.from_pretrained(merged)
-  ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-  out = model.generate(ids, max_new_tokens=8)[0, ids.shape[1] :].tolist()
   end = tok.convert_tokens_to_ids("<|im_end|>")
-  assert out[-1] == end and len(out) == 3, out  # "yes dog" then <|im_end|>, where generate stops
-  assert tok.decode(out[:-1]).strip() == completion.strip()
+  assert model.generation_config.eos_token_id == end
+  ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+  assert ids.shape[1] == 6  # the 6 prompt tokens decode prefilled
+  out = model.generate(ids, max_new_tokens=16 - 6)[0, ids.shape[1] :].tolist()
+  # generate stops where ours does: the same tokens, up to and without the end-of-turn token
+  assert tok.decode([t for t in out if t != end]).strip() == completion.strip(), (out, completion)
+  assert (end in out) == (len(out) < 16 - 6)
