@@ -101,13 +101,6 @@ def _train(d, tmp, *extra):
   return [sys.executable, "-m", "maxtext.train", BASE, f"load_parameters_path={d}", "max_target_length=16", *keys, *extra]
 
 
-def test_train_from_hf_dir(llama, tmp_path):
-  d, _ = llama
-  proc = subprocess.run(_train(d, tmp_path), capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  assert f"loaded parameters from {d}" in proc.stdout + proc.stderr
-
-
 def test_key_contradicting_config_json_is_one_line(llama, tmp_path):
   d, _ = llama
   before = _snapshot(tmp_path)
