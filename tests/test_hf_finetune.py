@@ -123,3 +123,10 @@ def test_eval_takes_hf_model_path(llama, tmp_path):
   lines = []
   result = evaluate(config, log=lines.append)
   assert f"loaded parameters from {d}" in lines and np.isfinite(result["eval_loss"])
+
+
+def test_unquoted_prompt_with_a_colon_is_its_text():
+  """prompt=Question: what is -- a string key's value, not the YAML mapping {'Question': 'what is'}."""
+  from maxtext.config import load
+
+  assert load([BASE, "prompt=Question: what is"], env={}).prompt == "Question: what is"
