@@ -1,6 +1,7 @@
 """`python -m maxtext.eval <config.yml> load_parameters_path=... key=value ...`: loss and perplexity without training.
 
-The parameters come from load_parameters_path, load_full_state_path, or the run's own latest checkpoint
+The parameters come from hf_model_path (a Hugging Face directory, read as load_parameters_path is), load_parameters_path
+(an Orbax checkpoint or a Hugging Face directory), load_full_state_path, or the run's own latest checkpoint
 (<base_output_directory>/<run_name>/checkpoints/); the batches from the eval split of the training data pipeline
 (eval_steps batches, or the whole split with eval_steps=-1 or 0), scored by the training loop's eval step.
 
@@ -25,9 +26,9 @@ USAGE = config_usage(
   "maxtext.eval",
   "Evaluate a checkpoint without training: print the eval loss and perplexity over eval_steps batches of the\n"
   "eval split (eval_steps=-1 or 0: the whole split), read by the same data pipeline and scored by the same eval step\n"
-  "as training. Parameters: load_parameters_path, load_full_state_path, or the latest checkpoint of run_name.\n"
-  "eval_harness_tasks=[task,...] (with eval_harness_include_path=DIR for local task files) runs lm-evaluation-harness\n"
-  "tasks on the model instead (docs/evaluation.md).",
+  "as training. Parameters: hf_model_path, load_parameters_path, load_full_state_path, or the latest checkpoint\n"
+  "of run_name. eval_harness_tasks=[task,...] (with eval_harness_include_path=DIR for local task files) runs\n"
+  "lm-evaluation-harness tasks on the model instead (docs/evaluation.md).",
   "python -m maxtext.eval configs/quickstart.yml eval_steps=5",
 )
 
@@ -84,11 +85,30 @@ def harness(config: Any, argv: list[str]) -> dict[str, Any]:
   )
 
 
+def with_hf_model(argv: list[str], config: Any) -> list[str]:
+  """argv with hf_model_path's Hugging Face directory as load_parameters_path (its config.json sets the architecture,
+  its tokenizer the tokenizer); argv unchanged without hf_model_path."""
+  from maxtext.convert.hf_dir import is_hf_dir
+  from maxtext.errors import ConfigError
+
+  path = config.hf_model_path
+  if not path:
+    return argv
+  if not is_hf_dir(path):
+    raise ConfigError(f"hf_model_path '{path}' is not a Hugging Face model directory (config.json + *.safetensors); point it at one")
+  if config.load_parameters_path or config.load_full_state_path:
+    raise ConfigError("hf_model_path and load_parameters_path/load_full_state_path both name the parameters to evaluate; set only one")
+  return [*argv, f"load_parameters_path={path}"]
+
+
 @entry(USAGE)
 def main(argv: list[str]) -> None:
   from maxtext.config import load
   from maxtext.process import prepare
 
+  first = load(argv)  # no devices started: only hf_model_path and eval_harness_tasks are read
+  if not first.eval_harness_tasks:  # the harness loads hf_model_path as decode does
+    argv = with_hf_model(argv, first)
   config = load(argv, devices=prepare)
   if config.eval_harness_tasks:
     from maxtext.integrations.lm_eval_backend import results_lines

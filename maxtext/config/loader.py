@@ -216,6 +216,8 @@ def parse_cli_value(text: str, key: str | None = None) -> Any:
   quoted = text.lstrip()[:1] in ("'", '"')  # a quoted YAML string means what YAML reads (from_overrides writes these)
   if field is not None and field.annotation is str and (isinstance(value, bool | int | float) or (not quoted and any(c in text for c in "\n\r\t\0"))):
     return text  # a number stays the text typed; so does an unquoted line break, which YAML would fold into a space
+  if field is not None and field.annotation is str and not quoted and isinstance(value, dict | list):
+    return text  # prompt=Question: what is -- a string key's text, not the YAML mapping (or list) it would spell
   return value
 
 
@@ -423,6 +425,10 @@ def load_with_sources(
   sources.update({k: overridden_source(k, overridden[k]) if k in overridden else "command line" for k in cli})
   values.update(env_values)
   sources.update({k: f"env {env_name(k)}" for k in env_values})
+  from maxtext.convert.hf_dir import apply_architecture, is_hf_dir  # a Hugging Face directory's config.json sets the architecture
+
+  if is_hf_dir(values.get("load_parameters_path")):
+    apply_architecture(str(values["load_parameters_path"]), values, sources, "base.yml")
   sources = SourceMap(sources)
   known = set(all_keys())
   for key in [k for k in values if k not in known]:  # MaxText keys without effect: listed, then dropped

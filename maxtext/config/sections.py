@@ -344,7 +344,11 @@ class Decoding(Section):
   decode_sampling_top_k: int = Field(0, ge=0, description="decode: topk samples among this many most likely tokens.")
   decode_sampling_nucleus_p: float = Field(-1.0, description="decode: nucleus samples among the most likely tokens whose probability reaches p.")
   decode_sampling_seed: int = Field(0, description="decode: PRNG seed of the sampling strategies.")
-  hf_model_path: str = Field("", description="decode: a Hugging Face model directory (config.json + safetensors) to load instead of a checkpoint.")
+  use_chat_template: bool = Field(
+    False,
+    description="decode: the prompt is one user turn of the chat template (chat_template, chat_template_path or the tokenizer's); stops at its end-of-turn token.",
+  )
+  hf_model_path: str = Field("", description="decode and eval: a Hugging Face model directory (config.json + safetensors) to load instead of a checkpoint.")
   decode_lora_adapter: str = Field(
     "", description="decode: with lora.max_lora_adapters > 1, the adapter (a lora.lora_adapters name) the prompt runs on ('' = slot 0)."
   )

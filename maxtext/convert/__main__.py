@@ -35,6 +35,10 @@ def hf_to_maxtext(hf_dir: str, out: str, overrides: list[str]) -> None:
   checkpoint_io.save(out_path, model)
   keys = {**read_overrides(hf_dir), **extra}
   keys.pop("dtype", None)
+  from maxtext.convert.hf_dir import TOKENIZER_FILES
+
+  if "tokenizer_path" not in keys and any((Path(hf_dir) / f).is_file() for f in TOKENIZER_FILES):  # the directory's tokenizer
+    keys.update(tokenizer_type="huggingface", tokenizer_path=str(Path(hf_dir).absolute()))
   model_yml = {"base_config": str(BASE_YML), **keys, "load_parameters_path": str(out_path.absolute())}
   (out_path / MODEL_YML).write_text(yaml.safe_dump(model_yml, sort_keys=False))
   print(f"wrote {out_path} ({config.decoder_block}, {config.num_decoder_layers} layers)")

@@ -9,6 +9,7 @@ reshapes only), so HF -> maxtext -> HF round trips bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -40,18 +41,30 @@ def _transpose(x: Array) -> Array:
   return np.ascontiguousarray(x.T)
 
 
+def _linear_to_ours(in_shape: tuple[int, ...], out_shape: tuple[int, ...], w: Array) -> Array:
+  return np.ascontiguousarray(w.T).reshape(*in_shape, *out_shape)
+
+
+def _linear_to_hf(in_shape: tuple[int, ...], out_shape: tuple[int, ...], w: Array) -> Array:
+  return np.ascontiguousarray(w.reshape(int(np.prod(in_shape)), int(np.prod(out_shape))).T)
+
+
 def _linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> tuple[Callable, Callable]:
-  """HF Linear weight [out, in] <-> our kernel in_shape + out_shape."""
-  n_in, n_out = int(np.prod(in_shape)), int(np.prod(out_shape))
-  return (
-    lambda w: np.ascontiguousarray(w.T).reshape(*in_shape, *out_shape),
-    lambda w: np.ascontiguousarray(w.reshape(n_in, n_out).T),
-  )
+  """HF Linear weight [out, in] <-> our kernel in_shape + out_shape (partials, so that a sliced reader can see the shapes)."""
+  return functools.partial(_linear_to_ours, in_shape, out_shape), functools.partial(_linear_to_hf, in_shape, out_shape)
+
+
+def _bias_to_ours(shape: tuple[int, ...], b: Array) -> Array:
+  return np.ascontiguousarray(b).reshape(shape)
+
+
+def _bias_to_hf(shape: tuple[int, ...], b: Array) -> Array:
+  return np.ascontiguousarray(b).reshape(-1)
 
 
 def _bias(shape: tuple[int, ...]) -> tuple[Callable, Callable]:
   """HF bias [prod(shape)] <-> our bias of shape."""
-  return (lambda b: np.ascontiguousarray(b).reshape(shape), lambda b: np.ascontiguousarray(b).reshape(-1))
+  return functools.partial(_bias_to_ours, shape), functools.partial(_bias_to_hf, shape)
 
 
 def _attention_rules(c: MaxTextConfig) -> list[Rule]:

@@ -257,9 +257,16 @@ def export(checkpoint: str, out: str, config_args: list[str], merged: bool = Fal
     return f"wrote {out_path} (PEFT adapter: r={adapter_config['r']}, target_modules={adapter_config['target_modules']})"
   if not config.load_parameters_path:
     raise ConfigError("--merge needs the base weights: add load_parameters_path=<the hf-to-maxtext output> to --config")
-  base, _ = restore_some_params(config.load_parameters_path, nnx.filter_state(abstract, nnx.Not(LoRAParam)), "load_parameters_path")
+  from maxtext.convert import hf_dir
+
+  base_target = nnx.filter_state(abstract, nnx.Not(LoRAParam))
+  if hf_dir.is_hf_dir(config.load_parameters_path):
+    base = hf_dir.restore(config.load_parameters_path, config, base_target)
+  else:
+    base, _ = restore_some_params(config.load_parameters_path, base_target, "load_parameters_path")
   safetensors_io.write(out_path, hf_config_from(config), hf_params.maxtext_to_hf(merge({**_flat_numpy(base), **flat}, config), config))
-  return f"wrote {out_path} (config.json + model.safetensors with the adapters merged)"
+  copied = hf_dir.copy_extras(hf_dir.source_dir(config), out_path)
+  return f"wrote {out_path} (config.json + model.safetensors with the adapters merged{', ' + ', '.join(copied) if copied else ''})"
 
 
 def import_adapter(peft_dir: str, out: str, config_args: list[str]) -> str:

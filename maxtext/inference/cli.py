@@ -48,13 +48,20 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
     config = hf_config(argv, config.hf_model_path)
   sampling = SamplingParams.from_config(config)
   tokenizer = load_decode_tokenizer(config)
+  text, eos_id = config.prompt, tokenizer.eos_id
+  if config.use_chat_template:
+    from maxtext.inference.chat_prompt import render_prompt
+
+    text, end_id = render_prompt(config, tokenizer)
+    eos_id = end_id if end_id is not None else eos_id  # a reply ends with the template's end-of-turn token
   bos = [tokenizer.bos_id] if config.add_bos and tokenizer.bos_id is not None else []
-  prompt = bos + tokenizer.encode(config.prompt)
+  prompt = tokenizer.encode(text)
+  prompt = prompt if config.use_chat_template and bos and prompt[:1] == bos else bos + prompt  # a template may write BOS itself
   mesh = mesh_lib.create(config)
   generator_args = dict(
     max_target_length=config.max_target_length,
     max_prefill_length=config.max_prefill_predict_length,
-    eos_id=tokenizer.eos_id,
+    eos_id=eos_id,
     tokenizer_vocab_size=tokenizer.vocab_size,  # a padded vocabulary's extra ids are never sampled
   )
   Generator.check_lengths(config.max_target_length, config.max_prefill_predict_length)
@@ -71,8 +78,8 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
   log(cache_layout.describe(config, 1, generator.layout))
   with memory_limit.one_line("while decoding", remedy):
     result = generator.generate([prompt], seed=config.decode_sampling_seed, adapter_ids=adapter_ids)
-  completion = tokenizer.decode([t for t in result.tokens[0] if t != tokenizer.eos_id])
-  log(f"prompt: {config.prompt}")
+  completion = tokenizer.decode([t for t in result.tokens[0] if t != eos_id])
+  log(f"prompt: {text if config.use_chat_template else config.prompt}")
   log(f"completion: {completion}")
   log(
     f"prefill: {result.prefill_tokens} tokens in {result.prefill_seconds:.3f}s ({result.prefill_tokens / result.prefill_seconds:.1f} tokens/s); "

@@ -10,7 +10,7 @@ import jax
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
 from maxtext.models import pipeline
-from maxtext.train.checkpointing import item_path, overlay_params, read_metadata_tree, restore_some_params
+from maxtext.train.checkpointing import ITEM, item_path, overlay_params, read_metadata_tree, restore_some_params
 
 
 def stored_kernels(abstract_params: Any) -> dict[tuple, tuple[Any, tuple, Any]]:
@@ -116,6 +116,12 @@ def quantize_restored(config: MaxTextConfig, restored: Any, abstract_params: Any
   return nnx.from_flat_state(flat)
 
 
+def _loaded_from(path: str) -> str:
+  """The checkpoint directory load_parameters_path stood for: the step of a checkpoints/ directory, else the path as given."""
+  item = item_path(path)
+  return str(item.parent) if item.name == ITEM else str(item)
+
+
 def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any, log: Any, adapters: bool = True) -> Any:
   """Freshly initialised params overlaid with load_parameters_path, then (adapters=True) lora.lora_restore_path.
 
@@ -135,16 +141,26 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
       "not a trained model; set load_parameters_path=<base checkpoint> to train the adapters over one"
     )
   if config.load_parameters_path:
+    from maxtext.convert import hf_dir
+
     path = config.load_parameters_path
-    check_base_quantization(config, path, abstract_params)
-    restored, lacking = restore_some_params(path, base_target(config, abstract_params), "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
+    if hf_dir.is_hf_dir(path):  # config.json + safetensors, converted and sharded while read
+      added = nnx.Any(LoRAParam, MHCParam)
+      target = base_target(config, abstract_params)
+      restored = hf_dir.restore(path, config, nnx.filter_state(target, nnx.Not(added)))
+      lacking = list(nnx.to_flat_state(nnx.filter_state(target, added)))
+      where = path
+    else:
+      check_base_quantization(config, path, abstract_params)
+      restored, lacking = restore_some_params(path, base_target(config, abstract_params), "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
+      where = _loaded_from(path)
     params = overlay_params(params, pipeline.from_storage(quantize_restored(config, restored, abstract_params), config))
     note = f" ({len(lacking)} adapter/connector arrays it lacks keep their init)" if lacking else ""
     stored = stored_kernels(abstract_params)
     how = (
       "" if not stored else " (quantized kernels)" if config.checkpoint_is_quantized else f" ({len(stored)} kernels quantized to {config.quantization} on load)"
     )
-    log(f"loaded parameters from {item_path(path).parent}{how}{note}")  # the step a checkpoints/ directory stood for
+    log(f"loaded parameters from {where}{how}{note}")
   if adapters and config.lora.lora_restore_path:
     if not config.lora.enable_lora:
       raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")

@@ -148,7 +148,11 @@ def check_restore_paths(config: MaxTextConfig, setup: setup_lib.TrainSetup, chec
   from maxtext.layers.mhc import MHCParam
 
   params = setup.abstract_state["params"]
-  if config.load_parameters_path:
+  from maxtext.convert import hf_dir
+
+  if hf_dir.is_hf_dir(config.load_parameters_path):
+    hf_dir.check(config.load_parameters_path, config, nnx.filter_state(initial_params.base_target(config, params), nnx.Not(nnx.Any(LoRAParam, MHCParam))))
+  elif config.load_parameters_path:
     initial_params.check_base_quantization(config, config.load_parameters_path, params)
     target = initial_params.base_target(config, params)
     checkpointing.match_params(config.load_parameters_path, target, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))

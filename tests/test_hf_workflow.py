@@ -1,0 +1,104 @@
+"""The finetuning workflow on a Hugging Face chat model, as a user runs it: LoRA SFT straight from the HF directory
+with its chat template, decode with the template (stopping at its end-of-turn token), lora-to-peft --merge, then
+transformers loads the merged directory's tokenizer and its generate stops where ours does."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from tests.test_bad_inputs import REPO, _env
+
+BASE = str(REPO / "configs" / "base.yml")
+CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+WORDS = ["user", "assistant", "system", "hi", "hello", "ping", "pong", "yes", "no", "cat", "dog", "the", "a", "is", "what"]
+
+
+def save_chat_model(d):
+  """A tiny random Llama with a word-level tokenizer, ChatML template, <|im_end|> as EOS in generation_config.json."""
+  import tokenizers
+  import torch
+  import transformers
+
+  specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+  vocab = {t: i for i, t in enumerate(specials + WORDS)}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>")
+  fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+  fast.chat_template = CHATML
+  fast.save_pretrained(d)
+  torch.manual_seed(0)
+  end = vocab["<|im_end|>"]
+  config = transformers.LlamaConfig(
+    vocab_size=len(vocab),
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    eos_token_id=end,
+    pad_token_id=0,
+    bos_token_id=None,
+  )
+  model = transformers.AutoModelForCausalLM.from_config(config)
+  model.generation_config = transformers.GenerationConfig(eos_token_id=end, pad_token_id=0, do_sample=False)
+  model.save_pretrained(d)
+
+
+def _run(*argv, cwd):
+  proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=_env(), cwd=cwd, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  return proc.stdout + proc.stderr
+
+
+def test_lora_sft_decode_and_merge_from_an_hf_chat_model(tmp_path):
+  import transformers
+
+  hf = tmp_path / "chat"
+  save_chat_model(hf)
+  data = tmp_path / "sft.jsonl"
+  rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "yes dog"}]} for q in ("hi", "hello", "ping", "what is")]
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
+  run = [
+    BASE,
+    f"load_parameters_path={hf}",
+    "use_sft=true",
+    "train_data_columns=[messages]",
+    "dataset_type=grain",
+    "grain_file_type=jsonl",
+    f"grain_train_files={data}",
+    "lora.enable_lora=true",
+    "lora.lora_rank=8",
+    "lora.lora_alpha=16",
+    "max_target_length=16",
+    "per_device_batch_size=1",
+    "add_bos=false",
+    f"base_output_directory={tmp_path}/out",
+    "run_name=ft",
+    "async_checkpointing=false",
+    "dtype=float32",
+    "weight_dtype=float32",
+  ]
+  train = _run("maxtext.train", *run, "steps=40", "learning_rate=0.02", "warmup_steps_fraction=0", "num_epoch=20", cwd=tmp_path)
+  assert f"loaded parameters from {hf}" in train
+  ckpt = sorted((tmp_path / "out" / "ft" / "checkpoints").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)[-1]
+  decode = _run("maxtext.decode", *run, "use_chat_template=true", "prompt=hi", "max_prefill_predict_length=8", cwd=tmp_path)
+  completion = re.search(r"^completion: (.*)$", decode, re.M).group(1)
+  assert "prompt: <|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" in decode  # the template's rendering of the prompt
+  assert completion.startswith("yes dog"), decode[-1500:]  # the SFT target style was learnt
+  merged = tmp_path / "merged"
+  _run("maxtext.convert", "lora-to-peft", "--merge", "--checkpoint", str(ckpt), "--out", str(merged), "--config", *run, cwd=tmp_path)
+  tok = transformers.AutoTokenizer.from_pretrained(merged)  # the merged directory carries the tokenizer and generation_config.json
+  model = transformers.AutoModelForCausalLM.from_pretrained(merged)
+  end = tok.convert_tokens_to_ids("<|im_end|>")
+  assert model.generation_config.eos_token_id == end
+  ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+  assert ids.shape[1] == 6  # the 6 prompt tokens decode prefilled
+  out = model.generate(ids, max_new_tokens=16 - 6)[0, ids.shape[1] :].tolist()
+  # generate stops where ours does: the same tokens, up to and without the end-of-turn token
+  assert tok.decode([t for t in out if t != end]).strip() == completion.strip(), (out, completion)
+  assert (end in out) == (len(out) < 16 - 6)
