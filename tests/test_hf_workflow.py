@@ -1,5 +1,6 @@
 """The finetuning workflow on a Hugging Face chat model, as a user runs it: LoRA SFT straight from the HF directory
-with its chat template, decode with the template (stopping at its end-of-turn token), lora-to-peft --merge, then
+with its chat template until its data is used up, the continuation the run prints (a new run from its state, on the
+same HF base), decode with the template (stopping at its end-of-turn token), lora-to-peft --merge, then
 transformers loads the merged directory's tokenizer and its generate stops where ours does."""
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def test_lora_sft_decode_and_merge_from_an_hf_chat_model(tmp_path):
   assert "prompt: <|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" in decode  # the template's rendering of the prompt
   completion = re.search(r"^completion: (.*)$", decode, re.M).group(1)
   assert completion == "yes dog", decode[-1500:]  # the trained reply, then the template's end token ends it
-  assert re.search(r"decode: 3 tokens", decode), decode[-800:]  # yes, dog, <|im_end|>: it stopped there (8 were allowed)
+  assert re.search(r"decode: 3 tokens", decode), decode[-800:]  # yes, dog, <|im_end|>: it stopped there, short of max_target_length
   merged = tmp_path / "merged"
   _run("maxtext.convert", "lora-to-peft", "--merge", "--checkpoint", str(ckpt), "--out", str(merged), "--config", *run, cwd=tmp_path)
   tok = transformers.AutoTokenizer.from_pretrained(merged)  # the merged directory carries the tokenizer and generation_config.json
