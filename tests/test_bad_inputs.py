@@ -213,6 +213,15 @@ def _run_case(argv: list[str], tmp: Path, run: Path, sp: str) -> tuple[subproces
   return proc, before, (_snapshot(tmp.parent), _snapshot(run))
 
 
+def assert_one_line_exit_2(proc: subprocess.CompletedProcess, mention: str) -> None:
+  """The process exited 2 with one `error: ...` line on stderr that mentions `mention`, and no traceback."""
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+  assert mention in lines[0], lines[0]
+  assert "Traceback" not in proc.stdout + proc.stderr
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
   """Run every case (two at a time) once; each gets its own scratch directory."""
@@ -236,9 +245,5 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case_id,argv,mention", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_exit_2_nothing_written(results, case_id, argv, mention):
   (proc, before, after), _ = results[0][case_id], results[1]
-  lines = proc.stderr.strip().splitlines()
-  assert proc.returncode == 2, proc.stderr[-3000:]
-  assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
-  assert mention in lines[0]
-  assert "Traceback" not in proc.stdout + proc.stderr
+  assert_one_line_exit_2(proc, mention)
   assert after == before  # no directory, lock, checkpoint, events file or metrics file appeared or changed

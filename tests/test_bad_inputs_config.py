@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.test_bad_inputs import REPO, TINY, _run_case, _train
+from tests.test_bad_inputs import REPO, TINY, _run_case, _train, assert_one_line_exit_2
 
 
 def _eval(*extra: str) -> list[str]:
@@ -59,9 +59,5 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case_id,argv,mention", CASES, ids=[c[0] for c in CASES])
 def test_bad_config_is_one_line_exit_2_nothing_written(results, case_id, argv, mention):
   proc, before, after = results[case_id]
-  lines = proc.stderr.strip().splitlines()
-  assert proc.returncode == 2, proc.stderr[-3000:]
-  assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
-  assert mention in lines[0], lines[0]
-  assert "Traceback" not in proc.stdout + proc.stderr
+  assert_one_line_exit_2(proc, mention)
   assert after == before  # no run directory, lock, checkpoint or events file appeared

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_bad_inputs import GRAIN_JSONL, _run_case, _train
+from tests.test_bad_inputs import GRAIN_JSONL, _run_case, _train, assert_one_line_exit_2
 from tests.test_data_common import sp_model
 
 SFT = (*GRAIN_JSONL, "grain_train_files={tmp}/chat.jsonl", "use_sft=true", "train_data_columns=[messages]", "max_target_length=64")
@@ -61,9 +61,5 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case_id,argv,mention", CASES, ids=[c[0] for c in CASES])
 def test_bad_template_or_pairs_is_one_line_exit_2_nothing_written(results, case_id, argv, mention):
   proc, before, after = results[case_id]
-  lines = proc.stderr.strip().splitlines()
-  assert proc.returncode == 2, proc.stderr[-3000:]
-  assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
-  assert mention in lines[0], lines[0]
-  assert "Traceback" not in proc.stdout + proc.stderr
+  assert_one_line_exit_2(proc, mention)
   assert after == before  # no directory, lock, checkpoint, events file or metrics file appeared or changed
