@@ -22,6 +22,7 @@ import jax
 # Lines of a device plane that repeat the ops of other lines (derived timelines), not ops of their own.
 DERIVED_LINES = ("XLA Modules", "Steps", "Framework Name Scope", "Framework Ops", "Source code", "XLA TraceMe", "Async XLA Ops", "SparseCore")
 CPU_FLAG = "--xla_cpu_enable_xprof_traceme=true"
+CONTAINERS = re.compile(r"(while|conditional|call)(\.\d+)?$")  # XLA:CPU's control-flow thunks: their time is their body ops' time
 
 
 def _op_name(event: Any) -> str | None:
@@ -65,7 +66,7 @@ def op_times(xspace_path: str) -> tuple[str, dict[str, list[float]], list[str]]:
       for line in plane.lines:
         for e in line.events:
           op = _op_name(e)
-          if op and not e.name.startswith("end:"):
+          if op and not e.name.startswith("end:") and not CONTAINERS.match(op):
             times[op].append(e.duration_ns / 1e6)
   return "host threads (XLA:CPU op events)", times, seen
 
