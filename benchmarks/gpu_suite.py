@@ -169,7 +169,7 @@ class Plan:
   decode_batches: tuple[int, ...]
   decode_steps: int
   stream_megabytes: int = 256  # the measured-bandwidth probe's array (step_profile.stream_gb_per_s)
-  decode_unstacked: bool = True  # section 5 also decodes with the layers unstacked (one module per layer, no scan)
+  decode_unstacked: tuple[int, ...] = (1, 32)  # batch sizes section 5 also decodes with the layers unstacked (one module per layer, no scan)
 
 
 ONE_B = ("base_emb_dim=2048", "base_num_query_heads=32", "base_num_kv_heads=8", "head_dim=64", "base_mlp_dim=8192", "base_num_decoder_layers=16",
@@ -231,6 +231,7 @@ def smoke_plan() -> Plan:
     decode_batches=(1, 2),
     decode_steps=2,
     stream_megabytes=16,
+    decode_unstacked=(1,),
   )
 
 
@@ -630,7 +631,7 @@ def section_decode_throughput(suite: Suite, sec: Section) -> None:
   for r in rows:
     r["layers"] = "scanned"
   if plan.decode_unstacked:
-    for r in measure(config, list(plan.decode_batches), plan.decode_steps, unstack=True, print_rows=False, stream_megabytes=plan.stream_megabytes):
+    for r in measure(config, list(plan.decode_unstacked), plan.decode_steps, unstack=True, print_rows=False, stream_megabytes=plan.stream_megabytes):
       rows.append({**r, "layers": "unstacked"})
   kind = jax.devices()[0].device_kind
   spec = perf.hbm_gb_per_s(kind)
