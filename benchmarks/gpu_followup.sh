@@ -38,7 +38,7 @@ if [ ${#SMOKE[@]} -gt 0 ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$OUT/device.txt" 2>&1 || echo "no nvidia-smi" >"$OUT/device.txt"
 start=$SECONDS
-timeout "$LIMIT_S" python3 benchmarks/gpu_suite.py "${SMOKE[@]}" --budget_s "$BUDGET_S" --workdir "$WORK/suite" --out "$OUT/followup_report.md" \
+timeout "$LIMIT_S" python3 benchmarks/gpu_suite.py ${SMOKE[@]+"${SMOKE[@]}"} --budget_s "$BUDGET_S" --workdir "$WORK/suite" --out "$OUT/followup_report.md" \
   --sections quickstart decode throughput decode_throughput \
   --rows "1B-class, default" "7B slice, default" "MoE, dropless" "MoE, dense" "mHC" "remat_policy=auto" \
   --profile "1B-class" "mHC" "MoE, dropless, ragged_dot" --profile_decode 1 >"$OUT/followup.log" 2>&1
