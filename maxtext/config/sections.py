@@ -34,6 +34,10 @@ class RunInfo(Section):
   log_period: int = Field(100, gt=0, description="Flush TensorBoard and the metrics file every this many steps.")
   enable_tensorboard: bool = Field(True, description="Write TensorBoard event files under the run's tensorboard dir.")
   metrics_file: str = Field("", description="If set, append one JSON line of metrics per step to this file.")
+  enable_goodput_recording: bool = Field(
+    False, description="Split the run's wall time into productive steps, init, compile, data, checkpoints and lost steps: summary line and <run>/goodput.json."
+  )
+  monitor_goodput: bool = Field(False, description="Log the running goodput figure every log_period steps.")
   enable_wandb: bool = Field(False, description="Log the metrics, the resolved config and the training-curves PNG to Weights & Biases (process 0).")
   wandb_project_name: str = Field("maxtext", description="W&B project of the run.")
   wandb_run_name: str = Field("", description="W&B display name of the run; empty -> run_name.")
