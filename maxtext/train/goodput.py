@@ -113,7 +113,9 @@ class Goodput:
     self.run_dir, self.start_step, self.log = run_dir, start_step, log
     self.furthest_before = read_furthest(run_dir) if self.enabled else 0
     if self.enabled and self.furthest_before > start_step:
-      log(f"goodput: resuming at step {start_step}; an earlier attempt reached step {self.furthest_before}, so {self.furthest_before - start_step} steps are recomputed (lost)")
+      log(
+        f"goodput: resuming at step {start_step}; an earlier attempt reached step {self.furthest_before}, so {self.furthest_before - start_step} steps are recomputed (lost)"
+      )
     self._switch(STEP)
 
   def step_logged(self, step: int) -> None:

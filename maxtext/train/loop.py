@@ -16,8 +16,7 @@ from maxtext.data.mixture import data_metrics
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
 from maxtext.models import pipeline
-from maxtext.train import checkpointing, goodput, initial_params, outputs, preflight, reference, run_lock
-from maxtext.train import run_report
+from maxtext.train import checkpointing, goodput, initial_params, outputs, preflight, reference, run_lock, run_report
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train.metrics import MetricsWriter, format_line
