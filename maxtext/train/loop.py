@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from maxtext import memory_limit
 from maxtext.config import MaxTextConfig
@@ -16,7 +17,7 @@ from maxtext.data.mixture import data_metrics
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
 from maxtext.models import pipeline
-from maxtext.train import checkpointing, goodput, initial_params, outputs, preflight, reference, run_lock, run_report
+from maxtext.train import checkpointing, diloco, goodput, initial_params, outputs, preflight, reference, run_lock, run_report
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train.metrics import MetricsWriter, format_line
@@ -76,6 +77,8 @@ def _restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpoint
     return _with_frozen_base(setup, state, log, formats)
   state = setup.init_state(formats)
   state["params"] = initial_params.load_initial_params(config, state["params"], setup.abstract_state["params"], log)
+  if config.enable_diloco and config.load_parameters_path:  # the groups start from the loaded parameters
+    state = diloco.restart_groups(state, formats or setup.state_shardings)
   return reference.attach_after_load(config, state)
 
 
@@ -315,7 +318,7 @@ class _Loop:
       jax.block_until_ready(ready)
     while self.pending:
       step, device_metrics = self.pending.pop(0)
-      m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+      m = {k: float(np.mean(v)) for k, v in jax.device_get(device_metrics).items()}  # DiLoCo: the mean over the groups
       now = time.perf_counter()
       seconds, self.last_time = now - self.last_time, now
       _check_finite(self.config, step, m)
