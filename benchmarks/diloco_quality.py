@@ -62,13 +62,16 @@ def main(argv: list[str]) -> None:
   shared = {**SHARED, **{k: v for k, v in extra.items() if "diloco" not in k}}
   with tempfile.TemporaryDirectory() as out:
     runs = {name: {**shared, **keys} for name, keys in (("plain", PLAIN), ("diloco", diloco_keys))}
-    procs = {
-      name: subprocess.Popen(_command(config, out, name, keys), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
-      for name, keys in runs.items()
-    }
+    logs = Path(os.environ.get("DILOCO_BENCH_LOGS") or out)  # each run's output, kept there when DILOCO_BENCH_LOGS is set
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    for name, keys in runs.items():
+      with open(logs / f"{name}.log", "w") as log:
+        procs[name] = subprocess.Popen(_command(config, out, name, keys), stdout=log, stderr=subprocess.STDOUT, text=True, env=_env())
     result: dict[str, object] = {}
     for name, proc in procs.items():
-      text = proc.communicate()[0]
+      proc.wait()
+      text = (logs / f"{name}.log").read_text()
       evals = EVAL_LINE.findall(text)
       if proc.returncode or not evals:
         sys.exit(f"{name} run failed (exit {proc.returncode}):\n{text[-3000:]}")
