@@ -29,7 +29,8 @@ EVAL_LINE = re.compile(r"eval after step (\d+): eval_loss: ([\d.]+)")
 
 
 def _env() -> dict[str, str]:
-  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=str(REPO))
+  path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=path)
 
 
 def _command(config: str, out: str, name: str, keys: dict[str, str]) -> list[str]:
