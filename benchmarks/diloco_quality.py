@@ -5,7 +5,7 @@ between the two replica groups per step (counted in each compiled train step, be
 
 Runs `python -m maxtext.train` twice on 2 simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=2):
 plain data parallelism (ici_data_parallelism=2) and DiLoCo (enable_diloco=true ici_diloco_parallelism=2
-diloco_sync_period=8 diloco_outer_lr=0.7 diloco_outer_momentum=0.9; any of these can be overridden), both at once,
+diloco_sync_period=8 diloco_outer_lr=1.0 diloco_outer_momentum=0.0; any of these can be overridden), both at once,
 for 304 steps with an eval after steps 152 and 304 (multiples of H),
 then prints one JSON line: both eval losses, their relative gap, and the cross-group bytes per step of each.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-DILOCO = {"enable_diloco": "true", "ici_diloco_parallelism": "2", "diloco_sync_period": "8", "diloco_outer_lr": "0.7", "diloco_outer_momentum": "0.9"}
+DILOCO = {"enable_diloco": "true", "ici_diloco_parallelism": "2", "diloco_sync_period": "8", "diloco_outer_lr": "1.0", "diloco_outer_momentum": "0.0"}
 PLAIN = {"ici_data_parallelism": "2"}
 SHARED = {"steps": "304", "eval_interval": "152"}  # multiples of H=8: DiLoCo's global parameters are evaluated right after a sync
 EVAL_LINE = re.compile(r"eval after step (\d+): eval_loss: ([\d.]+)")

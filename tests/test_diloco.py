@@ -44,7 +44,9 @@ def runs():
       state, it, losses = setup.init_state(), create_data_iterator(config, mesh, "train"), []
       for _ in range(STEPS):
         state, metrics = compiled(state, next(it))
-        losses.append(float(np.mean(jax.device_get(metrics["loss"]))))
+        fetched = diloco.host_metrics(jax.device_get(metrics))
+        assert fetched["total_weights"] == config.global_batch_size_to_train_on * config.max_target_length  # summed over the groups
+        losses.append(fetched["loss"])
     out[name] = (config, compiled, state, losses)
   return out
 

@@ -15,7 +15,7 @@ diloco_sync_period-th step the groups exchange their parameters once (the mean o
 `optax.sgd(diloco_outer_lr, diloco_outer_momentum, nesterov=True)` applies the mean delta (global - mean of the
 groups) to the global parameters, and every group restarts from them; each group keeps its own inner optimizer state
 (DiLoCo, arXiv 2311.08105, section 6.1). The step's metrics stay per group ([G], split over 'diloco', averaged on the
-host), so they do not cross groups either.
+host: counts summed), so they do not cross groups either.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -109,6 +110,14 @@ def make_train_step(config: MaxTextConfig, train_step: Callable, outer: optax.Gr
     return new_state, metrics
 
   return step
+
+
+SUMMED_METRICS = ("total_weights", "moe_dropped_tokens")  # counts: over all groups; every other metric is the groups' mean
+
+
+def host_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+  """A step's fetched metrics as floats: DiLoCo's per-group values ([G]) summed (counts) or averaged; plain scalars as they are."""
+  return {k: float(np.sum(v) if k in SUMMED_METRICS else np.mean(v)) for k, v in metrics.items()}
 
 
 def restart_groups(state: dict, shardings: Any) -> dict:

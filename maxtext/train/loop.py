@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from maxtext import memory_limit
 from maxtext.config import MaxTextConfig
@@ -318,7 +317,7 @@ class _Loop:
       jax.block_until_ready(ready)
     while self.pending:
       step, device_metrics = self.pending.pop(0)
-      m = {k: float(np.mean(v)) for k, v in jax.device_get(device_metrics).items()}  # DiLoCo: the mean over the groups
+      m = diloco.host_metrics(jax.device_get(device_metrics))
       now = time.perf_counter()
       seconds, self.last_time = now - self.last_time, now
       _check_finite(self.config, step, m)
