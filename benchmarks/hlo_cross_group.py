@@ -95,7 +95,13 @@ def cross_group_bytes(hlo_text: str, group_size: int) -> dict[str, float]:
   entry = next(line for line in hlo_text.splitlines() if line.startswith("ENTRY"))
   runs = _runs(computations, _HEADER.match(entry.strip()).group(1))
   calls = {
-    name: [c.strip().lstrip("%") for line in lines for group in _CALLS.findall(line) for c in group.split(",") if c.strip()]
+    name: [
+      c.strip().lstrip("%")
+      for line in lines
+      for group in _CALLS.findall(line) + [g for m in _WHILE.findall(line) for g in m]
+      for c in group.split(",")
+      if c.strip()
+    ]
     for name, lines in computations.items()
   }
   branch_roots = [
