@@ -14,6 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
+from maxtext.errors import ConfigError
 from maxtext.layers import lora
 from maxtext.layers.embed import Embed
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
@@ -22,7 +23,6 @@ from maxtext.layers.norms import RMSNorm
 from maxtext.layers.output_head import OutputHead
 from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.layers.sharding import constrain
-from maxtext.errors import ConfigError
 from maxtext.models import layer_pattern, pipeline, registry, remat, specs
 from maxtext.models.decoder_layer import DecoderLayer, LayerSpec
 from maxtext.models.mtp import MTPBlock
@@ -110,7 +110,9 @@ class Transformer(nnx.Module):
         built[stack.name] = nnx.List([DecoderLayer(spec, policy=policy, rngs=rngs) for spec in stack_specs])
       elif stack.period > 1:
         if stack.name == layer_pattern.MAIN_STACK and pipeline.Plan.of(c) is not None:
-          raise ConfigError(f"decoder_block={c.decoder_block} repeats a block of {stack.period} different layers, which the pipeline does not run; set ici/dcn_pipeline_parallelism=1")
+          raise ConfigError(
+            f"decoder_block={c.decoder_block} repeats a block of {stack.period} different layers, which the pipeline does not run; set ici/dcn_pipeline_parallelism=1"
+          )
         built[stack.name], built[f"{stack.name}_remainder"] = block_stacks(stack, stack_specs, policy, rngs)
       elif stack.name == layer_pattern.MAIN_STACK:
         built[stack.name], built["layers_outside_pipeline"] = main_stacks(c, stack_specs[0], policy, rngs, len(stack.kinds))
