@@ -179,8 +179,9 @@ class Transformer(nnx.Module):
     stats["lb_loss"] = load_balance_from_sums(stats["load"], stats["router_probs"], stats["tokens"], c.num_experts_per_tok)
     return y, stats
 
-  def _run_layers(self, layers: nnx.Module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, windows: list[int]):
-    """A stack (scanned) or list of layers over x -> (x, per-layer MoE statistics stacked on a leading axis).
+  def _run_layers(self, layers: nnx.Module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, windows: list[int], stacked: bool | None = None):
+    """A stack (scanned; stacked defaults to scan_layers) or list of layers over x -> (x, per-layer MoE statistics
+    stacked on a leading axis).
 
     Scanned layers take their window as a scan input when windows differ (gemma2, gemma3, gpt_oss): attention then
     switches between one kernel per window (attention_ops.attend). Scanning over groups of the windows' period
@@ -188,15 +189,15 @@ class Transformer(nnx.Module):
     group position's slice of every stacked weight out of the loop (benchmarks/README.md).
     """
     c = self.config
-
+    stacked = c.scan_layers if stacked is None else stacked
     offload = self.policy.offload_layer_inputs
 
     def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int | jax.Array):
       h = checkpoint_name(h, remat.LAYER_INPUT)  # before any other use of h, so an offloaded input is the only copy kept
-      layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, self.policy.dtypes.compute) if c.scan_layers else layer_state)
+      layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, self.policy.dtypes.compute) if stacked else layer_state)
       return layer(h, positions, segment_ids, window)
 
-    if c.scan_layers:
+    if stacked:
       graphdef, state = nnx.split(layers)
       static_window = windows[0] if len(set(windows)) == 1 else None
 
@@ -223,7 +224,7 @@ class Transformer(nnx.Module):
     rest = getattr(self, f"{stack.name}_remainder")
     if rest is None:
       return x, stats
-    x, after = self._run_layers(rest, x, positions, segment_ids, [k.window for k in stack.remainder])
+    x, after = self._run_layers(rest, x, positions, segment_ids, [k.window for k in stack.remainder], stacked=False)
     return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, after)
 
   def _run_block(self, stack: layer_pattern.Stack, block: nnx.List, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
