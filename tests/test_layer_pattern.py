@@ -18,7 +18,6 @@ from maxtext import models
 from maxtext.config import from_overrides
 from maxtext.data.synthetic import SyntheticIterator
 from maxtext.inference import cache_layout, forward
-from maxtext.inference.generate import Generator
 from maxtext.inference.unstack import unstack_layers
 from maxtext.models import counting, layer_pattern, registry
 from maxtext.models.family import Family, LayerKind, LayerShape
@@ -118,9 +117,9 @@ def test_counts_follow_the_pattern_and_equal_the_built_tree():
 
 
 def test_greedy_decode_over_the_patterns_caches_matches_the_full_forward():
-  """Prefill and decode steps through the scanned block's grouped caches (4 layers a group, 4-slot rings that wrap)
-  give the full forward pass's logits; greedy generation's tokens are the full forward's argmax."""
-  config, model, tokens, full = built()
+  """Prefill and greedy decode steps through the scanned block's grouped caches (4 layers a group, 4-slot rings that
+  wrap) give the full forward pass's logits over the decoded sequences, and each decoded token is their argmax."""
+  config, model, tokens, _ = built()
   lay = cache_layout.layout(config)
   (stack,) = lay.stacks
   assert (stack.period, stack.num_groups, tuple(stack.tail_layers)) == (4, 1, (4,))
@@ -135,21 +134,18 @@ def test_greedy_decode_over_the_patterns_caches_matches_the_full_forward():
     return m.logits(hidden), cache
 
   lengths = np.array([5, 9], np.int32)
-  prompts = np.where(np.arange(16) < lengths[:, None], tokens[:, :16], 0)
-  logits, cache = run(state, cache, prompts, lengths)
-  for row, n in enumerate(lengths):
-    np.testing.assert_allclose(np.asarray(logits)[row, :n], full[row, :n], atol=1e-5, rtol=0)
+  sequences = np.where(np.arange(20) < lengths[:, None], tokens, 0)
+  logits, cache = run(state, cache, sequences[:, :16], lengths)
+  decoded = [np.asarray(logits)[[0, 1], lengths - 1]]
   for i in range(8):
-    step_tokens = jnp.asarray(tokens[[0, 1], lengths + i])[:, None]
-    logits, cache = run(state, cache, step_tokens, np.ones(2, np.int32))
-    np.testing.assert_allclose(np.asarray(logits)[:, 0], full[[0, 1], lengths + i], atol=1e-5, rtol=0)
-
-  gen = Generator(model, max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length)
-  prompt = tokens[0, :6].tolist()
-  out = gen.generate([prompt]).tokens[0][:6]
-  sequence = np.asarray([prompt + out], np.int32)
-  argmax = full_logits(model, sequence)[0].argmax(-1)
-  assert out == argmax[len(prompt) - 1 : -1].tolist()
+    sequences[[0, 1], lengths + i] = decoded[-1].argmax(-1)
+    logits, cache = run(state, cache, jnp.asarray(sequences[[0, 1], lengths + i])[:, None], np.ones(2, np.int32))
+    decoded.append(np.asarray(logits)[:, 0])
+  full = full_logits(model, sequences)
+  for i, step_logits in enumerate(decoded):
+    np.testing.assert_allclose(step_logits, full[[0, 1], lengths - 1 + i], atol=1e-5, rtol=0)
+  for i in range(8):
+    assert np.array_equal(sequences[[0, 1], lengths + i], full[[0, 1], lengths - 1 + i].argmax(-1))
 
 
 @pytest.mark.parametrize("bad", [dict(ici_pipeline_parallelism=2, num_devices=2, pipeline_parallel_layers=4)])
