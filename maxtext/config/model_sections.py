@@ -27,7 +27,7 @@ def registered_family(name: str) -> str:
 
 class ModelArchitecture(Section):
   decoder_block: Annotated[str, AfterValidator(registered_family)] = Field(
-    "llama2", description="Decoder family (block type): llama2, mistral, mixtral, qwen3, qwen3_moe, gemma2, gemma3, gpt_oss, deepseek."
+    "llama2", description="Decoder family (block type)."
   )
   global_parameter_scale: int = Field(1, gt=0, description="Power of two scaling layers, heads, mlp and embedding dims (see docs/config.md).")
   base_emb_dim: int = Field(2048, gt=0, description="Model (embedding) width before global_parameter_scale.")
