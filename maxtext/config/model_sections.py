@@ -26,9 +26,7 @@ def registered_family(name: str) -> str:
 
 
 class ModelArchitecture(Section):
-  decoder_block: Annotated[str, AfterValidator(registered_family)] = Field(
-    "llama2", description="Decoder family (block type)."
-  )
+  decoder_block: Annotated[str, AfterValidator(registered_family)] = Field("llama2", description="Decoder family (block type).")
   global_parameter_scale: int = Field(1, gt=0, description="Power of two scaling layers, heads, mlp and embedding dims (see docs/config.md).")
   base_emb_dim: int = Field(2048, gt=0, description="Model (embedding) width before global_parameter_scale.")
   base_num_query_heads: int = Field(16, gt=0, description="Query heads before global_parameter_scale.")

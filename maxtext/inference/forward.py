@@ -87,7 +87,7 @@ class _LayerSource:
     self.pattern = stack.pattern
     self.listed = None if model.config.scan_layers else layers
     self.block = self.pattern.period if self.listed is None else 1
-    self.parts = [nnx.split(m) for m in layers] if self.block > 1 else [nnx.split(layers)]
+    self.parts = [] if self.listed is not None else [nnx.split(m) for m in layers] if self.block > 1 else [nnx.split(layers)]
     self.remainder = getattr(model, f"{stack.name}_remainder", None)
 
   def layer(self, i: int) -> nnx.Module:
