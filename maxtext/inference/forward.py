@@ -88,7 +88,7 @@ class _LayerSource:
     self.listed = None if model.config.scan_layers else layers
     self.block = self.pattern.period if self.listed is None else 1
     self.parts = [] if self.listed is not None else [nnx.split(m) for m in layers] if self.block > 1 else [nnx.split(layers)]
-    self.remainder = getattr(model, f"{stack.name}_remainder", None)
+    self.remainder = model.layers_remainder
 
   def layer(self, i: int) -> nnx.Module:
     """Layer i of the stack."""

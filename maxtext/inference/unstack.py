@@ -6,6 +6,7 @@ from __future__ import annotations
 from flax import nnx
 
 from maxtext import models
+from maxtext.models import layer_pattern
 from maxtext.models.decoder import Transformer
 
 
@@ -22,7 +23,7 @@ def unstack_layers(model: Transformer) -> Transformer:
     stack = stacks.get(path[0])
     if stack is not None and stack.period > 1:  # a block of stacked layers, one per block position, and the remainder's
       j, index = stack.locate(int(path[1]))
-      value = stacked[(path[0], j, *path[2:])][...][index] if j is not None else stacked[(f"{path[0]}_remainder", index, *path[2:])][...]
+      value = stacked[(path[0], j, *path[2:])][...][index] if j is not None else stacked[(layer_pattern.REMAINDER, index, *path[2:])][...]
     elif stack is not None:
       value = stacked[(path[0], *path[2:])][...][int(path[1])]
     else:

@@ -113,7 +113,7 @@ class Transformer(nnx.Module):
           raise ConfigError(
             f"decoder_block={c.decoder_block} repeats a block of {stack.period} different layers, which the pipeline does not run; set ici/dcn_pipeline_parallelism=1"
           )
-        built[stack.name], built[f"{stack.name}_remainder"] = block_stacks(stack, stack_specs, policy, rngs)
+        built[stack.name], built[layer_pattern.REMAINDER] = block_stacks(stack, stack_specs, policy, rngs)
       elif stack.name == layer_pattern.MAIN_STACK:
         built[stack.name], built["layers_outside_pipeline"] = main_stacks(c, stack_specs[0], policy, rngs, len(stack.kinds))
       else:
@@ -121,8 +121,7 @@ class Transformer(nnx.Module):
     self.dense_layers = built.get(layer_pattern.PREFIX_STACK)
     self.layers = built[layer_pattern.MAIN_STACK]
     self.layers_outside_pipeline = built.get("layers_outside_pipeline")  # no pipeline without scanned layers
-    self.dense_layers_remainder = built.get(f"{layer_pattern.PREFIX_STACK}_remainder")
-    self.layers_remainder = built.get(f"{layer_pattern.MAIN_STACK}_remainder")
+    self.layers_remainder = built.get(layer_pattern.REMAINDER)  # a block stack's layers after its last whole group (a prefix has one structure)
     self.final_norm = RMSNorm.of(c.emb_dim, s.norm, policy.dtypes)
     # The output kernel stays in weight_dtype; quantize_logits_proj quantizes its product (output_head).
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **{**kw, "quant": None})
@@ -221,7 +220,7 @@ class Transformer(nnx.Module):
     if not self.config.scan_layers or stack.period == 1:
       return self._run_layers(layers, x, positions, segment_ids, list(stack.windows))
     x, stats = self._run_block(stack, layers, x, positions, segment_ids)
-    rest = getattr(self, f"{stack.name}_remainder")
+    rest = self.layers_remainder
     if rest is None:
       return x, stats
     x, after = self._run_layers(rest, x, positions, segment_ids, [k.window for k in stack.remainder], stacked=False)
