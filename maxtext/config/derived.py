@@ -205,7 +205,7 @@ def _check_quantization(c: MaxTextConfig) -> None:
       raise ConfigError(f"kv_quant_dtype=int4 stores two values per byte along head_dim, which is odd ({c.head_dim}); use kv_quant_dtype=int8")
     from maxtext.models import registry  # the config loads before any model code otherwise
 
-    if registry.get(c.decoder_block).mla:
+    if "mla" in registry.get(c.decoder_block).mixers(c):
       raise ConfigError(
         f"quantize_kvcache=true quantizes keys and values per kv head; decoder_block={c.decoder_block} (MLA) caches a compressed latent,"
         " which stays in the compute dtype here; drop quantize_kvcache"
@@ -341,7 +341,7 @@ def _check_family_fields(c: MaxTextConfig) -> None:
       f"attention_sink=true, but decoder_block={c.decoder_block} has no sink parameters (its checkpoints have none); sinks are for {', '.join(with_sinks)}: "
       "drop attention_sink"
     )
-  if (c.attention_bias or c.attention_sink) and family.mla:
+  if (c.attention_bias or c.attention_sink) and "mla" in family.mixers(c):
     raise ConfigError(f"attention_bias and attention_sink apply to grouped-query attention; decoder_block={c.decoder_block} uses MLA, drop them")
   if c.mlp_activations_limit > 0 and not family.clamped_glu:
     with_glu = sorted(f.name for f in registry.FAMILIES.values() if f.clamped_glu)
