@@ -28,6 +28,7 @@ from maxtext.layers.rope import RopeSpec
 from maxtext.layers.sharding import Rules
 from maxtext.models.decoder_layer import LayerSpec
 from maxtext.models.family import Family
+from maxtext.models.pipeline import Plan, Schedule
 
 
 def rules(config: MaxTextConfig) -> Rules:
@@ -206,6 +207,15 @@ def layer(config: MaxTextConfig, family: Family | None = None, dense: bool = Fal
   )
 
 
+def pipeline(config: MaxTextConfig) -> Schedule | None:
+  """The pipeline schedule around the main layer stack, or None without pipeline parallelism."""
+  plan = Plan.of(config)
+  if plan is None:
+    return None
+  fsdp_axes = frozenset(dict(rules(config)).get("embed", ()))  # the mesh axes the layers' 'embed' dimension is sharded over
+  return Schedule(plan, rules(config), fsdp_axes, config.remat_policy, config.num_experts_per_tok)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpecs:
   """What the decoder around the layers builds from (maxtext.models.decoder)."""
@@ -214,9 +224,10 @@ class ModelSpecs:
   dense_layer: LayerSpec  # DeepSeek's leading dense layers
   norm: NormSpec  # the final norm and the MTP modules' norms
   residual: ResidualSpec
-  context: context_parallel.Layout | None  # context parallelism's sequence layout
+  context: context_parallel.Layout | None  # context parallelism's sequence layout (its wrapper goes around the model call)
+  pipeline: Schedule | None = None  # the pipeline schedule wrapped around the main layer stack
 
 
 def model(config: MaxTextConfig, family: Family | None = None) -> ModelSpecs:
   family = family or family_of(config)
-  return ModelSpecs(layer(config, family), layer(config, family, dense=True), norm(config, family), residual(config), context_layout(config))
+  return ModelSpecs(layer(config, family), layer(config, family, dense=True), norm(config, family), residual(config), context_layout(config), pipeline(config))
