@@ -38,3 +38,20 @@ def test_one_jitted_layer_follows_the_adapter_ids_it_is_handed():
   # per-token ids: the first half of each row on slot 1; causal attention keeps those positions' outputs slot 1's
   np.testing.assert_allclose(per_token[:, :4], every_row[1][:, :4], rtol=0, atol=1e-5)
   assert np.abs(per_token[:, 4:] - every_row[1][:, 4:]).max() > 1e-3
+
+
+def test_adapted_router_takes_each_rows_adapter():
+  """The MoE router sees tokens, not rows: each token gets its row's adapter (several rows in one call)."""
+  config = tiny("mixtral", lora={**MULTI, "lora_module_path": "mlp/gate$"})
+  layer = _with_random_b(DecoderLayer(specs.layer(config), policy=platform.resolve(config), rngs=nnx.Rngs(0)), seed=3)
+  x = jax.random.normal(jax.random.key(4), (2, 8, config.emb_dim), jnp.float32)
+  positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+
+  def run(ids: jax.Array) -> np.ndarray:
+    return np.asarray(layer(x, positions, None, 0, adapter_ids=ids)[0])
+
+  slot = {s: run(jnp.full((2,), s, jnp.int32)) for s in (0, 2)}
+  mixed = run(jnp.asarray([2, 0], jnp.int32))
+  assert np.abs(slot[0] - slot[2]).max() > 1e-4  # the router's adapters change the routing weights
+  np.testing.assert_allclose(mixed[0], slot[2][0], rtol=0, atol=1e-6)
+  np.testing.assert_allclose(mixed[1], slot[0][1], rtol=0, atol=1e-6)
