@@ -1,4 +1,5 @@
-"""remat_policy name -> the jax.checkpoint policy of each decoder layer."""
+"""What the layer loops keep for the backward pass: remat_policy name -> the jax.checkpoint policy of each decoder layer,
+and tied_to_carry, which keeps stacked weights' dtype casts inside the loop."""
 
 from __future__ import annotations
 
