@@ -17,7 +17,7 @@ from tests.test_bad_inputs import _run_case, _train, assert_one_line_exit_2
 from tests.test_multihost import free_port, train_args
 
 REPO = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 300
+TIMEOUT_S = 900
 STEPS = 20
 KILL_AFTER = 16  # on_step(16) runs while step 17 runs: both processes die in step 17
 # python -m maxtext.train, whose train() kills its own process (kill -9) once step KILL_AFTER is logged
@@ -38,8 +38,11 @@ def tier_args(out: Path, run_name: str) -> tuple[str, ...]:
   )
 
 
-def start(out: Path, run_name: str, kill: bool = False) -> list[tuple[subprocess.Popen, Path]]:
-  """2 processes x 4 CPU devices of the train command (joined on 127.0.0.1), sharing a compilation cache."""
+def start(
+  out: Path, run_name: str, kill: bool = False, processes: int = 2, steps: int = STEPS, extra: tuple[str, ...] | None = None
+) -> list[tuple[subprocess.Popen, Path]]:
+  """`processes` processes x 4 CPU devices of the train command (joined on 127.0.0.1), sharing a compilation cache.
+  extra: settings beyond the tiny model's (default: this file's local tier)."""
   env = {k: v for k, v in os.environ.items() if not k.startswith("M_")}
   env.update(
     JAX_PLATFORMS="cpu",
@@ -51,13 +54,15 @@ def start(out: Path, run_name: str, kill: bool = False) -> list[tuple[subprocess
     PYTHONPATH=str(REPO),
   )
   program = ["-c", KILLER] if kill else ["-m", "maxtext.train"]
-  args = [sys.executable, *program, *train_args(out, run_name, STEPS, tier_args(out, run_name))]
-  args += [f"jax_coordinator_address=127.0.0.1:{free_port()}", "jax_num_processes=2", "jax_distributed_initialization_timeout=60"]
+  args = [sys.executable, *program, *train_args(out, run_name, steps, tier_args(out, run_name) if extra is None else extra)]
+  if processes > 1:
+    args += [f"jax_coordinator_address=127.0.0.1:{free_port()}", f"jax_num_processes={processes}", "jax_distributed_initialization_timeout=120"]
   procs = []
-  for i in range(2):
-    log = out / f"{run_name}.{'killed' if kill else 'run'}.process{i}.log"
+  for i in range(processes):
+    log = out / f"{run_name}.{'killed' if kill else steps}.process{i}.log"
     with open(log, "w") as f:
-      procs.append((subprocess.Popen([*args, f"jax_process_id={i}"], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO), log))
+      extra_id = [f"jax_process_id={i}"] if processes > 1 else []
+      procs.append((subprocess.Popen([*args, *extra_id], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO), log))
   return procs
 
 

@@ -72,8 +72,8 @@ def pack(state: Any, meta: dict[str, Any]) -> bytes:
       key = _index_key(i, index, shape)
       if key in entries:
         continue
-      raw = np.ascontiguousarray(np.asarray(data))
-      blob = raw.tobytes()
+      raw = np.asarray(data)
+      blob = raw.tobytes()  # C order, whatever the layout
       entries[key] = [raw.dtype.name, list(raw.shape), offset, len(blob)]
       chunks.append(blob)
       offset += len(blob)
@@ -138,7 +138,8 @@ def ring_send(payload: bytes, shift: int) -> bytes:
   mine = mesh.devices[jax.process_index()]
   arr = jax.make_array_from_single_device_arrays((n, width), sharding, [jax.device_put(buf, mine)])
   perm = [(i, (i + shift) % n) for i in range(n)]
-  moved = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, "processes", perm), mesh=mesh, in_specs=sharding.spec, out_specs=sharding.spec))(arr)
+  with jax.set_mesh(mesh):  # the loop's own mesh is set around saves and restores
+    moved = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, "processes", perm), mesh=mesh, in_specs=sharding.spec, out_specs=sharding.spec))(arr)
   source = (jax.process_index() - shift) % n
   return np.asarray(moved.addressable_shards[0].data)[0, : sizes[source]].tobytes()
 
