@@ -138,3 +138,29 @@ def test_bad_local_tier_settings_are_one_line(tmp_path, extra, mention):
   proc, before, after = _run_case(_train(*extra), tmp, tmp_path / "none", "")
   assert_one_line_exit_2(proc, mention)
   assert before == after  # nothing written
+
+
+def test_local_files_round_trip_and_refuse_damage():
+  """pack/unpack keep every shard's bytes, dtype and sharding (bfloat16 and 0-d included); altered data is refused."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from maxtext.train import local_checkpoints
+
+  mesh = Mesh(np.array(jax.devices()), ("a",))
+  state = {
+    "w": jax.device_put(jnp.arange(64, dtype=jnp.bfloat16).reshape(8, 8) / 7, NamedSharding(mesh, P("a"))),
+    "step": jax.device_put(jnp.int32(7), NamedSharding(mesh, P())),
+  }
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+  payload = local_checkpoints.pack(state, {"step": 7})
+  back = local_checkpoints.unpack(payload, abstract)
+  assert back["w"].dtype == jnp.bfloat16 and back["w"].sharding == state["w"].sharding
+  assert np.array_equal(np.asarray(back["w"]), np.asarray(state["w"])) and int(back["step"]) == 7
+  damaged = bytearray(payload)
+  damaged[-1] ^= 1
+  with pytest.raises(ValueError, match="checksum"):
+    local_checkpoints.unpack(bytes(damaged), abstract)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import struct
@@ -105,7 +106,10 @@ def unpack(payload: bytes, abstract_state: Any) -> Any:
       if key not in header["arrays"]:
         raise ValueError(f"it lacks the shard {key} (saved on another device layout)")
       dtype, dims, offset, size = header["arrays"][key]
-      host = np.frombuffer(data[offset : offset + size], dtype=jnp.dtype(dtype)).reshape(dims)
+      want = tuple(len(range(*s.indices(dim))) for s, dim in zip(index, shape))  # this device's shard shape
+      if math.prod(dims) != math.prod(want):
+        raise ValueError(f"its shard {key} holds {dims}, this layout needs {list(want)}")
+      host = np.frombuffer(data[offset : offset + size], dtype=jnp.dtype(dtype)).reshape(want)
       per_device.append(jax.device_put(host, device))
     out.append(jax.make_array_from_single_device_arrays(shape, leaf.sharding, per_device))
   return jax.tree_util.tree_unflatten(treedef, out)
