@@ -95,8 +95,8 @@ def runs(tmp_path_factory):
   assert first["full"][0] == [0, 0], first["full"][1][-3000:]
   assert all(code != 0 for code in first["killed"][0]), first["killed"][1][-3000:]
   shutil.copytree(out / "killed", out / "replaced")
-  shutil.copytree(out / "local_killed", out / "local_replaced")
-  shutil.rmtree(out / "local_replaced" / "process_1")
+  shutil.copytree(out / "local_killed" / "killed", out / "local_replaced" / "replaced")
+  shutil.rmtree(out / "local_replaced" / "replaced" / "process_1")
   second = wait({"killed": start(out, "killed"), "replaced": start(out, "replaced")})
   for label, (codes, text) in second.items():
     assert codes == [0, 0], f"{label}: {text[-3000:]}"
@@ -106,7 +106,9 @@ def runs(tmp_path_factory):
 def test_kill_9_resumes_from_the_local_step_with_identical_losses(runs):
   out, first, second = runs
   text = second["killed"][1]
-  assert f"restored checkpoint at step 15 from the local checkpoints in {out / 'local_killed'} (every process from its own copy)" in text, text[-3000:]
+  assert f"restored checkpoint at step 15 from the local checkpoints in {out / 'local_killed' / 'killed'} (every process from its own copy)" in text, text[
+    -3000:
+  ]
   full, resumed = losses(out, "full"), losses(out, "killed")
   assert sorted(full) == sorted(resumed) == list(range(STEPS))
   assert resumed == full  # bitwise: the same floats
@@ -117,9 +119,10 @@ def test_a_replaced_host_recovers_its_shards_from_the_peer_copy(runs):
   out, _, second = runs
   text = second["replaced"][1]
   where = "process 1 from the copy on process 0, the others from their own copies"
-  assert f"restored checkpoint at step 15 from the local checkpoints in {out / 'local_replaced'} ({where})" in text, text[-3000:]
+  assert f"restored checkpoint at step 15 from the local checkpoints in {out / 'local_replaced' / 'replaced'} ({where})" in text, text[-3000:]
   assert losses(out, "replaced") == losses(out, "full")
-  assert (out / "local_replaced" / "process_1" / "20").exists() is False  # step 20 went to persistent storage
+  assert not (out / "local_replaced" / "replaced" / "process_1" / "20").exists()  # step 20 went to persistent storage
+  assert (out / "local_replaced" / "replaced" / "process_1" / "15" / "own.bin").is_file()  # its own copy again
   assert (out / "replaced" / "checkpoints" / "20").is_dir()
 
 

@@ -2,11 +2,11 @@
 process's own shards to a directory on its own disk, with a copy on the next process, beside the persistent
 (Orbax) checkpoints of maxtext.train.checkpointing.
 
-Layout under local_checkpoint_directory (the same path on every host; process_<i>/ keeps processes that share one
-file system apart):
+Layout under local_checkpoint_directory (the same path on every host; <run_name>/ keeps runs apart, process_<i>/
+processes that share one file system):
 
-    process_<i>/<step>/own.bin        process i's shards of the train state and its data-iterator state
-    process_<i>/<step>/peer_<j>.bin   process j's own.bin (j = i - 1 mod processes), sent over the device network
+    <run_name>/process_<i>/<step>/own.bin        process i's shards of the train state and its data-iterator state
+    <run_name>/process_<i>/<step>/peer_<j>.bin   process j's own.bin (j = i - 1 mod processes), sent over the device network
 
 A file is written under a temporary name and renamed, so a file that exists is complete. The newest KEEP steps
 are kept. A restore takes the newest step that every process can complete from its own file or from the copy on
@@ -163,7 +163,7 @@ class LocalTier:
 
   def __init__(self, config: MaxTextConfig):
     self.config = config
-    self.root = Path(config.local_checkpoint_directory)
+    self.root = Path(config.local_checkpoint_directory) / config.run_name
     self.dir = self.root / f"process_{jax.process_index()}"
     self.period = config.local_checkpoint_period
     self.n = jax.process_count()
@@ -235,6 +235,9 @@ class LocalTier:
         break
       if all(step in own[p] or (self.n > 1 and step in held[(p + 1) % self.n]) for p in range(self.n)):
         complete.append(step)
+    if not complete and any(own) | any(held):
+      newest = "" if newer_than is None else f" newer than the newest persistent step {newer_than}"
+      log(f"no local checkpoint step in {self.root}{newest} is complete on every process (own files or peer copies)")
     for step in complete:
       missing = [p for p in range(self.n) if step not in own[p]]
       problem, result = None, None
