@@ -228,9 +228,7 @@ def _run(
       state = restore_or_init(setup, ckpt, data_iter, log_main, state_lib.compiled_formats(checked.step_fn), local)
     start = int(state["step"])
     writer = MetricsWriter(config)
-    loop = _Loop(config, checked, preemption, on_step, ckpt, writer, state, start, harness)
-    loop.local = local
-    result = loop.run()
+    result = _Loop(config, checked, preemption, on_step, ckpt, writer, state, start, harness, local).run()
     failed = False
     return result
   finally:
@@ -262,6 +260,7 @@ class _Loop:
     state: Any,
     start: int,
     harness: Callable[[Any, Any], dict] | None = None,
+    local: local_checkpoints.LocalTier | None = None,
   ):
     self.config, self.checked, self.preemption, self.on_step = config, checked, preemption, on_step
     self.ckpt, self.writer, self.state, self.start = ckpt, writer, state, start
@@ -272,7 +271,7 @@ class _Loop:
     self.last_time = 0.0  # perf_counter() when the last logged step (or eval) ended; set when the steps begin
     self.profiler = _Profiler(config, start)
     self.saved = start  # steps done in the newest saved (or restored) checkpoint
-    self.local: local_checkpoints.LocalTier | None = None  # the local checkpoint tier, when on
+    self.local = local  # the local checkpoint tier, when on
     self.last_persistent = time.monotonic()  # when the newest persistent save (or the start) was
 
   def run(self) -> TrainResult:
