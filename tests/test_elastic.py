@@ -4,6 +4,7 @@ elastic_batch=keep), with grain worker counts 0 and 2: its losses match within 1
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,29 @@ def test_two_one_two_processes_follow_the_uninterrupted_data_order(runs, workers
   assert len(set(full.values())) == STEPS  # every step a different batch: a repeated or skipped batch would show
   for step in range(STEPS):
     assert elastic[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
+
+
+def test_elastic_batch_rule(tmp_path):
+  """keep: the checkpoint's global batch, per_device_batch_size following the device count; scale: the configured
+  per-device batch; the same device count: the config as it is."""
+  from maxtext.config import ConfigError, from_overrides
+  from maxtext.train import elastic
+
+  step = tmp_path / "r" / "checkpoints" / "4"
+  (step / "items").mkdir(parents=True)
+  (step / "manifest").mkdir()
+  (step / "manifest" / "metadata").write_text(json.dumps({"arrays": {}, "settings": {}, "layout": {"num_devices": 8, "global_batch_size_to_train_on": 8}}))
+  said = []
+
+  def config(devices: int, **kw):
+    return from_overrides(num_devices=devices, base_output_directory=str(tmp_path), run_name="r", **{"per_device_batch_size": 1, **kw})
+
+  kept = elastic.resume_batch(config(4), said.append)
+  assert (kept.per_device_batch_size, kept.global_batch_size_to_train_on, kept.micro_batch_size_to_train_on) == (2, 8, 8)
+  assert said[-1].endswith("elastic_batch=keep holds the global batch at 8 sequences (per_device_batch_size 1 -> 2)")
+  scaled = elastic.resume_batch(config(4, elastic_batch="scale"), said.append)
+  assert scaled.global_batch_size_to_train_on == 4 and "elastic_batch=scale" in said[-1]
+  same = config(8, per_device_batch_size=2)
+  assert elastic.resume_batch(same, said.append) is same  # the same device count: a changed batch is the user's
+  with pytest.raises(ConfigError, match="gradient_accumulation_steps 3"):
+    elastic.resume_batch(config(4, gradient_accumulation_steps=3), said.append)

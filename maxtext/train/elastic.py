@@ -42,10 +42,18 @@ def resume_batch(config: MaxTextConfig, log: Callable[[str], None]) -> MaxTextCo
       f"{accumulation}; resume with the gradient_accumulation_steps it was trained with, or pass elastic_batch=scale"
     )
   per_device = saved / accumulation / devices
-  user = config.model_copy(update={"per_device_batch_size": per_device})
+  user = config.model_copy(update={"per_device_batch_size": per_device, **_pipeline_user_values(config)})
   try:
     updated = user.model_copy(update=derived.compute(user, num_devices=devices, num_slices=config.num_slices))
   except ConfigError as e:
     raise ConfigError(f"elastic_batch=keep: per_device_batch_size {per_device:g} for the checkpoint's global batch of {saved} sequences: {e}") from None
   log(f"{where}: elastic_batch=keep holds the global batch at {saved} sequences (per_device_batch_size {config.per_device_batch_size:g} -> {per_device:g})")
   return updated
+
+
+def _pipeline_user_values(config: MaxTextConfig) -> dict[str, int]:
+  """Without pipeline stages, derivation set the pipeline keys to 1 from their -1 defaults: back to what the user had,
+  so the config derives again (with stages, the resolved values derive to themselves)."""
+  axes = list(config.mesh_axes)
+  stages = config.ici_parallelism[axes.index("stage")] * config.dcn_parallelism[axes.index("stage")] if "stage" in axes else 1
+  return {"num_pipeline_microbatches": -1, "num_pipeline_repeats": -1} if stages == 1 else {}
