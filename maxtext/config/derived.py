@@ -34,6 +34,7 @@ PATH_KEYS = (
   "save_quantized_params_path",
   "grain_train_mixture_config_path",
   "eval_harness_include_path",
+  "local_checkpoint_directory",
 )
 GRADIENT_QUANTIZED = ("fp8", "fp8_full")  # modes whose backward products quantize the incoming gradient
 GLOB_KEYS = ("grain_train_files", "grain_eval_files", "hf_train_files", "hf_eval_files")
@@ -169,6 +170,24 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
   missing = [a for a in c.data_sharding if a not in c.mesh_axes]
   if missing:
     raise ConfigError(f"data_sharding names {missing}, not in mesh_axes {c.mesh_axes}; fix one of the two")
+
+
+def _check_local_tier(c: MaxTextConfig) -> None:
+  """The local checkpoint tier's keys: a directory and a positive period when it is on (docs/checkpointing.md)."""
+  interval = c.multi_tier_checkpointing_backup_interval_minutes
+  if interval is not None and not c.enable_multi_tier_checkpointing:
+    raise ConfigError("multi_tier_checkpointing_backup_interval_minutes applies only with enable_multi_tier_checkpointing=true; set it or drop the interval")
+  if interval is not None and interval <= 0:
+    raise ConfigError(f"invalid value for 'multi_tier_checkpointing_backup_interval_minutes': {interval}; use a positive number of minutes (or null: none)")
+  if not (c.enable_emergency_checkpoint or c.enable_multi_tier_checkpointing):
+    return
+  which = "enable_multi_tier_checkpointing" if c.enable_multi_tier_checkpointing else "enable_emergency_checkpoint"
+  if c.local_checkpoint_period <= 0:
+    raise ConfigError(f"invalid value for 'local_checkpoint_period': {c.local_checkpoint_period}; {which}=true needs a positive number of steps")
+  if not c.local_checkpoint_directory:
+    raise ConfigError(f"{which}=true needs local_checkpoint_directory (a directory on each host's own disk)")
+  if not c.enable_checkpointing:
+    raise ConfigError(f"{which}=true adds a local tier to the persistent checkpoints; set enable_checkpointing=true")
 
 
 def _check_quantization(c: MaxTextConfig) -> None:
@@ -362,6 +381,7 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
   heads = c.base_num_query_heads * mult["heads"]
   kv_heads = c.base_num_kv_heads * mult["heads"]
   _check_cross_fields(c, heads, kv_heads)
+  _check_local_tier(c)
 
   devices, slices = _device_counts(c, num_devices, num_slices)
   if devices % slices:

@@ -73,6 +73,21 @@ class Checkpointing(Section):
   checkpoint_is_quantized: bool = Field(
     False, description="load_parameters_path holds quantized kernels and scales (save_quantized_params_path output), loaded as they are."
   )
+  enable_emergency_checkpoint: bool = Field(
+    False, description="Local tier: each process saves its shards to local_checkpoint_directory every local_checkpoint_period steps (docs/checkpointing.md)."
+  )
+  enable_multi_tier_checkpointing: bool = Field(
+    False, description="The local tier, plus a persistent save every multi_tier_checkpointing_backup_interval_minutes (docs/checkpointing.md)."
+  )
+  local_checkpoint_directory: str = Field("", description="Local tier: a directory on each host's own disk (process_<i>/ below it per process).")
+  local_checkpoint_period: int = Field(0, description="Local tier: save every this many steps (positive when the local tier is on).")
+  multi_tier_checkpointing_backup_interval_minutes: int | None = Field(
+    None, description="enable_multi_tier_checkpointing: also save persistently once this many minutes passed since the last persistent save."
+  )
+  elastic_batch: Literal["keep", "scale"] = Field(
+    "keep",
+    description="Resuming on another device count: keep the checkpoint's global batch (per_device_batch_size follows) or scale it (per_device_batch_size kept).",
+  )
 
 
 class HardwareAndMesh(Section):
@@ -298,6 +313,9 @@ class DatasetGeneral(Section):
   grain_file_type: Literal["arrayrecord", "parquet", "jsonl"] = Field("arrayrecord", description="grain: file format.")
   grain_worker_count: int = Field(
     1, ge=0, description="Data worker processes for random-access sources (ArrayRecord, JSONL, tfds, embedded); 0 -> main process."
+  )
+  grain_use_elastic_iterator: bool = Field(
+    False, description="Each process reads the global batches and keeps its rows: the data position is global, so a run resumes on another process count."
   )
   grain_prefetch_buffer_size: int = Field(2, ge=0, description="Batches prefetched per worker (or by a thread when there are no workers); 0 -> none.")
   grain_shuffle_buffer_size: int = Field(1024, gt=0, description="Records in the shuffle window of streamed sources (grain parquet, hf).")

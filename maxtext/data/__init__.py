@@ -41,8 +41,11 @@ def create_iterator(config: MaxTextConfig, mesh: Mesh, split: str = "train") -> 
   notes, why_empty = [], ""
   if config.use_dpo:  # dropped pairs are counted and named, not lost silently
     notes, why_empty = dpo_notes(config, split, process_index, process_count)
-  dataset, description = local_batches(config, split, process_index, process_count, local_batch)
-  iterator = DataIterator(dataset, config, mesh, split, description, process_index, process_count, why_empty, names)
+  if config.grain_use_elastic_iterator:  # every process reads the global batches, so the data position is global
+    dataset, description = local_batches(config, split, 0, 1, local_batch * process_count)
+  else:
+    dataset, description = local_batches(config, split, process_index, process_count, local_batch)
+  iterator = DataIterator(dataset, config, mesh, split, description, process_index, process_count, why_empty, names, config.grain_use_elastic_iterator)
   iterator.notes = notes
   return iterator
 

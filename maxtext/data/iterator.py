@@ -39,12 +39,15 @@ class DataIterator:
     process_count: int,
     why_empty: str = "",
     mixture_names: tuple[str, ...] = (),
+    elastic: bool = False,
   ):
     self.split = split
     self.description = description
     self.process_index, self.process_count = process_index, process_count
     rows = batch_rows(config, split)
     self.local_batch = rows // process_count
+    self.elastic = elastic  # grain_use_elastic_iterator: dataset yields global batches; this process keeps its rows
+    self.read_rows = rows if elastic else self.local_batch
     self.num_epoch = config.num_epoch
     self.global_shape = (rows, config.max_target_length)
     self.sharding = mesh_lib.data_sharding(config, mesh)
@@ -92,16 +95,19 @@ class DataIterator:
     return mixture.fractions(self.mixture_names, self._mixture_counts) if self.mixture_names else {}
 
   def get_state(self) -> dict[str, Any]:
-    """JSON-serialisable position of this process's data (restore it with set_state)."""
+    """JSON-serialisable position of this process's data (restore it with set_state); elastic: the global position,
+    the same on every process and valid for any process count."""
     inner = self._state_before_peek if self._peeked is not None else self._it.get_state()
     state = {
       "version": STATE_VERSION,
       "split": self.split,
-      "process_index": self.process_index,
-      "process_count": self.process_count,
+      "process_index": None if self.elastic else self.process_index,
+      "process_count": None if self.elastic else self.process_count,
       "batches_read": self._batches_read,
       "grain": inner,
     }
+    if self.elastic:
+      state["global_rows"] = self.read_rows
     if self.mixture_names:
       state["mixture_counts"] = dict(zip(self.mixture_names, self._mixture_counts.tolist()))
     return state
@@ -113,10 +119,15 @@ class DataIterator:
     another process layout), DataError. The iterator is unchanged when either is raised."""
     if state.get("version") != STATE_VERSION or state.get("split") != self.split or not isinstance(state.get("batches_read"), int):
       raise ValueError(f"not a {self.split} data-iterator state of version {STATE_VERSION} (version {state.get('version')!r}, split {state.get('split')!r})")
-    if (state.get("process_index"), state.get("process_count")) != (self.process_index, self.process_count):
+    if self.elastic != ("global_rows" in state):
+      saved, now = ("true", "false") if "global_rows" in state else ("false", "true")
+      raise DataError(
+        f"the saved data position was written with grain_use_elastic_iterator={saved}, this run has {now}; resume with grain_use_elastic_iterator={saved}"
+      )
+    if not self.elastic and (state.get("process_index"), state.get("process_count")) != (self.process_index, self.process_count):
       raise DataError(
         f"data iterator state was saved by process {state.get('process_index')} of {state.get('process_count')}, "
-        f"this is process {self.process_index} of {self.process_count}; resume with the same number of processes"
+        f"this is process {self.process_index} of {self.process_count}; resume with the same number of processes (or start runs with grain_use_elastic_iterator=true)"
       )
     counts = state.get("mixture_counts", {})
     if list(counts) != self.mixture_names:
@@ -167,8 +178,11 @@ class DataIterator:
     keys = self.keys + (MIXTURE_KEY,) if self.mixture_names else self.keys
     batch = {k: np.asarray(batch[k], np.int32) for k in keys}
     rows = batch["inputs"].shape[0]
-    if rows < self.local_batch:  # the last eval batch: pad with empty rows (on the base model)
-      batch = {k: np.pad(v, ((0, self.local_batch - rows), (0, 0)), constant_values=NO_ADAPTER if k == ADAPTER_KEY else 0) for k, v in batch.items()}
+    if rows < self.read_rows:  # the last eval batch: pad with empty rows (on the base model)
+      batch = {k: np.pad(v, ((0, self.read_rows - rows), (0, 0)), constant_values=NO_ADAPTER if k == ADAPTER_KEY else 0) for k, v in batch.items()}
+    if self.elastic:  # this process's rows of the global batch
+      first = self.process_index * self.local_batch
+      batch = {k: v[first : first + self.local_batch] for k, v in batch.items()}
     return batch
 
 

@@ -43,7 +43,7 @@ from maxtext.train import checksums, outputs
 ITEM = "items"
 SCHEDULE = "schedule"  # Orbax JSON item of each step: {"learning_rate_schedule_steps": N}
 SCHEDULE_KEY = "learning_rate_schedule_steps"
-MANIFEST = "manifest"  # Orbax JSON item of each step: {"arrays": {path: [dtype, checksum]}, "settings": {key: value}}
+MANIFEST = "manifest"  # Orbax JSON item of each step: {"arrays": {path: [dtype, checksum]}, "settings": {key: value}, "layout": layout_of}
 # The settings a manifest records: those that shape the checkpointed state (or, for LoRA, the frozen base it trained over).
 MANIFEST_SETTINGS = (
   "opt_type",
@@ -111,7 +111,7 @@ class Checkpointer:
       f.write_text(json.dumps(data_state))
     state = pipeline.to_storage(state, self.config)
     record = {SCHEDULE_KEY: self.config.learning_rate_schedule_steps}
-    manifest = {"arrays": checksums.of_state(state), "settings": settings_of(self.config)}
+    manifest = {"arrays": checksums.of_state(state), "settings": settings_of(self.config), "layout": layout_of(self.config)}
     items = {ITEM: ocp.args.StandardSave(state), SCHEDULE: ocp.args.JsonSave(record), MANIFEST: ocp.args.JsonSave(manifest)}
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     self._prune_data_states(keep=step)
@@ -156,7 +156,7 @@ class Checkpointer:
       if problem is None:
         restored, problem = self._arrays(step, abstract_state, manifest)
       if problem is None and data_iter is not None:
-        problem = _moved_to(data_iter, data_state, self.directory / str(step))
+        problem = moved_to(data_iter, data_state, self.directory / str(step))
       if not all_processes_agree(problem is None) and problem is None:
         problem = "another process cannot use it"
       if problem is None:
@@ -261,6 +261,11 @@ def settings_of(config: MaxTextConfig) -> dict[str, Any]:
   return out
 
 
+def layout_of(config: MaxTextConfig) -> dict[str, int]:
+  """What a manifest records of the device layout a step was trained on (for elastic_batch on a resume elsewhere)."""
+  return {"num_devices": config.num_devices, "global_batch_size_to_train_on": config.global_batch_size_to_train_on}
+
+
 def read_manifest(step_dir: epath.Path) -> tuple[dict[str, Any] | None, str | None]:
   """(a step's manifest, None); (None, None) for a step saved before manifests were written; (None, why it is unusable)."""
   item = step_dir / MANIFEST
@@ -301,7 +306,7 @@ def checksum_problem(manifest: dict[str, Any] | None, restored: Any) -> str | No
   return f"its arrays differ from the checksums recorded when it was saved: {shorten(bad, 3)}"
 
 
-def _moved_to(data_iter: Any, state: dict[str, Any], step_dir: epath.Path) -> str | None:
+def moved_to(data_iter: Any, state: dict[str, Any], step_dir: epath.Path) -> str | None:
   """Move data_iter to a step's saved state: None, or why the state is damaged (ValueError and the like). A state of
   another pipeline (the iterator's UserError: other data settings or process count) is a one-line ConfigError."""
   try:

@@ -16,7 +16,7 @@ from maxtext.data.mixture import data_metrics
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
 from maxtext.models import pipeline
-from maxtext.train import checkpointing, diloco, goodput, initial_params, outputs, preflight, reference, run_lock, run_report
+from maxtext.train import checkpointing, diloco, elastic, goodput, initial_params, local_checkpoints, outputs, preflight, reference, run_lock, run_report
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train.metrics import MetricsWriter, format_line
@@ -47,24 +47,42 @@ def create_data_iterator(config: MaxTextConfig, mesh: jax.sharding.Mesh, split: 
 
 
 def restore_or_init(
-  setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpointer | None, data_iter: Any, log: Callable[[str], None], formats: Any = None
+  setup: setup_lib.TrainSetup,
+  ckpt: checkpointing.Checkpointer | None,
+  data_iter: Any,
+  log: Callable[[str], None],
+  formats: Any = None,
+  local: local_checkpoints.LocalTier | None = None,
 ) -> Any:
   """The run's own latest checkpoint (with data_iter moved to its data position), else load_parameters_path /
   load_full_state_path, else a fresh init. data_iter None: the data position is not restored (nor checked).
 
   formats: the compiled step's state formats; the state comes back in them (restored arrays are moved there).
+  local: the local checkpoint tier, whose newest complete step wins when it is newer than the newest persistent one.
   """
-  state = _restore_or_init(setup, ckpt, data_iter, log, formats)
+  state = _restore_or_init(setup, ckpt, data_iter, log, formats, local)
   return state if formats is None else state_lib.placed(state, formats)
 
 
-def _restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpointer | None, data_iter: Any, log: Callable[[str], None], formats: Any) -> Any:
+def _restore_or_init(
+  setup: setup_lib.TrainSetup,
+  ckpt: checkpointing.Checkpointer | None,
+  data_iter: Any,
+  log: Callable[[str], None],
+  formats: Any,
+  local: local_checkpoints.LocalTier | None = None,
+) -> Any:
   config = setup.config
+  if ckpt is not None and local is not None:
+    state = local_checkpoints.restore_newer(local, setup.abstract_state, config, ckpt, data_iter, log)
+    if state is not None:
+      return _with_frozen_base(setup, state, log, formats)
   if ckpt is not None:
     restored = ckpt.restore_latest(state_lib.checkpointed(setup.abstract_state, config), log, data_iter)
     if restored is not None:
       step = int(restored.state["step"])
-      log(f"restored checkpoint at step {step} from {config.checkpoint_dir}")
+      tier = "persistent storage " if local is not None else ""
+      log(f"restored checkpoint at step {step} from {tier}{config.checkpoint_dir}")
       warning = checkpointing.schedule_warning(config, restored.schedule_steps, step, ckpt.directory)
       if warning:
         log(warning)
@@ -172,6 +190,7 @@ def train(
     if done and done[0] >= config.steps:  # a rerun of a finished run: say so, touch nothing
       log_main(f"checkpoint at step {done[0]} in {config.checkpoint_dir} already reaches steps={config.steps}; nothing to train (raise steps to train further)")
       return TrainResult(done[0], {}, {}, "nothing_to_train")
+    config = elastic.resume_batch(config, log_main)  # elastic_batch, when the checkpoint was trained on another device count
     harness = None  # eval_harness_interval: its tasks are checked here, before anything is compiled or written
     if config.eval_harness_interval > 0:
       from maxtext.integrations.harness_training import TrainingHarness
@@ -206,15 +225,17 @@ def _run(
   timing = timing or goodput.Goodput(False, False, config.log_period)
   mesh, setup, data_iter = checked.mesh, checked.setup, checked.data_iter
   ckpt = checkpointing.Checkpointer(config) if config.enable_checkpointing else None
+  local = local_checkpoints.LocalTier(config) if ckpt is not None and local_checkpoints.enabled(config) else None
   writer: MetricsWriter | None = None
   failed = True
   try:
     resuming = ckpt is not None and bool(checkpointing.saved_steps(config.checkpoint_dir)) or bool(config.load_full_state_path)
+    resuming = resuming or (local is not None and local.has_steps())
     with jax.set_mesh(mesh), timing.phase("checkpoint_restore" if resuming else "initialization"):
-      state = restore_or_init(setup, ckpt, data_iter, log_main, state_lib.compiled_formats(checked.step_fn))
+      state = restore_or_init(setup, ckpt, data_iter, log_main, state_lib.compiled_formats(checked.step_fn), local)
     start = int(state["step"])
     writer = MetricsWriter(config)
-    result = _Loop(config, checked, preemption, on_step, ckpt, writer, state, start, harness, timing).run()
+    result = _Loop(config, checked, preemption, on_step, ckpt, writer, state, start, harness, timing, local).run()
     failed = False
     return result
   finally:
@@ -247,6 +268,7 @@ class _Loop:
     start: int,
     harness: Callable[[Any, Any], dict] | None = None,
     timing: goodput.Goodput | None = None,
+    local: local_checkpoints.LocalTier | None = None,
   ):
     self.timing = timing or goodput.Goodput(False, False, config.log_period)  # where the wall time goes (maxtext.train.goodput)
     self.config, self.checked, self.preemption, self.on_step = config, checked, preemption, on_step
@@ -258,6 +280,8 @@ class _Loop:
     self.last_time = 0.0  # perf_counter() when the last logged step (or eval) ended; set when the steps begin
     self.profiler = _Profiler(config, start)
     self.saved = start  # steps done in the newest saved (or restored) checkpoint
+    self.local = local  # the local checkpoint tier, when on
+    self.last_persistent = time.monotonic()  # when the newest persistent save (or the start) was
 
   def run(self) -> TrainResult:
     """Banner, the steps, then the end: the final save, the preemption line and the summary."""
@@ -330,9 +354,18 @@ class _Loop:
         self.on_step(step)
 
   def checkpoint(self, done: int) -> None:
-    """Save after `done` steps at every checkpoint_period and, with save_checkpoint_on_completion, after the last step."""
+    """Save after `done` steps at every checkpoint_period and, with save_checkpoint_on_completion, after the last step;
+    else to the local tier at its period (persistently instead once multi_tier_checkpointing_backup_interval_minutes passed)."""
     if done % self.config.checkpoint_period == 0 or (done == self.config.steps and self.config.save_checkpoint_on_completion):
       self.save(done)
+    elif self.local is not None and self.local.due(done):
+      if local_checkpoints.backup_due(self.config, time.monotonic() - self.last_persistent):
+        self.save(done)
+      else:
+        self.log(self.state)
+        self.writer.flush()
+        with self.timing.phase("checkpoint_save"):
+          self.local.save(done, state_lib.checkpointed(self.state, self.config), self.checked.data_iter.get_state())
 
   def save(self, steps_done: int) -> None:
     """Log every pending step (a NaN in the step being saved aborts here, before anything is written), then save."""
@@ -342,6 +375,7 @@ class _Loop:
       with self.timing.phase("checkpoint_save"):
         self.ckpt.save(steps_done, state_lib.checkpointed(self.state, self.config), self.checked.data_iter.get_state())
         self.saved = steps_done
+        self.last_persistent = time.monotonic()
 
   def eval(self, step: int) -> bool:
     """Evaluate after step every eval_interval steps; False when the run stops (preempted, or target_eval_loss reached)."""

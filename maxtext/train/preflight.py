@@ -128,6 +128,9 @@ def check_outputs(config: MaxTextConfig, checkpoint_bytes: int) -> None:
   if config.enable_checkpointing:
     outputs.check_writable(config.checkpoint_dir, checkpoint_bytes, "checkpoint_dir")
   outputs.check_writable(os.path.dirname(config.checkpoint_dir.rstrip("/")), 0, "the run directory")
+  if config.enable_checkpointing and (config.enable_emergency_checkpoint or config.enable_multi_tier_checkpointing):
+    outputs.check_writable(config.local_checkpoint_directory, checkpoint_bytes, "local_checkpoint_directory")
+    outputs.check_can_make(config.local_checkpoint_directory, "local_checkpoint_directory")
   if config.metrics_file:
     outputs.check_writable(config.metrics_file, 0, "metrics_file", is_file=True)
   if config.enable_tensorboard or config.profiler == "xplane":
