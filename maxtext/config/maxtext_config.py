@@ -19,6 +19,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   m.MoEGeneral,
   m.MoEKernels,
   m.DeepSeekMoE,
+  m.Qwen3Next,
   m.MTP,
   m.ManifoldConstrainedHyperConnections,
   m.Logits,

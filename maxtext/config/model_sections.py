@@ -173,6 +173,19 @@ class DeepSeekMoE(Section):
   topk_routing_group: int = Field(-1, description="Group-limited routing: tokens choose experts only in their best this many groups; -1 -> off.")
 
 
+class Qwen3Next(Section):
+  inhomogeneous_layer_cycle_interval: int = Field(
+    1, gt=0, description="qwen3_next: every this many layers one is full (gated) attention, the others Gated DeltaNet (HF full_attention_interval)."
+  )
+  gdn_conv_kernel_dim: int = Field(4, gt=0, description="Gated DeltaNet: taps of the causal depthwise convolution over q, k, v.")
+  gdn_key_head_dim: int = Field(128, gt=0, description="Gated DeltaNet: width of each query/key head.")
+  gdn_value_head_dim: int = Field(128, gt=0, description="Gated DeltaNet: width of each value head.")
+  gdn_num_key_heads: int = Field(16, gt=0, description="Gated DeltaNet: query/key heads.")
+  gdn_num_value_heads: int = Field(32, gt=0, description="Gated DeltaNet: value heads, a multiple of gdn_num_key_heads.")
+  gdn_chunk_size: int = Field(64, gt=0, description="Gated DeltaNet: tokens per chunk of the chunked (training, prefill) form.")
+  partial_rotary_factor: float = Field(1.0, gt=0, le=1, description="Fraction of each attention head's features that rotate (qwen3_next: 0.25).")
+
+
 class MTP(Section):
   mtp_num_layers: int = Field(0, ge=0, description="Multi-token prediction modules (layer k predicts token t+1+k); training-only extra loss; 0 -> off.")
   mtp_loss_scaling_factor: float = Field(0.1, ge=0, description="Weight of the mean multi-token-prediction loss added to the training loss.")

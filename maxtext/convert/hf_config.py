@@ -40,7 +40,7 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek")
 WINDOWED_TYPES = ("gemma2", "gemma3_text", "gpt_oss")  # model types whose layer_types alternate sliding and full attention
 # Model types whose transformers attention puts a bias on q, k, v and o exactly when attention_bias is true (maxtext's
 # attention_bias); MistralAttention and MixtralAttention have no biases whatever the key says.
-BIASED_ATTENTION_TYPES = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
+BIASED_ATTENTION_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "gemma2", "gemma3_text", "gpt_oss")
 UNBIASED_ATTENTION_TYPES = ("mistral", "mixtral")
 # Gemma3TextConfig defaults for the fields a multimodal Gemma 3 config.json may leave out of its text_config.
 GEMMA3_TEXT_DEFAULTS = {
@@ -257,6 +257,50 @@ def _gpt_oss(hf: HFFields) -> dict[str, Any]:
   }
 
 
+def _qwen3_next(hf: HFFields) -> dict[str, Any]:
+  """Hybrid-attention, Gated DeltaNet and expert keys of a qwen3_next config.json; its layer_types must be the family's
+  pattern: per full_attention_interval layers, linear attention then one full attention layer."""
+  layers = hf.int("num_hidden_layers")
+  types = hf.texts("layer_types")
+  if types is not None:
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown:
+      raise ConfigError(f"config.json's layer_types has unknown type(s) {', '.join(unknown)}; qwen3_next has linear_attention and full_attention")
+    if len(types) != layers:
+      raise ConfigError(f"config.json lists {len(types)} layer_types for num_hidden_layers={layers}; the two contradict each other, fix one")
+  full = [i for i, t in enumerate(types or []) if t == "full_attention"]
+  interval = hf.int("full_attention_interval", full[0] + 1 if full else (layers + 1 if types else 4), minimum=1)
+  expected = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+  if types is not None and types != expected:
+    raise ConfigError(
+      f"config.json's layer_types are not {interval - 1} linear_attention layers then one full_attention layer, repeated; "
+      "maxtext's qwen3_next has that pattern: fix layer_types"
+    )
+  if hf.int("decoder_sparse_step", 1) != 1 or hf.values.get("mlp_only_layers"):
+    raise ConfigError("qwen3_next config.json with decoder_sparse_step != 1 or mlp_only_layers is not supported; every layer must be MoE")
+  keys, values = hf.int("linear_num_key_heads"), hf.int("linear_num_value_heads")
+  if values % keys:
+    raise ConfigError(f"config.json has linear_num_value_heads={values}, not a multiple of linear_num_key_heads={keys}; the two contradict each other")
+  width, shared = hf.int("moe_intermediate_size"), hf.int("shared_expert_intermediate_size", 0, minimum=0)
+  if shared % width:
+    raise ConfigError(f"config.json's shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size={width}; maxtext sizes shared experts so")
+  rope = {**hf.section("rope_scaling").values, **hf.section("rope_parameters").values}
+  return {
+    "inhomogeneous_layer_cycle_interval": interval,
+    "gdn_conv_kernel_dim": hf.int("linear_conv_kernel_dim", 4),
+    "gdn_key_head_dim": hf.int("linear_key_head_dim"),
+    "gdn_value_head_dim": hf.int("linear_value_head_dim"),
+    "gdn_num_key_heads": keys,
+    "gdn_num_value_heads": values,
+    "partial_rotary_factor": float(rope.get("partial_rotary_factor", hf.number("partial_rotary_factor", 0.25, positive=True))),
+    "num_experts": hf.int("num_experts"),
+    "num_experts_per_tok": hf.int("num_experts_per_tok"),
+    "base_moe_mlp_dim": width,
+    "shared_experts": shared // width,
+    "norm_topk_prob": hf.flag("norm_topk_prob", True),
+  }
+
+
 def stored_mtp_layers(hf: dict[str, Any], source: str = "config.json") -> int:
   """How many multi-token-prediction layers the checkpoint stores past num_hidden_layers (DeepSeek's
   num_nextn_predict_layers; no other family stores any)."""
@@ -299,7 +343,7 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
     "mlp_activations": [HF_ACTIVATIONS[act], "linear"],
     "logits_via_embedding": f.flag("tie_word_embeddings", False),
     "normalize_embedding_logits": False,
-    "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+    "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3_text"),
     "global_parameter_scale": 1,
     **_rope(f),
   }
@@ -332,6 +376,8 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
     out.update(_gpt_oss(f))
   if model_type in ("qwen3_moe", "deepseek_v3"):
     out.update(_moe(f, model_type))
+  if model_type == "qwen3_next":
+    out.update(_qwen3_next(f))
   dt = f.text("dtype", None) or f.text("torch_dtype", None)
   if dt in ("float32", "bfloat16", "float16"):
     out["dtype"] = dt

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from maxtext.errors import ConfigError
+from maxtext.models import registry
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # What a Hugging Face model directory holds besides its weights and config.json, copied into merged exports.
@@ -224,8 +225,11 @@ def _param_readers(files: _Files, config: Any, shapes: dict[str, tuple[int, ...]
     if read is None:
       return None
     readers[r.ours] = read
-  for stack, first, count, dense in hp._stacks(config):
-    for r in hp._layer_rules(config, dense):
+  kinds = registry.get(config.decoder_block).kinds(config)
+  if len({k.structure for k in kinds[config.first_num_dense_layers :]}) > 1:
+    return None  # a pattern of several layer structures (blocks, a remainder): read whole tensors
+  for stack, first, count, _ in hp._stacks(config):
+    for r in hp._layer_rules(config, kinds[first]):
       layers = []
       for i in range(count):
         path = f"{stack}/{r.ours}" if config.scan_layers else f"{stack}/{i}/{r.ours}"

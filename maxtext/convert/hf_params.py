@@ -18,7 +18,8 @@ import numpy as np
 from maxtext.config import MaxTextConfig
 from maxtext.convert import mxfp4
 from maxtext.errors import ConfigError, shorten
-from maxtext.models import registry
+from maxtext.models import layer_pattern, registry
+from maxtext.models.family import LayerKind
 
 Array = np.ndarray
 
@@ -67,9 +68,34 @@ def _bias(shape: tuple[int, ...]) -> tuple[Callable, Callable]:
   return functools.partial(_bias_to_ours, shape), functools.partial(_bias_to_hf, shape)
 
 
-def _attention_rules(c: MaxTextConfig) -> list[Rule]:
+def _conv_to_ours(w: Array) -> Array:
+  return np.ascontiguousarray(w[:, 0, :].T)
+
+
+def _conv_to_hf(w: Array) -> Array:
+  return np.ascontiguousarray(w.T[:, None, :])
+
+
+def _gated_deltanet_rules(c: MaxTextConfig) -> list[Rule]:
+  """Qwen3NextGatedDeltaNet (linear_attn.*): the fused projections keep HF's per-key-head order; conv1d [C, 1, K] is our [K, C]."""
+  e, hk, dk, hv, dv = c.emb_dim, c.gdn_num_key_heads, c.gdn_key_head_dim, c.gdn_num_value_heads, c.gdn_value_head_dim
+  r = hv // hk
+  return [
+    Rule("attention/in_proj_qkvz/kernel", "linear_attn.in_proj_qkvz.weight", *_linear((e,), (hk, 2 * dk + 2 * r * dv))),
+    Rule("attention/in_proj_ba/kernel", "linear_attn.in_proj_ba.weight", *_linear((e,), (hk, 2 * r))),
+    Rule("attention/conv", "linear_attn.conv1d.weight", _conv_to_ours, _conv_to_hf),
+    Rule("attention/A_log", "linear_attn.A_log", _identity, _identity),
+    Rule("attention/dt_bias", "linear_attn.dt_bias", _identity, _identity),
+    Rule("attention/norm/scale", "linear_attn.norm.weight", _identity, _identity),
+    Rule("attention/out_proj/kernel", "linear_attn.out_proj.weight", *_linear((hv, dv), (e,))),
+  ]
+
+
+def _attention_rules(c: MaxTextConfig, mixer: str = "attention") -> list[Rule]:
   e, h, kv, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
-  if "mla" in registry.get(c.decoder_block).mixers(c):
+  if mixer == "gated_deltanet":
+    return _gated_deltanet_rules(c)
+  if mixer == "mla":
     qk = c.qk_nope_head_dim + c.qk_rope_head_dim
     rules = []
     if c.q_lora_rank == 0:
@@ -87,7 +113,7 @@ def _attention_rules(c: MaxTextConfig) -> list[Rule]:
       Rule("attention/out/kernel", "self_attn.o_proj.weight", *_linear((h, c.v_head_dim), (e,))),
     ]
   rules = [
-    Rule("attention/query/kernel", "self_attn.q_proj.weight", *_linear((e,), (h, d))),
+    Rule("attention/query/kernel", "self_attn.q_proj.weight", *_linear((e,), (h, 2 * d if registry.get(c.decoder_block).attention_output_gate else d))),
     Rule("attention/key/kernel", "self_attn.k_proj.weight", *_linear((e,), (kv, d))),
     Rule("attention/value/kernel", "self_attn.v_proj.weight", *_linear((e,), (kv, d))),
     Rule("attention/out/kernel", "self_attn.o_proj.weight", *_linear((h, d), (e,))),
@@ -129,11 +155,12 @@ def _dense_mlp_rules(ours: str, hf: str) -> list[Rule]:
   ]
 
 
-def _layer_rules(c: MaxTextConfig, dense: bool = False) -> list[Rule]:
-  """Rules of one decoder layer; dense=True for DeepSeek's first_num_dense_layers."""
+def _layer_rules(c: MaxTextConfig, kind: LayerKind) -> list[Rule]:
+  """Rules of one decoder layer of this kind."""
   if len(c.mlp_activations) != 2:
     raise ConfigError("a single MLP activation has no Hugging Face layout; use mlp_activations=[<act>, linear]")
-  rules = _attention_rules(c)
+  rules = _attention_rules(c, kind.mixer)
+  dense = kind.ffn == "dense"
   for ours, hf in registry.get(c.decoder_block).hf_norm_names.items():
     rules.append(Rule(f"{ours}/scale", f"{hf}.weight", _identity, _identity))
   if c.num_experts == 1 or dense:
@@ -156,15 +183,46 @@ def _layer_rules(c: MaxTextConfig, dense: bool = False) -> list[Rule]:
   if c.routed_bias:
     rules.append(Rule("mlp/routed_bias", "mlp.gate.e_score_correction_bias", _identity, _identity))
   if c.shared_experts:
-    rules += _dense_mlp_rules("mlp/shared_experts", "mlp.shared_experts")
+    hf_shared = "mlp.shared_expert" if c.decoder_block == "qwen3_next" else "mlp.shared_experts"
+    rules += _dense_mlp_rules("mlp/shared_experts", hf_shared)
+    if registry.get(c.decoder_block).shared_expert_gate:
+      rules.append(Rule("mlp/shared_expert_gate/kernel", "mlp.shared_expert_gate.weight", _transpose, _transpose))
   return rules
 
 
 def _stacks(c: MaxTextConfig) -> list[tuple[str, int, int, bool]]:
-  """(our collection, first HF layer index, number of layers, dense) for each layer stack of the model."""
+  """(our collection, first HF layer index, number of layers, dense) for each layer stack of a model whose stacks each
+  hold one layer structure (maxtext.convert.hf_dir's sliced reads)."""
   n_dense = c.first_num_dense_layers
   moe = ("layers", n_dense, c.num_decoder_layers - n_dense, False)
   return [("dense_layers", 0, n_dense, True), moe] if n_dense else [moe]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  """Where HF layer `hf_index` sits among our parameters: under `prefix` ('layers', 'layers/<j>' of a block,
+  'layers/<i>' unscanned, 'layers_remainder/<i>'), at `index` of the stacked axis (None: not stacked)."""
+
+  hf_index: int
+  kind: LayerKind
+  prefix: str
+  index: int | None
+
+
+def _slots(c: MaxTextConfig) -> list[Slot]:
+  """Every decoder layer's place in the model's stacks (maxtext.models.layer_pattern), bottom to top."""
+  out = []
+  for stack in layer_pattern.stacks(registry.get(c.decoder_block).kinds(c)):
+    for i, kind in enumerate(stack.kinds):
+      n = stack.start + i
+      if not c.scan_layers:
+        out.append(Slot(n, kind, f"{stack.name}/{i}", None))
+      elif stack.period == 1:
+        out.append(Slot(n, kind, stack.name, i))
+      else:
+        j, idx = stack.locate(i)
+        out.append(Slot(n, kind, f"{stack.name}/{j}", idx) if j is not None else Slot(n, kind, f"{layer_pattern.REMAINDER}/{idx}", None))
+  return out
 
 
 def _global_rules(c: MaxTextConfig) -> list[Rule]:
@@ -185,7 +243,7 @@ def _mtp_rules(c: MaxTextConfig) -> list[Rule]:
     Rule("projection/kernel", "eh_proj.weight", _transpose, _transpose),
     Rule("out_norm/scale", "shared_head.norm.weight", _identity, _identity),
   ]
-  return rules + [dataclasses.replace(r, ours=f"layer/{r.ours}") for r in _layer_rules(c)]
+  return rules + [dataclasses.replace(r, ours=f"layer/{r.ours}") for r in _layer_rules(c, registry.get(c.decoder_block).kinds(c)[-1])]
 
 
 # DeepSeek stores copies of the embedding and the output head in every MTP layer; maxtext shares the main model's.
@@ -264,23 +322,22 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
       ) from None
 
   out: dict[str, Array] = {r.ours: convert(r, r.hf) for r in _global_rules(c)}
-  for stack, first, count, dense in _stacks(c):
-    per_layer: dict[str, list[Array]] = {}
-    for i in range(count):
-      prefix = f"model.layers.{first + i}."
-      for r in _layer_rules(c, dense):
-        if r.experts:
-          value = np.stack([convert(r, prefix + r.hf.format(j=j)) for j in range(c.num_experts)])
-        else:
-          value = convert(r, prefix + r.hf)
-        if c.scan_layers:
-          per_layer.setdefault(r.ours, []).append(value)
-        else:
-          out[f"{stack}/{i}/{r.ours}"] = value
-    try:
-      out.update({f"{stack}/{k}": np.stack(v) for k, v in per_layer.items()})
-    except ValueError as e:
-      raise ConfigError(f"layers' tensors differ in shape ({_first_line(e)}); the safetensors files disagree with config.json") from None
+  per_layer: dict[str, list[Array]] = {}  # stacked path -> its layers' values, in stack order
+  for slot in _slots(c):
+    prefix = f"model.layers.{slot.hf_index}."
+    for r in _layer_rules(c, slot.kind):
+      if r.experts:
+        value = np.stack([convert(r, prefix + r.hf.format(j=j)) for j in range(c.num_experts)])
+      else:
+        value = convert(r, prefix + r.hf)
+      if slot.index is None:
+        out[f"{slot.prefix}/{r.ours}"] = value
+      else:
+        per_layer.setdefault(f"{slot.prefix}/{r.ours}", []).append(value)
+  try:
+    out.update({k: np.stack(v) for k, v in per_layer.items()})
+  except ValueError as e:
+    raise ConfigError(f"layers' tensors differ in shape ({_first_line(e)}); the safetensors files disagree with config.json") from None
   for k in range(c.mtp_num_layers):
     prefix = f"model.layers.{c.num_decoder_layers + k}."
     for r in _mtp_rules(c):
@@ -338,22 +395,21 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
 
   out = {r.hf: r.to_hf(take(r.ours)) for r in _global_rules(c)}
   parts: dict[str, dict[int, Array]] = {}  # HF name -> its interleaved column sets, joined once all are in
-  for stack, first, count, dense in _stacks(c):
-    for r in _layer_rules(c, dense):
-      stacked = take(f"{stack}/{r.ours}") if c.scan_layers else None
-      for i in range(count):
-        value = stacked[i] if stacked is not None else take(f"{stack}/{i}/{r.ours}")
-        prefix = f"model.layers.{first + i}."
-        if r.experts:
-          for j in range(c.num_experts):
-            out[prefix + r.hf.format(j=j)] = r.to_hf(value[j])
-        elif r.part:
-          parts.setdefault(prefix + r.hf, {})[r.part[0]] = value
-          if len(parts[prefix + r.hf]) == r.part[1]:
-            joined = np.stack([parts[prefix + r.hf][k] for k in range(r.part[1])], axis=-1).reshape(*value.shape[:-1], -1)
-            out[prefix + r.hf] = r.to_hf(joined)
-        else:
-          out[prefix + r.hf] = r.to_hf(value)
+  for slot in _slots(c):
+    prefix = f"model.layers.{slot.hf_index}."
+    for r in _layer_rules(c, slot.kind):
+      value = take(f"{slot.prefix}/{r.ours}")
+      value = value if slot.index is None else value[slot.index]
+      if r.experts:
+        for j in range(c.num_experts):
+          out[prefix + r.hf.format(j=j)] = r.to_hf(value[j])
+      elif r.part:
+        parts.setdefault(prefix + r.hf, {})[r.part[0]] = value
+        if len(parts[prefix + r.hf]) == r.part[1]:
+          joined = np.stack([parts[prefix + r.hf][k] for k in range(r.part[1])], axis=-1).reshape(*value.shape[:-1], -1)
+          out[prefix + r.hf] = r.to_hf(joined)
+      else:
+        out[prefix + r.hf] = r.to_hf(value)
   for k in range(c.mtp_num_layers):
     prefix = f"model.layers.{c.num_decoder_layers + k}."
     for r in _mtp_rules(c):

@@ -22,6 +22,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.convert.hf_params import _layer_rules
 from maxtext.errors import ConfigError
 from maxtext.layers.lora import merge as merge_kernel
+from maxtext.models import registry
 from maxtext.train import outputs
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -39,7 +40,11 @@ def adapted_modules(flat: dict[str, Any], config: MaxTextConfig) -> list[str]:
 
 def _hf_module_names(config: MaxTextConfig) -> dict[str, str]:
   """Our module path inside a layer -> the Hugging Face module under model.layers.<i> (dense projections only)."""
-  return {r.ours[: -len("/kernel")]: r.hf[: -len(".weight")] for r in _layer_rules(config) if not r.experts and r.ours.endswith("/kernel")}
+  return {
+    r.ours[: -len("/kernel")]: r.hf[: -len(".weight")]
+    for r in _layer_rules(config, registry.get(config.decoder_block).kinds(config)[-1])
+    if not r.experts and r.ours.endswith("/kernel")
+  }
 
 
 def _layer_value(flat: dict[str, Any], config: MaxTextConfig, name: str, i: int) -> np.ndarray:

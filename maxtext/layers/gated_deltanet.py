@@ -261,26 +261,29 @@ class GatedDeltaNet(nnx.Module):
     conv = jnp.zeros((batch, s.conv_kernel - 1, s.conv_channels), self.policy.dtypes.compute)
     return GatedDeltaNetState(conv, jnp.zeros((batch, s.num_value_heads, s.key_head_dim, s.value_head_dim), jnp.float32))
 
-  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None) -> jax.Array:
     """Training: x [B, S, E] -> [B, S, E] by the chunked form, each document from an empty state."""
-    return self.mix(x, segment_ids, None, recurrent=False)[0]
+    return self.mix(x, segment_ids, None, recurrent=False, adapter_ids=adapter_ids)[0]
 
-  def prefill(self, x: jax.Array, segment_ids: jax.Array | None = None) -> tuple[jax.Array, GatedDeltaNetState]:
+  def prefill(self, x: jax.Array, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None) -> tuple[jax.Array, GatedDeltaNetState]:
     """Prefill: -> (output [B, S, E], the state after each row's last nonzero-segment token), by the chunked form."""
-    return self.mix(x, segment_ids, None, recurrent=False)
+    return self.mix(x, segment_ids, None, recurrent=False, adapter_ids=adapter_ids)
 
-  def decode_step(self, x: jax.Array, state: GatedDeltaNetState) -> tuple[jax.Array, GatedDeltaNetState]:
+  def decode_step(self, x: jax.Array, state: GatedDeltaNetState, adapter_ids: jax.Array | None = None) -> tuple[jax.Array, GatedDeltaNetState]:
     """Decode: x [B, S, E] (S = 1 per generated token) continuing `state` -> (output, state), token by token."""
-    return self.mix(x, None, state, recurrent=True)
+    return self.mix(x, None, state, recurrent=True, adapter_ids=adapter_ids)
 
-  def mix(self, x: jax.Array, segment_ids: jax.Array | None, state: GatedDeltaNetState | None, *, recurrent: bool) -> tuple[jax.Array, GatedDeltaNetState]:
-    """x [B, S, E] from `state` (None: empty) -> (y [B, S, E], state); recurrent picks the token-by-token form."""
+  def mix(
+    self, x: jax.Array, segment_ids: jax.Array | None, state: GatedDeltaNetState | None, *, recurrent: bool, adapter_ids: jax.Array | None = None
+  ) -> tuple[jax.Array, GatedDeltaNetState]:
+    """x [B, S, E] from `state` (None: empty) -> (y [B, S, E], state); recurrent picks the token-by-token form.
+    adapter_ids: each row's (or token's) LoRA slot, for projections lora_module_path adapts."""
     spec, rules = self.spec, self.spec.rules
     precision = self.policy.dtypes.precision
     b, s, _ = x.shape
     hk, dk, hv, dv, r = spec.num_key_heads, spec.key_head_dim, spec.num_value_heads, spec.value_head_dim, spec.group
-    qkvz = checkpoint_name(self.in_proj_qkvz(x), "query_proj")  # [B, S, H_k, 2 d_k + 2 r d_v]
-    ba = self.in_proj_ba(x).astype(jnp.float32)  # [B, S, H_k, 2 r]
+    qkvz = checkpoint_name(self.in_proj_qkvz(x, adapter_ids), "query_proj")  # [B, S, H_k, 2 d_k + 2 r d_v]
+    ba = self.in_proj_ba(x, adapter_ids).astype(jnp.float32)  # [B, S, H_k, 2 r]
     q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
     mixed = jnp.concatenate([q.reshape(b, s, hk * dk), k.reshape(b, s, hk * dk), v.reshape(b, s, hv * dv)], axis=-1)
     doc = document_index(segment_ids, b, s)
@@ -306,4 +309,4 @@ class GatedDeltaNet(nnx.Module):
     o = checkpoint_name(o, "context")
     gate = jax.nn.silu(z.reshape(b, s, hv, dv).astype(jnp.float32))
     y = (self.norm(o) * gate).astype(self.policy.dtypes.compute)
-    return checkpoint_name(self.out_proj(y), "out_proj"), GatedDeltaNetState(window, final)
+    return checkpoint_name(self.out_proj(y, adapter_ids), "out_proj"), GatedDeltaNetState(window, final)

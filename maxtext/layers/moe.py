@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers import moe_dispatch, quantization
-from maxtext.layers.linear import DenseGeneral, variance_scaling_init
+from maxtext.layers.linear import DenseGeneral, dense_kwargs, variance_scaling_init
 from maxtext.layers.mlp import MLP, MLPSpec
 from maxtext.layers.sharding import Rules
 from maxtext.mesh import logical_to_spec
@@ -68,6 +68,7 @@ class MoESpec:
   score_correction: bool = False  # a per-expert score-correction bias moved by the aux-loss-free update (routed_bias with sigmoid: DeepSeek)
   expert_bias: bool = False  # mlp_bias: every expert projection adds a per-expert bias
   shared: MLPSpec | None = None  # shared experts (shared_experts x width), run on every token
+  shared_gate: bool = False  # the shared experts' output is scaled per token by sigmoid(x w_gate) (Qwen3-Next's shared_expert_gate)
   capacity_factor: float = -1.0  # > 0: each expert takes at most ceil(factor x seq_len x k / experts) pairs per sequence
   wi_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wi_0/wi_1 (MaxText's wi_tile_* keys)
   wo_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wo (wo_tile_* keys)
@@ -250,6 +251,8 @@ class MoE(nnx.Module):
       self.wi_0_bias = self.wi_1_bias = self.wo_bias = None
     self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if spec.score_correction else None
     self.shared_experts = MLP(spec.shared, policy=policy, rngs=rngs) if spec.shared is not None else None
+    gated = spec.shared is not None and spec.shared_gate
+    self.shared_expert_gate = DenseGeneral((e,), (1,), ("embed", None), **dense_kwargs(policy, rngs)) if gated else None
 
   def __call__(self, x: jax.Array, valid: jax.Array, adapter_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics). adapter_ids [B] or
@@ -279,7 +282,10 @@ class MoE(nnx.Module):
     y, dropped = moe_dispatch.dispatch(x.astype(self.dtype), *routed, valid.reshape(b, s), weights, layout, plan, None if single else mesh)
     y = y.astype(self.dtype)
     if self.shared_experts is not None:
-      y = y + self.shared_experts(x, adapter_ids)
+      shared = self.shared_experts(x, adapter_ids)
+      if self.shared_expert_gate is not None:
+        shared = shared * jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32)).astype(shared.dtype)
+      y = y + shared
     w = valid.astype(jnp.float32)
     probs, tokens = jnp.einsum("te,t->e", r.probs, w), jnp.sum(w)
     stats = {

@@ -11,6 +11,7 @@ from flax import nnx
 
 from maxtext.layers import lora
 from maxtext.layers.attention import Attention, AttentionSpec
+from maxtext.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
 from maxtext.layers.lora import LoRASpec
 from maxtext.layers.mla import MLA, MLASpec
 from maxtext.layers.mlp import MLP, MLPSpec
@@ -24,7 +25,13 @@ if TYPE_CHECKING:
   from maxtext.inference.kv_cache import LayerCache
 
 
-MODULES: dict[type, type[nnx.Module]] = {AttentionSpec: Attention, MLASpec: MLA, MLPSpec: MLP, MoESpec: MoE}  # spec type -> its layer module
+MODULES: dict[type, type[nnx.Module]] = {
+  AttentionSpec: Attention,
+  MLASpec: MLA,
+  GatedDeltaNetSpec: GatedDeltaNet,
+  MLPSpec: MLP,
+  MoESpec: MoE,
+}  # spec type -> its layer module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +39,7 @@ class LayerSpec:
   """One decoder layer (maxtext.models.specs builds it)."""
 
   emb_dim: int
-  attention: Any  # the token mixer's spec: AttentionSpec (grouped-query), MLASpec (multi-head latent), ... (MODULES)
+  attention: Any  # the token mixer's spec: AttentionSpec (grouped-query), MLASpec (multi-head latent), GatedDeltaNetSpec, ... (MODULES)
   feed_forward: Any  # the feed-forward's spec: MLPSpec (dense) or MoESpec (experts)
   norm: NormSpec  # the branch norms
   residual: ResidualSpec  # the plain residual or mHC
@@ -67,6 +74,15 @@ class DecoderLayer(nnx.Module):
       (self.mlp_connection, self.pre_mlp_norm, self.mlp, self.post_mlp_norm),
     )
 
+  def _linear_mixer(self, h: jax.Array, segment_ids: jax.Array | None, state: Any, adapter_ids: jax.Array | None):
+    """The Gated DeltaNet mixer: the chunked form in training; with a decode state (a GatedDeltaNetState), the prefill
+    (several tokens, from an empty state) or one decode step -> (y, new state)."""
+    if state is None:
+      return self.attention(h, segment_ids, adapter_ids)
+    if h.shape[1] > 1:
+      return self.attention.prefill(h, segment_ids, adapter_ids)
+    return self.attention.decode_step(h, state, adapter_ids)
+
   def __call__(
     self,
     x: jax.Array,
@@ -83,7 +99,11 @@ class DecoderLayer(nnx.Module):
 
     def attention_branch(h: jax.Array) -> jax.Array:
       nonlocal cache
-      if cache is None:
+      if isinstance(self.attention, GatedDeltaNet):  # a linear mixer: no positions or window; its decode state is its cache
+        y = self._linear_mixer(self.pre_attention_norm(h), segment_ids, cache, adapter_ids)
+        if cache is not None:
+          y, cache = y
+      elif cache is None:
         y = self.attention(self.pre_attention_norm(h), positions, segment_ids, window, adapter_ids=adapter_ids)
       else:
         y, cache = self.attention(self.pre_attention_norm(h), positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids)

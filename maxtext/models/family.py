@@ -1,7 +1,7 @@
 """What distinguishes one decoder family from another: a small spec each family file fills, and its layer pattern.
 
 A family declares, for each layer position, the layer's kind (`LayerKind`): its token mixer ('attention': grouped-query
-attention, full or within a sliding window; 'mla': multi-head latent attention) and its feed-forward ('dense', 'moe',
+attention, full or within a sliding window; 'mla': multi-head latent attention; 'gated_deltanet': linear attention with a fixed-size state) and its feed-forward ('dense', 'moe',
 'moe_shared': experts beside always-on shared experts). The model's layer stacks, scan groups, decode caches and
 parameter and FLOP counts all follow from that tuple of kinds (maxtext.models.layer_pattern).
 """
@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-MIXERS = ("attention", "mla")  # the token mixers a LayerKind may name (maxtext.models.specs.MIXERS builds each)
+MIXERS = ("attention", "mla", "gated_deltanet")  # the token mixers a LayerKind may name (maxtext.models.specs.MIXERS builds each)
 FEED_FORWARDS = ("dense", "moe", "moe_shared")  # the feed-forwards (maxtext.models.specs.FEED_FORWARDS builds each)
 
 
@@ -25,6 +25,7 @@ class LayerShape(Protocol):
   first_num_dense_layers: int
   num_experts: int
   shared_experts: int
+  inhomogeneous_layer_cycle_interval: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,17 @@ def period(windows: Sequence) -> int:
   return next(p for p in range(1, len(windows) + 1) if all(w == windows[i % p] for i, w in enumerate(windows)))
 
 
+def hybrid_pattern() -> Pattern:
+  """Qwen3-Next's pattern: in each run of inhomogeneous_layer_cycle_interval layers, Gated DeltaNet layers then one
+  full-attention layer (HF layer_types with full_attention_interval); every feed-forward experts_ffn's."""
+
+  def pattern(shape: LayerShape) -> tuple[LayerKind, ...]:
+    ffn, every = experts_ffn(shape), shape.inhomogeneous_layer_cycle_interval
+    return tuple(LayerKind("attention" if (i + 1) % every == 0 else "gated_deltanet", ffn) for i in range(shape.num_decoder_layers))
+
+  return pattern
+
+
 LLAMA_HF_NORMS = {"pre_attention_norm": "input_layernorm", "pre_mlp_norm": "post_attention_layernorm"}
 GEMMA_HF_NORMS = {
   "pre_attention_norm": "input_layernorm",
@@ -104,6 +116,8 @@ class Family:
   attention_sinks: bool = False  # checkpoints hold a learned sink logit per query head (gpt-oss); attention_sink may be set
   clamped_glu: bool = False  # experts use gpt-oss's clamped SwiGLU, (up + 1) * gate * act0(1.702 gate), with mlp_activations_limit
   renormalize_topk: bool = False  # the chosen experts' weights always sum to one, whatever norm_topk_prob says (Mixtral)
+  attention_output_gate: bool = False  # attention's query projection yields a sigmoid gate on its output too (Qwen3-Next)
+  shared_expert_gate: bool = False  # the shared experts' output is scaled by sigmoid(x w) per token (Qwen3-Next)
 
   def kinds(self, shape: LayerShape) -> tuple[LayerKind, ...]:
     """The kind of each of shape.num_decoder_layers layers."""

@@ -23,6 +23,7 @@ from maxtext.errors import ConfigError
 from maxtext.layers import context_parallel
 from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers.attention import AttentionSpec
+from maxtext.layers.gated_deltanet import GatedDeltaNetSpec
 from maxtext.layers.lora import LoRASpec
 from maxtext.layers.mla import MLASpec
 from maxtext.layers.mla import softmax_scale as mla_softmax_scale
@@ -102,6 +103,7 @@ def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None
     score_correction=c.routed_bias and sigmoid,
     expert_bias=c.mlp_bias,
     shared=mlp(c, c.shared_experts * c.moe_mlp_dim) if shared else None,
+    shared_gate=shared and family.shared_expert_gate,
     capacity_factor=c.capacity_factor,
     wi_tiles=wi,
     wo_tiles=wo,
@@ -155,6 +157,8 @@ def attention(config: MaxTextConfig, family: Family | None = None) -> AttentionS
     use_bias=c.attention_bias,
     sinks=c.attention_sink,
     qk_norm=norm(c, family) if c.use_qk_norm else None,
+    output_gate=family.attention_output_gate,
+    partial_rotary_factor=c.partial_rotary_factor,
     window_choices=tuple(sorted(set(family.layer_windows(c)))),
     context=context_layout(c),
     rules=rules(c),
@@ -183,6 +187,24 @@ def mla(config: MaxTextConfig) -> MLASpec:
   )
 
 
+def gated_deltanet(config: MaxTextConfig) -> GatedDeltaNetSpec:
+  """Gated DeltaNet linear attention (Qwen3-Next), from MaxText's gdn_* keys."""
+  c = config
+  if c.gdn_num_value_heads % c.gdn_num_key_heads:
+    raise ConfigError(f"gdn_num_value_heads={c.gdn_num_value_heads} is not a multiple of gdn_num_key_heads={c.gdn_num_key_heads}; make it one")
+  return GatedDeltaNetSpec(
+    emb_dim=c.emb_dim,
+    num_key_heads=c.gdn_num_key_heads,
+    num_value_heads=c.gdn_num_value_heads,
+    key_head_dim=c.gdn_key_head_dim,
+    value_head_dim=c.gdn_value_head_dim,
+    conv_kernel=c.gdn_conv_kernel_dim,
+    chunk_size=c.gdn_chunk_size,
+    norm_epsilon=c.normalization_layer_epsilon,
+    rules=rules(c),
+  )
+
+
 def residual(config: MaxTextConfig) -> ResidualSpec:
   return ResidualSpec(config.emb_dim, config.mhc_expansion_rate, config.sinkhorn_iterations)
 
@@ -203,6 +225,7 @@ def lora(config: MaxTextConfig) -> LoRASpec | None:
 MIXERS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
   "attention": attention,
   "mla": lambda config, family: mla(config),
+  "gated_deltanet": lambda config, family: gated_deltanet(config),
 }
 FEED_FORWARDS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
   "dense": lambda config, family: mlp(config),
