@@ -48,7 +48,7 @@ def saved(tmp: str) -> transformers.PreTrainedModel:
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="eager").float().eval()
   with torch.no_grad():
-    for name, p in model.named_parameters():
+    for p in model.parameters():
       if p.ndim == 1:
         p.add_(0.1 * torch.randn_like(p))
       else:
