@@ -283,7 +283,9 @@ def _qwen3_next(hf: HFFields) -> dict[str, Any]:
     raise ConfigError(f"config.json has linear_num_value_heads={values}, not a multiple of linear_num_key_heads={keys}; the two contradict each other")
   width, shared = hf.int("moe_intermediate_size"), hf.int("shared_expert_intermediate_size", 0, minimum=0)
   if shared % width:
-    raise ConfigError(f"config.json's shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size={width}; maxtext sizes shared experts so")
+    raise ConfigError(
+      f"config.json's shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size={width}; maxtext sizes shared experts so"
+    )
   rope = {**hf.section("rope_scaling").values, **hf.section("rope_parameters").values}
   return {
     "inhomogeneous_layer_cycle_interval": interval,
