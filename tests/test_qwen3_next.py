@@ -13,6 +13,7 @@ import transformers
 from maxtext import from_hf
 from maxtext.convert import hf_config
 from maxtext.errors import ConfigError
+from maxtext.inference import Generator, cache_layout
 from maxtext.models import layer_pattern, registry
 from tests.hf_fixtures import hf_logits
 
@@ -98,3 +99,28 @@ def test_bad_configs_are_one_line_errors(extra, message):
   fields = {**tiny_config().to_dict(), **extra}
   with pytest.raises(ConfigError, match=message):
     hf_config.overrides_from_hf(fields)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_greedy_decode_matches_transformers_generate(hf_dir, scan):
+  """Prompts of different lengths in one batch: attention layers decode from their KV caches, Gated DeltaNet layers
+  from their fixed-size states (a chunked prefill past CHUNK tokens, then the recurrent form)."""
+  d, torch_model = hf_dir
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(3, 97, size=n).tolist() for n in (3, CHUNK + 3)]
+  eos = torch_model.config.eos_token_id
+  model, _ = from_hf(d, scan_layers=scan, dtype="float32", matmul_precision="highest", gdn_chunk_size=CHUNK)
+  ours = Generator(model, max_target_length=24, max_prefill_length=16, eos_id=eos).generate(prompts).tokens
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      out = torch_model.generate(torch.tensor([prompt]), max_new_tokens=24 - len(prompt), do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert got == out[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
+
+
+def test_state_bytes_stay_constant_in_length(hf_dir):
+  """The KV-cache size line: the Gated DeltaNet layers' bytes do not grow with max_target_length."""
+  d, _ = hf_dir
+  _, config = from_hf(d, dtype="float32")
+  short, long = (cache_layout.theoretical_bytes(config, 1, cache_layout.layout(config, n)) for n in (32, 64))
+  attention_bytes_per_token = 2 * config.num_kv_heads * config.head_dim * 4  # one full-attention layer, float32
+  assert long - short == 32 * attention_bytes_per_token

@@ -78,7 +78,10 @@ class Layout:
 
 def cache_form(config: MaxTextConfig, mixer: str) -> str:
   """What a layer with this token mixer caches: 'kv' (keys and values per kv head), 'mla_naive' (keys and values per
-  head), 'mla_latent' (MLA's compressed latent)."""
+  head), 'mla_latent' (MLA's compressed latent), 'gdn_state' (a Gated DeltaNet layer's fixed-size state: its
+  convolution window and recurrent state, whatever the sequence length)."""
+  if mixer == "gated_deltanet":
+    return "gdn_state"
   if mixer == "attention":
     return "kv"
   if mixer == "mla":
@@ -99,6 +102,9 @@ def layout(config: MaxTextConfig, max_length: int | None = None) -> Layout:
 def layer_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: int, form: str) -> dict[str, tuple[int, ...]]:
   """One layer's cache buffers and their [B, K, T, D] shapes."""
   c, slots = config, lay.slots(window)
+  if form == "gdn_state":
+    channels = 2 * c.gdn_num_key_heads * c.gdn_key_head_dim + c.gdn_num_value_heads * c.gdn_value_head_dim
+    return {"conv": (batch, c.gdn_conv_kernel_dim - 1, channels), "recurrent": (batch, c.gdn_num_value_heads, c.gdn_key_head_dim, c.gdn_value_head_dim)}
   if form == "mla_latent":
     return {"latent": (batch, 1, slots, c.kv_lora_rank + c.qk_rope_head_dim)}
   if form == "mla_naive":
@@ -134,7 +140,12 @@ def abstract(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
 
   def buffers(s: Stack, i: int, lead: tuple[int, ...] = ()) -> dict[str, jax.ShapeDtypeStruct]:
     shapes = layer_shapes(config, lay, batch, s.windows[i], s.forms[i]).items()
-    return {name: jax.ShapeDtypeStruct(lead + shape, dt if name.endswith("_scale") else quantized) for name, shape in shapes}
+    return {name: jax.ShapeDtypeStruct(lead + shape, buffer_dtype(name)) for name, shape in shapes}
+
+  def buffer_dtype(name: str) -> jnp.dtype:
+    if name == "recurrent":
+      return jnp.dtype(jnp.float32)  # the delta rule's state accumulates in float32
+    return dt if name.endswith("_scale") or name == "conv" else quantized
 
   scan = tuple(tuple(buffers(s, j, (s.num_groups,)) for j in range(s.period)) for s in lay.stacks)
   tail = tuple(tuple(buffers(s, i) for i in s.tail_layers) for s in lay.stacks)
@@ -168,8 +179,11 @@ def nbytes(cache: DecodeCache) -> tuple[int, int]:
 
 def values_per_slot(config: MaxTextConfig, form: str) -> int:
   """Values one layer caches per token: 2 kv_heads head_dim; MLA naive: heads (qk + v head dims); MLA latent:
-  kv_lora_rank + qk_rope_head_dim (576 for DeepSeek V3, against 128 x (192 + 128) naive)."""
+  kv_lora_rank + qk_rope_head_dim (576 for DeepSeek V3, against 128 x (192 + 128) naive); a Gated DeltaNet state: 0
+  (its size does not grow with the tokens: state_bits)."""
   c = config
+  if form == "gdn_state":
+    return 0
   if form == "mla_latent":
     return c.kv_lora_rank + c.qk_rope_head_dim
   if form == "mla_naive":
@@ -189,7 +203,16 @@ def theoretical_bytes(config: MaxTextConfig, batch: int, lay: Layout, form: str 
   """batch x sum over layers of slots x bits_per_slot of the layer's form / 8 (form: another cache form for the MLA
   layers, e.g. MLA's naive)."""
   forms = [form if form and f.startswith("mla") else f for f in lay.forms]
-  return batch * sum(lay.slots(w) * bits_per_slot(config, f) for w, f in zip(lay.windows, forms)) // 8
+  return batch * sum(lay.slots(w) * bits_per_slot(config, f) + state_bits(config, f) for w, f in zip(lay.windows, forms)) // 8
+
+
+def state_bits(config: MaxTextConfig, form: str) -> int:
+  """Bits of one row's fixed-size state in a layer of this form (a Gated DeltaNet layer's window and float32 state; 0 else)."""
+  if form != "gdn_state":
+    return 0
+  c = config
+  channels = 2 * c.gdn_num_key_heads * c.gdn_key_head_dim + c.gdn_num_value_heads * c.gdn_value_head_dim
+  return (c.gdn_conv_kernel_dim - 1) * channels * bits(dtype(c.dtype)) + c.gdn_num_value_heads * c.gdn_key_head_dim * c.gdn_value_head_dim * 32
 
 
 def describe(config: MaxTextConfig, batch: int, lay: Layout) -> str:

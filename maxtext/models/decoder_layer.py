@@ -11,7 +11,7 @@ from flax import nnx
 
 from maxtext.layers import lora
 from maxtext.layers.attention import Attention, AttentionSpec
-from maxtext.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
+from maxtext.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec, GatedDeltaNetState
 from maxtext.layers.lora import LoRASpec
 from maxtext.layers.mla import MLA, MLASpec
 from maxtext.layers.mlp import MLP, MLPSpec
@@ -75,13 +75,15 @@ class DecoderLayer(nnx.Module):
     )
 
   def _linear_mixer(self, h: jax.Array, segment_ids: jax.Array | None, state: Any, adapter_ids: jax.Array | None):
-    """The Gated DeltaNet mixer: the chunked form in training; with a decode state (a GatedDeltaNetState), the prefill
-    (several tokens, from an empty state) or one decode step -> (y, new state)."""
+    """The Gated DeltaNet mixer: the chunked form in training; with a decode cache (a LayerCache holding the layer's
+    'conv' window and 'recurrent' state), a prefill (chunked) or a decode step (recurrent) continuing it -> (y, cache)."""
     if state is None:
       return self.attention(h, segment_ids, adapter_ids)
-    if h.shape[1] > 1:
-      return self.attention.prefill(h, segment_ids, adapter_ids)
-    return self.attention.decode_step(h, state, adapter_ids)
+    real = (jnp.arange(h.shape[1])[None, :] < state.new_lengths[:, None]).astype(jnp.int32)  # right padding: segment 0
+    previous = GatedDeltaNetState(state.arrays["conv"], state.arrays["recurrent"])
+    y, new = self.attention.mix(h, real, previous, recurrent=h.shape[1] == 1, adapter_ids=adapter_ids)
+    arrays = {"conv": new.conv.astype(previous.conv.dtype), "recurrent": new.recurrent.astype(previous.recurrent.dtype)}
+    return y, dataclasses.replace(state, arrays=arrays)
 
   def __call__(
     self,
