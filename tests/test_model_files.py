@@ -42,6 +42,7 @@ PUBLISHED_BILLIONS = {
   "gemma3-27b": 27.0,
   "gpt-oss-20b": 20.9,  # openai's model card (also the HF safetensors total with MXFP4 experts counted as weights)
   "gpt-oss-120b": 116.8,
+  "qwen3-next-80b-a3b": 80.0,  # the model card's 80B (the HF safetensors also hold its multi-token-prediction layer)
 }
 NOT_PUBLISHED = ("deepseek3-tiny", "kimi-k2-1t")  # a CPU-sized architecture file; Kimi K2's size is published only as "1T, 32B active"
 
@@ -105,6 +106,13 @@ def test_kimi_k2_is_1t_with_32b_active():
   config = _model("kimi-k2-1t")
   assert counting.param_count(config) == pytest.approx(1.0e12, rel=0.03)
   assert counting.param_count(config, active_only=True) == pytest.approx(32e9, rel=0.03)
+
+
+def test_qwen3_next_active_params():
+  """Qwen3-Next-80B-A3B: 10 of 512 experts and the shared expert per token, without the embedding tables: 3.25B
+  (the model card rounds it to 3B)."""
+  config = _model("qwen3-next-80b-a3b")
+  assert counting.param_count(config, active_only=True) - 2 * config.vocab_size * config.emb_dim == pytest.approx(3.25e9, rel=0.01)
 
 
 def test_tied_embeddings_are_counted_once():
