@@ -14,7 +14,7 @@ from maxtext import from_hf
 from maxtext.convert import hf_config
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator, cache_layout
-from maxtext.models import layer_pattern, registry
+from maxtext.models import counting, layer_pattern, registry
 from tests.hf_fixtures import hf_logits
 
 LAYERS = 5  # one scanned group of 4 (3 linear + 1 full attention) and a linear remainder layer
@@ -124,3 +124,10 @@ def test_state_bytes_stay_constant_in_length(hf_dir):
   short, long = (cache_layout.theoretical_bytes(config, 1, cache_layout.layout(config, n)) for n in (32, 64))
   attention_bytes_per_token = 2 * config.num_kv_heads * config.head_dim * 4  # one full-attention layer, float32
   assert long - short == 32 * attention_bytes_per_token
+
+
+def test_flops_count_gated_deltanet_scores_within_a_chunk(hf_dir):
+  """Training FLOPs: a Gated DeltaNet layer scores each token against its chunk, not against the whole sequence."""
+  d, _ = hf_dir
+  _, config = from_hf(d, dtype="float32", gdn_chunk_size=CHUNK, max_target_length=64)
+  assert counting.attended_keys(config) == 4 * CHUNK + 64  # four linear layers, one full-attention layer

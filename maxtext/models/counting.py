@@ -147,13 +147,24 @@ def attended_keys(config: MaxTextConfig) -> int:
 
 
 def _keys(config: MaxTextConfig) -> list[int]:
-  """Keys per query of each decoder layer, from its kind's window (0 = full attention)."""
+  """Keys per query of each decoder layer, from its kind's window (0 = full attention); a Gated DeltaNet layer's
+  chunked form scores each token against the tokens of its chunk, min(seq, gdn_chunk_size) (its state products,
+  about 6 d_k d_v per token and value head, are not counted)."""
   seq = config.max_target_length
-  return [min(seq, w) if w > 0 else seq for w in registry.get(config.decoder_block).layer_windows(config)]
+  out = []
+  for kind in registry.get(config.decoder_block).kinds(config):
+    if kind.mixer == "gated_deltanet":
+      out.append(min(seq, config.gdn_chunk_size))
+    else:
+      out.append(min(seq, kind.window) if kind.window > 0 else seq)
+  return out
 
 
 def attention_width(c: MaxTextConfig, mixer: str = "attention") -> float:
-  """Mean of the query-key and value widths per head of a token mixer: head_dim, or (nope + rope + v) / 2 for MLA."""
+  """Mean of the query-key and value widths per head of a token mixer: head_dim, or (nope + rope + v) / 2 for MLA; for
+  Gated DeltaNet (d_k + d_v) / 2 scaled by its value heads per query head (the scores count num_query_heads heads)."""
+  if mixer == "gated_deltanet":
+    return (c.gdn_key_head_dim + c.gdn_value_head_dim) / 2 * c.gdn_num_value_heads / c.num_query_heads
   if mixer == "mla":
     return (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2
   return c.head_dim
