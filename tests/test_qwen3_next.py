@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from maxtext import from_hf
 from maxtext.convert import hf_config
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator, cache_layout
+from maxtext.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
 from maxtext.models import counting, layer_pattern, registry
 from tests.hf_fixtures import hf_logits
+from tests.test_gated_deltanet import POLICY
+from tests.test_train_helpers import FAST_COMPILE
 
 LAYERS = 5  # one scanned group of 4 (3 linear + 1 full attention) and a linear remainder layer
 CHUNK = 8  # gdn_chunk_size: the test sequences span more than two chunks and end mid-chunk
@@ -131,3 +137,50 @@ def test_flops_count_gated_deltanet_scores_within_a_chunk(hf_dir):
   d, _ = hf_dir
   _, config = from_hf(d, dtype="float32", gdn_chunk_size=CHUNK, max_target_length=64)
   assert counting.attended_keys(config) == 4 * CHUNK + 64  # four linear layers, one full-attention layer
+
+
+def test_gradients_through_packed_documents(hf_dir):
+  """Gradients over packed rows (segment ids reset the linear layers' state) reach the Gated DeltaNet parameters of
+  every linear layer, the gated attention and the shared expert's gate."""
+  d, _ = hf_dir
+  model, _ = from_hf(d, dtype="float32", matmul_precision="highest", gdn_chunk_size=CHUNK, remat_policy="full")
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, size=(2, 2 * CHUNK + 5)), jnp.int32)
+  segments = jnp.asarray([[1] * 9 + [2] * 11 + [0], [1] * 21], jnp.int32)
+
+  def loss(params):
+    m = nnx.merge(graphdef, params, rest)
+    hidden, _ = m.hidden_states(tokens[:, :-1], segment_ids=segments[:, :-1])
+    logp = jax.nn.log_softmax(m.logits(hidden))
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+  flat = dict(nnx.to_flat_state(jax.jit(jax.grad(loss), compiler_options=FAST_COMPILE)(params)))
+  paths = [("layers", j, "attention", name) for j in range(3) for name in ("A_log", "dt_bias", "conv", "in_proj_qkvz", "in_proj_ba")]
+  paths += [("layers_remainder", 0, "attention", "A_log"), ("layers", 3, "attention", "query"), ("layers_remainder", 0, "mlp", "shared_expert_gate")]
+  for path in paths:
+    g = np.asarray(next(v for k, v in flat.items() if k[: len(path)] == path)[...])
+    assert np.isfinite(g).all() and np.abs(g).max() > 0, path
+
+
+def test_gated_deltanet_gradients_equal_finite_differences():
+  """The chunked form's gradients (packed rows, chunks of 4 over 11 tokens) equal central finite differences."""
+  spec = GatedDeltaNetSpec(emb_dim=16, num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=4, chunk_size=4)
+  layer = GatedDeltaNet(spec, policy=POLICY, rngs=nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 11, 16)), jnp.float32)
+  seg = jnp.asarray([[1] * 5 + [2] * 6, [1] * 9 + [0] * 2], jnp.int32)
+  weights = jnp.asarray(np.random.default_rng(4).normal(size=(2, 11, 16)), jnp.float32)
+  graphdef, params = nnx.split(layer)
+
+  def loss(params):
+    return jnp.sum(nnx.merge(graphdef, params)(x, seg) * weights)
+
+  grads = dict(nnx.to_flat_state(jax.grad(loss)(params)))
+  for path in [("A_log",), ("dt_bias",), ("conv",), ("in_proj_qkvz", "kernel"), ("in_proj_ba", "kernel"), ("norm", "scale"), ("out_proj", "kernel")]:
+    g = np.asarray(grads[path][...])
+    eps, unit = 1e-3, g / np.linalg.norm(g)
+
+    def moved(sign, path=path, unit=unit, eps=eps):
+      return nnx.from_flat_state([(k, v.replace(v[...] + sign * eps * unit) if k == path else v) for k, v in nnx.to_flat_state(params)])
+
+    numeric = (float(loss(moved(1))) - float(loss(moved(-1)))) / (2 * eps)
+    assert numeric == pytest.approx(np.linalg.norm(g), rel=1e-2), path
