@@ -20,6 +20,7 @@ HF_ARCHITECTURES = {
   "mixtral": "MixtralForCausalLM",
   "qwen3": "Qwen3ForCausalLM",
   "qwen3_moe": "Qwen3MoeForCausalLM",
+  "qwen3_next": "Qwen3NextForCausalLM",
   "gemma2": "Gemma2ForCausalLM",
   "gemma3": "Gemma3ForCausalLM",
   "gpt_oss": "GptOssForCausalLM",
@@ -31,12 +32,13 @@ HF_MODEL_TYPES = {
   "mixtral": "mixtral",
   "qwen3": "qwen3",
   "qwen3_moe": "qwen3_moe",
+  "qwen3_next": "qwen3_next",
   "gemma2": "gemma2",
   "gemma3": "gemma3_text",
   "gpt_oss": "gpt_oss",
   "deepseek": "deepseek_v3",
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_next", "gpt_oss", "deepseek")
 WINDOWED_TYPES = ("gemma2", "gemma3_text", "gpt_oss")  # model types whose layer_types alternate sliding and full attention
 # Model types whose transformers attention puts a bias on q, k, v and o exactly when attention_bias is true (maxtext's
 # attention_bias); MistralAttention and MixtralAttention have no biases whatever the key says.
@@ -481,7 +483,37 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
     )
   if c.decoder_block == "deepseek":
     hf.update(_deepseek_export(c))
+  if c.decoder_block == "qwen3_next":
+    hf.update(_qwen3_next_export(c, rope))
   return hf
+
+
+def _qwen3_next_export(c: MaxTextConfig, rope: dict[str, Any]) -> dict[str, Any]:
+  """config.json keys of a Qwen3NextForCausalLM: the hybrid layer types, Gated DeltaNet sizes, experts and the gated
+  shared expert (which Qwen3-Next always has, as its query/key norms)."""
+  if not c.shared_experts or not c.use_qk_norm:
+    raise ConfigError(
+      "Qwen3NextForCausalLM always has a shared expert and query/key norms; export a qwen3_next model with shared_experts >= 1 and use_qk_norm=true"
+    )
+  kinds = registry.get(c.decoder_block).kinds(c)
+  return {
+    "layer_types": ["full_attention" if k.mixer == "attention" else "linear_attention" for k in kinds],
+    "full_attention_interval": c.inhomogeneous_layer_cycle_interval,
+    "rope_parameters": {**rope, "partial_rotary_factor": c.partial_rotary_factor},
+    "partial_rotary_factor": c.partial_rotary_factor,
+    "linear_conv_kernel_dim": c.gdn_conv_kernel_dim,
+    "linear_key_head_dim": c.gdn_key_head_dim,
+    "linear_value_head_dim": c.gdn_value_head_dim,
+    "linear_num_key_heads": c.gdn_num_key_heads,
+    "linear_num_value_heads": c.gdn_num_value_heads,
+    "num_experts": c.num_experts,
+    "num_experts_per_tok": c.num_experts_per_tok,
+    "moe_intermediate_size": c.moe_mlp_dim,
+    "shared_expert_intermediate_size": c.shared_experts * c.moe_mlp_dim,
+    "norm_topk_prob": c.norm_topk_prob,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+  }
 
 
 def _deepseek_export(c: MaxTextConfig) -> dict[str, Any]:
