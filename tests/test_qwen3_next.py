@@ -200,3 +200,20 @@ def test_round_trip_and_export_load_in_transformers(hf_dir, tmp_path):
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
   tokens = np.random.default_rng(5).integers(0, 97, size=(2, 2 * CHUNK + 5)).astype(np.int32)
   np.testing.assert_allclose(hf_logits(exported, tokens), hf_logits(torch_model, tokens), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (dict(num_devices=2, ici_context_parallelism=2, ici_fsdp_parallelism=1), "set ici/dcn_context_parallelism=1"),
+    (dict(num_devices=1, gdn_num_key_heads=3), "gdn_num_value_heads=32 is not a multiple of gdn_num_key_heads=3"),
+  ],
+)
+def test_configs_the_linear_layers_cannot_run_are_config_errors(overrides, message):
+  from maxtext.config import from_overrides
+  from maxtext.models import specs
+
+  tiny = hf_config.overrides_from_hf(tiny_config().to_dict())
+  config = from_overrides(**{**tiny, "gdn_num_value_heads": 32, **overrides})
+  with pytest.raises(ConfigError, match=message):
+    specs.model(config)

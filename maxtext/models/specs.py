@@ -190,6 +190,11 @@ def mla(config: MaxTextConfig) -> MLASpec:
 def gated_deltanet(config: MaxTextConfig) -> GatedDeltaNetSpec:
   """Gated DeltaNet linear attention (Qwen3-Next), from MaxText's gdn_* keys."""
   c = config
+  if context_layout(c) is not None:
+    raise ConfigError(
+      f"decoder_block={c.decoder_block} has Gated DeltaNet layers, whose state does not pass between context shards yet; "
+      "set ici/dcn_context_parallelism=1 (shard the batch with data or fsdp parallelism instead)"
+    )
   if c.gdn_num_value_heads % c.gdn_num_key_heads:
     raise ConfigError(f"gdn_num_value_heads={c.gdn_num_value_heads} is not a multiple of gdn_num_key_heads={c.gdn_num_key_heads}; make it one")
   return GatedDeltaNetSpec(
