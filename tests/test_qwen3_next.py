@@ -131,6 +131,8 @@ def test_state_bytes_stay_constant_in_length(hf_dir):
   short, long = (cache_layout.theoretical_bytes(config, 1, cache_layout.layout(config, n)) for n in (32, 64))
   attention_bytes_per_token = 2 * config.num_kv_heads * config.head_dim * 4  # one full-attention layer, float32
   assert long - short == 32 * attention_bytes_per_token
+  line = cache_layout.describe(config, 1, cache_layout.layout(config, 64))
+  assert "the 4 Gated DeltaNet layers' fixed-size state, the same at every length" in line and "(32 values per token and layer" in line
 
 
 def test_flops_count_gated_deltanet_scores_within_a_chunk(hf_dir):

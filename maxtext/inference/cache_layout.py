@@ -216,14 +216,20 @@ def state_bits(config: MaxTextConfig, form: str) -> int:
 
 
 def describe(config: MaxTextConfig, batch: int, lay: Layout) -> str:
-  """The KV cache size line: bytes, per-token values, and for MLA the naive form's size beside the compressed one."""
+  """The KV cache size line: bytes, per-token values, for MLA the naive form's size beside the compressed one, and
+  the part of linear-attention layers' fixed-size states."""
   size = theoretical_bytes(config, batch, lay)
-  per_layer = f"{values_per_slot(config, lay.form):,}" if lay.form != "mixed" else "/".join(f"{values_per_slot(config, f):,}" for f in dict.fromkeys(lay.forms))
+  growing = [f for f in dict.fromkeys(lay.forms) if f != "gdn_state"] or ["gdn_state"]
+  per_layer = "/".join(f"{values_per_slot(config, f):,}" for f in growing)
   line = (
     f"KV cache: {size / 2**20:,.2f} MiB for batch {batch} x {lay.max_length} tokens over {len(lay.windows)} layers "
     f"({per_layer} values per token and layer, {kv_dtype(config).name}"
     f"{f' with {2 * scale_heads(config)} scales' if config.quantize_kvcache else ''})"
   )
+  states = lay.forms.count("gdn_state")
+  if states:
+    fixed = batch * states * state_bits(config, "gdn_state") // 8
+    line += f"; {fixed / 2**20:,.2f} MiB of it the {states} Gated DeltaNet layers' fixed-size state, the same at every length"
   if "mla_latent" in lay.forms:
     naive = theoretical_bytes(config, batch, lay, "mla_naive")
     line += f"; per-head keys and values (mla_naive_kvcache=true) would take {naive / 2**20:,.2f} MiB ({naive / size:.1f}x)"
