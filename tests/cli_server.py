@@ -9,7 +9,8 @@ entry run as `__main__` as `python -m` does; it ends through the interpreter's n
 CLI's. What it skips is only the imports. Any other argv runs with subprocess.run.
 
 Protocol (JSON lines): requests on the server's stdin, {"id", "module", "args", "cwd", "env", "stdout", "stderr"} or
-{"kill": id}; replies on its stdout, {"id", "code"}. EOF on stdin kills what still runs and ends the server.
+{"kill": id}; replies on its stdout, {"ready": true} once its imports are done (a command's timeout counts from then,
+as a new process's would count from its own imports), then {"id", "code"} per command. EOF on stdin kills what still runs and ends the server.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_SECONDS = 900  # the server's imports, once; on a busy machine they can take minutes
 
 
 class _Child(BaseException):
@@ -62,6 +64,8 @@ def _serve() -> None:
   by_id: dict[str, int] = {}
   buffer = b""
   stdin = sys.stdin.fileno()
+  sys.stdout.write(json.dumps({"ready": True}) + "\n")
+  sys.stdout.flush()
   open_ = True
   while open_ or children:
     if open_ and select.select([stdin], [], [], 0.005)[0]:
@@ -117,6 +121,7 @@ class _Server:
       [sys.executable, "-m", "tests.cli_server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO, env=env
     )
     self.lock = threading.Lock()
+    self.ready = threading.Event()  # set once the server has imported everything: a command's timeout starts then
     self.waiting: dict[str, tuple[threading.Event, list[int]]] = {}
     self.next_id = 0
     threading.Thread(target=self._read, daemon=True).start()
@@ -124,10 +129,14 @@ class _Server:
   def _read(self) -> None:
     for line in self.proc.stdout:
       reply = json.loads(line)
+      if "ready" in reply:
+        self.ready.set()
+        continue
       with self.lock:
         event, code = self.waiting.pop(reply["id"])
       code.append(reply["code"])
       event.set()
+    self.ready.set()
     with self.lock:  # the server died: fail whoever waits
       for event, code in self.waiting.values():
         code.append(-9)
@@ -139,6 +148,7 @@ class _Server:
     self.proc.stdin.flush()
 
   def run(self, argv: list[str], cwd: str, env: dict[str, str], timeout: float | None) -> subprocess.CompletedProcess:
+    self.ready.wait(STARTUP_TIMEOUT_SECONDS)
     with tempfile.TemporaryDirectory(prefix="cli_server_") as scratch:
       event, code = threading.Event(), []
       with self.lock:
@@ -151,7 +161,8 @@ class _Server:
         with self.lock:
           self._send({"kill": rid})
         event.wait()
-        raise subprocess.TimeoutExpired(argv, timeout, Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace"))
+        read = lambda path: Path(path).read_text(errors="replace") if os.path.exists(path) else ""  # noqa: E731
+        raise subprocess.TimeoutExpired(argv, timeout, read(out), read(err))
       return subprocess.CompletedProcess(argv, code[0], Path(out).read_text(), Path(err).read_text())
 
   def close(self) -> None:
