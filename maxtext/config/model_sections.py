@@ -17,7 +17,7 @@ class DataTypes(Section):
 
 
 class ModelArchitecture(Section):
-  decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "deepseek"] = Field(
+  decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "deepseek", "qwen2", "olmo3"] = Field(
     "llama2", description="Decoder family (block type)."
   )
   global_parameter_scale: int = Field(1, gt=0, description="Power of two scaling layers, heads, mlp and embedding dims (see docs/config.md).")
@@ -36,8 +36,10 @@ class ModelArchitecture(Section):
   )
   vocab_size: int = Field(32_000, gt=0, description="Vocabulary size of the embedding and output logits.")
   normalization_layer_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
-  use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head before rotary embedding (qwen3, gemma3).")
-  attention_bias: bool = Field(False, description="q/k/v/o projection biases (gpt_oss; HF attention_bias of llama, qwen3, gemma).")
+  use_qk_norm: bool = Field(
+    False, description="RMSNorm over each query and key head before rotary embedding (qwen3, gemma3; olmo3: over the whole projection)."
+  )
+  attention_bias: bool = Field(False, description="q/k/v/o projection biases (gpt_oss; HF attention_bias of llama, qwen3, gemma, olmo3); qwen2: q/k/v only.")
 
 
 class Attention(Section):
