@@ -28,6 +28,9 @@ MATCHES_BUILT_IN: dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
   "inhomogeneous_layer_cycle_interval": lambda value, c: value == {"gpt_oss": 2, "gemma2": 2, "gemma3": 6, "olmo3": 4}.get(c.get("decoder_block")),
   "base_moe_mlp_dim": lambda value, c: value in (-1, c.get("base_mlp_dim")),  # experts are base_mlp_dim wide here
   "use_qwix_quantization": lambda value, c: value is True,  # `quantization` always runs on qwix here (MaxText's false picks AQT)
+  # the length of MaxText's precomputed rope table; rope is computed per position here, so any length serves
+  "max_position_embeddings": lambda value, c: isinstance(value, int) and value > 0,
+  "attention_type": lambda value, c: value == ("mla" if c.get("decoder_block") == "deepseek" else "global"),  # the family decides
 }
 
 
