@@ -52,3 +52,17 @@ def test_yarn_attention_factor_is_read_only_as_its_derived_value():
   assert (derived["rope_factor"], derived["rope_attention_scaling"], derived["rope_interleave"]) == (8, True, False)
   with pytest.raises(ConfigError, match="yarn attention_factor 1.5 in config.json is not supported"):
     _overrides("olmo3", rope_parameters={"full_attention": {**yarn, "attention_factor": 1.5}, "sliding_attention": sliding})
+
+
+def test_olmo3_legacy_rope_scaling_scales_only_the_full_layers_as_transformers_reads_it():
+  """The published config.json gives rope_scaling and rope_theta (no per-layer-type rope_parameters): transformers 5
+  puts the YaRN on the full layers and plain rope of rope_theta on the sliding ones; so does maxtext."""
+  import transformers
+
+  yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "beta_fast": 32, "beta_slow": 1}
+  legacy = {**FAMILY_CONFIGS["olmo3"]().to_dict(), "rope_parameters": None, "rope_scaling": {**yarn, "attention_factor": 1.2079441541679836}}
+  legacy["rope_theta"] = 500000.0
+  theirs = transformers.Olmo3Config(**{k: v for k, v in legacy.items() if k not in ("model_type", "rope_parameters")}).rope_parameters
+  assert theirs["sliding_attention"] == {"rope_type": "default", "rope_theta": 500000.0} and theirs["full_attention"]["rope_type"] == "yarn"
+  ours = hf_config.overrides_from_hf(legacy)
+  assert (ours["rope_type"], ours["rope_max_timescale"], ours["local_rope_max_timescale"]) == ("yarn", 500000.0, 500000.0)

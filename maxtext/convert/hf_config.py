@@ -80,6 +80,8 @@ def _rope(hf: HFFields) -> dict[str, Any]:
     local, params = params.section("sliding_attention"), params.section("full_attention")
   elif local_theta is not None:
     local = HFFields({}, hf.source)
+  elif hf.values.get("model_type") == "olmo3":  # transformers 5 applies a legacy rope_scaling to Olmo3's full layers only
+    local = HFFields({"rope_theta": theta}, hf.source)
   out: dict[str, Any] = {"rope_max_timescale": params.number("rope_theta", theta, positive=True)}
   kind = params.text("rope_type", None) or params.text("type", "default")
   if kind == "llama3":
