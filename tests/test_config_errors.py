@@ -74,7 +74,7 @@ CASES = [
     "unknown_model",
     [BASE, "model_name=llama9"],
     {},
-    "unknown model_name 'llama9'; available: deepseek3-{671b,tiny}, gemma2-{27b,2b,9b}, gemma3-{12b,1b,27b,4b}, gpt-oss-{120b,20b}",
+    "unknown model_name 'llama9'; available: deepseek2-{16b,236b}, deepseek3-{671b,tiny}, gemma2-{27b,2b,9b}, gemma3-{12b,1b,27b,4b}, gpt-oss-{120b,20b}",
   ),
   ("model_name_path", [BASE, "model_name=../base"], {}, "invalid value for 'model_name': '../base'"),
   (
