@@ -221,7 +221,7 @@ def test_api_raises_one_line_config_error(tmp_path, monkeypatch, case_id, argv, 
     load(args, env=env, num_devices=8)
   message = str(err.value)
   assert expected in message
-  assert "\n" not in message and "Traceback" not in message and len(message) < 400
+  assert "\n" not in message and "Traceback" not in message and len(message) < 500  # the model-file list is the longest
   assert not out.exists() and _snapshot(tmp_path) == before
 
 
