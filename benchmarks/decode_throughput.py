@@ -56,6 +56,19 @@ class Stepper:
     logits.block_until_ready()
     self.times.append(time.perf_counter() - start)
 
+  def profile(self, steps: int) -> dict:
+    """benchmarks/top_ops.py's profile of `steps` more decode steps (not added to the timings)."""
+    import top_ops
+
+    try:
+      hlo = self.gen.step.lower(self.gen.state, self.cache, self.next_tokens).compile().as_text()
+    except Exception:  # noqa: BLE001 - the ops' shapes are a nicety; the profile stands without them
+      hlo = ""
+    count = len(self.times)
+    result = top_ops.safe_profile(self.step, steps, hlo=hlo)
+    del self.times[count:]
+    return result
+
 
 def main(argv: list[str]) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__)
@@ -63,6 +76,7 @@ def main(argv: list[str]) -> list[dict]:
   parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
   parser.add_argument("--unstack", action="store_true", help="decode with the stacked layers split per layer (maxtext.inference.unstack)")
   parser.add_argument("--baseline", action="store_true", help="also time the model with quantization off and an unquantized cache, interleaved")
+  parser.add_argument("--profile_batches", type=int, nargs="*", default=[], help="trace decode steps of these batch sizes: top ops by device time")
   parser.add_argument("config", nargs="+", help="<config.yml> key=value ...")
   args = parser.parse_args(argv)
 
@@ -70,14 +84,23 @@ def main(argv: list[str]) -> list[dict]:
   from maxtext.process import prepare
 
   config = load(args.config, devices=prepare)
-  return measure(config, args.batches, args.steps, unstack=args.unstack, baseline=args.baseline)
+  return measure(config, args.batches, args.steps, unstack=args.unstack, baseline=args.baseline, profile_batches=tuple(args.profile_batches))
 
 
 def measure(
-  config, batches: list[int], steps: int, unstack: bool = False, baseline: bool = False, print_rows: bool = True, stream_megabytes: int = 256
+  config,
+  batches: list[int],
+  steps: int,
+  unstack: bool = False,
+  baseline: bool = False,
+  print_rows: bool = True,
+  stream_megabytes: int = 256,
+  profile_batches: tuple[int, ...] = (),
+  profile_steps: int = 10,
 ) -> list[dict]:
   """The rows of the module docstring for config (random parameters), one per batch size; printed as JSON lines
-  (the cache layout line on stderr first) unless print_rows is False. stream_megabytes: the bandwidth probe's array."""
+  (the cache layout line on stderr first) unless print_rows is False. stream_megabytes: the bandwidth probe's array.
+  profile_batches: for these batch sizes also trace profile_steps decode steps and add "top_ops" (benchmarks/top_ops.py)."""
   from step_profile import stream_gb_per_s
 
   from maxtext import mesh as mesh_lib
@@ -121,6 +144,7 @@ def measure(
           run.step()
       times, step_s = runs[0].times, statistics.median(runs[0].times)
       kv_bytes, length_bytes = cache_layout.nbytes(runs[0].cache)
+      top = runs[0].profile(profile_steps) if batch in profile_batches else None
     result = gen.generate(prompts)  # the on-device loop: prompt_length + generated = max_target_length per row
     loop_steps = result.decode_tokens / batch
     row = {
@@ -151,6 +175,8 @@ def measure(
       "quantization": config.quantization,
       "kv_cache": f"{config.kv_quant_dtype} ({config.kv_quant_axis})" if config.quantize_kvcache else config.dtype,
     }
+    if top is not None:
+      row["top_ops"] = top
     if base_gen:
       base = runs[1]
       base_step_s = statistics.median(base.times)

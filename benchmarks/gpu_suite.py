@@ -169,6 +169,7 @@ class Plan:
   decode_batches: tuple[int, ...]
   decode_steps: int
   stream_megabytes: int = 256  # the measured-bandwidth probe's array (step_profile.stream_gb_per_s)
+  decode_unstacked: tuple[int, ...] = (1, 32)  # batch sizes section 5 also decodes with the layers unstacked (one module per layer, no scan)
 
 
 ONE_B = ("base_emb_dim=2048", "base_num_query_heads=32", "base_num_kv_heads=8", "head_dim=64", "base_mlp_dim=8192", "base_num_decoder_layers=16",
@@ -178,17 +179,23 @@ MIXTRAL = ("model_name=mixtral-8x7b", "override_model_config=true", "base_emb_di
            "base_num_query_heads=16", "base_num_kv_heads=8", "head_dim=128", "per_device_batch_size=8", "max_target_length=2048")  # fmt: skip
 TINY = ("base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=16", "base_mlp_dim=128", "base_num_decoder_layers=2",
         "vocab_size=512", "per_device_batch_size=2", "max_target_length=128")  # fmt: skip
-MOE_PATHS = {"dropless, ragged_dot": ("megablox=false",), "capacity 1.25": ("capacity_factor=1.25",), "dense": ("sparse_matmul=false",)}
+MOE_PATHS = {
+  "dropless, ragged_dot": ("megablox=false",),
+  "dropless, tokamax": ("use_tokamax_gmm=true",),
+  "capacity 1.25": ("capacity_factor=1.25",),
+  "dense": ("sparse_matmul=false",),
+}
+DROPLESS_PATHS = {"MoE, dropless, ragged_dot": "ragged_dot", "MoE, dropless, tokamax": "tokamax", "MoE, dense": "dense"}  # row -> dispatch
 
 
 def throughput_rows(one_b: tuple[str, ...], seven_b: tuple[str, ...], mixtral: tuple[str, ...]) -> tuple[Row, ...]:
   """The rows in the order they run (most important first: a row past the time budget is skipped)."""
   rows = [Row("1B-class, default", one_b), Row("7B slice, default", seven_b)]
+  rows += [Row("1B-class, remat_policy=auto", one_b, ("remat_policy=auto",), against="1B-class, default")]  # the targets' config
+  rows += [Row("7B slice, remat_policy=auto", seven_b, ("remat_policy=auto",), against="7B slice, default")]
   rows += [Row(f"MoE, {name}", mixtral, keys) for name, keys in MOE_PATHS.items()]
   rows += [Row("7B slice, mHC n=4", seven_b, ("mhc_expansion_rate=4",), against="7B slice, default")]
   rows += [Row("7B slice, LoRA r=16", seven_b, ("lora.enable_lora=true", "lora.lora_rank=16"), against="7B slice, default")]
-  rows += [Row("1B-class, remat_policy=auto", one_b, ("remat_policy=auto",), against="1B-class, default")]
-  rows += [Row("7B slice, remat_policy=auto", seven_b, ("remat_policy=auto",), against="7B slice, default")]
   return tuple(rows)
 
 
@@ -224,6 +231,7 @@ def smoke_plan() -> Plan:
     decode_batches=(1, 2),
     decode_steps=2,
     stream_megabytes=16,
+    decode_unstacked=(1,),
   )
 
 
@@ -237,6 +245,9 @@ class Suite:
   start: float
   budget_s: float
   rows: tuple[str, ...]  # throughput row names to run (empty: all)
+  profile_rows: tuple[str, ...] = ()  # throughput rows (names containing one of these) whose steps are also traced
+  profile_decode: tuple[int, ...] = ()  # decode-throughput batch sizes whose steps are also traced
+  profile_steps: int = 3  # traced train steps per profiled row (decode: 10)
   platform: str = ""
   matmul_tflops: float = 0.0
 
@@ -495,6 +506,7 @@ def section_throughput(suite: Suite, sec: Section, reserve_s: float) -> None:
     "|---|---|---|---|---|---|---|---|---|---|---|---|",
   )
   results: dict[str, dict] = {}
+  profiles: list[tuple[str, dict]] = []
   default_remat = suite.load("configs/base.yml", ()).remat_policy
   row_costs: list[float] = []
   for row in plan.throughput:
@@ -502,6 +514,9 @@ def section_throughput(suite: Suite, sec: Section, reserve_s: float) -> None:
       continue
     if row.name.endswith("remat_policy=auto") and default_remat == "auto":
       sec.say(f"| {row.name} | | | | | | | | | | | the default is already auto |")
+      continue
+    if "use_tokamax_gmm=true" in row.extra and importlib.util.find_spec("tokamax") is None:
+      sec.say(f"| {row.name} | {shown(row)} | skipped: tokamax is not installed (its wheels: benchmarks/README.md, GPU suite) | | | | | | | | | |")
       continue
     left = suite.budget_s - reserve_s - suite.elapsed()
     if row_costs and max(row_costs) > left:
@@ -511,7 +526,8 @@ def section_throughput(suite: Suite, sec: Section, reserve_s: float) -> None:
     config = suite.load("configs/base.yml", base + row.keys)
     dispatch = platform.moe_dispatch(config, suite.platform) + (" (capacity)" if config.capacity_factor > 0 else "") if config.num_experts > 1 else ""
     try:
-      r = measure(config, plan.warmup_steps, plan.bench_steps, suite.matmul_tflops, moe_share=False)
+      profiled = any(p in row.name for p in suite.profile_rows)
+      r = measure(config, plan.warmup_steps, plan.bench_steps, suite.matmul_tflops, moe_share=False, profile_steps=suite.profile_steps if profiled else 0)
     except Exception as e:  # noqa: BLE001 - one row that fails (e.g. out of memory) must not cost the others
       sec.check(f"{row.name}: runs", False, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
       row_costs.append(time.perf_counter() - start)
@@ -519,6 +535,8 @@ def section_throughput(suite: Suite, sec: Section, reserve_s: float) -> None:
       continue
     row_costs.append(time.perf_counter() - start)
     results[row.name] = r
+    if "top_ops" in r:
+      profiles.append((row.name, r["top_ops"]))
     versus = f"{r['median_step_seconds'] / results[row.against]['median_step_seconds']:.3f}x {row.against}" if row.against in results else ""
     temp = r["compiled_temp_bytes"] / 2**30 if r["compiled_temp_bytes"] else 0.0
     sec.say(
@@ -535,6 +553,15 @@ def section_throughput(suite: Suite, sec: Section, reserve_s: float) -> None:
   default_path = platform.moe_dispatch(mixtral, suite.platform)
   sec.say("", f"MoE with MaxText's default keys (`sparse_matmul=true megablox=true`, dropless) runs `{default_path}` here (the platform policy's choice).")
   targets_table(sec, results, default_path, plan.smoke)
+  profile_tables(sec, profiles)
+
+
+def profile_tables(sec: Section, profiles: list[tuple[str, dict]]) -> None:
+  """The traced rows' top ops (benchmarks/top_ops.py)."""
+  import top_ops
+
+  for name, result in profiles:
+    sec.say("", *top_ops.markdown(result, f"Profile: {name}"))
 
 
 def shown(row: Row) -> str:
@@ -549,17 +576,33 @@ def targets_table(sec: Section, results: dict[str, dict], default_path: str, smo
 
   moe = {n: r["mfu"] for n, r in results.items() if n.startswith("MoE")}
   best = max(moe, key=moe.get) if moe else None
-  default_row = {"ragged_dot": "MoE, dropless, ragged_dot", "dense": "MoE, dense"}.get(default_path, "")
+  dropless = {n: v for n, v in moe.items() if n in DROPLESS_PATHS}
+  best_dropless = max(dropless, key=dropless.get) if dropless else None
+  default_row = {path: row for row, path in DROPLESS_PATHS.items()}.get(default_path, "")
   mhc = results.get("7B slice, mHC n=4"), results.get("7B slice, default")
   ratio = mhc[0]["median_step_seconds"] / mhc[1]["median_step_seconds"] if all(mhc) else None
   rows = [
     ("1B-class, default config", "MFU >= 45%", mfu("1B-class, default"), lambda v: v >= TARGETS["1B-class, default"], "{:.1%}"),
+    (
+      "1B-class, remat_policy=auto (the target's config)",
+      "MFU >= 45%",
+      mfu("1B-class, remat_policy=auto"),
+      lambda v: v >= TARGETS["1B-class, default"],
+      "{:.1%}",
+    ),
     ("7B slice, default config", "MFU >= 52%", mfu("7B slice, default"), lambda v: v >= TARGETS["7B slice, default"], "{:.1%}"),
+    (
+      "7B slice, remat_policy=auto (the target's config)",
+      "MFU >= 52%",
+      mfu("7B slice, remat_policy=auto"),
+      lambda v: v >= TARGETS["7B slice, default"],
+      "{:.1%}",
+    ),
     (f"Mixtral-shaped MoE, best path ({best or '-'})", "MFU >= 25%", moe.get(best) if best else None, lambda v: v >= TARGETS["MoE, best path"], "{:.1%}"),
     (
-      f"MoE default path ({default_path}) is the fastest measured",
-      "default = best",
-      (default_row == best) if best and default_row in moe else None,
+      f"MoE default path ({default_path}) is the fastest measured dropless path ({best_dropless or '-'})",
+      "default = best dropless",
+      (default_row == best_dropless) if best_dropless and default_row in dropless else None,
       bool,
       "{}",
     ),
@@ -582,7 +625,14 @@ def section_decode_throughput(suite: Suite, sec: Section) -> None:
 
   plan = suite.plan
   config = suite.load("configs/base.yml", plan.decode_model + ("run_name=gpu_suite_decode",))
-  rows = measure(config, list(plan.decode_batches), plan.decode_steps, print_rows=False, stream_megabytes=plan.stream_megabytes)
+  rows = measure(
+    config, list(plan.decode_batches), plan.decode_steps, print_rows=False, stream_megabytes=plan.stream_megabytes, profile_batches=suite.profile_decode
+  )
+  for r in rows:
+    r["layers"] = "scanned"
+  if plan.decode_unstacked:
+    for r in measure(config, list(plan.decode_unstacked), plan.decode_steps, unstack=True, print_rows=False, stream_megabytes=plan.stream_megabytes):
+      rows.append({**r, "layers": "unstacked"})
   kind = jax.devices()[0].device_kind
   spec = perf.hbm_gb_per_s(kind)
   sec.say(
@@ -592,9 +642,12 @@ def section_decode_throughput(suite: Suite, sec: Section) -> None:
     f"the measured stream ({rows[0]['stream_gb_per_s']} GB/s, a jitted x*1.5+1 over {plan.stream_megabytes} MB)."
     + (" Smoke: tiny shapes on this host; not GPU figures." if plan.smoke else ""),
     "",
-    "| batch | step ms (median) | tokens/s | weights MB | KV cache MB | bound ms (datasheet, weights) | step / bound | "
+    "Step: one jitted `Generator.step` called from the host (dispatch included); loop: the on-device decode loop's time per "
+    "step (`Generator.generate`, no host round trip per token).",
+    "",
+    "| layers | batch | step ms (median) | loop ms / step | tokens/s | weights MB | KV cache MB | bound ms (datasheet, weights) | step / bound | "
     "bound ms (datasheet, + KV) | step / bound | step / bound (measured stream, weights) | recompiles |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   )
   for r in rows:
     weights, kv = r["param_bytes"], r["kv_cache_bytes"]
@@ -609,11 +662,13 @@ def section_decode_throughput(suite: Suite, sec: Section) -> None:
       return f"{b * 1e3:.4g}" if b else "-"
 
     sec.say(
-      f"| {r['batch']} | {step * 1e3:.3f} | {r['decode_tokens_per_s']:.0f} | {weights / 1e6:.1f} | {kv / 1e6:.1f} "
+      f"| {r['layers']} | {r['batch']} | {step * 1e3:.3f} | {r['loop_step_s'] * 1e3:.3f} | {r['decode_tokens_per_s']:.0f} | {weights / 1e6:.1f} | {kv / 1e6:.1f} "
       f"| {ms(bound)} | {ratio(bound)} | {ms(bound_kv)} | {ratio(bound_kv)} | {r['step_over_bound']:.2f} | {r['decode_step_recompiles']} |"
     )
-    sec.check(f"batch {r['batch']}: one decode step compile", r["decode_step_recompiles"] == 0, f"{r['decode_step_recompiles']} recompiles")
-    sec.check(f"batch {r['batch']}: KV cache bytes", r["kv_cache_bytes"] == r["kv_cache_theoretical_bytes"], f"{kv} = {r['kv_cache_theoretical_bytes']}")
+    name = f"{r['layers']}, batch {r['batch']}"
+    sec.check(f"{name}: one decode step compile", r["decode_step_recompiles"] == 0, f"{r['decode_step_recompiles']} recompiles")
+    sec.check(f"{name}: KV cache bytes", r["kv_cache_bytes"] == r["kv_cache_theoretical_bytes"], f"{kv} = {r['kv_cache_theoretical_bytes']}")
+  profile_tables(sec, [(f"decode step, {r['layers']} layers, batch {r['batch']}", r["top_ops"]) for r in rows if "top_ops" in r])
 
 
 # -------------------------------------------------------------------------------------------------------- main
@@ -674,6 +729,11 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--workdir", default="", help="outputs (tokenizer, quickstart run); default: a fresh temporary directory")
   parser.add_argument("--budget_s", type=float, default=450.0, help="throughput rows that would end past this many seconds are skipped")
   parser.add_argument("--rows", nargs="+", default=[], help="throughput rows whose names contain one of these strings (default: all)")
+  parser.add_argument(
+    "--profile", nargs="+", default=[], help="also trace the throughput rows whose names contain one of these strings: top ops by device time"
+  )
+  parser.add_argument("--profile_decode", type=int, nargs="+", default=[], help="also trace decode steps of these batch sizes (section 5): top ops")
+  parser.add_argument("--profile_steps", type=int, default=3, help="traced train steps per profiled row (decode traces 10 steps)")
   args = parser.parse_args(argv)
   missing = missing_modules()
   if missing:
@@ -686,7 +746,16 @@ def main(argv: list[str]) -> int:
 
   workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="gpu_suite_"))
   os.makedirs(workdir, exist_ok=True)
-  suite = Suite(smoke_plan() if args.smoke else full_plan(), workdir, time.perf_counter(), args.budget_s, tuple(args.rows))
+  suite = Suite(
+    smoke_plan() if args.smoke else full_plan(),
+    workdir,
+    time.perf_counter(),
+    args.budget_s,
+    tuple(args.rows),
+    profile_rows=tuple(args.profile),
+    profile_decode=tuple(args.profile_decode),
+    profile_steps=args.profile_steps,
+  )
   suite.platform = platform.local_platform()
   suite.matmul_tflops = perf.measure_matmul_tflops()
   if "decode" in args.sections and "quickstart" not in args.sections and not os.path.isdir(os.path.join(workdir, "quickstart", "checkpoints")):

@@ -22,6 +22,7 @@ def main(argv: list[str]) -> dict:
   parser.add_argument("--warmup_steps", type=int, default=2)
   parser.add_argument("--bench_steps", type=int, default=10)
   parser.add_argument("--matmul_size", type=int, default=0, help="side of the square bf16 matmul yardstick; 0 -> 1024 on CPU, 8192 elsewhere")
+  parser.add_argument("--profile_steps", type=int, default=0, help="then trace this many steps and add the top ops by device time (benchmarks/top_ops.py)")
   parser.add_argument("config", nargs="+", help="<config.yml> key=value ...")
   args = parser.parse_args(argv)
 
@@ -30,16 +31,19 @@ def main(argv: list[str]) -> dict:
   from maxtext.train import perf
 
   config = load(args.config, devices=prepare)
-  result = measure(config, args.warmup_steps, args.bench_steps, perf.measure_matmul_tflops(args.matmul_size))
+  result = measure(config, args.warmup_steps, args.bench_steps, perf.measure_matmul_tflops(args.matmul_size), profile_steps=args.profile_steps)
   print(json.dumps(result), flush=True)
   return result
 
 
-def measure(config, warmup_steps: int, bench_steps: int, matmul_tflops: float, log=None, moe_share: bool = True) -> dict:
+def measure(
+  config, warmup_steps: int, bench_steps: int, matmul_tflops: float, log=None, moe_share: bool = True, profile_steps: int = 0, profile_top: int = 15
+) -> dict:
   """Compile config's train step (remat_policy=auto resolved as train does; log gets its choice), run warmup_steps
   then bench_steps synchronised steps on the config's data, and return the figures of the module docstring (the
-  routing share of MoE configs unless moe_share is False). The train state lives only inside this call, so callers
-  can measure one large model after another."""
+  routing share of MoE configs unless moe_share is False). profile_steps > 0: then traces that many more steps and
+  adds "top_ops" (benchmarks/top_ops.py: the profile_top ops by device time). The train state lives only inside this
+  call, so callers can measure one large model after another."""
   from compiled_step import compile_train_step
 
   from maxtext.models import counting
@@ -63,6 +67,16 @@ def measure(config, warmup_steps: int, bench_steps: int, matmul_tflops: float, l
         step_s.append(time.perf_counter() - start)
         data_s.append(waited)
     final_loss = float(metrics["loss"])
+    top = None
+    if profile_steps:
+      import top_ops
+
+      def one_step(batch=batch):
+        nonlocal state, metrics
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+
+      top = top_ops.safe_profile(one_step, profile_steps, profile_top, compiled.as_text())
     del state, batch, metrics
     if hasattr(data, "close"):
       data.close()
@@ -92,6 +106,8 @@ def measure(config, warmup_steps: int, bench_steps: int, matmul_tflops: float, l
     "median_data_wait_seconds": round(statistics.median(data_s), 5),
     "final_loss": final_loss,
   }
+  if top is not None:
+    result["top_ops"] = top
   if config.num_experts > 1 and moe_share:
     from moe_share import routing_dispatch_seconds
 

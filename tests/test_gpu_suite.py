@@ -25,9 +25,9 @@ FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_pass
 
 def test_smoke_run_reports_every_section(tmp_path):
   out = tmp_path / "report.md"
-  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_XLA}
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_XLA + " --xla_cpu_enable_xprof_traceme=true"}
   suite = [str(ROOT / "benchmarks/gpu_suite.py"), "--smoke", "--out", str(out), "--workdir", str(tmp_path / "work")]
-  argv = [sys.executable, *suite, "--rows", "1B-class, default"]
+  argv = [sys.executable, *suite, "--rows", "1B-class, default", "--profile", "1B-class", "--profile_decode", "1", "--profile_steps", "1"]
   proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = out.read_text()
@@ -39,7 +39,9 @@ def test_smoke_run_reports_every_section(tmp_path):
   assert "| 1B-class, default | (model keys only) | full |" in report
   assert "On CPU there is no cuDNN" in report  # the CPU's fused kernel is named as such, never as cuDNN
   assert "| greedy tokens equal the CPU's | pass |" in report
-  assert "| batch 2: one decode step compile | pass |" in report
+  assert "| scanned, batch 2: one decode step compile | pass |" in report and "| unstacked, batch 1: one decode step compile | pass |" in report
+  for profiled in ("Profile: 1B-class, default", "Profile: decode step, scanned layers, batch 1"):  # top ops by time: a table with rows
+    assert f"**{profiled}**" in report and report.split(f"**{profiled}**")[1].split("\n\n")[1].startswith("| op | ms / step |"), profiled
 
 
 def test_tolerance_checks():

@@ -72,7 +72,8 @@ def test_specs_are_hashable_and_built_alike():
   config = config.model_copy(update={"qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4})
   a, b = specs.model(config), specs.model(config)
   assert a == b and hash(a) == hash(b)
-  assert type(a.layer.attention).__name__ == "MLASpec" and type(a.dense_layer.feed_forward).__name__ == "MLPSpec"
+  assert type(a.layer.attention).__name__ == "MLASpec" and type(a.layers[0].feed_forward).__name__ == "MLPSpec"
+  assert [k.ffn for k in a.kinds] == ["dense", "moe_shared"] and a.layers[1] is a.layer
   assert a.layer.feed_forward.shared == specs.mlp(config, config.moe_mlp_dim)
 
 

@@ -12,7 +12,7 @@ import unicodedata
 from typing import TYPE_CHECKING, Any
 
 from maxtext.config.adapters import adapter_specs
-from maxtext.config.parallelism import PARALLEL_AXES, axis_size, check_context, fill_parallelism, parallelism_key, pipeline_values
+from maxtext.config.parallelism import PARALLEL_AXES, axis_size, check_context, check_diloco, diloco_axes, fill_parallelism, parallelism_key, pipeline_values
 from maxtext.errors import ConfigError, echo
 from maxtext.platform import QUANTIZATION_CALIBRATION_KEYS
 
@@ -205,7 +205,7 @@ def _check_quantization(c: MaxTextConfig) -> None:
       raise ConfigError(f"kv_quant_dtype=int4 stores two values per byte along head_dim, which is odd ({c.head_dim}); use kv_quant_dtype=int8")
     from maxtext.models import registry  # the config loads before any model code otherwise
 
-    if registry.get(c.decoder_block).mla:
+    if "mla" in registry.get(c.decoder_block).mixers(c):
       raise ConfigError(
         f"quantize_kvcache=true quantizes keys and values per kv head; decoder_block={c.decoder_block} (MLA) caches a compressed latent,"
         " which stays in the compute dtype here; drop quantize_kvcache"
@@ -341,7 +341,7 @@ def _check_family_fields(c: MaxTextConfig) -> None:
       f"attention_sink=true, but decoder_block={c.decoder_block} has no sink parameters (its checkpoints have none); sinks are for {', '.join(with_sinks)}: "
       "drop attention_sink"
     )
-  if (c.attention_bias or c.attention_sink) and family.mla:
+  if (c.attention_bias or c.attention_sink) and "mla" in family.mixers(c):
     raise ConfigError(f"attention_bias and attention_sink apply to grouped-query attention; decoder_block={c.decoder_block} uses MLA, drop them")
   if c.mlp_activations_limit > 0 and not family.clamped_glu:
     with_glu = sorted(f.name for f in registry.FAMILIES.values() if f.clamped_glu)
@@ -366,7 +366,7 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
   devices, slices = _device_counts(c, num_devices, num_slices)
   if devices % slices:
     raise ConfigError(f"{devices} devices do not split evenly into {slices} slices")
-  axes = list(c.mesh_axes)
+  axes, batch_axes = diloco_axes(c)
   ici = fill_parallelism([getattr(c, parallelism_key("ici", a)) for a in axes], devices // slices, "ici", axes)
   dcn = fill_parallelism([getattr(c, parallelism_key("dcn", a)) for a in axes], slices, "dcn", axes)
 
@@ -390,7 +390,8 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
       "make the global batch a multiple of num_generations"
     )
   layers = c.base_num_decoder_layers * mult["layers"]
-  batch_shards = math.prod(axis_size(ici, dcn, axes, a) for a in set(c.data_sharding))
+  batch_shards = math.prod(axis_size(ici, dcn, axes, a) for a in set(batch_axes))
+  check_diloco(c, axis_size(ici, dcn, axes, "diloco"), axis_size(ici, dcn, axes, "stage"), micro)
   pipeline = pipeline_values(c, axis_size(ici, dcn, axes, "stage"), layers, micro, batch_shards)
   if c.eval_per_device_batch_size and eval_rows % batch_shards:
     raise ConfigError(
@@ -416,6 +417,8 @@ def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | 
     **pipeline,
     "num_devices": devices,
     "num_slices": slices,
+    "mesh_axes": axes,
+    "data_sharding": batch_axes,
     "ici_parallelism": ici,
     "dcn_parallelism": dcn,
     "micro_batch_size_to_train_on": micro,

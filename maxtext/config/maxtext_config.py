@@ -28,6 +28,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   s.DcnParallelism,
   s.PipelineParallelism,
   s.LayoutAndSharding,
+  s.DiLoCo,
   s.RematAndOffload,
   s.Optimizer,
   s.AdamW,

@@ -3,9 +3,9 @@ quantization); the run's are in maxtext.config.sections, and MaxTextConfig merge
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from maxtext.config.sections import Section
 
@@ -16,10 +16,17 @@ class DataTypes(Section):
   matmul_precision: Literal["default", "high", "highest"] = Field("default", description="jax.lax precision for matmuls.")
 
 
+def registered_family(name: str) -> str:
+  """name, if maxtext.models.registry knows the family (the built-in ones, and any registered since)."""
+  from maxtext.models import registry  # the config loads before any model code otherwise
+
+  if name not in registry.FAMILIES:
+    raise ValueError(f"input should be one of {', '.join(repr(f) for f in registry.FAMILIES)}")
+  return name
+
+
 class ModelArchitecture(Section):
-  decoder_block: Literal["llama2", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss", "deepseek", "qwen2", "olmo3"] = Field(
-    "llama2", description="Decoder family (block type)."
-  )
+  decoder_block: Annotated[str, AfterValidator(registered_family)] = Field("llama2", description="Decoder family (block type).")
   global_parameter_scale: int = Field(1, gt=0, description="Power of two scaling layers, heads, mlp and embedding dims (see docs/config.md).")
   base_emb_dim: int = Field(2048, gt=0, description="Model (embedding) width before global_parameter_scale.")
   base_num_query_heads: int = Field(16, gt=0, description="Query heads before global_parameter_scale.")

@@ -11,7 +11,8 @@ from maxtext.errors import ConfigError
 if TYPE_CHECKING:
   from maxtext.config.maxtext_config import MaxTextConfig
 
-PARALLEL_AXES = ("data", "stage", "fsdp", "sequence", "context", "tensor", "expert")
+PARALLEL_AXES = ("diloco", "data", "stage", "fsdp", "sequence", "context", "tensor", "expert")
+DILOCO_AXIS = "diloco"  # the mesh axis of DiLoCo replica groups (enable_diloco); outermost, added to mesh_axes when enabled
 
 
 def parallelism_key(kind: str, axis: str) -> str:
@@ -134,3 +135,53 @@ def check_context(c: MaxTextConfig, context: int, sequence: int) -> None:
     raise ConfigError(f"max_target_length {c.max_target_length} is not divisible by {how}; change max_target_length or the context parallelism")
   if sequence > 1:
     raise ConfigError(f"context parallelism ({CONTEXT_KEYS} = {context}) and sequence parallelism both split the sequence; use one of them")
+
+
+DILOCO_KEYS = "ici_diloco_parallelism x dcn_diloco_parallelism"
+
+
+def diloco_axes(c: MaxTextConfig) -> tuple[list[str], list[str]]:
+  """mesh_axes and data_sharding with the 'diloco' axis outermost when enable_diloco (as MaxText's default mesh has it);
+  as configured otherwise, where a diloco degree other than 1 is an error."""
+  axes, batch = list(c.mesh_axes), list(c.data_sharding)
+  if not c.enable_diloco:
+    if DILOCO_AXIS not in axes and (c.ici_diloco_parallelism, c.dcn_diloco_parallelism) != (1, 1):
+      raise ConfigError(
+        f"{DILOCO_KEYS} = {c.ici_diloco_parallelism} x {c.dcn_diloco_parallelism} splits replicas into DiLoCo groups, but enable_diloco is false; "
+        "set enable_diloco=true or leave both at 1"
+      )
+    return axes, batch
+  if DILOCO_AXIS not in axes:
+    axes = [DILOCO_AXIS, *axes]
+  if DILOCO_AXIS not in batch:
+    batch = [DILOCO_AXIS, *batch]
+  return axes, batch
+
+
+def check_diloco(c: MaxTextConfig, groups: int, stages: int, batch: int) -> None:
+  """The one-line errors of enable_diloco: at least 2 groups, no pipeline, a batch that splits into the groups,
+  and none of the features whose state the groups would not keep apart."""
+  if not c.enable_diloco:
+    return
+  if groups < 2:
+    raise ConfigError(
+      f"enable_diloco=true needs at least 2 DiLoCo groups, got {DILOCO_KEYS} = {groups}; set dcn_diloco_parallelism=2 (across slices) "
+      "or ici_diloco_parallelism=2 (within a slice), or enable_diloco=false"
+    )
+  if stages > 1:
+    raise ConfigError(f"enable_diloco with pipeline parallelism ({STAGE_KEYS} = {stages}) is not supported; use one of the two")
+  if batch % groups:
+    raise ConfigError(f"the global batch of {batch} sequences does not split into {groups} DiLoCo groups; change per_device_batch_size")
+  unsupported = [
+    key
+    for key, on in (
+      ("use_dpo", c.use_dpo),
+      ("use_grpo", c.use_grpo),
+      ("lora.enable_lora", c.lora.enable_lora),
+      ("optimizer_memory_host_offload", c.optimizer_memory_host_offload),
+      ("routed_bias_update_rate", c.routed_bias_update_rate > 0),
+    )
+    if on
+  ]
+  if unsupported:
+    raise ConfigError(f"enable_diloco is not supported with {', '.join(unsupported)}; turn one of the two off")

@@ -34,6 +34,10 @@ class RunInfo(Section):
   log_period: int = Field(100, gt=0, description="Flush TensorBoard and the metrics file every this many steps.")
   enable_tensorboard: bool = Field(True, description="Write TensorBoard event files under the run's tensorboard dir.")
   metrics_file: str = Field("", description="If set, append one JSON line of metrics per step to this file.")
+  enable_goodput_recording: bool = Field(
+    False, description="Split the run's wall time into productive steps, init, compile, data, checkpoints and lost steps: summary line and <run>/goodput.json."
+  )
+  monitor_goodput: bool = Field(False, description="Log the running goodput figure every log_period steps.")
   enable_wandb: bool = Field(False, description="Log the metrics, the resolved config and the training-curves PNG to Weights & Biases (process 0).")
   wandb_project_name: str = Field("maxtext", description="W&B project of the run.")
   wandb_run_name: str = Field("", description="W&B display name of the run; empty -> run_name.")
@@ -93,6 +97,7 @@ class IciParallelism(Section):
   ici_context_parallelism: int = Field(1, description="Context parallelism within a slice (sequence split, attention gathers or rings K/V); -1 fills.")
   ici_tensor_parallelism: int = Field(1, description="Tensor parallelism within a slice; -1 fills.")
   ici_expert_parallelism: int = Field(1, description="Expert parallelism within a slice; -1 fills.")
+  ici_diloco_parallelism: int = Field(1, description="DiLoCo replica groups within a slice (mesh axis 'diloco', with enable_diloco); -1 fills.")
 
 
 class DcnParallelism(Section):
@@ -103,6 +108,7 @@ class DcnParallelism(Section):
   dcn_context_parallelism: int = Field(1, description="Context parallelism across slices; -1 fills.")
   dcn_tensor_parallelism: int = Field(1, description="Tensor parallelism across slices; -1 fills.")
   dcn_expert_parallelism: int = Field(1, description="Expert parallelism across slices; -1 fills.")
+  dcn_diloco_parallelism: int = Field(1, description="DiLoCo replica groups across slices (mesh axis 'diloco', with enable_diloco); -1 fills.")
 
 
 class PipelineParallelism(Section):
@@ -167,6 +173,15 @@ class LayoutAndSharding(Section):
     description="ZeRO-1: split the optimizer state over the 'data' mesh axis too (each data replica keeps its part; the update "
     "gathers the parameters' changes). Changes nothing while the data axis has size 1.",
   )
+
+
+class DiLoCo(Section):
+  enable_diloco: bool = Field(
+    False, description="DiLoCo: replica groups (mesh axis 'diloco') train apart and exchange parameter deltas every diloco_sync_period steps."
+  )
+  diloco_sync_period: int = Field(36, gt=0, description="Inner steps between two synchronisations of the DiLoCo groups.")
+  diloco_outer_lr: float = Field(0.3, ge=0, description="Learning rate of the outer Nesterov SGD applied to the groups' mean parameter delta.")
+  diloco_outer_momentum: float = Field(0.9, ge=0, lt=1, description="Nesterov momentum of the outer SGD.")
 
 
 class RematAndOffload(Section):

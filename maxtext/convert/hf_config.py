@@ -348,7 +348,9 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
     out["final_logits_soft_cap"] = f.number("final_logit_softcapping", None, positive=True)
     out["query_pre_attn_scalar"] = f.number("query_pre_attn_scalar", None, positive=True) or float(out["head_dim"])
   if model_type in WINDOWED_TYPES:
-    shape = SimpleNamespace(num_decoder_layers=layers, sliding_window_size=max(out["sliding_window_size"], 1))
+    shape = SimpleNamespace(
+      num_decoder_layers=layers, sliding_window_size=max(out["sliding_window_size"], 1), first_num_dense_layers=0, num_experts=1, shared_experts=0
+    )
     _layer_types(f, family.layer_windows(shape))  # type: ignore[arg-type]
   if model_type == "mixtral":
     out["num_experts"] = f.int("num_local_experts")
@@ -386,7 +388,7 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
     raise ConfigError("mHC connectors have no Hugging Face equivalent; export a model with mhc_expansion_rate=1")
   if c.attention_bias and HF_MODEL_TYPES[c.decoder_block] in UNBIASED_ATTENTION_TYPES:
     raise ConfigError(f"{HF_ARCHITECTURES[c.decoder_block]} has no attention biases; export a {c.decoder_block} model with attention_bias=false")
-  rope = _rope_export(c, mla=registry.get(c.decoder_block).mla)
+  rope = _rope_export(c, mla="mla" in registry.get(c.decoder_block).mixers(c))
   hf: dict[str, Any] = {
     "architectures": [HF_ARCHITECTURES[c.decoder_block]],
     "model_type": HF_MODEL_TYPES[c.decoder_block],

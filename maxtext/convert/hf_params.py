@@ -69,7 +69,7 @@ def _bias(shape: tuple[int, ...]) -> tuple[Callable, Callable]:
 
 def _attention_rules(c: MaxTextConfig) -> list[Rule]:
   e, h, kv, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
-  if registry.get(c.decoder_block).mla:
+  if "mla" in registry.get(c.decoder_block).mixers(c):
     qk = c.qk_nope_head_dim + c.qk_rope_head_dim
     rules = []
     if c.q_lora_rank == 0:

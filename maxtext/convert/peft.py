@@ -195,9 +195,9 @@ def read(peft_dir: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
   return _load(weights), adapter_config
 
 
-def _abstract_params(config: MaxTextConfig, policy: Any = None) -> Any:
-  """The config's parameters (of the model `policy` builds; default: the local platform's) as sharded ShapeDtypeStructs
-  (an nnx.State), for restoring."""
+def _abstract_params(config: MaxTextConfig, policy: Any = None, mesh: Any = None) -> Any:
+  """The config's parameters (of the model `policy` builds; default: the local platform's) as ShapeDtypeStructs sharded
+  over mesh (default: the config's mesh over jax.devices()) (an nnx.State), for restoring."""
   import jax
   from flax import nnx
 
@@ -205,7 +205,7 @@ def _abstract_params(config: MaxTextConfig, policy: Any = None) -> Any:
   from maxtext import models
 
   abstract = nnx.state(models.abstract_model(config, policy), nnx.Param)
-  shardings = models.state_shardings(abstract, config, mesh_lib.create(config))
+  shardings = models.state_shardings(abstract, config, mesh_lib.create(config) if mesh is None else mesh)
   return jax.tree.map(
     lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
   )

@@ -1,10 +1,11 @@
 """The whole model's KV cache: how layers group into scanned stacks, its shapes, shardings and size.
 
-A model has one or two layer stacks (DeepSeek: its dense first layers, then the MoE layers). With
-scan_layers=true a stack's per-layer windows repeat with some period p (1 for uniform models, 2 for gemma2
-and gpt_oss, 6 for gemma3). Decoding scans over groups of p consecutive layers; position j of a group has its
-own stacked cache [num_groups, B, K, T_j, D], so each layer keeps a cache of its own length (a ring of
-sliding_window_size slots for local layers). Layers after the last whole group (and every layer with
+The layout follows the family's layer pattern (maxtext.models.layer_pattern): a model has one or two layer stacks
+(DeepSeek: its dense first layers, then the MoE layers). With scan_layers=true a stack's layer kinds, windows
+included, repeat with some period p (1 for uniform models, 2 for gemma2 and gpt_oss, 6 for gemma3; a multiple of
+the block of a pattern that mixes layer structures). Decoding scans over groups of p consecutive layers; position j
+of a group has its own stacked cache [num_groups, B, K, T_j, D], so each layer keeps a cache of its own length and
+form (a ring of sliding_window_size slots for local layers). Layers after the last whole group (and every layer with
 scan_layers=false) keep unstacked caches in `tail`.
 
 What a layer caches per token: keys and values of each kv head (grouped-query attention); for MLA, with
@@ -26,8 +27,7 @@ from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
 from maxtext.inference import kv_cache
 from maxtext.layers.dtypes import bits, dtype
-from maxtext.models import registry
-from maxtext.models.family import period
+from maxtext.models import layer_pattern, registry
 
 STACK_AXIS = "cache_layers"
 
@@ -50,6 +50,8 @@ class Stack:
   windows: tuple[int, ...]  # sliding window per layer (0 = global)
   period: int  # layers per scanned group (0 when nothing is scanned)
   num_groups: int
+  forms: tuple[str, ...] = ()  # each layer's cache form (cache_form)
+  pattern: layer_pattern.Stack | None = None  # the model's stack: where each layer's parameters sit
 
   @property
   def tail_layers(self) -> range:
@@ -60,40 +62,46 @@ class Stack:
 class Layout:
   stacks: tuple[Stack, ...]
   max_length: int  # slots of a global layer: max_target_length
-  form: str  # 'kv' (keys and values per kv head), 'mla_naive' (keys and values per head), 'mla_latent' (compressed)
+  form: str  # every layer's form when they share one, else 'mixed' (each layer's: Stack.forms)
 
   @property
   def windows(self) -> tuple[int, ...]:
     return tuple(w for s in self.stacks for w in s.windows)
 
+  @property
+  def forms(self) -> tuple[str, ...]:
+    return tuple(f for s in self.stacks for f in s.forms)
+
   def slots(self, window: int) -> int:
     return min(window, self.max_length) if window else self.max_length
 
 
-def cache_form(config: MaxTextConfig) -> str:
-  if not registry.get(config.decoder_block).mla:
+def cache_form(config: MaxTextConfig, mixer: str) -> str:
+  """What a layer with this token mixer caches: 'kv' (keys and values per kv head), 'mla_naive' (keys and values per
+  head), 'mla_latent' (MLA's compressed latent)."""
+  if mixer == "attention":
     return "kv"
-  return "mla_naive" if config.mla_naive_kvcache else "mla_latent"
+  if mixer == "mla":
+    return "mla_naive" if config.mla_naive_kvcache else "mla_latent"
+  raise ValueError(f"no decode cache form for token mixer {mixer!r}")
 
 
 def layout(config: MaxTextConfig, max_length: int | None = None) -> Layout:
-  windows = registry.get(config.decoder_block).layer_windows(config)
-  n_dense = config.first_num_dense_layers
-  parts = [("dense_layers", windows[:n_dense])] if n_dense else []
-  parts.append(("layers", windows[n_dense:]))
   stacks = []
-  for name, ws in parts:
-    p = period(ws) if config.scan_layers else 0
-    stacks.append(Stack(name, tuple(ws), p, len(ws) // p if p else 0))
-  return Layout(tuple(stacks), max_length or config.max_target_length, cache_form(config))
+  for stack in layer_pattern.stacks(registry.get(config.decoder_block).kinds(config)):
+    p = layer_pattern.decode_period(stack) if config.scan_layers else 0
+    forms = tuple(cache_form(config, k.mixer) for k in stack.kinds)
+    stacks.append(Stack(stack.name, stack.windows, p, len(stack.kinds) // p if p else 0, forms, stack))
+  forms = {f for s in stacks for f in s.forms}
+  return Layout(tuple(stacks), max_length or config.max_target_length, forms.pop() if len(forms) == 1 else "mixed")
 
 
-def layer_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: int) -> dict[str, tuple[int, ...]]:
+def layer_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: int, form: str) -> dict[str, tuple[int, ...]]:
   """One layer's cache buffers and their [B, K, T, D] shapes."""
   c, slots = config, lay.slots(window)
-  if lay.form == "mla_latent":
+  if form == "mla_latent":
     return {"latent": (batch, 1, slots, c.kv_lora_rank + c.qk_rope_head_dim)}
-  if lay.form == "mla_naive":
+  if form == "mla_naive":
     h = c.num_query_heads
     return {"key": (batch, h, slots, c.qk_nope_head_dim + c.qk_rope_head_dim), "value": (batch, h, slots, c.v_head_dim)}
   d = c.head_dim // 2 if stored_dtype(c) == kv_cache.PACKED_INT4 else c.head_dim
@@ -124,12 +132,12 @@ def abstract(config: MaxTextConfig, batch: int, lay: Layout) -> DecodeCache:
   """ShapeDtypeStructs of an empty cache (in config.dtype; quantized keys and values in kv_quant_dtype)."""
   dt, quantized = dtype(config.dtype), stored_dtype(config)
 
-  def buffers(window: int, lead: tuple[int, ...] = ()) -> dict[str, jax.ShapeDtypeStruct]:
-    shapes = layer_shapes(config, lay, batch, window).items()
+  def buffers(s: Stack, i: int, lead: tuple[int, ...] = ()) -> dict[str, jax.ShapeDtypeStruct]:
+    shapes = layer_shapes(config, lay, batch, s.windows[i], s.forms[i]).items()
     return {name: jax.ShapeDtypeStruct(lead + shape, dt if name.endswith("_scale") else quantized) for name, shape in shapes}
 
-  scan = tuple(tuple(buffers(s.windows[j], (s.num_groups,)) for j in range(s.period)) for s in lay.stacks)
-  tail = tuple(tuple(buffers(s.windows[i]) for i in s.tail_layers) for s in lay.stacks)
+  scan = tuple(tuple(buffers(s, j, (s.num_groups,)) for j in range(s.period)) for s in lay.stacks)
+  tail = tuple(tuple(buffers(s, i) for i in s.tail_layers) for s in lay.stacks)
   return DecodeCache(scan, tail, jax.ShapeDtypeStruct((batch,), jnp.int32))
 
 
@@ -169,25 +177,31 @@ def values_per_slot(config: MaxTextConfig, form: str) -> int:
   return 2 * c.num_kv_heads * c.head_dim
 
 
-def theoretical_bytes(config: MaxTextConfig, batch: int, lay: Layout, form: str | None = None) -> int:
-  """batch x sum over layers of slots x (values_per_slot x bits per value + scales x bits per scale) / 8 (form: another
-  cache form, e.g. MLA's naive)."""
-  form = form or lay.form
+def bits_per_slot(config: MaxTextConfig, form: str) -> int:
+  """Bits one layer of this cache form stores per token: values_per_slot x bits per value + scales x bits per scale."""
   per_slot = values_per_slot(config, form) * bits(kv_dtype(config) if form == "kv" else dtype(config.dtype))
   if form == "kv" and config.quantize_kvcache:
     per_slot += 2 * scale_heads(config) * bits(dtype(config.dtype))
-  return batch * per_slot * sum(lay.slots(w) for w in lay.windows) // 8
+  return per_slot
+
+
+def theoretical_bytes(config: MaxTextConfig, batch: int, lay: Layout, form: str | None = None) -> int:
+  """batch x sum over layers of slots x bits_per_slot of the layer's form / 8 (form: another cache form for the MLA
+  layers, e.g. MLA's naive)."""
+  forms = [form if form and f.startswith("mla") else f for f in lay.forms]
+  return batch * sum(lay.slots(w) * bits_per_slot(config, f) for w, f in zip(lay.windows, forms)) // 8
 
 
 def describe(config: MaxTextConfig, batch: int, lay: Layout) -> str:
   """The KV cache size line: bytes, per-token values, and for MLA the naive form's size beside the compressed one."""
   size = theoretical_bytes(config, batch, lay)
+  per_layer = f"{values_per_slot(config, lay.form):,}" if lay.form != "mixed" else "/".join(f"{values_per_slot(config, f):,}" for f in dict.fromkeys(lay.forms))
   line = (
     f"KV cache: {size / 2**20:,.2f} MiB for batch {batch} x {lay.max_length} tokens over {len(lay.windows)} layers "
-    f"({values_per_slot(config, lay.form):,} values per token and layer, {kv_dtype(config).name}"
+    f"({per_layer} values per token and layer, {kv_dtype(config).name}"
     f"{f' with {2 * scale_heads(config)} scales' if config.quantize_kvcache else ''})"
   )
-  if lay.form == "mla_latent":
+  if "mla_latent" in lay.forms:
     naive = theoretical_bytes(config, batch, lay, "mla_naive")
     line += f"; per-head keys and values (mla_naive_kvcache=true) would take {naive / 2**20:,.2f} MiB ({naive / size:.1f}x)"
   return line

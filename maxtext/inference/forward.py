@@ -46,35 +46,64 @@ def _hidden_states(model: Transformer, tokens: jax.Array, new_lengths: jax.Array
 
   scanned, tails = [], []
   for stack, scan_cache, tail_cache in zip(lay.stacks, cache.scan, cache.tail):
-    x, s, t = _run_stack(getattr(model, stack.name), stack, x, scan_cache, tail_cache, run)
+    x, s, t = _run_stack(model, stack, x, scan_cache, tail_cache, run)
     scanned.append(s)
     tails.append(t)
   hidden = model.final_norm(collapse_streams(x, model.specs.residual))
   return hidden, DecodeCache(tuple(scanned), tuple(tails), cache.lengths + new_lengths)
 
 
-def _run_stack(layers, stack: Stack, x: jax.Array, scan_cache: tuple, tail_cache: tuple, run) -> tuple[jax.Array, tuple, tuple]:
+def _run_stack(model: Transformer, stack: Stack, x: jax.Array, scan_cache: tuple, tail_cache: tuple, run) -> tuple[jax.Array, tuple, tuple]:
   """One layer stack: scanned models scan over groups of `stack.period` layers, the stacked caches riding along as scan
   inputs and outputs; the rest of the layers run one by one."""
-  tail = []
+  source = _LayerSource(model, stack)
+  scanned = ()
   if stack.period:
-    graphdef, state = nnx.split(layers)
-    p, n = stack.period, stack.num_groups
+    p = stack.period
 
     def body(h, xs):
-      group_state, buffers = xs
+      group_states, buffers = xs
       new = []
       for j in range(p):
-        h, out = run(_layer(graphdef, group_state, j), h, stack.windows[j], buffers[j])
+        h, out = run(source.in_group(group_states, j), h, stack.windows[j], buffers[j])
         new.append(out)
       return h, tuple(new)
 
-    x, scanned = jax.lax.scan(body, x, (group_layers(state, p, n), scan_cache))
-    for t, i in enumerate(stack.tail_layers):
-      x, out = run(_layer(graphdef, state, i), x, stack.windows[i], tail_cache[t])
-      tail.append(out)
-    return x, scanned, tuple(tail)
-  for i, layer in enumerate(layers):
-    x, out = run(layer, x, stack.windows[i], tail_cache[i])
+    x, scanned = jax.lax.scan(body, x, (source.groups(p, stack.num_groups), scan_cache))
+  tail = []
+  for t, i in enumerate(stack.tail_layers):
+    x, out = run(source.layer(i), x, stack.windows[i], tail_cache[t])
     tail.append(out)
-  return x, (), tuple(tail)
+  return x, scanned, tuple(tail)
+
+
+class _LayerSource:
+  """Where each layer of a stack keeps its parameters: a list of layers (scan_layers=false), one stacked layer (a
+  uniform stack), or `block` stacked layers, one per block position, plus the remainder's (a pattern mixing layer
+  structures: maxtext.models.layer_pattern)."""
+
+  def __init__(self, model: Transformer, stack: Stack):
+    layers = getattr(model, stack.name)
+    self.pattern = stack.pattern
+    self.listed = None if model.config.scan_layers else layers
+    self.block = self.pattern.period if self.listed is None else 1
+    self.parts = [] if self.listed is not None else [nnx.split(m) for m in layers] if self.block > 1 else [nnx.split(layers)]
+    self.remainder = model.layers_remainder
+
+  def layer(self, i: int) -> nnx.Module:
+    """Layer i of the stack."""
+    if self.listed is not None:
+      return self.listed[i]
+    j, index = self.pattern.locate(i) if self.block > 1 else (0, i)
+    if j is None:
+      return self.remainder[index]
+    return _layer(*self.parts[j], index)
+
+  def groups(self, p: int, n: int) -> tuple:
+    """What the scan over n groups of p layers steps over: per block position, its stacked parameters [n, p / block, ...]."""
+    m = p // self.block
+    return tuple(group_layers(state, m, n) for _, state in self.parts)
+
+  def in_group(self, group_states: tuple, j: int) -> nnx.Module:
+    """Layer j of a group, from the scan's slice of groups()."""
+    return _layer(self.parts[j % self.block][0], group_states[j % self.block], j // self.block)

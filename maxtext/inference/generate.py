@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from maxtext import mesh as mesh_lib
+from maxtext.config import MaxTextConfig
 from maxtext.config.adapters import adapter_names
 from maxtext.errors import ConfigError, DataError
 from maxtext.inference import cache_layout, forward, unstack
@@ -42,6 +43,22 @@ class Result:
   prefill_seconds: float
   decode_tokens: int  # generated tokens (the first comes from the prefill logits)
   decode_seconds: float  # the decode loop, sampling the first token included
+
+
+def onto_mesh(state: nnx.State, config: MaxTextConfig, mesh: Mesh) -> nnx.State:
+  """state with every array committed to devices other than mesh's moved onto mesh, sharded as the variable's logical
+  axes map there (e.g. parameters loaded on the default GPU handed to a Generator on a CPU mesh); arrays already on
+  the mesh's devices and host values are kept as they are (nothing copied)."""
+  want = set(mesh.devices.flat)
+
+  def place(path: tuple, v: nnx.Variable) -> nnx.Variable:
+    value = v.get_value()
+    if not isinstance(value, jax.Array) or value.sharding.device_set == want:
+      return v
+    name = "parameter " + "/".join(str(getattr(k, "key", k)) for k in path)
+    return v.replace(jax.device_put(value, mesh_lib.checked_logical_sharding(v.get_metadata().get("logical_axes"), value.shape, config, mesh, name)))
+
+  return jax.tree.map_with_path(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 class Generator:
@@ -74,6 +91,8 @@ class Generator:
     self.tokenizer_vocab_size = check_tokenizer_vocab_size(tokenizer_vocab_size, c.vocab_size)
     self.layout = cache_layout.layout(c, self.max_target_length)
     self.graphdef, self.state = nnx.split(model)
+    if mesh is not None:
+      self.state = onto_mesh(self.state, c, mesh)
     self.prefill = jax.jit(self._prefill)
     self.step = jax.jit(self._step, donate_argnums=1)
     self.loop = jax.jit(self._loop)

@@ -101,7 +101,7 @@ def _load(config: MaxTextConfig, mesh: Mesh, policy: Policy, log: Callable[[str]
       item_path(path)  # a missing path fails here, before any parameter is allocated
   model = models.create_sharded(config, mesh, policy=policy)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  params = load_initial_params(config, params, _abstract_params(config, policy), log)
+  params = load_initial_params(config, params, _abstract_params(config, policy, mesh), log)  # restored onto mesh, not the default devices
   return nnx.merge(graphdef, params, rest)
 
 

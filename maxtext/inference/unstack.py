@@ -6,6 +6,7 @@ from __future__ import annotations
 from flax import nnx
 
 from maxtext import models
+from maxtext.models import layer_pattern
 from maxtext.models.decoder import Transformer
 
 
@@ -16,9 +17,14 @@ def unstack_layers(model: Transformer) -> Transformer:
   config = model.config.model_copy(update={"scan_layers": False})
   graphdef, abstract = nnx.split(models.abstract_model(config, model.policy))
   stacked = dict(nnx.to_flat_state(nnx.state(model)))
+  stacks = {stack.name: stack for stack in model.stacks}
   leaves = {}
   for path, var in nnx.to_flat_state(abstract):
-    if path[0] in ("layers", "dense_layers"):
+    stack = stacks.get(path[0])
+    if stack is not None and stack.period > 1:  # a block of stacked layers, one per block position, and the remainder's
+      j, index = stack.locate(int(path[1]))
+      value = stacked[(path[0], j, *path[2:])][...][index] if j is not None else stacked[(layer_pattern.REMAINDER, index, *path[2:])][...]
+    elif stack is not None:
       value = stacked[(path[0], *path[2:])][...][int(path[1])]
     else:
       value = stacked[path][...]

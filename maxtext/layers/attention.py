@@ -1,4 +1,10 @@
-"""Grouped-query self-attention with rotary embeddings, optional QK norm, biases, sinks, soft cap and sliding window."""
+"""Grouped-query self-attention with rotary embeddings, optional QK norm, biases, sinks, soft cap, sliding window,
+partial rotary embedding and a sigmoid output gate.
+
+With output_gate (Qwen3-Next's gated attention) the query projection yields per head a query and a gate,
+[q | g] = x W_q ([H, 2 D]), and the output is W_o (attend(q, k, v) * sigmoid(g)). With partial_rotary_factor f
+the first D f features of each query and key head rotate and the rest pass unrotated.
+"""
 
 from __future__ import annotations
 
@@ -35,11 +41,22 @@ class AttentionSpec:
   use_bias: bool = False  # attention_bias: q/k/v biases, and o's with out_bias
   out_bias: bool = True  # with use_bias, the output projection has a bias too (Qwen2's has none)
   sinks: bool = False  # attention_sink: a learned sink logit per query head
-  qk_norm: NormSpec | None = None  # use_qk_norm: RMSNorm on each query and key head
+  qk_norm: NormSpec | None = None  # use_qk_norm: RMSNorm on each query and key head (NormSpec.zero_centered: 1 + w)
   qk_norm_per_head: bool = True  # False: qk_norm spans the whole query (key) projection, all heads at once (OLMo 3)
+  output_gate: bool = False  # the query projection also yields a per-head gate: out(ctx * sigmoid(gate)) (Qwen3-Next)
+  partial_rotary_factor: float = 1.0  # rotate the first head_dim * factor features of q and k, pass the rest
   window_choices: tuple[int, ...] = ()  # the windows a traced (scanned, per-layer) window can take, sorted
   context: context_parallel.Layout | None = None  # context parallelism's sequence layout (None: none)
   rules: Rules = ()  # logical_axis_rules
+
+  def __post_init__(self):
+    if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+      raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and rotate an even number of the {self.head_dim} features")
+
+  @property
+  def rotary_dim(self) -> int:
+    """Features of each head that rotate (Hugging Face's int(head_dim * partial_rotary_factor))."""
+    return int(self.head_dim * self.partial_rotary_factor)
 
 
 def rotary(spec: rope.RopeSpec, dim: int, window: int | jax.Array) -> tuple[jax.Array, float | jax.Array]:
@@ -64,7 +81,7 @@ class Attention(nnx.Module):
     self.policy = policy
     e, h, kv, d = spec.emb_dim, spec.num_query_heads, spec.num_kv_heads, spec.head_dim
     kw = dict(dense_kwargs(policy, rngs), use_bias=spec.use_bias)
-    self.query = DenseGeneral((e,), (h, d), ("embed", "heads", "head_dim"), **kw)
+    self.query = DenseGeneral((e,), (h, 2 * d if spec.output_gate else d), ("embed", "heads", "head_dim"), **kw)  # [q | gate] per head
     self.key = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
     self.value = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
     self.out = DenseGeneral((h, d), (e,), ("heads", "head_dim", "embed"), **{**kw, "use_bias": spec.use_bias and spec.out_bias})
@@ -86,6 +103,9 @@ class Attention(nnx.Module):
     spec = self.spec
     rules = spec.rules
     q = checkpoint_name(self.query(x), "query_proj")
+    gate = None
+    if spec.output_gate:
+      q, gate = jnp.split(q, 2, axis=-1)
     k = checkpoint_name(self.key(x), "key_proj")
     v = checkpoint_name(self.value(x), "value_proj")
     if self.query_norm is not None and spec.qk_norm_per_head:
@@ -93,17 +113,14 @@ class Attention(nnx.Module):
     elif self.query_norm is not None:
       q = self.query_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
       k = self.key_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
-    inv_freq, rope_scale = rotary(spec.rope, spec.head_dim, window)
-    rot = dict(interleave=spec.rope.interleave, scale=rope_scale)
-    q = rope.apply_rope(q, positions, inv_freq, **rot)
-    k = rope.apply_rope(k, positions, inv_freq, **rot)
+    q, k = self._rotate(q, positions, window), self._rotate(k, positions, window)
     q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
     k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
     v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
     sinks = self.sinks[...] if self.sinks is not None else None
     if cache is not None:
       ctx, cache = cache.attend(q, k, v, window, spec.scale, spec.soft_cap, self.policy.dtypes.precision, rules, sinks)  # type: ignore[arg-type]
-      return self.out(ctx), cache
+      return self.out(self._gated(ctx, gate)), cache
     ctx = attention_ops.attend(
       q,
       k,
@@ -122,4 +139,19 @@ class Attention(nnx.Module):
       context=spec.context,
     )
     ctx = checkpoint_name(ctx, "context")
-    return checkpoint_name(self.out(ctx), "out_proj")
+    return checkpoint_name(self.out(self._gated(ctx, gate)), "out_proj")
+
+  def _rotate(self, x: jax.Array, positions: jax.Array, window: int | jax.Array) -> jax.Array:
+    """Rotary embedding of the first rotary_dim features of each head of x [B, S, heads, D]."""
+    spec = self.spec
+    dim = spec.rotary_dim
+    inv_freq, rope_scale = rotary(spec.rope, dim, window)
+    rotated = rope.apply_rope(x[..., :dim], positions, inv_freq, interleave=spec.rope.interleave, scale=rope_scale)
+    return rotated if dim == spec.head_dim else jnp.concatenate([rotated, x[..., dim:]], axis=-1)
+
+  @staticmethod
+  def _gated(ctx: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """ctx * sigmoid(gate) (computed in float32), or ctx without a gate."""
+    if gate is None:
+      return ctx
+    return (ctx.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(ctx.dtype)

@@ -4,7 +4,8 @@ The model is built with nnx.eval_shape (shapes only, no memory; well under a sec
 is warm), so the counts follow the built model exactly. FLOPs come from each parameter's size, whether it trains
 (maxtext.train.trainable) and where it sits in its layer's data flow (DecoderLayer.branches), plus a few
 architectural numbers the tree does not hold: the tokens per step, the attention scores' heads, widths and
-per-layer windows, num_experts_per_tok, and mHC's stream mixing and Sinkhorn iterations.
+per-layer windows (from the family's layer pattern: each layer's kind), num_experts_per_tok, and mHC's stream
+mixing and Sinkhorn iterations.
 
 Used by metrics (TFLOP/s/device, MFU), AOT reports, preflight and the model-file tests.
 """
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from flax import nnx
 
 from maxtext.models import registry
+from maxtext.models.family import LayerKind
 
 if TYPE_CHECKING:
   from maxtext.config import MaxTextConfig
@@ -32,10 +34,11 @@ _CACHED_MODELS = 8
 
 @dataclasses.dataclass(frozen=True)
 class _Tree:
-  """The abstract model, and one abstract decoder layer of each kind (dense=True: first_num_dense_layers)."""
+  """The abstract model, its layer pattern, and one abstract decoder layer of each structure in it."""
 
   model: Any
-  layers: dict[bool, Any]
+  kinds: tuple[LayerKind, ...]
+  layers: dict[LayerKind, Any]  # by LayerKind.structure
   flops: list = dataclasses.field(default_factory=list)  # _model_flops' result, once computed
 
 
@@ -59,11 +62,11 @@ def _build(config: MaxTextConfig) -> _Tree:
   policy = dataclasses.replace(platform.resolve(config), quantization=None)
   family = registry.get(config.decoder_block)
 
-  def layer(dense: bool) -> Any:
-    return nnx.eval_shape(lambda: DecoderLayer(specs.layer(config, family, dense=dense), policy=policy, rngs=nnx.Rngs(0)))
+  def layer(kind: LayerKind) -> Any:
+    return nnx.eval_shape(lambda: DecoderLayer(specs.layer(config, family, kind), policy=policy, rngs=nnx.Rngs(0)))
 
-  kinds = {i < config.first_num_dense_layers for i in range(config.num_decoder_layers)} | ({False} if config.mtp_num_layers else set())
-  return _Tree(models.abstract_model(config, policy), {dense: layer(dense) for dense in kinds})
+  kinds = family.kinds(config)
+  return _Tree(models.abstract_model(config, policy), kinds, {k: layer(k) for k in dict.fromkeys(k.structure for k in kinds)})
 
 
 def _variables(module: Any) -> list[nnx.Variable]:
@@ -109,12 +112,15 @@ def param_count(config: MaxTextConfig, include_embedding: bool = True, active_on
 
 
 def _layer(config: MaxTextConfig, dense: bool) -> Any:
-  layers = _tree(config).layers
-  return layers[dense] if dense in layers else layers[not dense]
+  """The first layer with a dense MLP (dense) or with experts (not dense); the last layer when the model has none."""
+  tree = _tree(config)
+  kind = next((k for k in tree.kinds if (k.ffn == "dense") == dense), tree.kinds[-1])
+  return tree.layers[kind.structure]
 
 
 def params_per_layer(config: MaxTextConfig, active_only: bool = False, dense: bool = False) -> int:
-  """Parameters of one decoder layer; dense=True: a dense layer of a MoE model (first_num_dense_layers)."""
+  """Parameters of one decoder layer with experts (a model's only kind when it has none); dense=True: one with a
+  dense MLP (DeepSeek's first_num_dense_layers)."""
   return _count(_variables(_layer(config, dense)), config, active_only)
 
 
@@ -141,14 +147,14 @@ def attended_keys(config: MaxTextConfig) -> int:
 
 
 def _keys(config: MaxTextConfig) -> list[int]:
-  """Keys per query of each decoder layer, from the family's windows (0 = full attention)."""
+  """Keys per query of each decoder layer, from its kind's window (0 = full attention)."""
   seq = config.max_target_length
   return [min(seq, w) if w > 0 else seq for w in registry.get(config.decoder_block).layer_windows(config)]
 
 
-def attention_width(c: MaxTextConfig) -> float:
-  """Mean of the query-key and value widths per head: head_dim, or (nope + rope + v) / 2 for MLA."""
-  if registry.get(c.decoder_block).mla:
+def attention_width(c: MaxTextConfig, mixer: str = "attention") -> float:
+  """Mean of the query-key and value widths per head of a token mixer: head_dim, or (nope + rope + v) / 2 for MLA."""
+  if mixer == "mla":
     return (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2
   return c.head_dim
 
@@ -259,6 +265,7 @@ class _ModelFlops:
   weights: int
   forward: int
   keys: list[int]  # keys per query of each attention (decoder layers, then MTP modules)
+  widths: list[float]  # attention_width of each
   backward: list[bool]  # whether each runs backward
   forward_layers: int  # how many of them a plain forward pass runs (the MTP modules are training-only)
 
@@ -282,9 +289,13 @@ def _count_model_flops(config: MaxTextConfig, tree: _Tree) -> _ModelFlops:
   skip = [p for p, _ in _modules_of(model, (DecoderLayer, MTPBlock))] + ([] if c.logits_via_embedding else [p for p, _ in embeds])
   head = _params(model, skip)  # final norm and the output matmul (the tied table: the embedding lookup itself is free)
   head_flops = sum(_matmul(_size(v, c), trains(v), True) for v in head)
-  lowest, upper = (_layer_flops(c, tree.layers[dense], below_trains=b) for dense, b in ((c.first_num_dense_layers > 0, below), (False, True)))
-  dense_upper = _layer_flops(c, tree.layers[True], True) if c.first_num_dense_layers > 1 else upper
-  layers = [lowest] + [dense_upper if i < c.first_num_dense_layers else upper for i in range(1, c.num_decoder_layers)]
+  per_structure: dict[tuple[LayerKind, bool], _LayerFlops] = {}
+  layers = []
+  for i, kind in enumerate(tree.kinds):
+    key = (kind.structure, below or i > 0)
+    if key not in per_structure:
+      per_structure[key] = _layer_flops(c, tree.layers[kind.structure], below_trains=key[1])
+    layers.append(per_structure[key])
   weights = sum(f.weights for f in layers) + head_flops
   for block in _mtp_blocks(model):
     inner = _modules_of(block, DecoderLayer)
@@ -294,7 +305,8 @@ def _count_model_flops(config: MaxTextConfig, tree: _Tree) -> _ModelFlops:
     layers.append(mtp_layer)
   forward = sum(f.forward for f in layers[: c.num_decoder_layers]) + sum(2 * _size(v, c) for v in head)
   keys = _keys(c) + [c.max_target_length] * c.mtp_num_layers
-  return _ModelFlops(weights, forward, keys, [f.attention_backward for f in layers], c.num_decoder_layers)
+  widths = [attention_width(c, k.mixer) for k in tree.kinds] + [attention_width(c, tree.kinds[-1].mixer)] * c.mtp_num_layers  # MTP: built like the last layer
+  return _ModelFlops(weights, forward, keys, widths, [f.attention_backward for f in layers], c.num_decoder_layers)
 
 
 def training_flops_per_step(config: MaxTextConfig) -> float:
@@ -309,13 +321,13 @@ def training_flops_per_step(config: MaxTextConfig) -> float:
   c = config
   tokens = c.global_batch_size_to_train_on * c.max_target_length
   flops = _model_flops(c)
-  scores = sum((3 if backward else 1) * _scores(c, tokens, k) for k, backward in zip(flops.keys, flops.backward))
+  scores = sum((3 if backward else 1) * _scores(c, tokens, k, w) for k, w, backward in zip(flops.keys, flops.widths, flops.backward))
   return float(tokens * flops.weights + scores)
 
 
-def _scores(c: MaxTextConfig, tokens: int, keys: int) -> float:
+def _scores(c: MaxTextConfig, tokens: int, keys: int, width: float) -> float:
   """Forward FLOPs of one layer's attention scores: 2 T x keys x heads x attention_width."""
-  return 2 * tokens * keys * c.num_query_heads * attention_width(c)
+  return 2 * tokens * keys * c.num_query_heads * width
 
 
 def forward_flops_per_step(config: MaxTextConfig) -> float:
@@ -325,7 +337,7 @@ def forward_flops_per_step(config: MaxTextConfig) -> float:
   c = config
   tokens = c.global_batch_size_to_train_on * c.max_target_length
   flops = _model_flops(c)
-  return float(tokens * flops.forward + sum(_scores(c, tokens, k) for k in flops.keys[: flops.forward_layers]))
+  return float(tokens * flops.forward + sum(_scores(c, tokens, k, w) for k, w in list(zip(flops.keys, flops.widths))[: flops.forward_layers]))
 
 
 def step_flops(config: MaxTextConfig) -> float:

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
+from maxtext.errors import ConfigError
 from maxtext.layers import lora
 from maxtext.layers.embed import Embed
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
@@ -22,14 +23,14 @@ from maxtext.layers.norms import RMSNorm
 from maxtext.layers.output_head import OutputHead
 from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.layers.sharding import constrain
-from maxtext.models import pipeline, registry, remat, specs
+from maxtext.models import layer_pattern, pipeline, registry, remat, specs
 from maxtext.models.decoder_layer import DecoderLayer, LayerSpec
 from maxtext.models.mtp import MTPBlock
 from maxtext.platform import Policy
 
 LAYERS_AXIS = pipeline.LAYERS_AXIS
 OUTSIDE_AXIS = pipeline.OUTSIDE_AXIS
-DENSE_LAYERS_AXIS = "dense_layers"  # DeepSeek's leading dense layers: a stack of their own, outside any pipeline
+DENSE_LAYERS_AXIS = layer_pattern.PREFIX_STACK  # DeepSeek's leading dense layers: a stack of their own, outside any pipeline
 
 
 def _prepend_axis(variable: nnx.Variable, name: str) -> nnx.Variable:
@@ -45,20 +46,30 @@ def stacked_layers(spec: LayerSpec, policy: Policy, keys: jax.Array, axis: str) 
   return nnx.merge(graphdef, state)
 
 
-def main_stacks(config: MaxTextConfig, spec: LayerSpec, policy: Policy, rngs: nnx.Rngs) -> tuple[DecoderLayer, DecoderLayer | None]:
-  """The layers after first_num_dense_layers, stacked: (axis 'layers', the layers after them on axis
-  'layers_outside_pipeline', or None).
+def main_stacks(config: MaxTextConfig, spec: LayerSpec, policy: Policy, rngs: nnx.Rngs, num_layers: int) -> tuple[DecoderLayer, DecoderLayer | None]:
+  """The main stack's num_layers layers (those after first_num_dense_layers), stacked: (axis 'layers', the layers
+  after them on axis 'layers_outside_pipeline', or None).
 
   Without a pipeline 'layers' holds them all. With one it holds the first pipeline_parallel_layers, sharded over
   `stage`, in the pipeline's train-state order; the rest, if any, form the second stack, not split by stage. Each
   layer gets the random key of its plain index, so every layout starts with the same weights.
   """
-  keys = jax.random.split(rngs.params(), config.num_decoder_layers - config.first_num_dense_layers)
+  keys = jax.random.split(rngs.params(), num_layers)
   plan = pipeline.Plan.of(config)
   if plan is None:
     return stacked_layers(spec, policy, keys, LAYERS_AXIS), None
   pipelined = stacked_layers(spec, policy, keys[: plan.layers][plan.order()], LAYERS_AXIS)
   return pipelined, stacked_layers(spec, policy, keys[plan.layers :], OUTSIDE_AXIS) if plan.outside else None
+
+
+def block_stacks(stack: layer_pattern.Stack, layer_specs: tuple[LayerSpec, ...], policy: Policy, rngs: nnx.Rngs) -> tuple[nnx.List, nnx.List | None]:
+  """A stack whose structures repeat with period p > 1, scanned: (p stacked layers on axis stack.name, position j
+  holding layers j, j + p, ...; the remainder's layers one by one, or None). Layer i gets the i-th random key."""
+  p, g = stack.period, stack.num_groups
+  keys = jax.random.split(rngs.params(), len(stack.kinds))
+  block = nnx.List([stacked_layers(layer_specs[j], policy, keys[j : g * p : p], stack.name) for j in range(p)])
+  rest = [DecoderLayer(layer_specs[i], policy=policy, rngs=nnx.Rngs(keys[i])) for i in range(g * p, len(stack.kinds))]
+  return block, nnx.List(rest) if rest else None
 
 
 def tied_to_carry(weights: Any, carry: jax.Array, compute_dtype: Any) -> Any:
@@ -91,14 +102,26 @@ class Transformer(nnx.Module):
     # Tied tables also produce the logits: unit-variance rows would give logits of std sqrt(emb_dim) at init.
     tied_scale = 1.0 if (c.normalize_embedding_logits or not c.logits_via_embedding) else c.emb_dim**-0.5
     self.embed = Embed(c.vocab_size, c.emb_dim, init_std=tied_scale, dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
-    n_dense = c.first_num_dense_layers
-    if c.scan_layers:
-      self.dense_layers = stacked_layers(s.dense_layer, policy, jax.random.split(rngs.params(), n_dense), DENSE_LAYERS_AXIS) if n_dense else None
-      self.layers, self.layers_outside_pipeline = main_stacks(c, s.layer, policy, rngs)
-    else:
-      self.dense_layers = nnx.List([DecoderLayer(s.dense_layer, policy=policy, rngs=rngs) for _ in range(n_dense)]) if n_dense else None
-      self.layers = nnx.List([DecoderLayer(s.layer, policy=policy, rngs=rngs) for _ in range(c.num_decoder_layers - n_dense)])
-      self.layers_outside_pipeline = None  # no pipeline without scanned layers
+    self.stacks = layer_pattern.stacks(s.kinds)  # the pattern's layer stacks (dense_layers, layers), bottom to top
+    built: dict[str, Any] = {}
+    for stack in self.stacks:
+      stack_specs = s.layers[stack.start : stack.start + len(stack.kinds)]
+      if not c.scan_layers:
+        built[stack.name] = nnx.List([DecoderLayer(spec, policy=policy, rngs=rngs) for spec in stack_specs])
+      elif stack.period > 1:
+        if stack.name == layer_pattern.MAIN_STACK and pipeline.Plan.of(c) is not None:
+          raise ConfigError(
+            f"decoder_block={c.decoder_block} repeats a block of {stack.period} different layers, which the pipeline does not run; set ici/dcn_pipeline_parallelism=1"
+          )
+        built[stack.name], built[layer_pattern.REMAINDER] = block_stacks(stack, stack_specs, policy, rngs)
+      elif stack.name == layer_pattern.MAIN_STACK:
+        built[stack.name], built["layers_outside_pipeline"] = main_stacks(c, stack_specs[0], policy, rngs, len(stack.kinds))
+      else:
+        built[stack.name] = stacked_layers(stack_specs[0], policy, jax.random.split(rngs.params(), len(stack.kinds)), stack.name)
+    self.dense_layers = built.get(layer_pattern.PREFIX_STACK)
+    self.layers = built[layer_pattern.MAIN_STACK]
+    self.layers_outside_pipeline = built.get("layers_outside_pipeline")  # no pipeline without scanned layers
+    self.layers_remainder = built.get(layer_pattern.REMAINDER)  # a block stack's layers after its last whole group (a prefix has one structure)
     self.final_norm = RMSNorm.of(c.emb_dim, s.norm, policy.dtypes)
     # The output kernel stays in weight_dtype; quantize_logits_proj quantizes its product (output_head).
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **{**kw, "quant": None})
@@ -155,8 +178,9 @@ class Transformer(nnx.Module):
     stats["lb_loss"] = load_balance_from_sums(stats["load"], stats["router_probs"], stats["tokens"], c.num_experts_per_tok)
     return y, stats
 
-  def _run_layers(self, layers: nnx.Module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, windows: list[int]):
-    """A stack (scanned) or list of layers over x -> (x, per-layer MoE statistics stacked on a leading axis).
+  def _run_layers(self, layers: nnx.Module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, windows: list[int], stacked: bool | None = None):
+    """A stack (scanned; stacked defaults to scan_layers) or list of layers over x -> (x, per-layer MoE statistics
+    stacked on a leading axis).
 
     Scanned layers take their window as a scan input when windows differ (gemma2, gemma3, gpt_oss): attention then
     switches between one kernel per window (attention_ops.attend). Scanning over groups of the windows' period
@@ -164,15 +188,15 @@ class Transformer(nnx.Module):
     group position's slice of every stacked weight out of the loop (benchmarks/README.md).
     """
     c = self.config
-
+    stacked = c.scan_layers if stacked is None else stacked
     offload = self.policy.offload_layer_inputs
 
     def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int | jax.Array):
       h = checkpoint_name(h, remat.LAYER_INPUT)  # before any other use of h, so an offloaded input is the only copy kept
-      layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, self.policy.dtypes.compute) if c.scan_layers else layer_state)
+      layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, self.policy.dtypes.compute) if stacked else layer_state)
       return layer(h, positions, segment_ids, window)
 
-    if c.scan_layers:
+    if stacked:
       graphdef, state = nnx.split(layers)
       static_window = windows[0] if len(set(windows)) == 1 else None
 
@@ -189,6 +213,46 @@ class Transformer(nnx.Module):
       x, stats = step(x, state)
       per_layer.append(stats)
     return x, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+  def _run_stack(self, stack: layer_pattern.Stack, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
+    """One of the pattern's stacks over x -> (x, per-layer MoE statistics, bottom to top)."""
+    layers = getattr(self, stack.name)
+    if not self.config.scan_layers or stack.period == 1:
+      return self._run_layers(layers, x, positions, segment_ids, list(stack.windows))
+    x, stats = self._run_block(stack, layers, x, positions, segment_ids)
+    rest = self.layers_remainder
+    if rest is None:
+      return x, stats
+    x, after = self._run_layers(rest, x, positions, segment_ids, [k.window for k in stack.remainder], stacked=False)
+    return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, after)
+
+  def _run_block(self, stack: layer_pattern.Stack, block: nnx.List, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
+    """A repeating block of p layers of different structures (p stacks of num_groups layers each), scanned group by
+    group -> (x, per-layer statistics of the whole groups, in layer order). A block position whose window is the same
+    in every group gets it as a constant, otherwise as a scan input."""
+    c, p, g = self.config, stack.period, stack.num_groups
+    offload, compute = self.policy.offload_layer_inputs, self.policy.dtypes.compute
+    graphdefs, states = zip(*(nnx.split(m) for m in block))
+    windows = np.asarray(stack.windows[: g * p], np.int32).reshape(g, p)
+    static = [int(windows[0, j]) if len(set(windows[:, j].tolist())) == 1 else None for j in range(p)]
+
+    def position(j: int, window: int | jax.Array):
+      def step(h, layer_state):
+        h = checkpoint_name(h, remat.LAYER_INPUT)
+        return nnx.merge(graphdefs[j], tied_to_carry(layer_state, h, compute))(h, positions, segment_ids, window)
+
+      return remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
+
+    def body(h, xs):
+      group_states, group_windows = xs
+      out = []
+      for j in range(p):
+        h, aux = position(j, static[j] if static[j] is not None else group_windows[j])(h, group_states[j])
+        out.append(aux)
+      return h, jax.tree.map(lambda *a: jnp.stack(a), *out)
+
+    x, stats = jax.lax.scan(body, x, (tuple(states), jnp.asarray(windows)))
+    return x, jax.tree.map(lambda a: a.reshape(g * p, *a.shape[2:]), stats)
 
   def forward_hidden(
     self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
@@ -209,19 +273,19 @@ class Transformer(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x = self.input_stream(tokens)
-    windows = self.family.layer_windows(c)
-    n_dense = c.first_num_dense_layers
+    *prefix, main = self.stacks
+    windows = list(main.windows)
     lb = jnp.zeros((), jnp.float32)
-    if self.dense_layers is not None:
-      x, dense_stats = self._run_layers(self.dense_layers, x, positions, segment_ids, windows[:n_dense])
+    for stack in prefix:
+      x, dense_stats = self._run_stack(stack, x, positions, segment_ids)
       lb = lb + jnp.sum(dense_stats["lb_loss"])
     plan = pipeline.Plan.of(c)
     if plan is None:
-      x, stats = self._run_layers(self.layers, x, positions, segment_ids, windows[n_dense:])
+      x, stats = self._run_stack(main, x, positions, segment_ids)
     else:
-      x, stats = self.pipelined_layers(plan, x, positions, segment_ids, adapter_ids, windows[n_dense : n_dense + plan.layers])
+      x, stats = self.pipelined_layers(plan, x, positions, segment_ids, adapter_ids, windows[: plan.layers])
       if self.layers_outside_pipeline is not None:
-        x, after = self._run_layers(self.layers_outside_pipeline, x, positions, segment_ids, windows[n_dense + plan.layers :])
+        x, after = self._run_layers(self.layers_outside_pipeline, x, positions, segment_ids, windows[plan.layers :])
         stats = {k: jnp.concatenate([stats[k], after[k]]) for k in ("lb_loss", "dropped", "load")}
     x = collapse_streams(x, self.specs.residual)
     hidden = self.final_norm(x)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +24,16 @@ if TYPE_CHECKING:
   from maxtext.inference.kv_cache import LayerCache
 
 
+MODULES: dict[type, type[nnx.Module]] = {AttentionSpec: Attention, MLASpec: MLA, MLPSpec: MLP, MoESpec: MoE}  # spec type -> its layer module
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
   """One decoder layer (maxtext.models.specs builds it)."""
 
   emb_dim: int
-  attention: AttentionSpec | MLASpec  # the token mixer: grouped-query or multi-head latent attention
-  feed_forward: MLPSpec | MoESpec  # a dense MLP or a mixture of experts
+  attention: Any  # the token mixer's spec: AttentionSpec (grouped-query), MLASpec (multi-head latent), ... (MODULES)
+  feed_forward: Any  # the feed-forward's spec: MLPSpec (dense) or MoESpec (experts)
   norm: NormSpec  # the branch norms
   residual: ResidualSpec  # the plain residual or mHC
   post_norms: bool = False  # an RMSNorm on each branch output too (Gemma 2 and 3)
@@ -48,12 +51,10 @@ class DecoderLayer(nnx.Module):
       return RMSNorm.of(spec.emb_dim, spec.norm, policy.dtypes)
 
     self.pre_attention_norm = norm() if spec.pre_norms else None
-    mixer = MLA if isinstance(spec.attention, MLASpec) else Attention
-    self.attention = mixer(spec.attention, policy=policy, rngs=rngs)
+    self.attention = MODULES[type(spec.attention)](spec.attention, policy=policy, rngs=rngs)
     self.post_attention_norm = norm() if spec.post_norms else None
     self.pre_mlp_norm = norm() if spec.pre_norms else None
-    ffn = MoE if isinstance(spec.feed_forward, MoESpec) else MLP
-    self.mlp = ffn(spec.feed_forward, policy=policy, rngs=rngs)
+    self.mlp = MODULES[type(spec.feed_forward)](spec.feed_forward, policy=policy, rngs=rngs)
     self.post_mlp_norm = norm() if spec.post_norms else None
     self.attention_connection = make_connection(spec.residual, policy.dtypes)
     self.mlp_connection = make_connection(spec.residual, policy.dtypes)

@@ -1,4 +1,4 @@
-"""decoder_block -> Family: the one place that knows every family."""
+"""decoder_block -> Family: the one place that knows every family; `register` adds one (a test's, a user's)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ FAMILIES: dict[str, Family] = {
     olmo3.FAMILY,
   )
 }
+
+
+def register(family: Family) -> Family:
+  """Make `family` a valid decoder_block; a name already registered must be the same family."""
+  if FAMILIES.setdefault(family.name, family) is not family:
+    raise ValueError(f"a different family is already registered as {family.name!r}")
+  return family
 
 
 def get(decoder_block: str) -> Family:

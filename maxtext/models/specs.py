@@ -4,16 +4,22 @@
 Each layer takes its spec (a small frozen dataclass defined beside the layer) and never sees the config; a family's
 difference from another is a field of a spec, set here from the family (maxtext.models.family). The dtypes come
 resolved in the policy (maxtext.platform.Dtypes).
+
+The pattern's vocabulary lives here: MIXERS and FEED_FORWARDS build the spec of each token mixer and feed-forward a
+family's LayerKinds name (maxtext.models.decoder_layer.MODULES maps each spec type to its layer module).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from maxtext.config import MaxTextConfig
 from maxtext.config.adapters import adapter_specs, max_rank
 from maxtext.config.parallelism import axis_size
 from maxtext.config.sections import LoRA as LoRASection
+from maxtext.errors import ConfigError
 from maxtext.layers import context_parallel
 from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers.attention import AttentionSpec
@@ -27,7 +33,7 @@ from maxtext.layers.residual import ResidualSpec
 from maxtext.layers.rope import RopeSpec
 from maxtext.layers.sharding import Rules
 from maxtext.models.decoder_layer import LayerSpec
-from maxtext.models.family import Family
+from maxtext.models.family import Family, LayerKind
 
 
 def rules(config: MaxTextConfig) -> Rules:
@@ -66,9 +72,13 @@ def family_of(config: MaxTextConfig) -> Family:
   return registry.get(config.decoder_block)
 
 
-def moe(config: MaxTextConfig, family: Family | None = None) -> MoESpec:
-  """The routed experts (num_experts > 1) and their shared experts; family defaults to decoder_block's."""
+def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None = None) -> MoESpec:
+  """The routed experts (num_experts > 1) and, with shared (default: shared_experts > 0), shared_experts shared experts;
+  family defaults to decoder_block's."""
   c = config
+  shared = bool(c.shared_experts) if shared is None else shared
+  if shared and not c.shared_experts:
+    raise ConfigError(f"decoder_block={c.decoder_block} has MoE layers with shared experts; set shared_experts >= 1")
   family = family or family_of(c)
   sigmoid = c.routed_score_func == "sigmoid"
   routing = RoutingSpec(
@@ -90,7 +100,7 @@ def moe(config: MaxTextConfig, family: Family | None = None) -> MoESpec:
     router_bias=c.routed_bias and not sigmoid,  # gpt-oss: the router's own bias; deepseek: a score correction
     score_correction=c.routed_bias and sigmoid,
     expert_bias=c.mlp_bias,
-    shared=mlp(c, c.shared_experts * c.moe_mlp_dim) if c.shared_experts else None,
+    shared=mlp(c, c.shared_experts * c.moe_mlp_dim) if shared else None,
     capacity_factor=c.capacity_factor,
     wi_tiles=wi,
     wo_tiles=wo,
@@ -191,14 +201,24 @@ def lora(config: MaxTextConfig) -> LoRASpec | None:
   return LoRASpec(cfg.lora_module_path, cfg.lora_alpha, ranks, top, default_path=cfg.lora_module_path == default)
 
 
-def layer(config: MaxTextConfig, family: Family | None = None, dense: bool = False) -> LayerSpec:
-  """One decoder layer; dense=True gives DeepSeek's leading dense layers an MLP in a model with experts."""
+MIXERS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
+  "attention": attention,
+  "mla": lambda config, family: mla(config),
+}
+FEED_FORWARDS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
+  "dense": lambda config, family: mlp(config),
+  "moe": lambda config, family: moe(config, family, shared=False),
+  "moe_shared": lambda config, family: moe(config, family, shared=True),
+}
+
+
+def layer(config: MaxTextConfig, family: Family, kind: LayerKind) -> LayerSpec:
+  """One decoder layer of this kind (its window is a call argument, not part of the spec)."""
   c = config
-  family = family or family_of(c)
   return LayerSpec(
     emb_dim=c.emb_dim,
-    attention=mla(c) if family.mla else attention(c, family),
-    feed_forward=moe(c, family) if c.num_experts > 1 and not dense else mlp(c),
+    attention=MIXERS[kind.mixer](c, family),
+    feed_forward=FEED_FORWARDS[kind.ffn](c, family),
     norm=norm(c, family),
     post_norms=family.post_norms,
     pre_norms=family.pre_norms,
@@ -213,13 +233,21 @@ def layer(config: MaxTextConfig, family: Family | None = None, dense: bool = Fal
 class ModelSpecs:
   """What the decoder around the layers builds from (maxtext.models.decoder)."""
 
-  layer: LayerSpec  # every layer after first_num_dense_layers (and the MTP modules' layers)
-  dense_layer: LayerSpec  # DeepSeek's leading dense layers
+  kinds: tuple[LayerKind, ...]  # the family's layer pattern: the kind of each decoder layer
+  layers: tuple[LayerSpec, ...]  # each decoder layer's spec (layers of one structure share an equal spec)
   norm: NormSpec  # the final norm and the MTP modules' norms
   residual: ResidualSpec
   context: context_parallel.Layout | None  # context parallelism's sequence layout
 
+  @property
+  def layer(self) -> LayerSpec:
+    """The last decoder layer's spec: the MTP modules' layers are built like it."""
+    return self.layers[-1]
+
 
 def model(config: MaxTextConfig, family: Family | None = None) -> ModelSpecs:
   family = family or family_of(config)
-  return ModelSpecs(layer(config, family), layer(config, family, dense=True), norm(config, family), residual(config), context_layout(config))
+  kinds = family.kinds(config)
+  by_structure = {k.structure: layer(config, family, k) for k in dict.fromkeys(kinds)}
+  layers = tuple(by_structure[k.structure] for k in kinds)
+  return ModelSpecs(kinds, layers, norm(config, family), residual(config), context_layout(config))

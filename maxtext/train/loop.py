@@ -16,7 +16,7 @@ from maxtext.data.mixture import data_metrics
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
 from maxtext.models import pipeline
-from maxtext.train import checkpointing, initial_params, outputs, preflight, reference, run_lock
+from maxtext.train import checkpointing, diloco, goodput, initial_params, outputs, preflight, reference, run_lock, run_report
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train.metrics import MetricsWriter, format_line
@@ -76,6 +76,8 @@ def _restore_or_init(setup: setup_lib.TrainSetup, ckpt: checkpointing.Checkpoint
     return _with_frozen_base(setup, state, log, formats)
   state = setup.init_state(formats)
   state["params"] = initial_params.load_initial_params(config, state["params"], setup.abstract_state["params"], log)
+  if config.enable_diloco and config.load_parameters_path:  # the groups start from the loaded parameters
+    state = diloco.restart_groups(state, formats or setup.state_shardings)
   return reference.attach_after_load(config, state)
 
 
@@ -165,6 +167,7 @@ def train(
   step, in a clean exit); a full or read-only output ends in a one-line OutputError.
   """
   with Preemption(ends_process) as preemption:
+    timing = goodput.Goodput(config.enable_goodput_recording, config.monitor_goodput, config.log_period)  # wall time starts here
     done = checkpointing.saved_steps(config.checkpoint_dir)[-1:] if config.enable_checkpointing else []
     if done and done[0] >= config.steps:  # a rerun of a finished run: say so, touch nothing
       log_main(f"checkpoint at step {done[0]} in {config.checkpoint_dir} already reaches steps={config.steps}; nothing to train (raise steps to train further)")
@@ -183,7 +186,7 @@ def train(
     with run_lock.hold(run_lock.run_dir(config.checkpoint_dir), log_main):
       try:
         with memory_limit.one_line("before the first train step (restoring or initialising the state)", preflight.memory_remedy(config)):
-          return _run(config, checked, preemption, on_step, harness)
+          return _run(config, checked, preemption, on_step, harness, timing)
       except Exception as e:
         error = outputs.as_user_error(e, config.checkpoint_dir, checked.checkpoint_bytes, "a checkpoint or metrics")
         if error is None:
@@ -197,18 +200,21 @@ def _run(
   preemption: Preemption,
   on_step: Callable[[int], None] | None,
   harness: Callable[[Any, Any], dict] | None = None,
+  timing: goodput.Goodput | None = None,
 ) -> TrainResult:
   """Restore or init, then the step loop; runs under the run lock, after every check passed."""
+  timing = timing or goodput.Goodput(False, False, config.log_period)
   mesh, setup, data_iter = checked.mesh, checked.setup, checked.data_iter
   ckpt = checkpointing.Checkpointer(config) if config.enable_checkpointing else None
   writer: MetricsWriter | None = None
   failed = True
   try:
-    with jax.set_mesh(mesh):
+    resuming = ckpt is not None and bool(checkpointing.saved_steps(config.checkpoint_dir)) or bool(config.load_full_state_path)
+    with jax.set_mesh(mesh), timing.phase("checkpoint_restore" if resuming else "initialization"):
       state = restore_or_init(setup, ckpt, data_iter, log_main, state_lib.compiled_formats(checked.step_fn))
     start = int(state["step"])
     writer = MetricsWriter(config)
-    result = _Loop(config, checked, preemption, on_step, ckpt, writer, state, start, harness).run()
+    result = _Loop(config, checked, preemption, on_step, ckpt, writer, state, start, harness, timing).run()
     failed = False
     return result
   finally:
@@ -240,7 +246,9 @@ class _Loop:
     state: Any,
     start: int,
     harness: Callable[[Any, Any], dict] | None = None,
+    timing: goodput.Goodput | None = None,
   ):
+    self.timing = timing or goodput.Goodput(False, False, config.log_period)  # where the wall time goes (maxtext.train.goodput)
     self.config, self.checked, self.preemption, self.on_step = config, checked, preemption, on_step
     self.ckpt, self.writer, self.state, self.start = ckpt, writer, state, start
     self.harness = harness  # eval_harness_interval's tasks on the live parameters, or None
@@ -264,6 +272,7 @@ class _Loop:
       )
       return self.result
     self.last_time = time.perf_counter()
+    self.timing.start(run_report.run_dir(config), self.start, self.writer.log)
     in_step = memory_limit.one_line(lambda: f"in train step {self.start + len(self.result.losses)}", preflight.memory_remedy(config))
     with jax.set_mesh(self.checked.mesh), in_step:
       for step in range(self.start, config.steps):
@@ -274,6 +283,7 @@ class _Loop:
           break
         self.harness_eval(step)
       self.last_save()
+    self.timing.steps_ended()
     self.writer.flush()
     return self.end()
 
@@ -284,7 +294,8 @@ class _Loop:
     if trainer is not None:
       done_step = trainer.step(self.state, step, lambda: self.preemption.requested)
     else:
-      batch = next(self.checked.data_iter, None)
+      with self.timing.phase("data_waiting"):
+        batch = next(self.checked.data_iter, None)
       done_step = None if batch is None else self.checked.step_fn(self.state, batch)
     if done_step is None:  # num_epoch passes over the data (GRPO: the prompts) are done: a normal end, saved at the end
       # (or a signal stopped a GRPO step in its reward functions: the stop reason becomes the signal's at the end)
@@ -306,7 +317,7 @@ class _Loop:
       jax.block_until_ready(ready)
     while self.pending:
       step, device_metrics = self.pending.pop(0)
-      m = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+      m = diloco.host_metrics(jax.device_get(device_metrics))
       now = time.perf_counter()
       seconds, self.last_time = now - self.last_time, now
       _check_finite(self.config, step, m)
@@ -314,6 +325,7 @@ class _Loop:
       self.result.losses[step] = m["loss"]
       self.writer.write(step, m, format_line(step, m))
       self.story.after_step(step, m)
+      self.timing.step_logged(step)
       if self.on_step is not None:
         self.on_step(step)
 
@@ -327,8 +339,9 @@ class _Loop:
     self.log(self.state)
     self.writer.flush()  # the metrics file holds every step the checkpoint holds
     if self.ckpt is not None:
-      self.ckpt.save(steps_done, state_lib.checkpointed(self.state, self.config), self.checked.data_iter.get_state())
-      self.saved = steps_done
+      with self.timing.phase("checkpoint_save"):
+        self.ckpt.save(steps_done, state_lib.checkpointed(self.state, self.config), self.checked.data_iter.get_state())
+        self.saved = steps_done
 
   def eval(self, step: int) -> bool:
     """Evaluate after step every eval_interval steps; False when the run stops (preempted, or target_eval_loss reached)."""
@@ -337,7 +350,8 @@ class _Loop:
       return True
     self.log(self.state)
     with memory_limit.one_line(f"in the eval after step {step}", preflight.eval_memory_remedy(config)):
-      ev = _evaluate(config, self.checked.setup, self.state, lambda: self.preemption.requested)
+      with self.timing.phase("evaluation"):
+        ev = _evaluate(config, self.checked.setup, self.state, lambda: self.preemption.requested)
     if ev is None:
       return False  # preempted during the eval
     self.result.eval_losses[step] = ev["eval_loss"]
@@ -357,7 +371,8 @@ class _Loop:
     if self.harness is None or (step + 1) % self.config.eval_harness_interval != 0:
       return
     self.log(self.state)
-    scores = self.harness(self.state, self.checked.setup)
+    with self.timing.phase("evaluation"):
+      scores = self.harness(self.state, self.checked.setup)
     self.writer.write(step, scores, f"harness after step {step}: " + ", ".join(f"{k.removeprefix('harness/')}: {v:.4f}" for k, v in scores.items()))
     self.last_time = time.perf_counter()  # harness time is not step time
 
@@ -370,7 +385,8 @@ class _Loop:
     data_end = self.result.stop_reason == "data_used_up" and self.config.save_checkpoint_on_completion
     if (self.preemption.requested or data_end) and self.saved != self.result.steps_done:
       self.save(self.result.steps_done)
-    self.ckpt.wait()  # a signal now waits for the final save to finish
+    with self.timing.phase("checkpoint_save"):
+      self.ckpt.wait()  # a signal now waits for the final save to finish
 
   def preempted(self) -> None:
     """After SIGTERM/SIGINT: the stop reason, and one line saying what was saved."""
@@ -391,6 +407,7 @@ class _Loop:
       self.preempted()
     result.state = self.state
     self.story.summary(result.steps_done, result.stop_reason)
+    self.timing.finish()
     return result
 
 

@@ -23,7 +23,7 @@ from maxtext import mesh as mesh_lib
 from maxtext import platform
 from maxtext.config import MaxTextConfig
 from maxtext.data.synthetic import BATCH_KEYS
-from maxtext.train import optimizers, reference
+from maxtext.train import diloco, optimizers, reference
 from maxtext.train import state as state_lib
 from maxtext.train import step as step_lib
 from maxtext.train.objective import Objective
@@ -121,6 +121,11 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
 
   abstract = jax.eval_shape(init_fn)
   state_shardings = state_lib.train_state_shardings(abstract, config, mesh)
+  if config.enable_diloco:  # each group's state stacked over the 'diloco' axis, beside the global parameters
+    outer = diloco.outer_optimizer(config)
+    init_fn = diloco.make_init_fn(config, init_fn, outer)
+    plain_shardings, abstract = state_shardings, jax.eval_shape(init_fn)
+    state_shardings = diloco.state_shardings(config, mesh, abstract, plain_shardings)
   abstract_state = state_lib.with_shardings(abstract, state_shardings)
   data = mesh_lib.data_sharding(config, mesh)
   batch_shardings = {k: data for k in BATCH_KEYS}
@@ -141,8 +146,11 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
 
   opt_on_device = state_lib.on_device(state_shardings["opt_state"]) if config.optimizer_memory_host_offload else None
   train_step = step_lib.make_train_step(config, graphdef, optimizer, mesh, objective, opt_on_device)
+  metrics_out = replicated
+  if config.enable_diloco:
+    train_step, metrics_out = diloco.make_train_step(config, train_step, outer), diloco.metrics_sharding(mesh)
   step_state = state_lib.step_formats(state_shardings, policy.compiler_state_layouts)
-  jit_step = jax.jit(train_step, in_shardings=(step_state, batch_shardings), out_shardings=(step_state, replicated), donate_argnums=0)
+  jit_step = jax.jit(train_step, in_shardings=(step_state, batch_shardings), out_shardings=(step_state, metrics_out), donate_argnums=0)
   eval_step = step_lib.make_eval_step(config, graphdef, mesh, objective)
   eval_in = (state_shardings["params"], state_shardings.get("other", nnx.State({})), state_shardings.get(reference.KEY, nnx.State({})), batch_shardings)
   jit_eval = jax.jit(eval_step, in_shardings=eval_in, out_shardings=replicated)

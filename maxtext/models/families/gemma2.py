@@ -1,10 +1,7 @@
 """Gemma 2: local (sliding-window) and global attention alternate, post-branch norms, (1 + s) norm scales,
 embeddings scaled by sqrt(emb_dim), soft caps on attention and final logits."""
 
-from maxtext.models.family import GEMMA_HF_NORMS, Family, repeating_windows
-
-# Even layers (0, 2, ...) attend locally within sliding_window_size, odd layers globally.
-alternating_windows = repeating_windows(1)
+from maxtext.models.family import GEMMA_HF_NORMS, Family, standard_pattern
 
 FAMILY = Family(
   name="gemma2",
@@ -12,6 +9,6 @@ FAMILY = Family(
   post_norms=True,
   zero_centered_norms=True,
   scale_embedding=True,
-  layer_windows=alternating_windows,
+  layer_pattern=standard_pattern(local_per_global=1),  # even layers (0, 2, ...) within sliding_window_size, odd layers full
   hf_norm_names=dict(GEMMA_HF_NORMS),
 )
