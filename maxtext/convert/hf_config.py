@@ -355,7 +355,7 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
   if model_type == "mixtral":
     out["num_experts"] = f.int("num_local_experts")
     out["num_experts_per_tok"] = f.int("num_experts_per_tok")
-  if out.get("rope_type") == "yarn" and not family.mla:
+  if out.get("rope_type") == "yarn" and model_type != "deepseek_v3":  # deepseek_v3 (MLA) reads rope_interleave
     out["rope_interleave"] = False  # transformers' grouped-query attention rotates split halves (maxtext's yarn default pairs neighbours)
   if model_type == "gpt_oss":
     out.update(_gpt_oss(f))
