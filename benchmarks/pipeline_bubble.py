@@ -3,7 +3,7 @@ pipelined train step against the unpipelined one, read from the compiled modules
 
     python benchmarks/pipeline_bubble.py [--stages 4] [--layers_per_stage 1] [--microbatches 4,8,16] [key=value ...]
 
-Bubble. The pipelined layer stack (`Transformer.pipelined_layers`, forward and backward) is compiled and timed for each
+Bubble. The pipelined layer stack (the `pipeline.Schedule` wrapped around the main layer stack, forward and backward) is compiled and timed for each
 microbatch count m, with the microbatch size held fixed. Every iteration runs every stage (bubble iterations compute on
 zeros), so the time is T(m) = t_iter x (m v + d (p - 1)) + c. A least-squares line through T against the useful
 iterations m v gives t_iter (the slope); the measured bubble at m is the share of T(m) that is not useful work,
@@ -50,10 +50,8 @@ def layer_stack_seconds(config, repeats: int) -> float:
 
   from maxtext import mesh as mesh_lib
   from maxtext import models
-  from maxtext.models import pipeline
 
   mesh = mesh_lib.create(config)
-  plan = pipeline.Plan.of(config)
   with jax.set_mesh(mesh):
     model = models.create_sharded(config, mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -64,7 +62,7 @@ def layer_stack_seconds(config, repeats: int) -> float:
 
     def loss(params):
       m = nnx.merge(graphdef, params, rest)
-      y, _ = m.pipelined_layers(plan, m.input_stream(tokens), positions, None, None, windows)
+      y, _ = m.specs.pipeline(m.layers, m.input_stream(tokens), positions, None, None, windows, m.policy)
       return jax.numpy.mean(y**2)
 
     step = jax.jit(jax.grad(loss))

@@ -53,7 +53,7 @@ def test_layer_inputs_leave_hbm_for_host_memory_on_tpu_when_the_step_needs_it():
 
 
 def test_scanned_weights_are_cast_inside_the_layer_loop():
-  """No bfloat16 copy of a whole stacked float32 weight is made outside the layer scan (decoder.tied_to_carry)."""
+  """No bfloat16 copy of a whole stacked float32 weight is made outside the layer scan (remat.tied_to_carry)."""
   import re
 
   from maxtext.aot.compile import compile_for_topology

@@ -10,7 +10,6 @@ from flax import nnx
 
 from maxtext.inference.cache_layout import DecodeCache, Layout, Stack
 from maxtext.inference.kv_cache import LayerCache
-from maxtext.layers import lora
 from maxtext.layers.residual import collapse_streams
 from maxtext.models.decoder import Transformer
 
@@ -29,19 +28,14 @@ def hidden_states(
 ) -> tuple[jax.Array, DecodeCache]:
   """tokens [B, S] (row b's first new_lengths[b] are real) at positions cache.lengths + 0.. -> (final hidden [B, S, E], cache).
 
-  adapter_ids [B]: each row's LoRA slot when lora.max_lora_adapters > 1 (-1: the base model; None: slot 0 for all).
+  adapter_ids [B]: each row's LoRA slot when lora.max_lora_adapters > 1 (-1: the base model; None: slot 0 for all),
+  handed to every layer. Each layer stack runs in turn (see _run_stack).
   """
-  with lora.adapter_rows(adapter_ids):
-    return _hidden_states(model, tokens, new_lengths, cache, lay)
-
-
-def _hidden_states(model: Transformer, tokens: jax.Array, new_lengths: jax.Array, cache: DecodeCache, lay: Layout) -> tuple[jax.Array, DecodeCache]:
-  """hidden_states within the adapter rows' context: each layer stack in turn (see _run_stack)."""
   positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
   x = model.input_stream(tokens)
 
   def run(layer, h, window: int, buffers: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    h, _, out = layer(h, positions, None, window, cache=LayerCache(buffers, cache.lengths, new_lengths))
+    h, _, out = layer(h, positions, None, window, cache=LayerCache(buffers, cache.lengths, new_lengths), adapter_ids=adapter_ids)
     return h, out.arrays
 
   scanned, tails = [], []

@@ -98,16 +98,25 @@ class Attention(nnx.Module):
     length = spec.max_target_length
     attention_ops.select(policy, dtype=policy.dtypes.compute, head_dim=d, q_len=length, kv_len=length, soft_cap=spec.soft_cap, sinks=spec.sinks)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, cache: LayerCache | None = None):
-    """-> output [B, S, E]; with a KV cache (decoding), -> (output, updated cache)."""
+  def __call__(
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    window: int | jax.Array,
+    cache: LayerCache | None = None,
+    adapter_ids: jax.Array | None = None,
+  ):
+    """-> output [B, S, E]; with a KV cache (decoding), -> (output, updated cache). adapter_ids: each row's (or
+    token's) LoRA slot, for adapted projections."""
     spec = self.spec
     rules = spec.rules
-    q = checkpoint_name(self.query(x), "query_proj")
+    q = checkpoint_name(self.query(x, adapter_ids), "query_proj")
     gate = None
     if spec.output_gate:
       q, gate = jnp.split(q, 2, axis=-1)
-    k = checkpoint_name(self.key(x), "key_proj")
-    v = checkpoint_name(self.value(x), "value_proj")
+    k = checkpoint_name(self.key(x, adapter_ids), "key_proj")
+    v = checkpoint_name(self.value(x, adapter_ids), "value_proj")
     if self.query_norm is not None and spec.qk_norm_per_head:
       q, k = self.query_norm(q), self.key_norm(k)
     elif self.query_norm is not None:
@@ -120,7 +129,7 @@ class Attention(nnx.Module):
     sinks = self.sinks[...] if self.sinks is not None else None
     if cache is not None:
       ctx, cache = cache.attend(q, k, v, window, spec.scale, spec.soft_cap, self.policy.dtypes.precision, rules, sinks)  # type: ignore[arg-type]
-      return self.out(self._gated(ctx, gate)), cache
+      return self.out(self._gated(ctx, gate), adapter_ids), cache
     ctx = attention_ops.attend(
       q,
       k,
@@ -139,7 +148,7 @@ class Attention(nnx.Module):
       context=spec.context,
     )
     ctx = checkpoint_name(ctx, "context")
-    return checkpoint_name(self.out(self._gated(ctx, gate)), "out_proj")
+    return checkpoint_name(self.out(self._gated(ctx, gate), adapter_ids), "out_proj")
 
   def _rotate(self, x: jax.Array, positions: jax.Array, window: int | jax.Array) -> jax.Array:
     """Rotary embedding of the first rotary_dim features of each head of x [B, S, heads, D]."""

@@ -18,14 +18,15 @@ value (splash), and their gradient comes from the merged output and log-sum-exp.
 Load balance (context_parallel_load_balance, MaxText's dual-chunk swap): the sequence is cut into 2c chunks and shard i
 holds chunks i and 2c - 1 - i, so every shard has the same causal work. The train and eval steps reorder the batch's
 per-token arrays on entry (`reorder_batch`); the loss, a sum over tokens, is computed in that order, and per-token
-outputs (the model's logits, multi-token prediction's shifted targets) are put back with `restore`.
+outputs (multi-token prediction's shifted targets) are put back with `restore`. The model's call (logits) runs
+inside `in_shard_order`, the wrapper that reorders its inputs and restores its outputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,28 @@ def reorder_batch(batch: dict[str, jax.Array], layout: Layout | None) -> dict[st
     return batch
   length = batch["inputs"].shape[1]
   return {k: layout.reorder(v) if k in PER_TOKEN_KEYS and v.ndim == 2 and v.shape[1] == length else v for k, v in batch.items()}
+
+
+PerTokenForward = Callable[[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None], jax.Array]
+
+
+def in_shard_order(layout: Layout | None, forward: PerTokenForward) -> PerTokenForward:
+  """The load-balance wrapper around a model call: forward(tokens, positions, segment_ids, adapter_ids) -> per-token
+  outputs [B, S, ...], run on the sequence in the shards' order (tokens, positions and the per-token [B, S] ids
+  reordered; per-row adapter ids [B] as they are) with its outputs put back in natural order. forward itself
+  without a layout or without load balance."""
+  if layout is None or not layout.load_balance:
+    return forward
+
+  def per_token(x: jax.Array | None) -> jax.Array | None:
+    return layout.reorder(x) if x is not None and x.ndim == 2 else x
+
+  def wrapped(tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None) -> jax.Array:
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return layout.restore(forward(layout.reorder(tokens), layout.reorder(positions), per_token(segment_ids), per_token(adapter_ids)))
+
+  return wrapped
 
 
 def is_active(layout: Layout | None, q_len: int, kv_len: int) -> bool:

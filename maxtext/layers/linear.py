@@ -38,7 +38,8 @@ class DenseGeneral(nnx.Module):
   """y = x . kernel, contracting the last len(in_shape) axes of x.
 
   kernel has shape in_shape + out_shape and logical axes `logical_axes`; use_bias adds a bias of out_shape
-  (zeros at init). `lora` is an optional adapter module (see maxtext.layers.lora) added to the output.
+  (zeros at init). `lora` is an optional adapter module (see maxtext.layers.lora) added to the output; the call's
+  adapter_ids ([B] or [B, S], or None) pick each row's adapter slot when it holds several.
   `quant` (maxtext.layers.quantization) quantizes the product; with `quant.stored` the kernel holds the quantized
   values and `kernel_scale` their scales.
   """
@@ -77,7 +78,7 @@ class DenseGeneral(nnx.Module):
     self.bias = nnx.Param(jnp.zeros(self.out_shape, weight_dtype), logical_axes=out_axes) if use_bias else None
     self.lora: nnx.Module | None = None
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> jax.Array:
     n_in = len(self.in_shape)
     if self.quant is None:
       y = matmul.contract_trailing(x, self.kernel[...], n_in, dtype=self.dtype, precision=self.precision, integer_rounding=self.integer_rounding)
@@ -89,5 +90,5 @@ class DenseGeneral(nnx.Module):
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
     if self.lora is not None:
-      y = y + self.lora(x).astype(y.dtype)
+      y = y + self.lora(x, adapter_ids).astype(y.dtype)
     return y

@@ -19,12 +19,9 @@ one slot in use the result is the single-adapter computation bit for bit.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -65,22 +62,6 @@ class LoRAParam(nnx.Param):
   """An adapter matrix (A or B): the only parameters a LoRA run trains (with mHC connectors, if on)."""
 
 
-_ADAPTER_IDS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("lora_adapter_ids", default=None)
-
-
-@contextlib.contextmanager
-def adapter_rows(adapter_ids: jax.Array | None) -> Iterator[None]:
-  """Within this block, multi-adapter LoRA layers route batch row i through slot adapter_ids[i].
-
-  None: every row uses slot 0. An id that names no slot (e.g. -1) leaves its row on the base model.
-  """
-  token = _ADAPTER_IDS.set(adapter_ids)
-  try:
-    yield
-  finally:
-    _ADAPTER_IDS.reset(token)
-
-
 class LoRA(nnx.Module):
   """(alpha / r) B A x for a DenseGeneral with kernel in_shape + out_shape; A is [in..., r], B is [r, out...]."""
 
@@ -107,7 +88,9 @@ class LoRA(nnx.Module):
     self.lora_a = LoRAParam(_init_a(key, in_shape, rank).astype(weight_dtype), logical_axes=(*in_axes, None))
     self.lora_b = LoRAParam(jnp.zeros((rank, *out_shape), weight_dtype), logical_axes=(None, *out_axes))
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> jax.Array:
+    """The update for every row of x; adapter_ids is for MultiLoRA's signature (one adapter serves every row)."""
+    del adapter_ids
     return _low_rank_update(self, x, self.lora_a[...], self.lora_b[...], self.scale)
 
 
@@ -153,8 +136,10 @@ class MultiLoRA(nnx.Module):
       a = a * (jnp.arange(self.max_rank) < self.ranks[s]).astype(a.dtype)
     return _low_rank_update(self, x, a, self.lora_b[...][s], self.scales[s])
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    ids = _ADAPTER_IDS.get()
+  def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> jax.Array:
+    """x [B, ...] -> each row's (or token's) slot update. adapter_ids [B] per row or [B, S] per token (x [B, S, ...]);
+    None: slot 0 for every row; an id that names no slot (e.g. -1) leaves its row on the base model."""
+    ids = adapter_ids
     y = self.slot(x, 0)
     if ids is None:
       return y

@@ -90,22 +90,31 @@ class MLA(nnx.Module):
     # An explicit kernel that cannot run this model fails here, at build time, as a one-line config error.
     attention_ops.select(policy, dtype=policy.dtypes.compute, head_dim=qk, q_len=spec.max_target_length, kv_len=spec.max_target_length, soft_cap=spec.soft_cap)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, cache: LayerCache | None = None):
-    """-> output [B, S, E]; with a KV cache (decoding), -> (output, updated cache)."""
+  def __call__(
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    window: int | jax.Array,
+    cache: LayerCache | None = None,
+    adapter_ids: jax.Array | None = None,
+  ):
+    """-> output [B, S, E]; with a KV cache (decoding), -> (output, updated cache). adapter_ids: each row's (or
+    token's) LoRA slot, for adapted projections."""
     spec = self.spec
     rules = spec.rules
     nope, rope_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim
-    q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
+    q = self.wq(x, adapter_ids) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x, adapter_ids)), adapter_ids)
     q = checkpoint_name(q, "query_proj")
-    kv_a = checkpoint_name(self.wkv_a(x), "kv_wa_proj")
+    kv_a = checkpoint_name(self.wkv_a(x, adapter_ids), "kv_wa_proj")
     latent, k_rope = self.kv_norm(kv_a[..., : spec.kv_lora_rank]), kv_a[..., spec.kv_lora_rank :]
     inv_freq, rope_scale = rope.layer_frequencies(spec.rope, rope_dim)
     rot = dict(interleave=spec.rope.interleave, scale=rope_scale)
     q_rope = rope.apply_rope(q[..., nope:], positions, inv_freq, **rot)
     k_rope = rope.apply_rope(k_rope[:, :, None, :], positions, inv_freq, **rot)  # [B,S,1,rope], shared by all heads
     if cache is not None and "latent" in cache.arrays:
-      return self._absorbed(q[..., :nope], q_rope, latent, k_rope, cache)
-    kv = checkpoint_name(self.wkv_b(latent), "key_proj")  # [B,S,H,nope+v]
+      return self._absorbed(q[..., :nope], q_rope, latent, k_rope, cache, adapter_ids)
+    kv = checkpoint_name(self.wkv_b(latent, adapter_ids), "key_proj")  # [B,S,H,nope+v]
     k_nope, v = kv[..., :nope], kv[..., nope:]
     q = jnp.concatenate([q[..., :nope], q_rope], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + (rope_dim,))], axis=-1)
@@ -114,7 +123,7 @@ class MLA(nnx.Module):
     v = constrain(v, ("activation_batch", "activation_length", "activation_heads", None), rules)
     if cache is not None:  # mla_naive_kvcache: per-head keys and values in the cache
       ctx, cache = cache.attend(q, k, v, 0, spec.scale, spec.soft_cap, self.policy.dtypes.precision, rules)
-      return self.out(ctx), cache
+      return self.out(ctx, adapter_ids), cache
     ctx = attention_ops.attend(
       q,
       k,
@@ -131,9 +140,11 @@ class MLA(nnx.Module):
       context=spec.context,
     )
     ctx = checkpoint_name(ctx, "context")
-    return checkpoint_name(self.out(ctx), "out_proj")
+    return checkpoint_name(self.out(ctx, adapter_ids), "out_proj")
 
-  def _absorbed(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+  def _absorbed(
+    self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, cache: LayerCache, adapter_ids: jax.Array | None
+  ) -> tuple[jax.Array, LayerCache]:
     """Attention in the latent space over a compressed cache (the module docstring): W_uk folded into the queries, W_uv
     applied to the attended latent. q_nope [B,S,H,nope], q_rope [B,S,H,rope], latent [B,S,R], k_rope [B,S,1,rope]."""
     spec = self.spec
@@ -151,4 +162,4 @@ class MLA(nnx.Module):
     query = jnp.concatenate([q_latent, q_rope.astype(dt)], axis=-1)  # [B, S, H, R + rope]
     out_latent = head_major_attention(query, slots, slots[..., : spec.kv_lora_rank], mask, spec.scale, spec.soft_cap, prec)
     ctx = matmul.einsum("bshr,rhv->bshv", out_latent, kernel[..., nope:], dtype=dt, precision=prec)
-    return self.out(ctx), cache
+    return self.out(ctx, adapter_ids), cache

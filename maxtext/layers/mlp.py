@@ -72,13 +72,14 @@ class MLP(nnx.Module):
       self.wi_0 = self.wi_1 = None
     self.wo = DenseGeneral((m,), (e,), ("mlp", "embed"), **kw)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> jax.Array:
+    """x [B, S, E] -> [B, S, E]; adapter_ids: each row's (or token's) LoRA slot, for adapted projections."""
     rules = self.spec.rules
     if self.wi is not None:
-      h = activation(self.acts[0])(checkpoint_name(self.wi(x), "mlpwi"))
+      h = activation(self.acts[0])(checkpoint_name(self.wi(x, adapter_ids), "mlpwi"))
     else:
-      h0 = checkpoint_name(self.wi_0(x), "mlpwi_0")
-      h1 = checkpoint_name(self.wi_1(x), "mlpwi_1")
+      h0 = checkpoint_name(self.wi_0(x, adapter_ids), "mlpwi_0")
+      h1 = checkpoint_name(self.wi_1(x, adapter_ids), "mlpwi_1")
       h = activation(self.acts[0])(h0) * activation(self.acts[1])(h1)
     h = constrain(h.astype(jnp.dtype(h.dtype)), ("activation_batch", "activation_length", "activation_mlp"), rules)
-    return checkpoint_name(self.wo(h), "mlpwo")
+    return checkpoint_name(self.wo(h, adapter_ids), "mlpwo")

@@ -251,8 +251,9 @@ class MoE(nnx.Module):
     self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if spec.score_correction else None
     self.shared_experts = MLP(spec.shared, policy=policy, rngs=rngs) if spec.shared is not None else None
 
-  def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics).
+  def __call__(self, x: jax.Array, valid: jax.Array, adapter_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics). adapter_ids [B] or
+    [B,S]: each row's (or token's) LoRA slot, for the adapted router and shared experts.
 
     Statistics: lb_loss (load-balance loss), dropped (valid (token, expert) pairs over capacity),
     load [num_experts] (valid tokens routed to each expert, before dropping), router_probs [num_experts] and tokens (the sums
@@ -262,7 +263,8 @@ class MoE(nnx.Module):
     b, s, e = x.shape
     tokens = x.reshape(b * s, e).astype(self.dtype)
     valid = valid.reshape(-1)
-    r = route(self.gate(tokens), spec.routing, self.routed_bias[...] if self.routed_bias is not None else None)
+    token_ids = None if adapter_ids is None else jnp.broadcast_to(adapter_ids.reshape(b, -1), (b, s)).reshape(-1)  # the router's rows are tokens
+    r = route(self.gate(tokens, token_ids), spec.routing, self.routed_bias[...] if self.routed_bias is not None else None)
     chosen = jax.nn.one_hot(r.experts, spec.routing.num_experts, dtype=jnp.float32)  # [T,k,E]
     load = jnp.einsum("tke,t->e", chosen, valid.astype(jnp.float32))
     mesh = jax.sharding.get_abstract_mesh()
@@ -277,7 +279,7 @@ class MoE(nnx.Module):
     y, dropped = moe_dispatch.dispatch(x.astype(self.dtype), *routed, valid.reshape(b, s), weights, layout, plan, None if single else mesh)
     y = y.astype(self.dtype)
     if self.shared_experts is not None:
-      y = y + self.shared_experts(x)
+      y = y + self.shared_experts(x, adapter_ids)
     w = valid.astype(jnp.float32)
     probs, tokens = jnp.einsum("te,t->e", r.probs, w), jnp.sum(w)
     stats = {

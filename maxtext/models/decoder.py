@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -15,10 +14,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
-from maxtext.layers import lora
+from maxtext.layers import context_parallel
 from maxtext.layers.embed import Embed
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
-from maxtext.layers.moe import load_balance_from_sums
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.output_head import OutputHead
 from maxtext.layers.residual import collapse_streams, expand_streams
@@ -26,6 +24,7 @@ from maxtext.layers.sharding import constrain
 from maxtext.models import layer_pattern, pipeline, registry, remat, specs
 from maxtext.models.decoder_layer import DecoderLayer, LayerSpec
 from maxtext.models.mtp import MTPBlock
+from maxtext.models.remat import tied_to_carry
 from maxtext.platform import Policy
 
 LAYERS_AXIS = pipeline.LAYERS_AXIS
@@ -70,23 +69,6 @@ def block_stacks(stack: layer_pattern.Stack, layer_specs: tuple[LayerSpec, ...],
   block = nnx.List([stacked_layers(layer_specs[j], policy, keys[j : g * p : p], stack.name) for j in range(p)])
   rest = [DecoderLayer(layer_specs[i], policy=policy, rngs=nnx.Rngs(keys[i])) for i in range(g * p, len(stack.kinds))]
   return block, nnx.List(rest) if rest else None
-
-
-def tied_to_carry(weights: Any, carry: jax.Array, compute_dtype: Any) -> Any:
-  """weights stored in another dtype than compute_dtype, plus a zero that XLA cannot prove is zero (0 x the loop
-  carry's first element, without gradient); weights already in the compute dtype are returned as they are.
-
-  Values are unchanged, but each layer's compute-dtype weight casts now depend on the iteration, so XLA cannot hoist
-  a cast copy of the whole stack out of the layer scan and keep it alive through the backward pass (for a large
-  model, gigabytes per device: benchmarks/README.md, figures behind code comments). The add fuses into the cast.
-  """
-  zero = jax.lax.stop_gradient(carry.reshape(-1)[0]).astype(jnp.float32) * 0.0
-
-  def tie(w: jax.Array) -> jax.Array:
-    cast_later = jnp.issubdtype(w.dtype, jnp.floating) and w.dtype != compute_dtype
-    return w + zero.astype(w.dtype) if cast_later else w
-
-  return jax.tree.map(tie, weights)
 
 
 class Transformer(nnx.Module):
@@ -147,38 +129,16 @@ class Transformer(nnx.Module):
     hidden, _, stats = self.forward_hidden(tokens, positions, segment_ids, adapter_ids)
     return hidden, stats["lb_loss"]
 
-  def pipelined_layers(
-    self, plan: pipeline.Plan, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, adapter_ids: jax.Array | None, windows: list[int]
+  def _run_layers(
+    self,
+    layers: nnx.Module,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    windows: list[int],
+    adapter_ids: jax.Array | None = None,
+    stacked: bool | None = None,
   ):
-    """The main layer stack under the pipeline schedule -> (x, per-layer MoE statistics, train-state order)."""
-    c = self.config
-    graphdef, state = nnx.split(self.layers)
-    offload = self.policy.offload_layer_inputs
-    static_window = windows[0] if len(set(windows)) == 1 else None
-    lps = plan.layers_per_stage
-
-    def stage_fn(w_s: Any, r: jax.Array, h: jax.Array, win_s: jax.Array, rows: tuple):
-      positions_k, segments_k, adapters_k = rows
-
-      def body(h, i):
-        h = checkpoint_name(h, remat.LAYER_INPUT)
-        w = jax.tree.map(lambda a: checkpoint_name(a[r * lps + i], remat.SLICED_WEIGHTS), w_s)  # sliced inside the remat region
-        layer = nnx.merge(graphdef, tied_to_carry(w, h, self.policy.dtypes.compute))
-        return layer(h, positions_k, segments_k, static_window if static_window is not None else win_s[r * lps + i])
-
-      body = remat.wrap(body, c.remat_policy, prevent_cse=False, offload_input=offload, sliced_weights=True)
-      with lora.adapter_rows(adapters_k) if adapters_k is not None else contextlib.nullcontext():
-        return jax.lax.scan(body, h, jnp.arange(lps))
-
-    rows = (positions, segment_ids, adapter_ids)
-    fsdp_axes = set(dict((name, tuple(axes)) for name, axes in c.logical_axis_rules).get("embed", ()))
-    order = plan.order()
-    y, stats = pipeline.run(plan, stage_fn, state, x, rows, np.asarray(windows)[order], c.logical_axis_rules, fsdp_axes)
-    # Loads, router probabilities and token counts were summed over microbatches: the full batch's load-balance loss.
-    stats["lb_loss"] = load_balance_from_sums(stats["load"], stats["router_probs"], stats["tokens"], c.num_experts_per_tok)
-    return y, stats
-
-  def _run_layers(self, layers: nnx.Module, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, windows: list[int], stacked: bool | None = None):
     """A stack (scanned; stacked defaults to scan_layers) or list of layers over x -> (x, per-layer MoE statistics
     stacked on a leading axis).
 
@@ -194,7 +154,7 @@ class Transformer(nnx.Module):
     def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int | jax.Array):
       h = checkpoint_name(h, remat.LAYER_INPUT)  # before any other use of h, so an offloaded input is the only copy kept
       layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, self.policy.dtypes.compute) if stacked else layer_state)
-      return layer(h, positions, segment_ids, window)
+      return layer(h, positions, segment_ids, window, adapter_ids=adapter_ids)
 
     if stacked:
       graphdef, state = nnx.split(layers)
@@ -214,19 +174,21 @@ class Transformer(nnx.Module):
       per_layer.append(stats)
     return x, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
-  def _run_stack(self, stack: layer_pattern.Stack, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
+  def _run_stack(self, stack: layer_pattern.Stack, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, adapter_ids: jax.Array | None):
     """One of the pattern's stacks over x -> (x, per-layer MoE statistics, bottom to top)."""
     layers = getattr(self, stack.name)
     if not self.config.scan_layers or stack.period == 1:
-      return self._run_layers(layers, x, positions, segment_ids, list(stack.windows))
-    x, stats = self._run_block(stack, layers, x, positions, segment_ids)
+      return self._run_layers(layers, x, positions, segment_ids, list(stack.windows), adapter_ids)
+    x, stats = self._run_block(stack, layers, x, positions, segment_ids, adapter_ids)
     rest = self.layers_remainder
     if rest is None:
       return x, stats
-    x, after = self._run_layers(rest, x, positions, segment_ids, [k.window for k in stack.remainder], stacked=False)
+    x, after = self._run_layers(rest, x, positions, segment_ids, [k.window for k in stack.remainder], adapter_ids, stacked=False)
     return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, after)
 
-  def _run_block(self, stack: layer_pattern.Stack, block: nnx.List, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None):
+  def _run_block(
+    self, stack: layer_pattern.Stack, block: nnx.List, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, adapter_ids: jax.Array | None
+  ):
     """A repeating block of p layers of different structures (p stacks of num_groups layers each), scanned group by
     group -> (x, per-layer statistics of the whole groups, in layer order). A block position whose window is the same
     in every group gets it as a constant, otherwise as a scan input."""
@@ -239,7 +201,7 @@ class Transformer(nnx.Module):
     def position(j: int, window: int | jax.Array):
       def step(h, layer_state):
         h = checkpoint_name(h, remat.LAYER_INPUT)
-        return nnx.merge(graphdefs[j], tied_to_carry(layer_state, h, compute))(h, positions, segment_ids, window)
+        return nnx.merge(graphdefs[j], tied_to_carry(layer_state, h, compute))(h, positions, segment_ids, window, adapter_ids=adapter_ids)
 
       return remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
 
@@ -263,12 +225,6 @@ class Transformer(nnx.Module):
     dropped (routed pairs dropped over capacity, summed over layers), load [MoE layers, num_experts].
     adapter_ids [B] or [B, S]: the LoRA slot of each row or token when lora.max_lora_adapters > 1 (None: slot 0).
     """
-    with lora.adapter_rows(adapter_ids):
-      return self._forward_hidden(tokens, positions, segment_ids, adapter_ids)
-
-  def _forward_hidden(
-    self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None, adapter_ids: jax.Array | None
-  ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     c = self.config
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -277,15 +233,16 @@ class Transformer(nnx.Module):
     windows = list(main.windows)
     lb = jnp.zeros((), jnp.float32)
     for stack in prefix:
-      x, dense_stats = self._run_stack(stack, x, positions, segment_ids)
+      x, dense_stats = self._run_stack(stack, x, positions, segment_ids, adapter_ids)
       lb = lb + jnp.sum(dense_stats["lb_loss"])
-    plan = pipeline.Plan.of(c)
-    if plan is None:
-      x, stats = self._run_stack(main, x, positions, segment_ids)
+    schedule = self.specs.pipeline
+    if schedule is None:
+      x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids)
     else:
-      x, stats = self.pipelined_layers(plan, x, positions, segment_ids, adapter_ids, windows[: plan.layers])
+      piped = schedule.plan.layers
+      x, stats = schedule(self.layers, x, positions, segment_ids, adapter_ids, windows[:piped], self.policy)
       if self.layers_outside_pipeline is not None:
-        x, after = self._run_layers(self.layers_outside_pipeline, x, positions, segment_ids, windows[plan.layers :])
+        x, after = self._run_layers(self.layers_outside_pipeline, x, positions, segment_ids, windows[piped:], adapter_ids)
         stats = {k: jnp.concatenate([stats[k], after[k]]) for k in ("lb_loss", "dropped", "load")}
     x = collapse_streams(x, self.specs.residual)
     hidden = self.final_norm(x)
@@ -320,14 +277,10 @@ class Transformer(nnx.Module):
   def __call__(
     self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
   ) -> jax.Array:
-    """tokens [B, S] -> logits [B, S, vocab]; under context parallelism with load balance the sequence runs in the
-    shards' order and the logits come back in natural order."""
-    layout = self.specs.context
-    if layout is None or not layout.load_balance:
-      hidden, _ = self.hidden_states(tokens, positions, segment_ids, adapter_ids)
-      return self.logits(hidden)
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    per_token = lambda x: layout.reorder(x) if x is not None and x.ndim == 2 else x  # noqa: E731
-    hidden, _ = self.hidden_states(layout.reorder(tokens), layout.reorder(positions), per_token(segment_ids), per_token(adapter_ids))
-    return layout.restore(self.logits(hidden))
+    """tokens [B, S] -> logits [B, S, vocab], in the sequence layout context parallelism's wrapper gives
+    (context_parallel.in_shard_order: the shards' order inside, natural order out)."""
+    return context_parallel.in_shard_order(self.specs.context, self._logits)(tokens, positions, segment_ids, adapter_ids)
+
+  def _logits(self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None, adapter_ids: jax.Array | None) -> jax.Array:
+    hidden, _ = self.hidden_states(tokens, positions, segment_ids, adapter_ids)
+    return self.logits(hidden)

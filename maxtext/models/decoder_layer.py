@@ -68,9 +68,18 @@ class DecoderLayer(nnx.Module):
       (self.mlp_connection, self.pre_mlp_norm, self.mlp, self.post_mlp_norm),
     )
 
-  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, cache: LayerCache | None = None) -> tuple:
+  def __call__(
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    window: int | jax.Array,
+    cache: LayerCache | None = None,
+    adapter_ids: jax.Array | None = None,
+  ) -> tuple:
     """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense);
-    with a KV cache (decoding), (..., updated cache)."""
+    with a KV cache (decoding), (..., updated cache). adapter_ids [B] or [B, S]: each row's (or token's) LoRA slot
+    when the layer holds several adapters (None: slot 0)."""
     aux = empty_stats(self.spec.num_experts)
 
     def attention_branch(h: jax.Array) -> jax.Array:
@@ -78,9 +87,9 @@ class DecoderLayer(nnx.Module):
       if self.pre_attention_norm is not None:
         h = self.pre_attention_norm(h)
       if cache is None:
-        y = self.attention(h, positions, segment_ids, window)
+        y = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids)
       else:
-        y, cache = self.attention(h, positions, segment_ids, window, cache=cache)
+        y, cache = self.attention(h, positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids)
       return self.post_attention_norm(y) if self.post_attention_norm is not None else y
 
     def mlp_branch(h: jax.Array) -> jax.Array:
@@ -88,9 +97,9 @@ class DecoderLayer(nnx.Module):
       h = self.pre_mlp_norm(h) if self.pre_mlp_norm is not None else h
       if isinstance(self.mlp, MoE):
         valid = segment_ids != 0 if segment_ids is not None else jnp.ones(h.shape[:2], bool)
-        y, aux = self.mlp(h, valid)
+        y, aux = self.mlp(h, valid, adapter_ids)
       else:
-        y = self.mlp(h)
+        y = self.mlp(h, adapter_ids)
       return self.post_mlp_norm(y) if self.post_mlp_norm is not None else y
 
     x = self.attention_connection(x, attention_branch)

@@ -33,12 +33,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
 from maxtext.config.parallelism import axis_size
+from maxtext.layers.moe import load_balance_from_sums
+from maxtext.layers.sharding import Rules
 from maxtext.mesh import logical_to_spec
+from maxtext.models import remat
+from maxtext.platform import Policy
 
 STAGE_AXIS = "stage"
 LAYERS_AXIS = "layers"  # the logical axis of the pipelined layer stack (sharded over `stage`)
@@ -359,3 +364,57 @@ def run(
   y = jnp.swapaxes(feed[0], 0, 1).reshape(x.shape)
   stats = jax.tree.map(lambda a: a.reshape(p * v * lps, *a.shape[3:]), acc)
   return y, stats
+
+
+# ------------------------------------------------------------------------------------- the wrapper around a stack
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """The pipeline wrapped around the decoder's main layer stack (maxtext.models.specs.pipeline builds it once).
+
+  schedule(layers, x, positions, segment_ids, adapter_ids, windows, policy) runs the stacked layers under the plan's
+  schedule, each stage's block with the per-layer scan and remat of the unpipelined decoder inside.
+  """
+
+  plan: Plan
+  rules: Rules  # logical_axis_rules
+  fsdp_axes: frozenset[str]  # the mesh axes of the 'embed' rule: gathered once per step with pipeline_fsdp_ag_once
+  remat_policy: str
+  experts_per_token: int  # num_experts_per_tok: the load-balance loss from statistics summed over microbatches
+
+  def __call__(
+    self,
+    layers: nnx.Module,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    adapter_ids: jax.Array | None,
+    windows: list[int],
+    policy: Policy,
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The stacked layers (train-state order) over x [B, ...] -> (y, per-layer MoE statistics in train-state order,
+    lb_loss the full batch's). windows: each pipelined layer's attention window in plain order."""
+    plan = self.plan
+    graphdef, state = nnx.split(layers)
+    static_window = windows[0] if len(set(windows)) == 1 else None
+    lps = plan.layers_per_stage
+
+    def stage_fn(w_s: Any, r: jax.Array, h: jax.Array, win_s: jax.Array, rows: tuple):
+      positions_k, segments_k, adapters_k = rows
+
+      def body(h, i):
+        h = checkpoint_name(h, remat.LAYER_INPUT)
+        w = jax.tree.map(lambda a: checkpoint_name(a[r * lps + i], remat.SLICED_WEIGHTS), w_s)  # sliced inside the remat region
+        layer = nnx.merge(graphdef, remat.tied_to_carry(w, h, policy.dtypes.compute))
+        window = static_window if static_window is not None else win_s[r * lps + i]
+        return layer(h, positions_k, segments_k, window, adapter_ids=adapters_k)
+
+      body = remat.wrap(body, self.remat_policy, prevent_cse=False, offload_input=policy.offload_layer_inputs, sliced_weights=True)
+      return jax.lax.scan(body, h, jnp.arange(lps))
+
+    rows = (positions, segment_ids, adapter_ids)
+    y, stats = run(plan, stage_fn, state, x, rows, np.asarray(windows)[plan.order()], self.rules, set(self.fsdp_axes))
+    # Loads, router probabilities and token counts were summed over microbatches: the full batch's load-balance loss.
+    stats["lb_loss"] = load_balance_from_sums(stats["load"], stats["router_probs"], stats["tokens"], self.experts_per_token)
+    return y, stats

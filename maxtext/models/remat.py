@@ -1,10 +1,13 @@
-"""remat_policy name -> the jax.checkpoint policy of each decoder layer."""
+"""What the layer loops keep for the backward pass: remat_policy name -> the jax.checkpoint policy of each decoder layer,
+and tied_to_carry, which keeps stacked weights' dtype casts inside the loop."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 QKV = ("query_proj", "key_proj", "value_proj", "qkv_proj")
 MLP_IN = ("mlpwi_0", "mlpwi_1", "mlpwi")
@@ -80,3 +83,20 @@ def gradients_together(fn: Callable) -> Callable:
   tied = jax.custom_vjp(fn)
   tied.defvjp(forward, backward)
   return tied
+
+
+def tied_to_carry(weights: Any, carry: jax.Array, compute_dtype: Any) -> Any:
+  """weights stored in another dtype than compute_dtype, plus a zero that XLA cannot prove is zero (0 x the loop
+  carry's first element, without gradient); weights already in the compute dtype are returned as they are.
+
+  Values are unchanged, but each layer's compute-dtype weight casts now depend on the iteration, so XLA cannot hoist
+  a cast copy of the whole stack out of the layer scan and keep it alive through the backward pass (for a large
+  model, gigabytes per device: benchmarks/README.md, figures behind code comments). The add fuses into the cast.
+  """
+  zero = jax.lax.stop_gradient(carry.reshape(-1)[0]).astype(jnp.float32) * 0.0
+
+  def tie(w: jax.Array) -> jax.Array:
+    cast_later = jnp.issubdtype(w.dtype, jnp.floating) and w.dtype != compute_dtype
+    return w + zero.astype(w.dtype) if cast_later else w
+
+  return jax.tree.map(tie, weights)

@@ -34,6 +34,7 @@ from maxtext.layers.rope import RopeSpec
 from maxtext.layers.sharding import Rules
 from maxtext.models.decoder_layer import LayerSpec
 from maxtext.models.family import Family, LayerKind
+from maxtext.models.pipeline import Plan, Schedule
 
 
 def rules(config: MaxTextConfig) -> Rules:
@@ -229,6 +230,15 @@ def layer(config: MaxTextConfig, family: Family, kind: LayerKind) -> LayerSpec:
   )
 
 
+def pipeline(config: MaxTextConfig) -> Schedule | None:
+  """The pipeline schedule around the main layer stack, or None without pipeline parallelism."""
+  plan = Plan.of(config)
+  if plan is None:
+    return None
+  fsdp_axes = frozenset(dict(rules(config)).get("embed", ()))  # the mesh axes the layers' 'embed' dimension is sharded over
+  return Schedule(plan, rules(config), fsdp_axes, config.remat_policy, config.num_experts_per_tok)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpecs:
   """What the decoder around the layers builds from (maxtext.models.decoder)."""
@@ -237,7 +247,8 @@ class ModelSpecs:
   layers: tuple[LayerSpec, ...]  # each decoder layer's spec (layers of one structure share an equal spec)
   norm: NormSpec  # the final norm and the MTP modules' norms
   residual: ResidualSpec
-  context: context_parallel.Layout | None  # context parallelism's sequence layout
+  context: context_parallel.Layout | None  # context parallelism's sequence layout (its wrapper goes around the model call)
+  pipeline: Schedule | None = None  # the pipeline schedule wrapped around the main layer stack
 
   @property
   def layer(self) -> LayerSpec:
@@ -250,4 +261,4 @@ def model(config: MaxTextConfig, family: Family | None = None) -> ModelSpecs:
   kinds = family.kinds(config)
   by_structure = {k.structure: layer(config, family, k) for k in dict.fromkeys(kinds)}
   layers = tuple(by_structure[k.structure] for k in kinds)
-  return ModelSpecs(kinds, layers, norm(config, family), residual(config), context_layout(config))
+  return ModelSpecs(kinds, layers, norm(config, family), residual(config), context_layout(config), pipeline(config))
