@@ -1,0 +1,132 @@
+"""Hugging Face <-> maxtext weights of Gemma 3's vision tower and projector, both directions, bit-exact (transposes,
+reshapes and the stacking of blocks only; no arithmetic).
+
+Hugging Face names are relative to a prefix: transformers 5's Gemma3ForConditionalGeneration state dict holds the
+tower at `model.vision_tower.` and the projector at `model.multi_modal_projector.` (the published safetensors files
+at `vision_tower.vision_model.` and `multi_modal_projector.`). Gemma 3 has no SigLIP pooling head (vision_use_head). Our side is the flat {"a/b/c": array} of a module's
+parameters (`flat_params`), which `load_params` puts back into a module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from maxtext.vision.gemma3_projector import Gemma3ProjectorSpec
+from maxtext.vision.siglip import SiglipSpec
+
+HF_TOWER_PREFIX = "model.vision_tower."
+HF_PROJECTOR_PREFIX = "model.multi_modal_projector."
+
+# our block path -> (HF layer path, kind); kinds: q/k/v/o attention projections, dense (torch Linear), plain
+_BLOCK = {
+  "pre_attention_norm/scale": ("layer_norm1.weight", "plain"),
+  "pre_attention_norm/bias": ("layer_norm1.bias", "plain"),
+  "pre_mlp_norm/scale": ("layer_norm2.weight", "plain"),
+  "pre_mlp_norm/bias": ("layer_norm2.bias", "plain"),
+  "attention/query/kernel": ("self_attn.q_proj.weight", "in_proj"),
+  "attention/query/bias": ("self_attn.q_proj.bias", "head_bias"),
+  "attention/key/kernel": ("self_attn.k_proj.weight", "in_proj"),
+  "attention/key/bias": ("self_attn.k_proj.bias", "head_bias"),
+  "attention/value/kernel": ("self_attn.v_proj.weight", "in_proj"),
+  "attention/value/bias": ("self_attn.v_proj.bias", "head_bias"),
+  "attention/out/kernel": ("self_attn.out_proj.weight", "out_proj"),
+  "attention/out/bias": ("self_attn.out_proj.bias", "plain"),
+  "mlp/wi/kernel": ("mlp.fc1.weight", "dense"),
+  "mlp/wi/bias": ("mlp.fc1.bias", "plain"),
+  "mlp/wo/kernel": ("mlp.fc2.weight", "dense"),
+  "mlp/wo/bias": ("mlp.fc2.bias", "plain"),
+}
+
+
+def _to_ours(w: np.ndarray, kind: str, spec: SiglipSpec) -> np.ndarray:
+  h, d = spec.num_heads, spec.head_dim
+  if kind == "in_proj":  # torch [H*D, E] -> [E, H, D]
+    return w.T.reshape(w.shape[1], h, d)
+  if kind == "out_proj":  # torch [E, H*D] -> [H, D, E]
+    return w.T.reshape(h, d, w.shape[0])
+  if kind == "head_bias":
+    return w.reshape(h, d)
+  if kind == "dense":
+    return w.T
+  return w
+
+
+def _to_hf(w: np.ndarray, kind: str) -> np.ndarray:
+  if kind == "in_proj":
+    return w.reshape(w.shape[0], -1).T
+  if kind == "out_proj":
+    return w.reshape(-1, w.shape[-1]).T
+  if kind == "head_bias":
+    return w.reshape(-1)
+  if kind == "dense":
+    return w.T
+  return w
+
+
+def siglip_from_hf(hf: Mapping[str, np.ndarray], spec: SiglipSpec, prefix: str = HF_TOWER_PREFIX) -> dict[str, np.ndarray]:
+  """HF SiglipVisionTransformer weights (names after `prefix`) -> SiglipVisionTower's flat parameters."""
+  emb, enc = prefix + "embeddings.", prefix + "encoder.layers."
+  out = {
+    "patch_embed/kernel": np.asarray(hf[emb + "patch_embedding.weight"]).transpose(2, 3, 1, 0),  # [E, C, p, p] -> [p, p, C, E]
+    "patch_embed/bias": np.asarray(hf[emb + "patch_embedding.bias"]),
+    "position_embed": np.asarray(hf[emb + "position_embedding.weight"]),
+    "post_norm/scale": np.asarray(hf[prefix + "post_layernorm.weight"]),
+    "post_norm/bias": np.asarray(hf[prefix + "post_layernorm.bias"]),
+  }
+  for ours, (theirs, kind) in _BLOCK.items():
+    out["blocks/" + ours] = np.stack([_to_ours(np.asarray(hf[f"{enc}{i}.{theirs}"]), kind, spec) for i in range(spec.num_layers)])
+  return out
+
+
+def siglip_to_hf(params: Mapping[str, np.ndarray], spec: SiglipSpec, prefix: str = HF_TOWER_PREFIX) -> dict[str, np.ndarray]:
+  """SiglipVisionTower's flat parameters -> HF SiglipVisionTransformer weights named with `prefix`."""
+  emb, enc = prefix + "embeddings.", prefix + "encoder.layers."
+  out = {
+    emb + "patch_embedding.weight": np.asarray(params["patch_embed/kernel"]).transpose(3, 2, 0, 1),
+    emb + "patch_embedding.bias": np.asarray(params["patch_embed/bias"]),
+    emb + "position_embedding.weight": np.asarray(params["position_embed"]),
+    prefix + "post_layernorm.weight": np.asarray(params["post_norm/scale"]),
+    prefix + "post_layernorm.bias": np.asarray(params["post_norm/bias"]),
+  }
+  for ours, (theirs, kind) in _BLOCK.items():
+    stacked = np.asarray(params["blocks/" + ours])
+    for i in range(spec.num_layers):
+      out[f"{enc}{i}.{theirs}"] = _to_hf(stacked[i], kind)
+  return out
+
+
+def projector_from_hf(hf: Mapping[str, np.ndarray], spec: Gemma3ProjectorSpec, prefix: str = HF_PROJECTOR_PREFIX) -> dict[str, np.ndarray]:
+  """HF Gemma3MultiModalProjector weights -> Gemma3Projector's flat parameters (the projection is stored [E_v, E_text] on both sides)."""
+  del spec  # the layouts agree; the spec keeps the signature the same as the tower's
+  return {"norm/scale": np.asarray(hf[prefix + "mm_soft_emb_norm.weight"]), "projection/kernel": np.asarray(hf[prefix + "mm_input_projection_weight"])}
+
+
+def projector_to_hf(params: Mapping[str, np.ndarray], spec: Gemma3ProjectorSpec, prefix: str = HF_PROJECTOR_PREFIX) -> dict[str, np.ndarray]:
+  del spec
+  return {prefix + "mm_soft_emb_norm.weight": np.asarray(params["norm/scale"]), prefix + "mm_input_projection_weight": np.asarray(params["projection/kernel"])}
+
+
+def flat_params(module: nnx.Module) -> dict[str, np.ndarray]:
+  """A module's parameters as {"a/b/c": numpy array}."""
+  return {"/".join(str(k) for k in path): np.asarray(v[...]) for path, v in nnx.state(module, nnx.Param).flat_state()}
+
+
+def load_params(module: nnx.Module, params: Mapping[str, np.ndarray]) -> None:
+  """Set every parameter of module from params (same names and shapes as flat_params; cast to each parameter's dtype)."""
+  state = nnx.state(module, nnx.Param)
+  names = set()
+  for path, variable in state.flat_state():
+    name = "/".join(str(k) for k in path)
+    names.add(name)
+    value = np.asarray(params[name])
+    if value.shape != variable[...].shape:
+      raise ValueError(f"{name}: shape {value.shape}, the module has {variable[...].shape}")
+    variable[...] = jnp.asarray(value, variable[...].dtype)
+  extra = set(params) - names
+  if extra:
+    raise ValueError(f"parameters the module does not have: {sorted(extra)}")
+  nnx.update(module, state)
