@@ -112,21 +112,24 @@ def projector_to_hf(params: Mapping[str, np.ndarray], spec: Gemma3ProjectorSpec,
 
 def flat_params(module: nnx.Module) -> dict[str, np.ndarray]:
   """A module's parameters as {"a/b/c": numpy array}."""
-  return {"/".join(str(k) for k in path): np.asarray(v[...]) for path, v in nnx.state(module, nnx.Param).flat_state()}
+  return {"/".join(str(k) for k in path): np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
 
 
 def load_params(module: nnx.Module, params: Mapping[str, np.ndarray]) -> None:
-  """Set every parameter of module from params (same names and shapes as flat_params; cast to each parameter's dtype)."""
-  state = nnx.state(module, nnx.Param)
+  """Set every parameter of module from params (names and shapes as flat_params; cast to each parameter's dtype).
+
+  module may be abstract (nnx.eval_shape): the checkpoint then supplies every value and no random init runs.
+  """
   names = set()
-  for path, variable in state.flat_state():
+  for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Param)):
     name = "/".join(str(k) for k in path)
     names.add(name)
-    value = np.asarray(params[name])
-    if value.shape != variable[...].shape:
-      raise ValueError(f"{name}: shape {value.shape}, the module has {variable[...].shape}")
-    variable[...] = jnp.asarray(value, variable[...].dtype)
+    if name not in params:
+      raise ValueError(f"no value for parameter {name}")
+    current, value = variable.get_value(), np.asarray(params[name])
+    if value.shape != tuple(current.shape):
+      raise ValueError(f"{name}: shape {value.shape}, the module has {tuple(current.shape)}")
+    variable.set_value(jnp.asarray(value, current.dtype))
   extra = set(params) - names
   if extra:
     raise ValueError(f"parameters the module does not have: {sorted(extra)}")
-  nnx.update(module, state)

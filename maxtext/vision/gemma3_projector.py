@@ -51,7 +51,7 @@ class Gemma3ProjectorSpec:
 def average_pool(features: jax.Array, patches_per_side: int, pool: int) -> jax.Array:
   """[B, G*G, E] row-major patches -> [B, (G/k)^2, E]: the mean of each k x k block, in float32."""
   b, _, e = features.shape
-  g, t = patches_per_side, patches_per_side // pool
+  t = patches_per_side // pool
   grid = features.astype(jnp.float32).reshape(b, t, pool, t, pool, e)
   return jnp.mean(grid, axis=(2, 4)).reshape(b, t * t, e)
 

@@ -178,7 +178,9 @@ class SiglipVisionTower(nnx.Module):
     p, c, e = spec.patch_size, spec.num_channels, spec.emb_dim
     kw = dict(dense_kwargs(policy, rngs), use_bias=True, quant=None)
     self.patch_embed = DenseGeneral((p, p, c), (e,), (None, None, None, "embed"), **kw)
-    self.position_embed = nnx.Param(jax.random.normal(rngs.params(), (spec.num_patches, e), jnp.float32).astype(policy.dtypes.params), logical_axes=(None, "embed"))
+    self.position_embed = nnx.Param(
+      jax.random.normal(rngs.params(), (spec.num_patches, e), jnp.float32).astype(policy.dtypes.params), logical_axes=(None, "embed")
+    )
     self.blocks = stacked_blocks(spec, policy, jax.random.split(rngs.params(), spec.num_layers))
     self.post_norm = LayerNorm(e, spec.layer_norm_eps, dtype=policy.dtypes.compute, weight_dtype=policy.dtypes.params)
 
