@@ -133,3 +133,49 @@ def load_params(module: nnx.Module, params: Mapping[str, np.ndarray]) -> None:
   extra = set(params) - names
   if extra:
     raise ValueError(f"parameters the module does not have: {sorted(extra)}")
+
+
+def _linear(hf: Mapping[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
+  return {"kernel": np.asarray(hf[name + ".weight"]).T, "bias": np.asarray(hf[name + ".bias"])}
+
+
+def _norm(hf: Mapping[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
+  return {"scale": np.asarray(hf[name + ".weight"]), "bias": np.asarray(hf[name + ".bias"])}
+
+
+def _merger_from_hf(hf: Mapping[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
+  parts = {"norm": _norm(hf, name + ".norm"), "wa": _linear(hf, name + ".linear_fc1"), "wb": _linear(hf, name + ".linear_fc2")}
+  return {f"{module}/{leaf}": value for module, leaves in parts.items() for leaf, value in leaves.items()}
+
+
+def qwen3_vl_from_hf(hf: Mapping[str, np.ndarray], spec, prefix: str = "model.visual.") -> dict[str, np.ndarray]:
+  """HF Qwen3VLVisionModel weights (names after `prefix`) -> Qwen3VLVisionTower's flat parameters (spec: Qwen3VLVisionSpec)."""
+  e, h, d = spec.emb_dim, spec.num_heads, spec.head_dim
+  out = {
+    "patch_embed/kernel": np.asarray(hf[prefix + "patch_embed.proj.weight"]).transpose(1, 2, 3, 4, 0),  # [E, C, T, p, p] -> [C, T, p, p, E]
+    "patch_embed/bias": np.asarray(hf[prefix + "patch_embed.proj.bias"]),
+    "position_embed": np.asarray(hf[prefix + "pos_embed.weight"]),
+    **{"merger/" + k: v for k, v in _merger_from_hf(hf, prefix + "merger").items()},
+  }
+
+  def block(i: int) -> dict[str, np.ndarray]:
+    b = f"{prefix}blocks.{i}."
+    qkv_w, qkv_b = np.asarray(hf[b + "attn.qkv.weight"]), np.asarray(hf[b + "attn.qkv.bias"])
+    return {
+      "pre_attention_norm/scale": np.asarray(hf[b + "norm1.weight"]),
+      "pre_attention_norm/bias": np.asarray(hf[b + "norm1.bias"]),
+      "pre_mlp_norm/scale": np.asarray(hf[b + "norm2.weight"]),
+      "pre_mlp_norm/bias": np.asarray(hf[b + "norm2.bias"]),
+      "attention/qkv/kernel": qkv_w.T.reshape(e, 3, h, d),
+      "attention/qkv/bias": qkv_b.reshape(3, h, d),
+      "attention/out/kernel": np.asarray(hf[b + "attn.proj.weight"]).T.reshape(h, d, e),
+      "attention/out/bias": np.asarray(hf[b + "attn.proj.bias"]),
+      **{f"{ours}/{leaf}": v for ours, theirs in (("wi", "mlp.linear_fc1"), ("wo", "mlp.linear_fc2")) for leaf, v in _linear(hf, b + theirs).items()},
+    }
+
+  blocks = [block(i) for i in range(spec.num_layers)]
+  out.update({"blocks/" + k: np.stack([b[k] for b in blocks]) for k in blocks[0]})
+  mergers = [_merger_from_hf(hf, f"{prefix}deepstack_merger_list.{j}") for j in range(len(spec.deepstack_indexes))]
+  if mergers:
+    out.update({"deepstack_mergers/" + k: np.stack([m[k] for m in mergers]) for k in mergers[0]})
+  return out
