@@ -55,7 +55,10 @@ def test_tokens_and_deepstack_match_transformers():
     rope_theta=config.rope_parameters["rope_theta"],
   )
   tower = nnx.eval_shape(lambda: Qwen3VLVisionTower(spec, policy=POLICY, rngs=nnx.Rngs(0)))
-  convert.load_params(tower, convert.qwen3_vl_from_hf({k: v.numpy() for k, v in model.state_dict().items()}, spec, prefix=""))
+  hf_weights = {k: v.numpy() for k, v in model.state_dict().items()}
+  convert.load_params(tower, convert.qwen3_vl_from_hf(hf_weights, spec, prefix=""))
+  back = convert.qwen3_vl_to_hf(convert.flat_params(tower), spec, prefix="")  # the mapping round-trips bit-exact
+  assert back.keys() == hf_weights.keys() and all(np.array_equal(back[k], v) and back[k].dtype == v.dtype for k, v in hf_weights.items())
   tokens, deep = tower(jnp.asarray(patches), grid_layout(grids, spec))
   np.testing.assert_allclose(np.asarray(tokens), out.pooler_output.numpy(), rtol=0, atol=1e-4)
   assert deep.shape == (2, length // 4, 24)

@@ -179,3 +179,53 @@ def qwen3_vl_from_hf(hf: Mapping[str, np.ndarray], spec, prefix: str = "model.vi
   if mergers:
     out.update({"deepstack_mergers/" + k: np.stack([m[k] for m in mergers]) for k in mergers[0]})
   return out
+
+
+def _merger_to_hf(params: Mapping[str, np.ndarray], ours: str, name: str, index: int | None = None) -> dict[str, np.ndarray]:
+  def get(leaf: str) -> np.ndarray:
+    value = np.asarray(params[f"{ours}/{leaf}"])
+    return value if index is None else value[index]
+
+  return {
+    name + ".norm.weight": get("norm/scale"),
+    name + ".norm.bias": get("norm/bias"),
+    name + ".linear_fc1.weight": get("wa/kernel").T,
+    name + ".linear_fc1.bias": get("wa/bias"),
+    name + ".linear_fc2.weight": get("wb/kernel").T,
+    name + ".linear_fc2.bias": get("wb/bias"),
+  }
+
+
+def qwen3_vl_to_hf(params: Mapping[str, np.ndarray], spec, prefix: str = "model.visual.") -> dict[str, np.ndarray]:
+  """Qwen3VLVisionTower's flat parameters -> HF Qwen3VLVisionModel weights named with `prefix` (inverse of qwen3_vl_from_hf)."""
+  out = {
+    prefix + "patch_embed.proj.weight": np.asarray(params["patch_embed/kernel"]).transpose(4, 0, 1, 2, 3),
+    prefix + "patch_embed.proj.bias": np.asarray(params["patch_embed/bias"]),
+    prefix + "pos_embed.weight": np.asarray(params["position_embed"]),
+    **_merger_to_hf(params, "merger", prefix + "merger"),
+  }
+  for j in range(len(spec.deepstack_indexes)):
+    out.update(_merger_to_hf(params, "deepstack_mergers", f"{prefix}deepstack_merger_list.{j}", j))
+  for i in range(spec.num_layers):
+    b = f"{prefix}blocks.{i}."
+
+    def get(name: str, i: int = i) -> np.ndarray:
+      return np.asarray(params["blocks/" + name])[i]
+
+    out.update(
+      {
+        b + "norm1.weight": get("pre_attention_norm/scale"),
+        b + "norm1.bias": get("pre_attention_norm/bias"),
+        b + "norm2.weight": get("pre_mlp_norm/scale"),
+        b + "norm2.bias": get("pre_mlp_norm/bias"),
+        b + "attn.qkv.weight": get("attention/qkv/kernel").reshape(spec.emb_dim, -1).T,
+        b + "attn.qkv.bias": get("attention/qkv/bias").reshape(-1),
+        b + "attn.proj.weight": get("attention/out/kernel").reshape(-1, spec.emb_dim).T,
+        b + "attn.proj.bias": get("attention/out/bias"),
+        b + "mlp.linear_fc1.weight": get("wi/kernel").T,
+        b + "mlp.linear_fc1.bias": get("wi/bias"),
+        b + "mlp.linear_fc2.weight": get("wo/kernel").T,
+        b + "mlp.linear_fc2.bias": get("wo/bias"),
+      }
+    )
+  return out
