@@ -11,7 +11,7 @@ import transformers
 from flax import nnx
 
 from maxtext.platform import Dtypes, Policy
-from maxtext.vision import convert
+from maxtext.vision import convert, preprocess
 from maxtext.vision.qwen3_vl import Qwen3VLVisionSpec, Qwen3VLVisionTower, grid_layout
 
 POLICY = Policy(platform="cpu", dtypes=Dtypes(params=jnp.float32, compute=jnp.float32, precision=jax.lax.Precision.HIGHEST))
@@ -64,3 +64,16 @@ def test_tokens_and_deepstack_match_transformers():
   assert deep.shape == (2, length // 4, 24)
   for j, expected in enumerate(out.deepstack_features):
     np.testing.assert_allclose(np.asarray(deep[j]), expected.numpy(), rtol=0, atol=1e-4)
+
+
+def test_patches_match_the_hf_processor():
+  """Images whose sides are not multiples of the patch size (resized by smart_resize) and one above max_pixels."""
+  rng = np.random.default_rng(1)
+  images = [rng.integers(0, 256, shape, dtype=np.uint8) for shape in ((45, 61, 3), (30, 17, 3), (150, 90, 3))]
+  options = dict(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=16 * 16, max_pixels=64 * 64)
+  processor = transformers.Qwen2VLImageProcessorPil(**options, image_mean=list(preprocess.QWEN3_VL_MEAN), image_std=list(preprocess.QWEN3_VL_STD))
+  theirs = processor(images=images, return_tensors="np")
+  patches, grids = preprocess.qwen3_vl_patches(images, **options)
+  assert grids == [tuple(g) for g in theirs["image_grid_thw"].tolist()]
+  assert grids[2][1] * grids[2][2] * 16 <= 64 * 64  # the large image was scaled down to the budget
+  np.testing.assert_allclose(patches, theirs["pixel_values"], rtol=0, atol=1e-6)
