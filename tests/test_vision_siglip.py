@@ -106,15 +106,26 @@ def test_soft_tokens_match_transformers(hf_model, specs, hf_weights, images):
   assert not np.allclose(got[0], got[1], atol=1e-2)  # the two images give different tokens
 
 
+def remat_regions(jaxpr) -> int:
+  """How many jax.checkpoint regions run in a jaxpr, nested ones included (the primitive is remat2 or checkpoint, by JAX version)."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name in ("remat2", "checkpoint")
+    for value in eqn.params.values():
+      inner = getattr(value, "jaxpr", value)
+      if hasattr(inner, "eqns"):
+        count += remat_regions(inner)
+  return count
+
+
 def test_remat_wraps_each_scanned_block(specs, hf_weights, images):
-  """remat reaches the scan body (the backward pass recomputes each block); jax.checkpoint keeps the values."""
+  """remat reaches the scan body: one jax.checkpoint region around the block."""
   pixels = jnp.asarray(preprocess.gemma3_pixels(images, IMAGE_SIZE))
-  jaxprs = []
+  counts = []
   for remat_fn in (None, functools.partial(remat.wrap, name="full", prevent_cse=False)):
-    tower, projector = ours(specs, hf_weights, remat_fn)
-    loss = functools.partial(lambda t, p: jnp.sum(p(t(pixels)) ** 2), p=projector)
-    jaxprs.append(str(jax.make_jaxpr(nnx.grad(loss))(tower)))
-  assert jaxprs[1].count("dot_general") > jaxprs[0].count("dot_general")  # the backward scan recomputes the block's matmuls
+    tower, _ = ours(specs, hf_weights, remat_fn)
+    counts.append(remat_regions(jax.make_jaxpr(lambda t: t(pixels))(tower).jaxpr))
+  assert counts == [0, 1]
 
 
 def test_weights_round_trip_bit_exact(specs, hf_weights):

@@ -72,14 +72,16 @@ class Qwen3VLVisionSpec:
     return int(round(self.num_position_embeddings**0.5))
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GridLayout:
-  """Per-patch host arrays for packed patches of images with grids [(t, h, w), ...] (`grid_layout`)."""
+  """Per-patch arrays for packed patches of images with grids [(t, h, w), ...] (`grid_layout` builds them on the host;
+  a pytree, so a jitted step takes them as inputs and one compilation serves every mix of image sizes of one length)."""
 
-  rows_cols: np.ndarray  # [L, 2] int32: each patch's row and column in its image
-  taps: np.ndarray  # [L, 4] int32: the position-table entries each patch interpolates
-  weights: np.ndarray  # [L, 4] float32: their bilinear weights
-  segments: np.ndarray  # [L] int32: the frame each patch belongs to (attention stays within a frame)
+  rows_cols: np.ndarray | jax.Array  # [L, 2] int32: each patch's row and column in its image
+  taps: np.ndarray | jax.Array  # [L, 4] int32: the position-table entries each patch interpolates
+  weights: np.ndarray | jax.Array  # [L, 4] float32: their bilinear weights
+  segments: np.ndarray | jax.Array  # [L] int32: the frame each patch belongs to (attention stays within a frame)
 
 
 def _axis_taps(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
