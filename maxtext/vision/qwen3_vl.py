@@ -30,7 +30,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
-from maxtext.layers.mlp import activation
+from maxtext.layers.mlp import ACTIVATIONS, activation
 from maxtext.layers.sharding import Rules, constrain
 from maxtext.platform import Policy
 from maxtext.vision.siglip import ACTIVATION, VISION_LAYERS_AXIS, LayerNorm, Remat, _prepend_axis
@@ -58,6 +58,8 @@ class Qwen3VLVisionSpec:
   rules: Rules = ()  # logical_axis_rules
 
   def __post_init__(self):
+    if self.mlp_activation not in ACTIVATIONS:
+      raise ValueError(f"unknown mlp_activation {self.mlp_activation!r}; expected one of {sorted(ACTIVATIONS)}")
     if self.emb_dim % self.num_heads or (self.emb_dim // self.num_heads) % 4:
       raise ValueError(f"head size {self.emb_dim} / {self.num_heads} must be a multiple of 4 (two rotary axes)")
     if list(self.deepstack_indexes) != sorted(set(self.deepstack_indexes)) or any(not 0 <= i < self.num_layers for i in self.deepstack_indexes):
