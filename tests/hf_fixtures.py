@@ -49,6 +49,14 @@ FAMILY_CONFIGS = {
     max_position_embeddings=16,
     rope_parameters={**YARN, "rope_theta": 150000.0, "truncate": False},
   ),
+  "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),  # q/k/v biases, none on o_proj
+  "olmo3": lambda: transformers.Olmo3Config(
+    **{**SMALL, "num_hidden_layers": 5},  # one scanned group of 4 (3 sliding, 1 full) and a sliding tail layer
+    sliding_window=4,
+    max_position_embeddings=16,
+    # YaRN (with its cos/sin scaling) on the full layer, plain rope of another base on the sliding ones
+    rope_parameters={"full_attention": {**YARN, "rope_theta": 500000.0}, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+  ),
   "deepseek": lambda: _deepseek(q_lora_rank=12),
   "deepseek_q0": lambda: _deepseek(q_lora_rank=None, norm_topk_prob=False),
   # Plain rope (no YaRN), half-split rope pairs, one routing group (as Kimi K2's config.json has).

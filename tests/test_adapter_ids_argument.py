@@ -17,7 +17,7 @@ from tests.test_models import tiny
 
 def test_one_jitted_layer_follows_the_adapter_ids_it_is_handed():
   config = tiny("llama2", lora=MULTI)
-  layer = _with_random_b(DecoderLayer(specs.layer(config), policy=platform.resolve(config), rngs=nnx.Rngs(0)), seed=1)
+  layer = _with_random_b(DecoderLayer(specs.model(config).layer, policy=platform.resolve(config), rngs=nnx.Rngs(0)), seed=1)
   graphdef, state = nnx.split(layer)
   x = jax.random.normal(jax.random.key(2), (2, 8, config.emb_dim), jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
@@ -43,7 +43,7 @@ def test_one_jitted_layer_follows_the_adapter_ids_it_is_handed():
 def test_adapted_router_takes_each_rows_adapter():
   """The MoE router sees tokens, not rows: each token gets its row's adapter (several rows in one call)."""
   config = tiny("mixtral", lora={**MULTI, "lora_module_path": "mlp/gate$"})
-  layer = _with_random_b(DecoderLayer(specs.layer(config), policy=platform.resolve(config), rngs=nnx.Rngs(0)), seed=3)
+  layer = _with_random_b(DecoderLayer(specs.model(config).layer, policy=platform.resolve(config), rngs=nnx.Rngs(0)), seed=3)
   x = jax.random.normal(jax.random.key(4), (2, 8, config.emb_dim), jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import cli_server
 from tests.test_data_common import sp_model
 from tests.test_train_helpers import TINY_MODEL
 
@@ -209,7 +210,7 @@ def _env() -> dict[str, str]:
 def _run_case(argv: list[str], tmp: Path, run: Path, sp: str) -> tuple[subprocess.CompletedProcess, tuple, tuple]:
   args = [a.replace("{tmp}", str(tmp)).replace("{run}", str(run)).replace("{sp}", sp) for a in argv]
   before = (_snapshot(tmp.parent), _snapshot(run))
-  proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp, env=_env(), timeout=CASE_TIMEOUT_SECONDS)  # a hang fails the case
+  proc = cli_server.run(args, cwd=tmp, env=_env(), timeout=CASE_TIMEOUT_SECONDS)  # a process of its own, forked warm; a hang fails the case
   return proc, before, (_snapshot(tmp.parent), _snapshot(run))
 
 
@@ -227,7 +228,7 @@ def results(tmp_path_factory):
   """Run every case (two at a time) once; each gets its own scratch directory."""
   run_root = tmp_path_factory.mktemp("existing_run")
   argv = [a.replace("{tmp}/out", str(run_root)) for a in _train("steps=1")]
-  made = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300)
+  made = cli_server.run(argv, env=_env(), timeout=300)
   assert made.returncode == 0, made.stderr[-2000:]
   shutil.rmtree(run_root / "r" / "tensorboard", ignore_errors=True)
   sp = sp_model()

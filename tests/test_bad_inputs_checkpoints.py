@@ -20,6 +20,7 @@ from maxtext import mesh as mesh_lib
 from maxtext.train import checkpointing, initial_params
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
+from tests import cli_server
 from tests.test_bad_inputs import CASE_TIMEOUT_SECONDS, REPO, _env, _run_case, _snapshot, _train
 from tests.test_decode_cli import word_tokenizer
 from tests.test_train_helpers import TINY_MODEL, mesh_for, tiny_config
@@ -66,7 +67,7 @@ runpy.run_module("maxtext.train", run_name="__main__", alter_sys=True)
 
 
 def _run(argv: list[str], **kw) -> subprocess.CompletedProcess:
-  return subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=CASE_TIMEOUT_SECONDS, **kw)
+  return cli_server.run(argv, env=_env(), timeout=CASE_TIMEOUT_SECONDS, **kw)  # `python -m maxtext...`: forked warm
 
 
 def _damage(item: Path) -> None:

@@ -28,7 +28,7 @@ def test_smoke_run_reports_every_section(tmp_path):
   env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_XLA + " --xla_cpu_enable_xprof_traceme=true"}
   suite = [str(ROOT / "benchmarks/gpu_suite.py"), "--smoke", "--out", str(out), "--workdir", str(tmp_path / "work")]
   argv = [sys.executable, *suite, "--rows", "1B-class, default", "--profile", "1B-class", "--profile_decode", "1", "--profile_steps", "1"]
-  proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = out.read_text()
   assert report in proc.stdout

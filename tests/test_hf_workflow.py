@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
+from tests import cli_server
 from tests.test_bad_inputs import REPO, _env
 
 BASE = str(REPO / "configs" / "base.yml")
@@ -54,7 +54,7 @@ def save_chat_model(d):
 
 
 def _run(*argv, cwd):
-  proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=_env(), cwd=cwd, timeout=600)
+  proc = cli_server.run([sys.executable, "-m", *argv], env=_env(), cwd=cwd, timeout=600)  # a process of its own, forked warm
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   return proc.stdout + proc.stderr
 

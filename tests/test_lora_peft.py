@@ -161,10 +161,11 @@ def test_peft_adapter_trained_on_an_int8_base_loads_onto_the_float_model(adapted
   assert 0 < int8_error < 0.03 * np.ptp(logits[""])
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "qwen2", "olmo3"])
 def test_peft_adapters_of_gemma3_and_gpt_oss_round_trip_and_load_in_peft(tmp_path, toks, family):
   """Adapters on every attention projection (and gemma3's MLP) export to PEFT bit for bit and back, and PEFT on the
-  transformers model gives our logits (gpt-oss: the q/k/v/o biases and sinks stay in the frozen base)."""
+  transformers model gives our logits (gpt-oss: the q/k/v/o biases and sinks stay in the frozen base; qwen2 and olmo3:
+  the q/k/v biases and the whole-projection QK norms)."""
   peft = pytest.importorskip("peft")
 
   torch_model = save_tiny_model(family, tmp_path / "hf")

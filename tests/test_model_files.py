@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from maxtext.config import from_overrides, load
-from maxtext.models import counting
+from maxtext.models import counting, registry
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = str(ROOT / "configs" / "base.yml")
@@ -42,6 +42,21 @@ PUBLISHED_BILLIONS = {
   "gemma3-27b": 27.0,
   "gpt-oss-20b": 20.9,  # openai's model card (also the HF safetensors total with MXFP4 experts counted as weights)
   "gpt-oss-120b": 116.8,
+  "qwen2.5-1.5b": 1.54,
+  "qwen2.5-7b": 7.62,
+  "qwen2.5-14b": 14.77,
+  "olmo3-7b": 7.30,  # Olmo 3 sizes: the HF safetensors totals (allenai/Olmo-3-1025-7B, Olmo-3-1125-32B)
+  "olmo3-32b": 32.23,
+  "mixtral-8x22b": 140.63,
+  "llama3.3-70b": 70.55,
+  "qwen3-480b-a35b": 480.15,  # Qwen3-Coder-480B-A35B: 480B total, 35B active
+  "qwen3-1.7b-base": 1.72,
+  "qwen3-4b-base": 4.02,
+  "qwen3-8b-base": 8.19,
+  "qwen3-14b-base": 14.77,
+  "qwen3-30b-a3b-base": 30.53,
+  "deepseek2-16b": 15.71,  # DeepSeek-V2-Lite
+  "deepseek2-236b": 235.74,
   "qwen3-next-80b-a3b": 80.0,  # the model card's 80B (the HF safetensors also hold its multi-token-prediction layer)
 }
 NOT_PUBLISHED = ("deepseek3-tiny", "kimi-k2-1t")  # a CPU-sized architecture file; Kimi K2's size is published only as "1T, 32B active"
@@ -57,6 +72,7 @@ EXACT = {
   "qwen3-30b-a3b": 30_532_122_624,
   "qwen3-235b-a22b": 235_093_634_560,
   "gemma3-1b": 999_885_952,
+  "qwen2.5-7b": 7_615_616_512,
 }
 
 
@@ -90,6 +106,16 @@ def test_model_values_reach_the_config():
   assert gemma.mlp_activations == ["gelu", "linear"] and gemma.normalization_layer_epsilon == 1e-6
   mixtral = _model("mixtral-8x7b")
   assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.decoder_block) == (8, 2, "mixtral")
+  small, large = _model("qwen2.5-1.5b"), _model("qwen2.5-7b")
+  assert small.attention_bias and small.logits_via_embedding and not large.logits_via_embedding and not small.use_qk_norm
+  olmo = _model("olmo3-7b")
+  assert olmo.use_qk_norm and (olmo.rope_type, olmo.rope_factor, olmo.local_rope_max_timescale, olmo.rope_interleave) == ("yarn", 8, 500_000.0, False)
+  assert registry.get("olmo3").layer_windows(olmo)[:8] == [4096, 4096, 4096, 0] * 2
+
+
+def test_active_params_of_the_largest_moe_files():
+  assert counting.param_count(_model("qwen3-480b-a35b"), active_only=True) == pytest.approx(35e9, rel=0.015)
+  assert counting.param_count(_model("mixtral-8x22b"), active_only=True) == pytest.approx(39.1e9, rel=0.01)
 
 
 def test_deepseek3_counts_with_its_mtp_module():

@@ -32,6 +32,8 @@ FAMILY_OVERRIDES = {
   "mixtral": dict(num_experts=4, num_experts_per_tok=2),
   "qwen3": dict(use_qk_norm=True, logits_via_embedding=True),
   "gemma2": dict(sliding_window_size=3, attn_logits_soft_cap=50.0, final_logits_soft_cap=30.0, mlp_activations=["gelu", "linear"]),
+  "qwen2": dict(attention_bias=True, logits_via_embedding=True),  # q/k/v biases only
+  "olmo3": dict(use_qk_norm=True, sliding_window_size=3),  # post-norms only, whole-projection QK norm
 }
 
 

@@ -43,6 +43,8 @@ QUANTIZED_DOTS = {
   "deepseek": 19,
   "gpt_oss": 7,
   "gemma3": 7,
+  "qwen2": 7,
+  "olmo3": 7,
 }
 
 

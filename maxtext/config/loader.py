@@ -290,10 +290,12 @@ def _model_file(model_name: str, config_path: Path) -> Path:
 
 
 def _grouped(names: list[str]) -> str:
-  """Model names grouped by family prefix, one line: 'gemma2-{27b,2b,9b}, mistral-7b, ...'."""
+  """Model names grouped by family prefix (up to the first '-' before a digit), one line: 'gemma2-{27b,2b,9b},
+  mistral-7b, qwen3-{0.6b,1.7b-base,...}, ...'."""
   groups: dict[str, list[str]] = {}
   for name in names:
-    prefix, _, size = name.rpartition("-")
+    sized = re.match(r"(.+?)-(\d.*)$", name)
+    prefix, size = sized.groups() if sized else (name.rpartition("-")[0], name.rpartition("-")[2])
     groups.setdefault(prefix or size, []).append(size if prefix else "")
   return ", ".join(p if sizes == [""] else f"{p}-{sizes[0]}" if len(sizes) == 1 else f"{p}-{{{','.join(sizes)}}}" for p, sizes in groups.items())
 

@@ -19,15 +19,18 @@ _MISSING = object()
 
 # MaxText keys (not in the schema) whose non-default value describes what this project does anyway, so MaxText's
 # model files for the families here load unchanged: key -> whether a value matches, given the merged config values.
-POST_NORM_FAMILIES = ("gemma2", "gemma3")
+POST_NORM_FAMILIES = ("gemma2", "gemma3", "olmo3")
 MATCHES_BUILT_IN: dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
   "enable_dropout": lambda value, c: value is False,  # there is no dropout here
-  "use_post_attn_norm": lambda value, c: value == (c.get("decoder_block") in POST_NORM_FAMILIES),  # gemma2/3 layers always have them
+  "use_post_attn_norm": lambda value, c: value == (c.get("decoder_block") in POST_NORM_FAMILIES),  # gemma2/3 and olmo3 layers always have them
   "use_post_ffw_norm": lambda value, c: value == (c.get("decoder_block") in POST_NORM_FAMILIES),
   # the layer period follows from the family's windows (gpt_oss: 2 in MaxText's files)
-  "inhomogeneous_layer_cycle_interval": lambda value, c: value == {"gpt_oss": 2, "gemma2": 2, "gemma3": 6}.get(c.get("decoder_block")),
+  "inhomogeneous_layer_cycle_interval": lambda value, c: value == {"gpt_oss": 2, "gemma2": 2, "gemma3": 6, "olmo3": 4}.get(c.get("decoder_block")),
   "base_moe_mlp_dim": lambda value, c: value in (-1, c.get("base_mlp_dim")),  # experts are base_mlp_dim wide here
   "use_qwix_quantization": lambda value, c: value is True,  # `quantization` always runs on qwix here (MaxText's false picks AQT)
+  # the length of MaxText's precomputed rope table; rope is computed per position here, so any length serves
+  "max_position_embeddings": lambda value, c: isinstance(value, int) and value > 0,
+  "attention_type": lambda value, c: value == ("mla" if c.get("decoder_block") == "deepseek" else "global"),  # the family decides
 }
 
 

@@ -43,8 +43,10 @@ class ModelArchitecture(Section):
   )
   vocab_size: int = Field(32_000, gt=0, description="Vocabulary size of the embedding and output logits.")
   normalization_layer_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
-  use_qk_norm: bool = Field(False, description="RMSNorm over each query and key head before rotary embedding (qwen3, gemma3).")
-  attention_bias: bool = Field(False, description="q/k/v/o projection biases (gpt_oss; HF attention_bias of llama, qwen3, gemma).")
+  use_qk_norm: bool = Field(
+    False, description="RMSNorm over each query and key head before rotary embedding (qwen3, gemma3; olmo3: over the whole projection)."
+  )
+  attention_bias: bool = Field(False, description="q/k/v/o projection biases (gpt_oss; HF attention_bias of llama, qwen3, gemma, olmo3); qwen2: q/k/v only.")
 
 
 class Attention(Section):

@@ -10,6 +10,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.convert import safetensors_io
 from maxtext.convert.hf_fields import HFFields
 from maxtext.errors import ConfigError
+from maxtext.layers.rope import yarn_mscale
 from maxtext.models import registry
 
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu", "gelu": "gelu_exact", "relu": "relu"}
@@ -25,6 +26,8 @@ HF_ARCHITECTURES = {
   "gemma3": "Gemma3ForCausalLM",
   "gpt_oss": "GptOssForCausalLM",
   "deepseek": "DeepseekV3ForCausalLM",
+  "qwen2": "Qwen2ForCausalLM",
+  "olmo3": "Olmo3ForCausalLM",
 }
 HF_MODEL_TYPES = {
   "llama2": "llama",
@@ -37,12 +40,14 @@ HF_MODEL_TYPES = {
   "gemma3": "gemma3_text",
   "gpt_oss": "gpt_oss",
   "deepseek": "deepseek_v3",
+  "qwen2": "qwen2",
+  "olmo3": "olmo3",
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_next", "gpt_oss", "deepseek")
-WINDOWED_TYPES = ("gemma2", "gemma3_text", "gpt_oss")  # model types whose layer_types alternate sliding and full attention
+WINDOWED_TYPES = ("gemma2", "gemma3_text", "gpt_oss", "olmo3")  # model types whose layer_types alternate sliding and full attention
 # Model types whose transformers attention puts a bias on q, k, v and o exactly when attention_bias is true (maxtext's
 # attention_bias); MistralAttention and MixtralAttention have no biases whatever the key says.
-BIASED_ATTENTION_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "gemma2", "gemma3_text", "gpt_oss")
+BIASED_ATTENTION_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "gemma2", "gemma3_text", "gpt_oss", "olmo3")
 UNBIASED_ATTENTION_TYPES = ("mistral", "mixtral")
 # Gemma3TextConfig defaults for the fields a multimodal Gemma 3 config.json may leave out of its text_config.
 GEMMA3_TEXT_DEFAULTS = {
@@ -77,6 +82,8 @@ def _rope(hf: HFFields) -> dict[str, Any]:
     local, params = params.section("sliding_attention"), params.section("full_attention")
   elif local_theta is not None:
     local = HFFields({}, hf.source)
+  elif hf.values.get("model_type") == "olmo3":  # transformers 5 applies a legacy rope_scaling to Olmo3's full layers only
+    local = HFFields({"rope_theta": theta}, hf.source)
   out: dict[str, Any] = {"rope_max_timescale": params.number("rope_theta", theta, positive=True)}
   kind = params.text("rope_type", None) or params.text("type", "default")
   if kind == "llama3":
@@ -111,8 +118,12 @@ def _yarn(params: HFFields) -> dict[str, Any]:
   if not factor.is_integer():
     raise ConfigError(f"yarn factor {factor} in config.json is not a whole number; maxtext's rope_factor is an integer")
   m, m_all = params.number("mscale", None, minimum=0), params.number("mscale_all_dim", None, minimum=0)
-  if params.has("attention_factor"):
-    raise ConfigError("yarn attention_factor in config.json is not supported; remove it (it is derived from factor and mscale)")
+  attention_factor = params.number("attention_factor", None, positive=True)
+  if attention_factor is not None and (m or m_all or abs(attention_factor - yarn_mscale(factor)) > 1e-6):
+    raise ConfigError(
+      f"yarn attention_factor {attention_factor} in config.json is not supported; maxtext derives it from factor and mscale "
+      f"(0.1 ln(factor) + 1 = {yarn_mscale(factor)}): remove it"
+    )
   if m and m_all and m != m_all:
     raise ConfigError(f"yarn mscale {m} != mscale_all_dim {m_all} in config.json is not supported; maxtext has one mscale")
   both = bool(m and m_all)
@@ -237,6 +248,19 @@ def _check_consistent(hf: HFFields) -> None:
       raise ConfigError(f"config.json has qk_head_dim={qk}, not qk_nope_head_dim + qk_rope_head_dim = {nope + rope}")
 
 
+def _qwen2_full_attention(hf: HFFields) -> None:
+  """A qwen2 config.json must attend fully on every layer: maxtext's qwen2 has no sliding layers (use_sliding_window
+  makes the layers from max_window_layers on slide in transformers)."""
+  layers = hf.int("num_hidden_layers")
+  sliding_from = hf.int("max_window_layers", 28, minimum=0)
+  if hf.flag("use_sliding_window", False) and hf.int("sliding_window", 4096, minimum=0) and sliding_from < layers:
+    raise ConfigError(
+      f"qwen2 config.json sets use_sliding_window=true (layers {sliding_from}.. slide), which maxtext's qwen2 does not build; "
+      "set use_sliding_window=false (as Qwen2.5 checkpoints do)"
+    )
+  _layer_types(hf, [0] * layers)
+
+
 def _gpt_oss(hf: HFFields) -> dict[str, Any]:
   """Expert, bias, sink and activation keys of a gpt_oss config.json."""
   alpha = hf.number("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA)
@@ -347,14 +371,17 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
     "mlp_activations": [HF_ACTIVATIONS[act], "linear"],
     "logits_via_embedding": f.flag("tie_word_embeddings", False),
     "normalize_embedding_logits": False,
-    "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3_text"),
+    "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3_text", "olmo3"),
     "global_parameter_scale": 1,
     **_rope(f),
   }
   if f.flag("mlp_bias", False):
     raise ConfigError("config.json uses dense MLP biases, which maxtext's dense MLPs do not have")
   attention_bias = f.flag("attention_bias", False)
-  if attention_bias and model_type in BIASED_ATTENTION_TYPES:
+  if model_type == "qwen2":  # Qwen2Attention always has q/k/v biases, whatever attention_bias says
+    out["attention_bias"] = True
+    _qwen2_full_attention(f)
+  elif attention_bias and model_type in BIASED_ATTENTION_TYPES:
     out["attention_bias"] = True
   elif attention_bias and model_type not in UNBIASED_ATTENTION_TYPES:
     raise ConfigError(f"config.json uses attention biases, which maxtext's {family.name} attention does not have")
@@ -376,6 +403,8 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
   if model_type == "mixtral":
     out["num_experts"] = f.int("num_local_experts")
     out["num_experts_per_tok"] = f.int("num_experts_per_tok")
+  if out.get("rope_type") == "yarn" and model_type != "deepseek_v3":  # deepseek_v3 (MLA) reads rope_interleave
+    out["rope_interleave"] = False  # transformers' grouped-query attention rotates split halves (maxtext's yarn default pairs neighbours)
   if model_type == "gpt_oss":
     out.update(_gpt_oss(f))
   if model_type in ("qwen3_moe", "deepseek_v3"):
@@ -446,6 +475,20 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
       query_pre_attn_scalar=_int_if_whole(c.query_pre_attn_scalar or c.head_dim),
       layer_types=layer_types,
     )
+  if c.decoder_block == "qwen2" and not c.attention_bias:
+    raise ConfigError("Qwen2ForCausalLM always has q/k/v biases; export a qwen2 model with attention_bias=true")
+  if c.decoder_block == "qwen2":
+    hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.num_decoder_layers, layer_types=layer_types)
+    hf.pop("attention_bias")
+  if c.decoder_block == "olmo3":
+    if not c.use_qk_norm:
+      raise ConfigError("Olmo3ForCausalLM always normalises queries and keys; export an olmo3 model with use_qk_norm=true")
+    local = {"rope_type": "default", "rope_theta": c.local_rope_max_timescale if c.local_rope_max_timescale > 0 else c.rope_max_timescale}
+    if c.local_rope_max_timescale <= 0 and rope != local:
+      raise ConfigError("olmo3 export with a scaled rope needs local_rope_max_timescale (Olmo3's sliding layers rotate with plain rope)")
+    hf.update(rope_parameters={"full_attention": rope, "sliding_attention": local}, sliding_window=c.sliding_window_size, layer_types=layer_types)
+    hf.pop("rope_scaling", None)
+    hf.pop("rope_theta", None)
   if c.decoder_block == "gemma3":
     if c.local_rope_max_timescale <= 0:
       raise ConfigError("gemma3 export needs local_rope_max_timescale (Gemma 3's sliding-window layers have their own rope base)")

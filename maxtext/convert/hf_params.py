@@ -123,8 +123,9 @@ def _attention_rules(c: MaxTextConfig, mixer: str = "attention") -> list[Rule]:
       Rule("attention/query/bias", "self_attn.q_proj.bias", *_bias((h, d))),
       Rule("attention/key/bias", "self_attn.k_proj.bias", *_bias((kv, d))),
       Rule("attention/value/bias", "self_attn.v_proj.bias", *_bias((kv, d))),
-      Rule("attention/out/bias", "self_attn.o_proj.bias", _identity, _identity),
     ]
+    if registry.get(c.decoder_block).attention_out_bias:
+      rules.append(Rule("attention/out/bias", "self_attn.o_proj.bias", _identity, _identity))
   if c.attention_sink:
     rules.append(Rule("attention/sinks", "self_attn.sinks", _identity, _identity))
   if c.use_qk_norm:

@@ -38,9 +38,11 @@ class AttentionSpec:
   scale: float  # the softmax scale: query_pre_attn_scalar (or head_dim) ** -0.5
   max_target_length: int  # the longest sequence, for the kernel check at build time
   soft_cap: float | None = None  # attn_logits_soft_cap: cap * tanh(logits / cap) (None or 0: off)
-  use_bias: bool = False  # attention_bias: q/k/v/o biases
+  use_bias: bool = False  # attention_bias: q/k/v biases, and o's with out_bias
+  out_bias: bool = True  # with use_bias, the output projection has a bias too (Qwen2's has none)
   sinks: bool = False  # attention_sink: a learned sink logit per query head
   qk_norm: NormSpec | None = None  # use_qk_norm: RMSNorm on each query and key head (NormSpec.zero_centered: 1 + w)
+  qk_norm_per_head: bool = True  # False: qk_norm spans the whole query (key) projection, all heads at once (OLMo 3)
   output_gate: bool = False  # the query projection also yields a per-head gate: out(ctx * sigmoid(gate)) (Qwen3-Next)
   partial_rotary_factor: float = 1.0  # rotate the first head_dim * factor features of q and k, pass the rest
   window_choices: tuple[int, ...] = ()  # the windows a traced (scanned, per-layer) window can take, sorted
@@ -57,7 +59,7 @@ class AttentionSpec:
     return int(self.head_dim * self.partial_rotary_factor)
 
 
-def rotary(spec: rope.RopeSpec, dim: int, window: int | jax.Array) -> tuple[jax.Array, float]:
+def rotary(spec: rope.RopeSpec, dim: int, window: int | jax.Array) -> tuple[jax.Array, float | jax.Array]:
   """(inverse frequencies, cos/sin scale) of a layer with this window: local (sliding-window) layers may rotate with
   their own base (RopeSpec.local_theta); a traced window picks between the two sets per layer."""
   inv_global, scale = rope.layer_frequencies(spec, dim, local=False)
@@ -66,9 +68,9 @@ def rotary(spec: rope.RopeSpec, dim: int, window: int | jax.Array) -> tuple[jax.
   inv_local, local_scale = rope.layer_frequencies(spec, dim, local=True)
   if isinstance(window, int):
     return jnp.asarray(inv_local if window else inv_global, jnp.float32), local_scale if window else scale
-  if scale != local_scale:
-    raise ValueError("a traced window needs one cos/sin scale for local and global layers")
-  return jnp.where(jnp.asarray(window) > 0, jnp.asarray(inv_local, jnp.float32), jnp.asarray(inv_global, jnp.float32)), scale
+  local_layer = jnp.asarray(window) > 0
+  inv = jnp.where(local_layer, jnp.asarray(inv_local, jnp.float32), jnp.asarray(inv_global, jnp.float32))
+  return inv, scale if scale == local_scale else jnp.where(local_layer, jnp.float32(local_scale), jnp.float32(scale))
 
 
 class Attention(nnx.Module):
@@ -82,10 +84,13 @@ class Attention(nnx.Module):
     self.query = DenseGeneral((e,), (h, 2 * d if spec.output_gate else d), ("embed", "heads", "head_dim"), **kw)  # [q | gate] per head
     self.key = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
     self.value = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
-    self.out = DenseGeneral((h, d), (e,), ("heads", "head_dim", "embed"), **kw)
-    if spec.qk_norm is not None:
+    self.out = DenseGeneral((h, d), (e,), ("heads", "head_dim", "embed"), **{**kw, "use_bias": spec.use_bias and spec.out_bias})
+    if spec.qk_norm is not None and spec.qk_norm_per_head:
       self.query_norm = RMSNorm.of(d, spec.qk_norm, policy.dtypes, logical_axis="head_dim")
       self.key_norm = RMSNorm.of(d, spec.qk_norm, policy.dtypes, logical_axis="head_dim")
+    elif spec.qk_norm is not None:  # one scale over the flattened projection
+      self.query_norm = RMSNorm.of(h * d, spec.qk_norm, policy.dtypes, logical_axis="norm")
+      self.key_norm = RMSNorm.of(kv * d, spec.qk_norm, policy.dtypes, logical_axis="norm")
     else:
       self.query_norm = self.key_norm = None
     self.sinks = nnx.Param(jnp.zeros((h,), policy.dtypes.params), logical_axes=("heads",)) if spec.sinks else None
@@ -112,8 +117,11 @@ class Attention(nnx.Module):
       q, gate = jnp.split(q, 2, axis=-1)
     k = checkpoint_name(self.key(x, adapter_ids), "key_proj")
     v = checkpoint_name(self.value(x, adapter_ids), "value_proj")
-    if self.query_norm is not None:
+    if self.query_norm is not None and spec.qk_norm_per_head:
       q, k = self.query_norm(q), self.key_norm(k)
+    elif self.query_norm is not None:
+      q = self.query_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
+      k = self.key_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
     q, k = self._rotate(q, positions, window), self._rotate(k, positions, window)
     q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
     k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)

@@ -255,7 +255,8 @@ def _layer_flops(config: MaxTextConfig, layer: Any, below_trains: bool) -> _Laye
   for i, (connection, pre_norm, body, post_norm) in enumerate(layer.branches()):
     base = _BRANCH_STAGES * i
     connections.append((base, connection, _weights(connection, base, base, config)))
-    weights += _weights(pre_norm, base + 1, base + 1, config) + _weights(body, base + 1, base + 3, config)
+    weights += _weights(pre_norm, base + 1, base + 1, config) if pre_norm is not None else []
+    weights += _weights(body, base + 1, base + 3, config)
     weights += _weights(post_norm, base + 3, base + 3, config) if post_norm is not None else []
   every = weights + [w for _, _, ws in connections for w in ws]
 

@@ -44,6 +44,7 @@ class LayerSpec:
   norm: NormSpec  # the branch norms
   residual: ResidualSpec  # the plain residual or mHC
   post_norms: bool = False  # an RMSNorm on each branch output too (Gemma 2 and 3)
+  pre_norms: bool = True  # an RMSNorm on each branch input (OLMo 3: none, post_norms only)
   lora: LoRASpec | None = None  # adapters on the layer's projections (lora.enable_lora)
   num_experts: int = 1  # the statistics' width (a dense layer in a model with experts reports zeros for each)
   rules: Rules = ()  # logical_axis_rules
@@ -56,19 +57,19 @@ class DecoderLayer(nnx.Module):
     def norm() -> RMSNorm:
       return RMSNorm.of(spec.emb_dim, spec.norm, policy.dtypes)
 
-    self.pre_attention_norm = norm()
+    self.pre_attention_norm = norm() if spec.pre_norms else None
     self.attention = MODULES[type(spec.attention)](spec.attention, policy=policy, rngs=rngs)
     self.post_attention_norm = norm() if spec.post_norms else None
-    self.pre_mlp_norm = norm()
+    self.pre_mlp_norm = norm() if spec.pre_norms else None
     self.mlp = MODULES[type(spec.feed_forward)](spec.feed_forward, policy=policy, rngs=rngs)
     self.post_mlp_norm = norm() if spec.post_norms else None
     self.attention_connection = make_connection(spec.residual, policy.dtypes)
     self.mlp_connection = make_connection(spec.residual, policy.dtypes)
     lora.attach(self, spec.lora, policy.dtypes, rngs)  # adapters last, so base parameters draw the same random keys with or without LoRA
 
-  def branches(self) -> tuple[tuple[nnx.Module, RMSNorm, nnx.Module, RMSNorm | None], ...]:
+  def branches(self) -> tuple[tuple[nnx.Module, RMSNorm | None, nnx.Module, RMSNorm | None], ...]:
     """The layer's data flow, bottom to top: the attention branch, then the MLP (or MoE) branch, each as (its
-    residual connection, pre-norm, body, post-norm or None). maxtext.models.counting reads it."""
+    residual connection, pre-norm or None, body, post-norm or None). maxtext.models.counting reads it."""
     return (
       (self.attention_connection, self.pre_attention_norm, self.attention, self.post_attention_norm),
       (self.mlp_connection, self.pre_mlp_norm, self.mlp, self.post_mlp_norm),
@@ -101,19 +102,21 @@ class DecoderLayer(nnx.Module):
 
     def attention_branch(h: jax.Array) -> jax.Array:
       nonlocal cache
+      if self.pre_attention_norm is not None:
+        h = self.pre_attention_norm(h)
       if isinstance(self.attention, GatedDeltaNet):  # a linear mixer: no positions or window; its decode state is its cache
-        y = self._linear_mixer(self.pre_attention_norm(h), segment_ids, cache, adapter_ids)
+        y = self._linear_mixer(h, segment_ids, cache, adapter_ids)
         if cache is not None:
           y, cache = y
       elif cache is None:
-        y = self.attention(self.pre_attention_norm(h), positions, segment_ids, window, adapter_ids=adapter_ids)
+        y = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids)
       else:
-        y, cache = self.attention(self.pre_attention_norm(h), positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids)
+        y, cache = self.attention(h, positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids)
       return self.post_attention_norm(y) if self.post_attention_norm is not None else y
 
     def mlp_branch(h: jax.Array) -> jax.Array:
       nonlocal aux
-      h = self.pre_mlp_norm(h)
+      h = self.pre_mlp_norm(h) if self.pre_mlp_norm is not None else h
       if isinstance(self.mlp, MoE):
         valid = segment_ids != 0 if segment_ids is not None else jnp.ones(h.shape[:2], bool)
         y, aux = self.mlp(h, valid, adapter_ids)

@@ -102,6 +102,7 @@ GEMMA_HF_NORMS = {
   "pre_mlp_norm": "pre_feedforward_layernorm",
   "post_mlp_norm": "post_feedforward_layernorm",
 }
+POST_ONLY_HF_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}  # OLMo 2 and 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,9 @@ class Family:
   attention_sinks: bool = False  # checkpoints hold a learned sink logit per query head (gpt-oss); attention_sink may be set
   clamped_glu: bool = False  # experts use gpt-oss's clamped SwiGLU, (up + 1) * gate * act0(1.702 gate), with mlp_activations_limit
   renormalize_topk: bool = False  # the chosen experts' weights always sum to one, whatever norm_topk_prob says (Mixtral)
+  pre_norms: bool = True  # RMSNorm on each branch input (OLMo 3 has only the post-branch norms)
+  qk_norm_per_head: bool = True  # use_qk_norm normalises each query and key head; False: the whole projection (OLMo 3)
+  attention_out_bias: bool = True  # attention_bias also biases the output projection (Qwen2: q/k/v only)
   attention_output_gate: bool = False  # attention's query projection yields a sigmoid gate on its output too (Qwen3-Next)
   shared_expert_gate: bool = False  # the shared experts' output is scaled by sigmoid(x w) per token (Qwen3-Next)
 

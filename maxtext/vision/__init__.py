@@ -1,0 +1,1 @@
+"""Vision towers, their projectors, image preprocessing and Hugging Face weight mappings (docs/vision.md)."""
