@@ -360,10 +360,6 @@ def _check_family_fields(c: MaxTextConfig) -> None:
       f"attention_sink=true, but decoder_block={c.decoder_block} has no sink parameters (its checkpoints have none); sinks are for {', '.join(with_sinks)}: "
       "drop attention_sink"
     )
-  if c.sliding_window_size and not any(w for w in family.layer_windows(c)):
-    raise ConfigError(
-      f"sliding_window_size={c.sliding_window_size}, but decoder_block={c.decoder_block}'s layer pattern has no sliding-window layers; set it to 0"
-    )
   if (c.attention_bias or c.attention_sink) and "mla" in family.mixers(c):
     raise ConfigError(f"attention_bias and attention_sink apply to grouped-query attention; decoder_block={c.decoder_block} uses MLA, drop them")
   if c.mlp_activations_limit > 0 and not family.clamped_glu:
