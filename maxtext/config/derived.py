@@ -113,6 +113,15 @@ def scale_dims(global_parameter_scale: int) -> dict[str, int]:
   return {"layers": 2**q, "heads": 2 ** (q + (r > 0)), "emb": 2 ** (q + (r > 1))}
 
 
+def _mixers(c: MaxTextConfig) -> set[str]:
+  """The token mixers of the family's layer pattern at the layer count this config derives (num_decoder_layers is
+  written only after the checks, so the pattern reads a copy that has it)."""
+  from maxtext.models import registry  # the config loads before any model code otherwise
+
+  layers = c.base_num_decoder_layers * scale_dims(c.global_parameter_scale)["layers"]
+  return registry.get(c.decoder_block).mixers(c.model_copy(update={"num_decoder_layers": layers}))
+
+
 def _device_counts(config: MaxTextConfig, num_devices: int | None, num_slices: int | None) -> tuple[int, int]:
   """The counts given, else the AOT topology's; loading a config never asks JAX (the loader passes its counts)."""
   if num_devices is not None:
@@ -222,9 +231,7 @@ def _check_quantization(c: MaxTextConfig) -> None:
       raise ConfigError("quantize_kvcache=true needs kv_quant_axis=dkv or heads_and_dkv (the axes one scale covers); set it")
     if c.kv_quant_dtype == "int4" and c.head_dim % 2:
       raise ConfigError(f"kv_quant_dtype=int4 stores two values per byte along head_dim, which is odd ({c.head_dim}); use kv_quant_dtype=int8")
-    from maxtext.models import registry  # the config loads before any model code otherwise
-
-    if "mla" in registry.get(c.decoder_block).mixers(c):
+    if "mla" in _mixers(c):
       raise ConfigError(
         f"quantize_kvcache=true quantizes keys and values per kv head; decoder_block={c.decoder_block} (MLA) caches a compressed latent,"
         " which stays in the compute dtype here; drop quantize_kvcache"
@@ -360,7 +367,7 @@ def _check_family_fields(c: MaxTextConfig) -> None:
       f"attention_sink=true, but decoder_block={c.decoder_block} has no sink parameters (its checkpoints have none); sinks are for {', '.join(with_sinks)}: "
       "drop attention_sink"
     )
-  if (c.attention_bias or c.attention_sink) and "mla" in family.mixers(c):
+  if (c.attention_bias or c.attention_sink) and "mla" in _mixers(c):
     raise ConfigError(f"attention_bias and attention_sink apply to grouped-query attention; decoder_block={c.decoder_block} uses MLA, drop them")
   if c.mlp_activations_limit > 0 and not family.clamped_glu:
     with_glu = sorted(f.name for f in registry.FAMILIES.values() if f.clamped_glu)
