@@ -219,3 +219,11 @@ def test_configs_the_linear_layers_cannot_run_are_config_errors(overrides, messa
   config = from_overrides(**{**tiny, "gdn_num_value_heads": 32, **overrides})
   with pytest.raises(ConfigError, match=message):
     specs.model(config)
+
+
+def test_a_sliding_window_the_pattern_has_no_place_for_is_refused():
+  from maxtext.config import from_overrides
+
+  tiny = hf_config.overrides_from_hf(tiny_config().to_dict())
+  with pytest.raises(ConfigError, match="layer pattern has no sliding-window layer; set it to 0"):
+    from_overrides(**{**tiny, "sliding_window_size": 16, "num_devices": 1})

@@ -113,13 +113,17 @@ def scale_dims(global_parameter_scale: int) -> dict[str, int]:
   return {"layers": 2**q, "heads": 2 ** (q + (r > 0)), "emb": 2 ** (q + (r > 1))}
 
 
+def _layer_shape(c: MaxTextConfig) -> MaxTextConfig:
+  """c with the layer count it derives: num_decoder_layers is written only after the checks, and a family's layer
+  pattern reads it."""
+  return c.model_copy(update={"num_decoder_layers": c.base_num_decoder_layers * scale_dims(c.global_parameter_scale)["layers"]})
+
+
 def _mixers(c: MaxTextConfig) -> set[str]:
-  """The token mixers of the family's layer pattern at the layer count this config derives (num_decoder_layers is
-  written only after the checks, so the pattern reads a copy that has it)."""
+  """The token mixers of the family's layer pattern."""
   from maxtext.models import registry  # the config loads before any model code otherwise
 
-  layers = c.base_num_decoder_layers * scale_dims(c.global_parameter_scale)["layers"]
-  return registry.get(c.decoder_block).mixers(c.model_copy(update={"num_decoder_layers": layers}))
+  return registry.get(c.decoder_block).mixers(_layer_shape(c))
 
 
 def _device_counts(config: MaxTextConfig, num_devices: int | None, num_slices: int | None) -> tuple[int, int]:
@@ -366,6 +370,10 @@ def _check_family_fields(c: MaxTextConfig) -> None:
     raise ConfigError(
       f"attention_sink=true, but decoder_block={c.decoder_block} has no sink parameters (its checkpoints have none); sinks are for {', '.join(with_sinks)}: "
       "drop attention_sink"
+    )
+  if c.sliding_window_size and not any(family.layer_windows(_layer_shape(c))):
+    raise ConfigError(
+      f"sliding_window_size={c.sliding_window_size}, but decoder_block={c.decoder_block}'s layer pattern has no sliding-window layer; set it to 0"
     )
   if (c.attention_bias or c.attention_sink) and "mla" in _mixers(c):
     raise ConfigError(f"attention_bias and attention_sink apply to grouped-query attention; decoder_block={c.decoder_block} uses MLA, drop them")
