@@ -21,6 +21,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   m.DeepSeekMoE,
   m.Qwen3Next,
   m.MTP,
+  m.SparseAttention,
   m.ManifoldConstrainedHyperConnections,
   m.Logits,
   m.Quantization,
