@@ -307,7 +307,7 @@ def _check_moe_fields(c: MaxTextConfig) -> None:
     )
   if c.mlp_bias and c.num_experts == 1:
     raise ConfigError("mlp_bias adds biases to routed experts, but num_experts is 1 (dense MLPs have none here); set num_experts > 1 or mlp_bias=false")
-  if c.decoder_block == "deepseek" and (c.kv_lora_rank < 1 or c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2 or c.v_head_dim < 1):
+  if c.decoder_block in ("deepseek", "deepseek_v32") and (c.kv_lora_rank < 1 or c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2 or c.v_head_dim < 1):
     raise ConfigError("deepseek MLA needs kv_lora_rank >= 1, an even qk_rope_head_dim >= 2 and v_head_dim >= 1; fix the MLA keys")
 
 
