@@ -201,7 +201,7 @@ def test_dense_warmup_trains_only_the_indexer_on_the_kl():
       sums = loss_lib.loss_sums(nnx.merge(graphdef, trainable, frozen, rest), batch, config)
       return {"all": objective.loss(sums, 1.0), "kl": sums.indexer, "lm": sums.xent}[which]
 
-    for which in ("all", "kl", "lm"):
+    for which in ("kl", "lm") if sparse else ("all",):
       grads = jax.grad(loss)(trainable, frozen, which)
       norms = {".".join(map(str, p)): float(jnp.linalg.norm(v[...])) for p, v in nnx.to_flat_state(grads)}
       on_indexer = sum(v for k, v in norms.items() if "indexer" in k)
@@ -213,11 +213,11 @@ def test_dense_warmup_trains_only_the_indexer_on_the_kl():
 
 
 def test_671b_counts():
-  """deepseek3.2-671b: 671B parameters with 37B active per token (the report's figures), MTP module aside."""
+  """deepseek3.2-671b: 671B parameters with 37B active per token (the report's figures; active without the embedding), MTP module aside."""
   from maxtext.models import counting
 
   config = load([str(REPO / "configs" / "base.yml"), "model_name=deepseek3.2-671b", "mtp_num_layers=0", "override_model_config=true"], env={}, num_devices=1)
-  total, active = counting.param_count(config), counting.param_count(config, active_only=True)
+  total, active = counting.param_count(config), counting.param_count(config, include_embedding=False, active_only=True)
   assert abs(total / 671e9 - 1) < 0.015 and abs(active / 37e9 - 1) < 0.015, (total, active)
 
 
@@ -228,7 +228,11 @@ def test_config_rules():
   with pytest.raises(ConfigError, match="set use_indexer=true"):
     load([base, "model_name=deepseek3-tiny", "override_model_config=true", "decoder_block=deepseek_v32"], env={}, num_devices=1)
   with pytest.raises(ConfigError, match="indexer projects MLA's query latent; set q_lora_rank > 0"):
-    load([base, "model_name=deepseek3-tiny", "override_model_config=true", "decoder_block=deepseek_v32", "use_indexer=true", "q_lora_rank=0"], env={}, num_devices=1)
+    load(
+      [base, "model_name=deepseek3-tiny", "override_model_config=true", "decoder_block=deepseek_v32", "use_indexer=true", "q_lora_rank=0"],
+      env={},
+      num_devices=1,
+    )
   with pytest.raises(ConfigError, match="mlp_layer_types must be first_k_dense_replace=1 'dense' then 'sparse'"):
     hf_config.overrides_from_hf({**tiny_config().to_dict(), "mlp_layer_types": ["dense", "sparse", "shared"]})
 
@@ -236,7 +240,15 @@ def test_config_rules():
 def test_decode_topk_larger_than_the_context_is_one_line_exit_2(tmp_path):
   run = tmp_path / "run"
   run.mkdir()
-  argv = [sys.executable, "-m", "maxtext.decode", str(REPO / "configs" / "base.yml"), "model_name=deepseek3-tiny", "decoder_block=deepseek_v32", "override_model_config=true"]
+  argv = [
+    sys.executable,
+    "-m",
+    "maxtext.decode",
+    str(REPO / "configs" / "base.yml"),
+    "model_name=deepseek3-tiny",
+    "decoder_block=deepseek_v32",
+    "override_model_config=true",
+  ]
   argv += ["use_indexer=true", "indexer_topk=128", "max_target_length=64", "max_prefill_predict_length=8", "prompt=hi", "run_name=d"]
   proc, before, after = _run_case([*argv, "base_output_directory={tmp}/out"], tmp_path, run, "")
   assert_one_line_exit_2(proc, "indexer_topk=128 is larger than the decode context max_target_length=64")
