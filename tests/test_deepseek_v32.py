@@ -173,43 +173,43 @@ def _tiny_train_config(**keys):
   return load([str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in {**base, **keys}.items())], env={}, num_devices=1)
 
 
-def test_dense_warmup_trains_only_the_indexer_on_the_kl():
-  """Warm-up (indexer_sparse_training=false): the trainable parameters are the indexers' alone, and the objective's
-  gradient reaches them (the KL); sparse training: the KL's gradient reaches only the indexer, the LM loss's the rest."""
+def _gradient_norms(config, batch, which: str) -> tuple[list[str], float, float]:
+  """(trainable parameter paths, gradient norm on the indexers, elsewhere) of one term of the objective: all (the
+  loss), kl (the indexer term) or lm (the cross entropy)."""
   from maxtext import models
   from maxtext.train import loss as loss_lib
   from maxtext.train.step import LanguageModel
   from maxtext.train.trainable import split_params
 
+  graphdef, params, rest = nnx.split(models.build(config, nnx.Rngs(0)), nnx.Param, ...)
+  trainable, frozen = split_params(params, config)
+
+  def term(trainable):
+    sums = loss_lib.loss_sums(nnx.merge(graphdef, trainable, frozen, rest), batch, config)
+    return {"all": LanguageModel(config).loss(sums, 1.0), "kl": sums.indexer, "lm": sums.xent}[which]
+
+  norms = {".".join(map(str, p)): float(jnp.linalg.norm(v[...])) for p, v in nnx.to_flat_state(jax.grad(term)(trainable))}
+  paths = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)]
+  return paths, sum(v for k, v in norms.items() if "indexer" in k), sum(v for k, v in norms.items() if "indexer" not in k)
+
+
+def test_dense_warmup_trains_only_the_indexer_on_the_kl():
+  """Warm-up (indexer_sparse_training=false): the trainable parameters are the indexers' alone, and the loss's
+  gradient reaches them (the KL). Sparse training: everything trains; the KL's gradient reaches only the indexers, the
+  cross entropy's only the rest."""
   rng = np.random.default_rng(0)
   tok = rng.integers(1, 100, size=(2, 16)).astype(np.int32)
   segs = np.ones_like(tok)
   segs[1, 10:] = 0  # padding
   batch = dict(inputs=tok, targets=np.roll(tok, -1, 1), inputs_position=np.tile(np.arange(16, dtype=np.int32), (2, 1)))
-  batch.update(inputs_segmentation=segs, targets_segmentation=segs)
-  batch = {k: jnp.asarray(v) for k, v in batch.items()}
-  for sparse in (False, True):
-    config = _tiny_train_config(indexer_sparse_training=str(sparse).lower())
-    model = models.build(config, nnx.Rngs(0))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    trainable, frozen = split_params(params, config)
-    paths = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)]
-    assert all("indexer" in p for p in paths) != sparse and any("indexer" in p for p in paths)
-    objective = LanguageModel(config)
-
-    def loss(trainable, frozen, which):
-      sums = loss_lib.loss_sums(nnx.merge(graphdef, trainable, frozen, rest), batch, config)
-      return {"all": objective.loss(sums, 1.0), "kl": sums.indexer, "lm": sums.xent}[which]
-
-    for which in ("kl", "lm") if sparse else ("all",):
-      grads = jax.grad(loss)(trainable, frozen, which)
-      norms = {".".join(map(str, p)): float(jnp.linalg.norm(v[...])) for p, v in nnx.to_flat_state(grads)}
-      on_indexer = sum(v for k, v in norms.items() if "indexer" in k)
-      elsewhere = sum(v for k, v in norms.items() if "indexer" not in k)
-      if which == "kl" or (which == "all" and not sparse):
-        assert on_indexer > 0 and elsewhere == 0, which
-      if which == "lm":
-        assert on_indexer == 0 and (elsewhere > 0) == sparse, which
+  batch = {k: jnp.asarray(v) for k, v in {**batch, "inputs_segmentation": segs, "targets_segmentation": segs}.items()}
+  paths, on_indexer, elsewhere = _gradient_norms(_tiny_train_config(indexer_sparse_training="false"), batch, "all")
+  assert paths and all("indexer" in p for p in paths) and on_indexer > 0 and elsewhere == 0
+  sparse = _tiny_train_config(indexer_sparse_training="true")
+  paths, on_indexer, elsewhere = _gradient_norms(sparse, batch, "kl")
+  assert not all("indexer" in p for p in paths) and on_indexer > 0 and elsewhere == 0
+  _, on_indexer, elsewhere = _gradient_norms(sparse, batch, "lm")
+  assert on_indexer == 0 and elsewhere > 0
 
 
 def test_671b_counts():

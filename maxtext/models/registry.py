@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from maxtext.models.families import deepseek, gemma2, gemma3, gpt_oss, llama2, mistral, mixtral, olmo3, qwen2, qwen3, qwen3_moe, qwen3_next
-from maxtext.models.families import deepseek_v32
+from maxtext.models.families import deepseek, deepseek_v32, gemma2, gemma3, gpt_oss, llama2, mistral, mixtral, olmo3, qwen2, qwen3, qwen3_moe, qwen3_next
 from maxtext.models.family import Family
 
 FAMILIES: dict[str, Family] = {
