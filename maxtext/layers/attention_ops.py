@@ -148,7 +148,7 @@ def attend(
   """Causal attention q [B,S,H,D], k [B,T,K,D], v [B,T,K,Dv] (H a multiple of K) -> [B,S,H,Dv] in q's dtype.
 
   positions [B,S]/[B,T] int; segment_ids [B,S] (self-attention, 0 = padding) or None; window: attend to keys with
-  q_pos - kv_pos < window (0 = unbounded), an int or a traced scalar taking one of window_choices (scanned layers
+  q_pos - kv_pos < window (0 = unbounded; < 0: within the query's chunk of -window positions, Llama 4), an int or a traced scalar taking one of window_choices (scanned layers
   with mixed windows); soft_cap: cap * tanh(logits / cap) or None; scale multiplies q.k. rules: logical axis
   rules that place the fused kernels' shard_map (batch and heads) under an active mesh. sinks [H]: each head's
   sink logit (None: no sinks). context: the sequence's context-parallel layout; self-attention over a
@@ -216,7 +216,9 @@ def _splash_kernel(heads: int, q_len: int, kv_len: int, window: int, soft_cap: f
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
-  if window:
+  if window < 0:  # chunked local attention (Llama 4): causal within chunks of -window tokens
+    mask = mask_lib.ChunkedCausalMask((q_len, kv_len), chunk_size=-window)
+  elif window:
     mask = mask_lib.LocalMask((q_len, kv_len), window_size=(window - 1, 0), offset=0)
   else:
     mask = mask_lib.CausalMask((q_len, kv_len))
@@ -293,8 +295,11 @@ def cudnn_attention(q, k, v, segments, sinks=None, *, window: int, scale: float,
 
     offsets, lengths = packed_offsets(segments, max_segments + 1)  # + 1: the padding run after the documents
     return cudnn_dpa(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets, scale=scale, mask_type=MaskType.PADDING_CAUSAL)
-  local = (window - 1, 0) if window else None
+  local = (window - 1, 0) if window > 0 else None
   mask = segment_mask(segments)
+  if window < 0:  # chunked local attention: tokens in the same chunk of -window (by index, as the fused kernels mask)
+    chunk = jnp.arange(segments.shape[1]) // -window
+    mask &= (chunk[:, None] == chunk[None, :])[None, None]
   return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True, local_window_size=local, implementation=implementation)
 
 
