@@ -190,10 +190,14 @@ class Qwen3Next(Section):
 
 
 class Llama4(Section):
-  interleave_moe_layer_step: int = Field(1, gt=0, description="llama4: every this many layers one is MoE (layers step-1, 2 step-1, ...), the others dense MLPs of mlp_dim.")
+  interleave_moe_layer_step: int = Field(
+    1, gt=0, description="llama4: every this many layers one is MoE (layers step-1, 2 step-1, ...), the others dense MLPs of mlp_dim."
+  )
   nope_layer_interval: int = Field(-1, description="llama4: every this many layers one takes no rope (NoPE) and attends globally; -1 -> none.")
   chunk_attn_window_size: int = Field(0, ge=0, description="llama4: the rope layers attend only within chunks of this many positions (causal); 0 -> off.")
-  temperature_tuning: bool = Field(False, description="llama4: NoPE layers scale queries by 1 + temperature_tuning_scale ln(1 + floor((pos + 1) / floor_scale)).")
+  temperature_tuning: bool = Field(
+    False, description="llama4: NoPE layers scale queries by 1 + temperature_tuning_scale ln(1 + floor((pos + 1) / floor_scale))."
+  )
   temperature_tuning_scale: float = Field(0.1, ge=0, description="llama4: temperature tuning's scale (Hugging Face attn_scale).")
   temperature_tuning_floor_scale: float = Field(8192.0, gt=0, description="llama4: temperature tuning's position divisor (Hugging Face floor_scale).")
 
