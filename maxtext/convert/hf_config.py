@@ -350,11 +350,14 @@ def _llama4(hf: HFFields) -> dict[str, Any]:
   if len(rope_flags) != layers:
     raise ConfigError(f"config.json lists {len(rope_flags)} no_rope_layers for num_hidden_layers={layers}; the two contradict each other, fix one")
   if list(rope_flags) != [int((i + 1) % nope != 0) for i in range(layers)]:
-    raise ConfigError(f"config.json's no_rope_layers are not every {nope}th layer NoPE (no_rope_layer_interval); maxtext's llama4 has that pattern: fix one")
+    raise ConfigError(
+      f"config.json's no_rope_layers are not layers {nope - 1}, {2 * nope - 1}, ... NoPE (no_rope_layer_interval={nope}); maxtext's llama4 has that pattern: fix one"
+    )
   moe = hf.values.get("moe_layers")
   if moe is not None and list(moe) != list(range(step - 1, layers, step)):
     raise ConfigError(
-      f"config.json's moe_layers {shorten([str(i) for i in moe])} are not every {step}th layer of {layers} (interleave_moe_layer_step); fix one of them"
+      f"config.json's moe_layers {shorten([str(i) for i in moe])} are not the layers {step - 1}, {2 * step - 1}, ... of {layers} that "
+      f"interleave_moe_layer_step={step} makes MoE; fix one of them"
     )
   types = hf.texts("layer_types")
   if types is not None and types != ["chunked_attention" if r else "full_attention" for r in rope_flags]:
