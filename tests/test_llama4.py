@@ -115,14 +115,14 @@ def test_packed_documents_attend_within_their_own_chunks(hf_dir):
   d, _ = hf_dir
   model, _ = from_hf(d, dtype="float32", matmul_precision="highest")
   rng = np.random.default_rng(3)
-  a, b = rng.integers(0, VOCAB, size=6), rng.integers(0, VOCAB, size=7)
-  packed = jnp.asarray(np.concatenate([a, b])[None], jnp.int32)
-  positions = jnp.asarray(np.concatenate([np.arange(6), np.arange(7)])[None], jnp.int32)
-  segments = jnp.asarray([[1] * 6 + [2] * 7], jnp.int32)
+  docs = rng.integers(0, VOCAB, size=(2, 6))  # the second starts at index 6, mid-chunk of the row
+  packed = jnp.asarray(docs.reshape(1, 12), jnp.int32)
+  positions = jnp.asarray(np.tile(np.arange(6), 2)[None], jnp.int32)
+  segments = jnp.asarray([[1] * 6 + [2] * 6], jnp.int32)
   hidden, _ = model.hidden_states(packed, positions=positions, segment_ids=segments)
   together = np.asarray(model.logits(hidden))[0]
-  alone = [np.asarray(model(jnp.asarray(x[None], jnp.int32)))[0] for x in (a, b)]
-  np.testing.assert_allclose(together, np.concatenate(alone), atol=1e-5, rtol=0)
+  alone = np.asarray(model(jnp.asarray(docs, jnp.int32))).reshape(12, -1)
+  np.testing.assert_allclose(together, alone, atol=1e-5, rtol=0)
 
 
 def test_greedy_decode_matches_transformers_generate(hf_dir):
