@@ -9,6 +9,8 @@ import functools
 import json
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from maxtext.convert import hf_config, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator, cache_layout
+from maxtext.layers import attention_ops
 from maxtext.models import counting, layer_pattern, registry
 from tests.hf_fixtures import hf_logits
 from tests.test_bad_inputs import CONVERT_TO, _run_case, assert_one_line_exit_2
@@ -110,8 +113,6 @@ def test_logits_match_transformers(hf_dir, scan):
 def test_packed_documents_attend_within_their_own_chunks(hf_dir):
   """Two documents packed in one row (segment ids, positions restarting at 0) give each document's own logits: the
   chunks count from each document's start."""
-  import jax.numpy as jnp
-
   d, _ = hf_dir
   model, _ = from_hf(d, dtype="float32", matmul_precision="highest")
   rng = np.random.default_rng(3)
@@ -250,3 +251,23 @@ def test_convert_refuses_in_one_line(tmp_path, fields, mention):
   proc, before, after = _run_case(argv, work, work, "")
   assert_one_line_exit_2(proc, mention)
   assert after == before
+
+
+def test_every_kernel_chunks_packed_documents_by_their_positions():
+  """Chunked local attention (window -16) over rows of three packed documents: the chunked kernel (outputs and
+  gradients), splash through attend (Pallas interpret mode; chunks as segment ids) and cuDNN's mask path equal the XLA
+  reference."""
+  from tests.test_attention_kernels import SCALE, SMALL_BLOCKS, assert_same, forward_and_grads, packed_batch, policy, reference
+
+  q, k, v, seg, pos = packed_batch()
+  expected = forward_and_grads(jax.jit(lambda q, k, v: reference(q, k, v, seg, pos, -16, None)), q, k, v)
+  causal = reference(q, k, v, seg, pos, 0, None)
+  assert not np.allclose(expected[0], causal, atol=1e-3)  # the chunks cut keys the causal mask keeps
+  chunked = jax.jit(lambda q, k, v: attention_ops.chunked_attention(q, k, v, pos, pos, seg, -16, SCALE, None, 48))
+  assert_same(forward_and_grads(chunked, q, k, v), expected)
+  tpu = policy("tpu", splash=SMALL_BLOCKS, interpret_kernels=True)
+  kw = dict(q_positions=pos, kv_positions=pos, segment_ids=seg, soft_cap=None, scale=SCALE, policy=tpu)
+  splash = attention_ops.attend(q, k, v, window=-16, **kw)
+  cudnn = attention_ops.cudnn_attention(q, k, v, attention_ops.chunk_segments(seg, pos, 16), window=0, scale=SCALE, max_segments=0, implementation="xla")
+  for out in (splash, cudnn):
+    np.testing.assert_allclose(out, expected[0], atol=2e-5, rtol=0)
