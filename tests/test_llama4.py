@@ -90,6 +90,12 @@ def hf_dir(tmp_path_factory):
   return d, saved(str(d))
 
 
+@pytest.fixture(scope="module")
+def converted(hf_dir):
+  """(model, config) of the saved checkpoint, scanned, float32: shared by the tests that only read it."""
+  return from_hf(hf_dir[0], scan_layers=True, dtype="float32", matmul_precision="highest")
+
+
 def test_pattern_interleaves_dense_and_moe_with_nope_every_fourth_layer():
   c = from_overrides(**hf_config.overrides_from_hf(tiny_config().to_dict()), num_devices=1)
   kinds = registry.get("llama4").kinds(c)
@@ -100,21 +106,20 @@ def test_pattern_interleaves_dense_and_moe_with_nope_every_fourth_layer():
 
 
 @pytest.mark.parametrize("scan", [True, False])
-def test_logits_match_transformers(hf_dir, scan):
+def test_logits_match_transformers(hf_dir, converted, scan):
   """13 tokens over chunks of 4: rope layers attend within their chunk, NoPE layers (temperature-tuned from position 3
   on, floor_scale 4) attend to every earlier token; the scanned model takes each layer's span as a scan input."""
   d, torch_model = hf_dir
   tokens = np.random.default_rng(0).integers(0, VOCAB, size=(2, 3 * CHUNK + 1)).astype(np.int32)
-  model, config = from_hf(d, scan_layers=scan, dtype="float32", matmul_precision="highest")
+  model, config = converted if scan else from_hf(d, scan_layers=False, dtype="float32", matmul_precision="highest")
   assert (config.decoder_block, config.chunk_attn_window_size, config.nope_layer_interval, config.interleave_moe_layer_step) == ("llama4", CHUNK, 4, 2)
   np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(torch_model, tokens), atol=1e-4, rtol=0)
 
 
-def test_packed_documents_attend_within_their_own_chunks(hf_dir):
+def test_packed_documents_attend_within_their_own_chunks(converted):
   """Two documents packed in one row (segment ids, positions restarting at 0) give each document's own logits: the
   chunks count from each document's start."""
-  d, _ = hf_dir
-  model, _ = from_hf(d, dtype="float32", matmul_precision="highest")
+  model, _ = converted
   rng = np.random.default_rng(3)
   docs = rng.integers(0, VOCAB, size=(2, 6))  # the second starts at index 6, mid-chunk of the row
   packed = jnp.asarray(docs.reshape(1, 12), jnp.int32)
@@ -126,14 +131,14 @@ def test_packed_documents_attend_within_their_own_chunks(hf_dir):
   np.testing.assert_allclose(together, alone, atol=1e-5, rtol=0)
 
 
-def test_greedy_decode_matches_transformers_generate(hf_dir):
+def test_greedy_decode_matches_transformers_generate(hf_dir, converted):
   """Prompts of 3 and 9 tokens in one batch decode to transformers' greedy tokens: the chunked layers from rings of
   CHUNK slots, the NoPE layers from full caches (one scanned decode group of 4 layers, then 2 more)."""
   d, torch_model = hf_dir
   rng = np.random.default_rng(1)
   prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (3, 9)]
   eos = torch_model.config.eos_token_id
-  model, config = from_hf(d, dtype="float32", matmul_precision="highest")
+  model, config = converted
   lay = cache_layout.layout(config, 20)
   assert [lay.slots(w) for w in lay.windows] == [CHUNK, CHUNK, CHUNK, 20, CHUNK, CHUNK]
   ours = Generator(model, max_target_length=20, max_prefill_length=12, eos_id=eos).generate(prompts).tokens
@@ -143,11 +148,11 @@ def test_greedy_decode_matches_transformers_generate(hf_dir):
     assert got == out[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
 
 
-def test_round_trip_and_export_load_in_transformers(hf_dir, tmp_path):
+def test_round_trip_and_export_load_in_transformers(hf_dir, converted, tmp_path):
   """HF -> maxtext -> HF is bit-identical (the experts' fused gate_up halves included), and the exported config.json +
   safetensors give transformers' logits."""
   d, torch_model = hf_dir
-  model, config = from_hf(d, dtype="float32")
+  model, config = converted
   tensors = hf_params.maxtext_to_hf({k: np.asarray(v) for k, v in flat_params(model).items()}, config)
   original = safetensors_io.read_tensors(d)
   assert sorted(tensors) == sorted(original)
