@@ -59,7 +59,10 @@ PUBLISHED_BILLIONS = {
   "deepseek2-16b": 15.71,  # DeepSeek-V2-Lite
   "deepseek2-236b": 235.74,
   "qwen3-next-80b-a3b": 80.0,  # the model card's 80B (the HF safetensors also hold its multi-token-prediction layer)
+  "llama4-17b-16e": 109.0,  # Scout's card: 109B with its vision encoder, which these text weights leave out
+  "llama4-17b-128e": 400.0,  # Maverick's card: 400B
 }
+TOLERANCE = {"llama4-17b-16e": 0.015}  # the card's total counts the vision encoder; the text decoder is 1.1% below it
 NOT_PUBLISHED = ("deepseek3-tiny", "kimi-k2-1t")  # a CPU-sized architecture file; Kimi K2's size is published only as "1T, 32B active"
 
 # Exact parameter counts known for a few models (qwen3-0.6b: 751,632,384 on HF minus the duplicated 151936 x 1024 lm_head).
@@ -90,7 +93,7 @@ def test_param_count_matches_published_size(name):
   config = _model(name)
   assert config.model_name == name
   count = counting.param_count(config) - counting.mtp_params(config)
-  assert count == pytest.approx(PUBLISHED_BILLIONS[name] * 1e9, rel=0.01)
+  assert count == pytest.approx(PUBLISHED_BILLIONS[name] * 1e9, rel=TOLERANCE.get(name, 0.01))
   if name in EXACT:
     assert count == EXACT[name]
 
