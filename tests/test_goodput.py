@@ -121,3 +121,22 @@ def test_progress_file_goes_through_epath_without_holding_up_the_steps(tmp_path,
   g.step_logged(20)
   with pytest.raises(OSError, match="No space left"):
     g.steps_ended()
+
+
+def test_monitor_goodput_adds_no_host_sync(tmp_path, monkeypatch):
+  """monitor_goodput's running figure comes from host clocks only: logging it every step waits on no device value
+  (no block_until_ready, no device_get, no implicit transfer)."""
+
+  def sync(*args, **kwargs):
+    raise AssertionError("goodput waited on the device")
+
+  monkeypatch.setattr(jax, "block_until_ready", sync)
+  monkeypatch.setattr(jax, "device_get", sync)
+  g = goodput.Goodput(recording=True, monitor=True, log_period=1)
+  lines = []
+  with jax.transfer_guard("disallow"):
+    g.start(str(tmp_path), 0, lines.append)
+    for step in range(4):
+      g.step_logged(step)
+    g.steps_ended()
+  assert [line.split(":")[0] for line in lines] == [f"goodput after step {s}" for s in range(4)]
