@@ -5,6 +5,7 @@ elastic_batch=keep), with grain worker counts 0 and 2: its losses match within 1
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,21 +29,33 @@ def data_args(out: Path, workers: int) -> tuple[str, ...]:
   return tuple(f"{k}={v}" for k, v in grain.items())
 
 
+def branch_at(out: Path, source: str, run_name: str, step: int) -> None:
+  """run_name: a copy of run `source` as it stood after `step` steps (its checkpoint of that step, its metrics rows
+  before it): the 2-process start of the elastic run, whose first steps are the uninterrupted run's."""
+  shutil.copytree(out / source, out / run_name)
+  for saved in (out / run_name / "checkpoints").iterdir():
+    if saved.name.isdigit() and int(saved.name) > step:
+      shutil.rmtree(saved)
+  metrics = out / run_name / "metrics.jsonl"
+  metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines() if json.loads(line)["step"] < step))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """Phase 1: per worker count, the uninterrupted 2-process run and 2 steps of the elastic run. Phase 2: the elastic
-  runs continue on 1 process to step 4. Phase 3: on 2 processes to the end."""
+  """Phase 1: per worker count, the uninterrupted 2-process run (a checkpoint every 2 steps); the elastic run starts
+  as its copy at step 2 (the same 2 processes, the same steps). Phase 2: the elastic runs continue on 1 process to
+  step 4. Phase 3: on 2 processes to the end."""
   out = tmp_path_factory.mktemp("elastic")
   args = {w: data_args(out, w) for w in WORKERS}
-  done = wait(
-    {f"full{w}": start(out, f"full{w}", steps=STEPS, extra=args[w]) for w in WORKERS}
-    | {f"elastic{w}": start(out, f"elastic{w}", steps=2, extra=args[w]) for w in WORKERS}
-  )
+  done = wait({f"full{w}": start(out, f"full{w}", steps=STEPS, extra=args[w]) for w in WORKERS})
+  for w in WORKERS:
+    assert done[f"full{w}"][0] == [0, 0], done[f"full{w}"][1][-3000:]
+    branch_at(out, f"full{w}", f"elastic{w}", 2)
   one = wait({f"elastic{w}": start(out, f"elastic{w}", processes=1, steps=4, extra=args[w]) for w in WORKERS})
   two = {}
   for w in WORKERS:  # one resumed 2-process run at a time (see tests/test_multi_tier.py)
     two |= wait({f"elastic{w}": start(out, f"elastic{w}", steps=STEPS, extra=args[w])})
-  for label, (codes, text) in (done | {f"{k}.one": v for k, v in one.items()} | {f"{k}.two": v for k, v in two.items()}).items():
+  for label, (codes, text) in ({f"{k}.one": v for k, v in one.items()} | {f"{k}.two": v for k, v in two.items()}).items():
     assert all(code == 0 for code in codes), f"{label}: {text[-3000:]}"
   return out, one, two
 
@@ -84,3 +97,57 @@ def test_elastic_batch_rule(tmp_path):
   assert elastic.resume_batch(same, said.append) is same  # the same device count: a changed batch is the user's
   with pytest.raises(ConfigError, match="gradient_accumulation_steps 3"):
     elastic.resume_batch(config(4, gradient_accumulation_steps=3), said.append)
+
+
+def test_elastic_batch_scale_across_a_restart(tmp_path, monkeypatch, capsys):
+  """elastic_batch=scale with the elastic iterator: 2 steps on 4 devices (global batch 4), resumed on 8 devices (global
+  batch 8, per_device_batch_size as configured): the resumed run reads the rows that follow the saved global position,
+  so the 4 + 4 + 8 + 8 rows the two runs trained on are the first 24 rows of the data in order, none repeated or skipped."""
+  import numpy as np
+
+  from maxtext.data import create_iterator
+  from maxtext.data.iterator import DataIterator
+  from maxtext.train.loop import train
+  from tests.test_train_helpers import mesh_for, tiny_config
+
+  grain = dict(a.split("=", 1) for a in grain_data(tmp_path))
+  grain.update(enable_checkpointing="true", vocab_size="512")
+
+  def config(devices: int, steps: int):
+    return tiny_config(
+      num_devices=devices,
+      base_output_directory=str(tmp_path / "out"),
+      run_name="scale",
+      steps=steps,
+      learning_rate_schedule_steps=4,
+      checkpoint_period=2,
+      grain_use_elastic_iterator=True,
+      elastic_batch="scale",
+      **grain,
+    )
+
+  trained = []
+  next_local = DataIterator.next_local
+
+  def recorded(self):
+    batch = next_local(self)
+    if self.split == "train":
+      trained.extend(np.asarray(batch["inputs"]).tolist())
+    return batch
+
+  monkeypatch.setattr(DataIterator, "next_local", recorded)
+  first = config(4, 2)
+  train(first, mesh=mesh_for(first))
+  assert len(trained) == 2 * 4
+  capsys.readouterr()
+  resumed = config(8, 4)
+  train(resumed, mesh=mesh_for(resumed))
+  said = capsys.readouterr().out
+  assert "resuming on 8 devices a checkpoint trained on 4: the global batch is 8 sequences (checkpoint: 4; elastic_batch=scale)" in said, said[-2000:]
+  assert "restored checkpoint at step 2" in said
+  assert len(trained) == 2 * 4 + 2 * 8
+  monkeypatch.setattr(DataIterator, "next_local", next_local)
+  reference = create_iterator(first, mesh_for(first))
+  rows = [row for _ in range(6) for row in np.asarray(reference.next_local()["inputs"]).tolist()]
+  assert len({tuple(r) for r in rows}) == len(rows)  # distinct rows: a repeated or skipped one would show
+  assert trained == rows

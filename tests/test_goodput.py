@@ -85,3 +85,58 @@ def test_summary_and_monitor_lines(tmp_path):
   assert lines[0].startswith("goodput after step 0: goodput ") and lines[-1].startswith("goodput ")
   assert g.report()["seconds"]["compilation"] > 0
   assert not (tmp_path / goodput.REPORT_FILE).exists()  # monitor_goodput alone logs; enable_goodput_recording writes the file
+
+
+def test_progress_file_goes_through_epath_without_holding_up_the_steps(tmp_path, monkeypatch):
+  """goodput_progress.json is written through etils epath (gs:// capable, like the checkpoints) on a background thread:
+  a write that takes 2 s does not slow 20 logged steps down; the newest furthest step lands by the end of the steps,
+  and a failed write is raised in the loop's thread."""
+  from etils import epath
+
+  path_class = type(epath.Path(tmp_path))
+  original = path_class.write_text
+  written = []
+
+  def slow_write(self, text, *args, **kwargs):
+    if self.name == goodput.PROGRESS_FILE + ".tmp":
+      time.sleep(2)
+      written.append(json.loads(text)["furthest_step"])
+    return original(self, text, *args, **kwargs)
+
+  monkeypatch.setattr(path_class, "write_text", slow_write)
+  g = goodput.Goodput(recording=True, monitor=False, log_period=100)
+  g.start(str(tmp_path), 0, print)
+  began = time.perf_counter()
+  for step in range(20):
+    g.step_logged(step)
+  assert time.perf_counter() - began < 1.0
+  g.steps_ended()  # waits for the newest step to be written
+  assert goodput.read_furthest(str(tmp_path)) == 20
+  assert written[-1] == 20 and len(written) <= 3, written  # steps noted during a write are merged into the next one
+
+  def failing_write(self, text, *args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(path_class, "write_text", failing_write)
+  g.step_logged(20)
+  with pytest.raises(OSError, match="No space left"):
+    g.steps_ended()
+
+
+def test_monitor_goodput_adds_no_host_sync(tmp_path, monkeypatch):
+  """monitor_goodput's running figure comes from host clocks only: logging it every step waits on no device value
+  (no block_until_ready, no device_get, no implicit transfer)."""
+
+  def sync(*args, **kwargs):
+    raise AssertionError("goodput waited on the device")
+
+  monkeypatch.setattr(jax, "block_until_ready", sync)
+  monkeypatch.setattr(jax, "device_get", sync)
+  g = goodput.Goodput(recording=True, monitor=True, log_period=1)
+  lines = []
+  with jax.transfer_guard("disallow"):
+    g.start(str(tmp_path), 0, lines.append)
+    for step in range(4):
+      g.step_logged(step)
+    g.steps_ended()
+  assert [line.split(":")[0] for line in lines] == [f"goodput after step {s}" for s in range(4)]

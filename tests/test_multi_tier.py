@@ -1,6 +1,8 @@
 """The local checkpoint tier on 2 processes x 4 CPU devices: kill -9 both at step 17 (local period 5, persistent
-period 20) resumes from the local step 15 with the uninterrupted run's losses, bit for bit; with one process's local
-directory deleted, that process's shards come from the copy on the other process. Bad local-tier settings: one line, exit 2."""
+period 20), delete process 1's local directory (a replaced host), restart: it resumes from the local step 15, process 1's
+shards from the copy on process 0, with the uninterrupted run's losses, bit for bit. In one process: the minutes-based
+persistent backup, the restart from a process's own local copy and from persistent storage. Bad local-tier settings:
+one line, exit 2."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,44 +91,39 @@ def losses(out: Path, run_name: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """Phase 1: the uninterrupted run and the run killed in step 17. Phase 2: the killed run restarted, and a copy of
-  it restarted with process 1's local directory deleted (a replaced host)."""
+  """Phase 1: the uninterrupted run and the run killed in step 17. Phase 2: the killed run restarted with process 1's
+  local directory deleted (a replaced host). The restart restores process 0's shards from its own copy and process
+  1's from the copy on process 0, so it covers both kinds of local restore (one process's own copy alone:
+  test_backup_interval_minutes_and_the_persistent_fallback)."""
   out = tmp_path_factory.mktemp("multi_tier")
   first = wait({"full": start(out, "full"), "killed": start(out, "killed", kill=True)})
   assert first["full"][0] == [0, 0], first["full"][1][-3000:]
   assert all(code != 0 for code in first["killed"][0]), first["killed"][1][-3000:]
-  shutil.copytree(out / "killed", out / "replaced")
-  shutil.copytree(out / "local_killed" / "killed", out / "local_replaced" / "replaced")
-  shutil.rmtree(out / "local_replaced" / "replaced" / "process_1")
-  # one resumed run at a time: on a loaded machine two resumed 2-process runs started together were seen to drift more than
-  # gloo's 30 s context deadline apart before their first collective
-  second = wait({"killed": start(out, "killed")}) | wait({"replaced": start(out, "replaced")})
-  for label, (codes, text) in second.items():
-    assert codes == [0, 0], f"{label}: {text[-3000:]}"
+  assert sorted(int(d.name) for d in (out / "local_killed" / "killed" / "process_1").iterdir()) == [10, 15]  # the newest 2 local steps
+  shutil.rmtree(out / "local_killed" / "killed" / "process_1")
+  second = wait({"killed": start(out, "killed")})
+  assert second["killed"][0] == [0, 0], second["killed"][1][-3000:]
   return out, first, second
 
 
 def test_kill_9_resumes_from_the_local_step_with_identical_losses(runs):
   out, first, second = runs
   text = second["killed"][1]
-  assert f"restored checkpoint at step 15 from the local checkpoints in {out / 'local_killed' / 'killed'} (every process from its own copy)" in text, text[
-    -3000:
-  ]
+  assert f"restored checkpoint at step 15 from the local checkpoints in {out / 'local_killed' / 'killed'} (" in text, text[-3000:]
   full, resumed = losses(out, "full"), losses(out, "killed")
   assert sorted(full) == sorted(resumed) == list(range(STEPS))
-  assert resumed == full  # bitwise: the same floats
+  assert resumed == full  # bitwise: the same floats (steps 15-19 from the restart)
   assert not (out / "killed" / "checkpoints" / "15").exists()  # step 15 was never persistent
+  assert (out / "killed" / "checkpoints" / "20").is_dir()
 
 
 def test_a_replaced_host_recovers_its_shards_from_the_peer_copy(runs):
   out, _, second = runs
-  text = second["replaced"][1]
+  text = second["killed"][1]
   where = "process 1 from the copy on process 0, the others from their own copies"
-  assert f"restored checkpoint at step 15 from the local checkpoints in {out / 'local_replaced' / 'replaced'} ({where})" in text, text[-3000:]
-  assert losses(out, "replaced") == losses(out, "full")
-  assert not (out / "local_replaced" / "replaced" / "process_1" / "20").exists()  # step 20 went to persistent storage
-  assert (out / "local_replaced" / "replaced" / "process_1" / "15" / "own.bin").is_file()  # its own copy again
-  assert (out / "replaced" / "checkpoints" / "20").is_dir()
+  assert f"restored checkpoint at step 15 from the local checkpoints in {out / 'local_killed' / 'killed'} ({where})" in text, text[-3000:]
+  assert not (out / "local_killed" / "killed" / "process_1" / "20").exists()  # step 20 went to persistent storage
+  assert (out / "local_killed" / "killed" / "process_1" / "15" / "own.bin").is_file()  # its own copy again
 
 
 @pytest.mark.parametrize(
@@ -169,3 +167,61 @@ def test_local_files_round_trip_and_refuse_damage():
   damaged[-1] ^= 1
   with pytest.raises(ValueError, match="checksum"):
     local_checkpoints.unpack(bytes(damaged), abstract)
+
+
+class Crash(RuntimeError):
+  """Stands for a kill: nothing is saved after it."""
+
+
+def test_backup_interval_minutes_and_the_persistent_fallback(tmp_path, monkeypatch, capsys):
+  """One process, a local save every step, multi_tier_checkpointing_backup_interval_minutes=3, and a clock that
+  moves one minute per logged step (the loop's clock, nothing sleeps): a local save becomes persistent once 3
+  minutes have passed since the last persistent save, so steps 4 and 8 are persistent and the others local. The run
+  dies once step 9 is logged; its restart takes local step 9 (newer than persistent step 8), and a restart whose
+  local directory is gone takes persistent step 8; each says which, and both compute step 9's loss alike."""
+  import types
+
+  from maxtext.train import checkpointing, loop
+  from maxtext.train import setup as setup_lib
+  from tests.test_train_helpers import mesh_for, tiny_config
+
+  clock = [0.0]
+  monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=time.perf_counter, monotonic=lambda: clock[0]))
+
+  def config_for(out: Path, local: Path):
+    return tiny_config(
+      num_devices=1,
+      base_output_directory=str(out),
+      run_name="mt",
+      steps=10,
+      learning_rate_schedule_steps=10,
+      checkpoint_period=100,
+      enable_multi_tier_checkpointing=True,
+      local_checkpoint_directory=str(local),
+      local_checkpoint_period=1,
+      multi_tier_checkpointing_backup_interval_minutes=3,
+    )
+
+  config = config_for(tmp_path / "out", tmp_path / "local")
+  setup = setup_lib.build(config, mesh_for(config))  # one compiled step for every attempt
+
+  def minute_per_step(step: int) -> None:
+    clock[0] += 60
+    if step == 9:
+      raise Crash
+
+  with pytest.raises(Crash):
+    loop.train(config, setup=setup, on_step=minute_per_step)
+  assert checkpointing.saved_steps(config.checkpoint_dir) == [4, 8]
+  assert sorted(int(d.name) for d in (tmp_path / "local" / "mt" / "process_0").iterdir()) == [7, 9]  # the newest 2 local steps
+  without = config_for(tmp_path / "out_lost", tmp_path / "local_lost")  # a copy of the run whose local directory is gone
+  shutil.copytree(tmp_path / "out", tmp_path / "out_lost")
+  capsys.readouterr()
+  local = loop.train(config, setup=setup)
+  said = capsys.readouterr().out
+  assert f"restored checkpoint at step 9 from the local checkpoints in {tmp_path / 'local' / 'mt'} (every process from its own copy)" in said, said[-2000:]
+  persistent = loop.train(without, setup=setup)
+  said = capsys.readouterr().out
+  assert f"restored checkpoint at step 8 from persistent storage {without.checkpoint_dir}" in said, said[-2000:]
+  assert sorted(local.losses) == [9] and sorted(persistent.losses) == [8, 9]
+  assert local.losses[9] == persistent.losses[9]

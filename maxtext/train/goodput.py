@@ -6,19 +6,23 @@ events (tracing, lowering and the backend compile). Step time is what the loop s
 outside every other phase (the loop fetches a step's metrics one step late, so this costs no host sync per step);
 it is productive, or lost when the step was already reached by an earlier attempt that a preemption cut short and is
 being recomputed from an older checkpoint. The furthest step reached is kept in the run directory
-(`goodput_progress.json`, rewritten after every logged step) and the breakdown of every attempt in `goodput.json`.
+(`goodput_progress.json`) and the breakdown of every attempt in `goodput.json`. Both go through etils epath, as the
+checkpoints do (local paths and gs://); the progress file is rewritten by a background thread with the newest
+furthest step, so a slow file system never holds up the step loop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
+from etils import epath
 
 PARTS = ("productive_steps", "lost_steps", "initialization", "compilation", "data_waiting", "checkpoint_save", "checkpoint_restore", "evaluation", "finishing")
 STEP = "step"  # the loop's own phase: step time, sorted into productive_steps or lost_steps when the step is logged
@@ -46,21 +50,68 @@ def _listen() -> None:
     _listening = True
 
 
+_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="goodput")  # the progress files' writes, in order
+
+
 def read_furthest(run_dir: str) -> int:
   """Steps reached by the furthest earlier attempt of the run in run_dir (0 when none was recorded)."""
+  _writer.submit(lambda: None).result()  # this process's own pending writes land first
   try:
-    with open(os.path.join(run_dir, PROGRESS_FILE)) as f:
-      return int(json.load(f)["furthest_step"])
+    return int(json.loads((epath.Path(run_dir) / PROGRESS_FILE).read_text())["furthest_step"])
   except (OSError, ValueError, KeyError, TypeError):
     return 0
 
 
-def _write_json(path: str, value: Any) -> None:
-  """Replace path atomically (a kill leaves the old or the new file, never half of one)."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(value, f, indent=1)
-  os.replace(tmp, path)
+def _write_json(path: epath.Path, value: Any) -> None:
+  """Replace path (a kill leaves the old or the new file, never half of one, where the file system renames atomically)."""
+  tmp = path.parent / f"{path.name}.tmp"
+  tmp.write_text(json.dumps(value, indent=1))
+  tmp.replace(path)
+
+
+class ProgressFile:
+  """goodput_progress.json, written in the background: `record` only notes the newest furthest step and returns; one
+  write at a time runs on a worker thread and writes the newest step noted by then (steps noted meanwhile are
+  merged). A write that failed is raised by the next `record` or `flush`, in the loop's thread."""
+
+  def __init__(self, run_dir: str):
+    self.path = epath.Path(run_dir) / PROGRESS_FILE
+    self._lock = threading.Lock()
+    self._wanted = self._written = 0
+    self._running: Future | None = None
+    self._error: BaseException | None = None
+
+  def record(self, furthest_step: int) -> None:
+    self._raise()
+    with self._lock:
+      self._wanted = max(self._wanted, furthest_step)
+      if self._running is None:
+        self._running = _writer.submit(self._write)
+
+  def _write(self) -> None:
+    while True:
+      with self._lock:
+        wanted = self._wanted
+        if wanted == self._written or self._error is not None:
+          self._running = None
+          return
+      try:
+        _write_json(self.path, {"furthest_step": wanted})
+      except BaseException as e:  # noqa: BLE001 - handed to the loop's thread by _raise
+        with self._lock:
+          self._error, self._running = e, None
+        return
+      self._written = wanted
+
+  def flush(self) -> None:
+    """Wait for the newest noted step to be written."""
+    _writer.submit(lambda: None).result()
+    self._raise()
+
+  def _raise(self) -> None:
+    if self._error is not None:
+      error, self._error = self._error, None
+      raise error
 
 
 def percent(part: float, whole: float) -> str:
@@ -80,6 +131,7 @@ class Goodput:
     self.current, self.since, self.compile_mark = "initialization", self.began, _compile_seconds
     self.step_pending = 0.0  # step time since the last logged step
     self.run_dir: str | None = None  # set by `start`: where the files go (after every check passed, under the run lock)
+    self.progress: ProgressFile | None = None
     self.furthest_before = 0  # steps an earlier attempt reached
     self.start_step = 0
     self.log: Callable[[str], None] = print
@@ -112,6 +164,7 @@ class Goodput:
     """Called once the state is restored: read how far earlier attempts got; from here on the loop's time is step time."""
     self.run_dir, self.start_step, self.log = run_dir, start_step, log
     self.furthest_before = read_furthest(run_dir) if self.enabled else 0
+    self.progress = ProgressFile(run_dir) if self.enabled and jax.process_index() == 0 else None
     if self.enabled and self.furthest_before > start_step:
       log(
         f"goodput: resuming at step {start_step}; an earlier attempt reached step {self.furthest_before}, so {self.furthest_before - start_step} steps are recomputed (lost)"
@@ -128,16 +181,18 @@ class Goodput:
       self.seconds["productive_steps"] += self.step_pending
       self.productive_steps += 1
     self.step_pending = 0.0
-    if not self.enabled or jax.process_index() != 0 or self.run_dir is None:
+    if self.progress is None:
       return
     if step + 1 > self.furthest_before:
-      _write_json(os.path.join(self.run_dir, PROGRESS_FILE), {"furthest_step": step + 1})
+      self.progress.record(step + 1)
     if self.monitor and (step + 1) % self.log_period == 0:
       self.log(f"goodput after step {step}: {self.line()}")
 
   def steps_ended(self) -> None:
     """After the last step is logged: the rest (summary, plot, closing writes) is finishing time."""
     self._switch("finishing")
+    if self.progress is not None:
+      self.progress.flush()
 
   def report(self) -> dict[str, Any]:
     """The breakdown so far: seconds per part, their sum, the wall time and the goodput fraction."""
@@ -166,11 +221,10 @@ class Goodput:
     self.log(self.line())
     if not self.recording or jax.process_index() != 0 or self.run_dir is None:
       return
-    path = os.path.join(self.run_dir, REPORT_FILE)
+    path = epath.Path(self.run_dir) / REPORT_FILE
     attempts: list[dict[str, Any]] = []
     try:
-      with open(path) as f:
-        attempts = list(json.load(f)["attempts"])
+      attempts = list(json.loads(path.read_text())["attempts"])
     except (OSError, ValueError, KeyError, TypeError):
       attempts = []
     attempts.append(self.report())

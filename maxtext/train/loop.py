@@ -82,7 +82,7 @@ def _restore_or_init(
     if restored is not None:
       step = int(restored.state["step"])
       tier = "persistent storage " if local is not None else ""
-      log(f"restored checkpoint at step {step} from {tier}{config.checkpoint_dir}")
+      log(f"restored checkpoint at step {step} from {tier}{ckpt.config.checkpoint_dir}")  # the run's own (setup may be another's)
       warning = checkpointing.schedule_warning(config, restored.schedule_steps, step, ckpt.directory)
       if warning:
         log(warning)
