@@ -1,0 +1,166 @@
+"""Gemma 3 with images in (use_multimodal) against transformers' Gemma3ForConditionalGeneration (tiny, random, float32,
+eager): logits with images placed, packing, greedy decode with an image, conversion both ways, bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from maxtext.convert import hf_params
+from maxtext.convert.model_params import flat_params
+from maxtext.hf import from_hf, params_from_hf
+from maxtext.vision import preprocess
+
+IMAGE_SIZE, PATCH, TOKENS, IMAGE_ID, BOI, EOI = 32, 4, 16, 299, 297, 298  # an 8 x 8 patch grid pooled 2 x 2 to 16 soft tokens
+WINDOW = 12  # shorter than an image's run: the sliding layers cut into it
+
+
+def hf_config(tie: bool = True) -> transformers.Gemma3Config:
+  vision = dict(
+    hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH, vision_use_head=False
+  )
+  text = dict(
+    hidden_size=24,
+    intermediate_size=32,
+    num_hidden_layers=6,  # 5 sliding layers and a global one
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=12,
+    vocab_size=300,
+    sliding_window=WINDOW,
+    query_pre_attn_scalar=12,
+    tie_word_embeddings=tie,
+  )
+  return transformers.Gemma3Config(
+    vision_config=vision,
+    text_config=text,
+    mm_tokens_per_image=TOKENS,
+    image_token_index=IMAGE_ID,
+    boi_token_index=BOI,
+    eoi_token_index=EOI,
+    tie_word_embeddings=tie,
+  )
+
+
+def random_model(config: transformers.Gemma3Config, seed: int = 0) -> transformers.Gemma3ForConditionalGeneration:
+  torch.manual_seed(seed)
+  model = transformers.Gemma3ForConditionalGeneration(config).eval().float()
+  with torch.no_grad():  # non-trivial norms and projector (HF initialises some of them to 0 or 1)
+    for name, p in model.named_parameters():
+      if "vision_tower" in name or "multi_modal_projector" in name or "norm" in name:
+        layer_norm_scale = "vision_tower" in name and "norm" in name and name.endswith("weight")  # SigLIP's LayerNorm scales sit around 1
+        p.copy_(torch.randn_like(p) * (0.5 if p.ndim > 1 else 0.2) + (1.0 if layer_norm_scale else 0.0))
+  model.config._attn_implementation = "eager"
+  model.model.vision_tower.config._attn_implementation = "eager"
+  model.model.language_model.config._attn_implementation = "eager"
+  return model
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  model = random_model(hf_config())
+  path = tmp_path_factory.mktemp("gemma3_vlm")
+  model.save_pretrained(path)
+  return path, model
+
+
+@pytest.fixture(scope="module")
+def ours(hf_dir):
+  model, config = from_hf(hf_dir[0], dtype="float32", matmul_precision="highest")
+  return model, config
+
+
+@pytest.fixture(scope="module")
+def images() -> list[np.ndarray]:
+  rng = np.random.default_rng(0)
+  return [rng.integers(0, 256, (45, 61, 3), dtype=np.uint8), rng.integers(0, 256, (20, 17, 3), dtype=np.uint8)]  # one larger, one smaller
+
+
+def with_images(text: list[int], count: int) -> list[int]:
+  """text ids with count images, each <boi> 16 x <image> <eoi>, between its pieces."""
+  out = list(text[:2])
+  for k in range(count):
+    out += [BOI] + [IMAGE_ID] * TOKENS + [EOI] + list(text[2 + 3 * k : 5 + 3 * k])
+  return out
+
+
+def hf_logits(model, ids: list[int], pixels: np.ndarray) -> np.ndarray:
+  input_ids = torch.tensor([ids])
+  with torch.no_grad():
+    out = model(input_ids=input_ids, pixel_values=torch.from_numpy(pixels), token_type_ids=(input_ids == IMAGE_ID).long())
+  return out.logits[0].numpy()
+
+
+def our_logits(model, ids, pixels, positions=None, segment_ids=None) -> np.ndarray:
+  tokens = np.asarray([ids], np.int32)
+  extra = {} if positions is None else dict(positions=np.asarray([positions], np.int32), segment_ids=np.asarray([segment_ids], np.int32))
+  return np.asarray(jax.jit(lambda m, t, x: m(t, images=x, **extra))(model, tokens, pixels[None]))[0]
+
+
+def test_logits_match_transformers_with_two_images(hf_dir, ours, images):
+  """Token ids with two images of different sizes; our preprocessing against transformers' processor's pixels."""
+  hf_model = hf_dir[1]
+  ids = with_images([2, 10, 11, 12, 13, 14, 15, 16, 17], 2)
+  processor = transformers.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_pan_and_scan=False)
+  theirs_pixels = processor(images=images, return_tensors="np")["pixel_values"]
+  expected = hf_logits(hf_model, ids, theirs_pixels)
+  got = our_logits(ours[0], ids, preprocess.gemma3_pixels(images, IMAGE_SIZE))
+  assert got.shape == expected.shape
+  np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
+  # The images matter, and so does their bidirectional attention: causal-only image tokens give other logits.
+  blank = our_logits(ours[0], ids, np.zeros((2, IMAGE_SIZE, IMAGE_SIZE, 3), np.float32))
+  assert np.abs(blank - expected).max() > 1e-2
+  with torch.no_grad():
+    causal = hf_model(input_ids=torch.tensor([ids]), pixel_values=torch.from_numpy(theirs_pixels)).logits[0].numpy()
+  assert np.abs(causal - expected).max() > 1e-3
+
+
+def test_packed_row_equals_documents_alone(ours, images):
+  """Two documents, each with its own image, in one row (segment ids, positions restarting) == each run alone."""
+  model = ours[0]
+  pixels = preprocess.gemma3_pixels(images, IMAGE_SIZE)
+  first, second = with_images([2, 10, 11, 12, 13, 14], 1), with_images([2, 20, 21, 22, 23, 24], 1)
+  alone = [our_logits(model, first, pixels[:1]), our_logits(model, second, pixels[1:])]
+  packed = our_logits(
+    model, first + second, pixels, positions=list(range(len(first))) + list(range(len(second))), segment_ids=[1] * len(first) + [2] * len(second)
+  )
+  np.testing.assert_allclose(packed[: len(first)], alone[0], rtol=0, atol=1e-5)
+  np.testing.assert_allclose(packed[len(first) :], alone[1], rtol=0, atol=1e-5)
+
+
+def saved_tensors(path) -> dict[str, np.ndarray]:
+  from safetensors.numpy import load_file
+
+  return load_file(str(path / "model.safetensors"))
+
+
+def test_conversion_bit_exact_both_ways(hf_dir, ours):
+  path, _ = hf_dir
+  config = ours[1]
+  saved = saved_tensors(path)
+  params = params_from_hf(path, config)
+  assert any(k.startswith("vision/tower/blocks/") for k in params) and "vision/projector/projection/kernel" in params
+  back = hf_params.maxtext_to_hf(params, config)
+  assert back.keys() == saved.keys()
+  for name, value in saved.items():
+    assert back[name].dtype == value.dtype and np.array_equal(back[name], value), name
+  model_params = {k: np.asarray(v) for k, v in flat_params(ours[0]).items()}
+  again = hf_params.hf_to_maxtext(hf_params.maxtext_to_hf(model_params, config), config)
+  assert again.keys() == model_params.keys()
+  for name, value in model_params.items():
+    assert np.array_equal(again[name], value), name
+
+
+def test_export_config_loads_in_transformers(ours, tmp_path):
+  from maxtext.convert.hf_config import hf_config_from
+
+  exported = hf_config_from(ours[1])
+  (tmp_path / "config.json").write_text(json.dumps(exported))
+  loaded = transformers.AutoConfig.from_pretrained(tmp_path)
+  assert type(loaded).__name__ == "Gemma3Config" and loaded.mm_tokens_per_image == TOKENS and loaded.image_token_index == IMAGE_ID
+  assert loaded.vision_config.num_hidden_layers == 2 and loaded.text_config.sliding_window == WINDOW
