@@ -164,3 +164,32 @@ def test_export_config_loads_in_transformers(ours, tmp_path):
   loaded = transformers.AutoConfig.from_pretrained(tmp_path)
   assert type(loaded).__name__ == "Gemma3Config" and loaded.mm_tokens_per_image == TOKENS and loaded.image_token_index == IMAGE_ID
   assert loaded.vision_config.num_hidden_layers == 2 and loaded.text_config.sliding_window == WINDOW
+
+
+def test_greedy_decode_with_images_token_exact(hf_dir, ours, images):
+  """Two prompts (one image; two images) decoded greedily in one batch == transformers' generate, token for token."""
+  from maxtext.inference import Generator
+  from maxtext.inference.unstack import for_decoding
+
+  hf_model = hf_dir[1]
+  prompts = [with_images([2, 10, 11, 12, 13], 1), with_images([2, 30, 31, 32, 33, 34, 35, 36], 2)]
+  given = [images[1:], images]
+  total = 64
+  gen = Generator(for_decoding(ours[0]), max_target_length=total, max_prefill_length=48, eos_id=1)
+  got = gen.generate(prompts, images=given).tokens
+  processor = transformers.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_pan_and_scan=False)
+  for prompt, row, tokens in zip(prompts, given, got):
+    ids = torch.tensor([prompt])
+    pixels = torch.from_numpy(processor(images=row, return_tensors="np")["pixel_values"])
+    with torch.no_grad():
+      ref = hf_model.generate(
+        input_ids=ids,
+        pixel_values=pixels,
+        token_type_ids=(ids == IMAGE_ID).long(),
+        max_new_tokens=total - len(prompt),
+        do_sample=False,
+        eos_token_id=1,
+        pad_token_id=0,
+      )[0, len(prompt) :].tolist()
+    assert tokens == ref
+  assert got[0] != gen.generate(prompts[:1], images=[[np.zeros((8, 8, 3), np.uint8)]]).tokens[0]  # the image decides the output
