@@ -19,9 +19,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from maxtext.platform import Policy
+from maxtext.vision import preprocess
 from maxtext.vision.gemma3_projector import Gemma3Projector, Gemma3ProjectorSpec
 from maxtext.vision.siglip import Remat, SiglipSpec, SiglipVisionTower
 
@@ -76,3 +78,22 @@ def merge(text: jax.Array, soft: jax.Array, tokens: jax.Array, image_token_id: i
   rank = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, soft.shape[1] - 1)
   placed = jnp.take_along_axis(soft, rank[..., None], axis=1).astype(text.dtype)
   return jnp.where(is_image[..., None], placed, text)
+
+
+def pixel_table() -> np.ndarray:
+  """float32 [256, 3]: the normalised value of each uint8 level per channel, as maxtext.vision.preprocess computes it (bit-exact)."""
+  return preprocess.normalise(np.repeat(np.arange(256, dtype=np.uint8)[:, None], 3, axis=1))
+
+
+def images_from_tokens(chunks: jax.Array, tokens: jax.Array, spec: Gemma3VisionSpec) -> jax.Array:
+  """Per-token uint8 image chunks [B, L, c] (maxtext.data.image_text: chunk k of a resized image on its k-th placeholder)
+  -> normalised images [B, L // T, S, S, 3], each row's images in placeholder order (slots past its last image zero)."""
+  b, length, c = chunks.shape
+  t, s = spec.tokens_per_image, spec.tower.image_size
+  m = max(1, length // t)
+  is_image = tokens == spec.image_token_id
+  rank = jnp.where(is_image, jnp.cumsum(is_image, axis=1) - 1, m * t)  # non-placeholders land past the end: dropped
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, length))
+  gathered = jnp.zeros((b, m * t, c), chunks.dtype).at[rows, rank].set(chunks, mode="drop")
+  levels = gathered.reshape(b, m, t * c)[:, :, : s * s * 3].reshape(b, m, s, s, 3)
+  return jnp.asarray(pixel_table())[levels.astype(jnp.int32), jnp.arange(3)]
