@@ -246,5 +246,7 @@ class VisionEncoder(Section):
   image_token_id: int = Field(262144, ge=0, description="The placeholder token id that image soft tokens replace (HF image_token_index).")
   max_num_images_per_example: int = Field(-1, description="Images one example may carry; more is a data error; -1 -> no limit.")
   image_placeholder: str = Field("<|image|>", description="The text marking an image's place in image-text data (each becomes mm_tokens_per_image image ids).")
-  train_image_column: str = Field("image", description="use_multimodal: the train records' column of images (one, or a list in place order): paths relative to the file or data URIs.")
+  train_image_column: str = Field(
+    "image", description="use_multimodal: the train records' column of images (one, or a list in place order): paths relative to the file or data URIs."
+  )
   eval_image_column: str = Field("image", description="use_multimodal: the eval records' column of images, as train_image_column.")

@@ -37,7 +37,9 @@ def record_dir(where: str) -> Path | None:
 class ImageTextEncoder(DocumentEncoder):
   """DocumentEncoder whose documents also carry IMAGE_KEY: the images of the record's image column at its places."""
 
-  def __init__(self, *args, image_column: str, placeholder: str, image_token_id: int, tokens_per_image: int, image_size: int, max_length: int, max_images: int, **kwargs):
+  def __init__(
+    self, *args, image_column: str, placeholder: str, image_token_id: int, tokens_per_image: int, image_size: int, max_length: int, max_images: int, **kwargs
+  ):
     super().__init__(*args, **kwargs)
     self.image_column, self.placeholder = image_column, placeholder
     self.image_token_id, self.tokens_per_image, self.image_size = image_token_id, tokens_per_image, image_size
@@ -72,7 +74,9 @@ class ImageTextEncoder(DocumentEncoder):
     self._used = 0
     doc = super().encode(record, where)
     if self._used != len(images):
-      raise DataError(f"{where} has {self._used} '{self.placeholder}' place(s) but {len(images)} image(s) in column '{self.image_column}'; give one image per place")
+      raise DataError(
+        f"{where} has {self._used} '{self.placeholder}' place(s) but {len(images)} image(s) in column '{self.image_column}'; give one image per place"
+      )
     if doc is None:
       return None
     tokens = doc["tokens"]

@@ -182,8 +182,7 @@ class DataIterator:
     rows = batch["inputs"].shape[0]
     if rows < self.read_rows:  # the last eval batch: pad with empty rows (on the base model)
       batch = {
-        k: np.pad(v, ((0, self.read_rows - rows),) + ((0, 0),) * (v.ndim - 1), constant_values=NO_ADAPTER if k == ADAPTER_KEY else 0)
-        for k, v in batch.items()
+        k: np.pad(v, ((0, self.read_rows - rows),) + ((0, 0),) * (v.ndim - 1), constant_values=NO_ADAPTER if k == ADAPTER_KEY else 0) for k, v in batch.items()
       }
     if self.elastic:  # this process's rows of the global batch
       first = self.process_index * self.local_batch

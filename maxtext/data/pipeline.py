@@ -60,7 +60,9 @@ def image_text_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str, 
   from maxtext.data.image_text import ImageTextEncoder
 
   if not 0 <= config.image_token_id < config.vocab_size:
-    raise ConfigError(f"image_token_id={config.image_token_id} is outside the vocabulary of {config.vocab_size}; set image_token_id to the tokenizer's image token")
+    raise ConfigError(
+      f"image_token_id={config.image_token_id} is outside the vocabulary of {config.vocab_size}; set image_token_id to the tokenizer's image token"
+    )
   return ImageTextEncoder(
     tokenizer,
     config.train_data_columns,
