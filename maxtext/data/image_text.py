@@ -11,6 +11,7 @@ An example must fit one row (max_target_length) with its images whole.
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,14 @@ class ImageTextEncoder(DocumentEncoder):
     self.image_token_id, self.tokens_per_image, self.image_size = image_token_id, tokens_per_image, image_size
     self.max_length, self.max_images = max_length, max_images
     self.chunk = chunk_size(image_size, tokens_per_image)
-    self._images: list[np.ndarray] = []
-    self._used = 0
+    self._places = threading.local()  # places met while encoding the current record (grain maps records on several threads)
+
+  def __getstate__(self) -> dict[str, Any]:  # grain's worker processes receive the encoder pickled
+    return {k: v for k, v in self.__dict__.items() if k != "_places"}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._places = threading.local()
 
   def encode_text(self, text: str) -> list[int]:
     """The text's tokens with each placeholder replaced by mm_tokens_per_image image ids."""
@@ -54,7 +61,7 @@ class ImageTextEncoder(DocumentEncoder):
     ids = self.tokenizer.encode(parts[0]) if parts[0] else []
     for part in parts[1:]:
       ids += [self.image_token_id] * self.tokens_per_image
-      self._used += 1
+      self._places.count += 1
       ids += self.tokenizer.encode(part) if part else []
     return ids
 
@@ -71,11 +78,11 @@ class ImageTextEncoder(DocumentEncoder):
 
   def encode(self, record: dict[str, Any], where: str) -> dict[str, np.ndarray] | None:
     images = self.images_of(record, where)
-    self._used = 0
+    self._places.count = 0
     doc = super().encode(record, where)
-    if self._used != len(images):
+    if self._places.count != len(images):
       raise DataError(
-        f"{where} has {self._used} '{self.placeholder}' place(s) but {len(images)} image(s) in column '{self.image_column}'; give one image per place"
+        f"{where} has {self._places.count} '{self.placeholder}' place(s) but {len(images)} image(s) in column '{self.image_column}'; give one image per place"
       )
     if doc is None:
       return None
