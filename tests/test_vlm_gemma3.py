@@ -193,3 +193,89 @@ def test_greedy_decode_with_images_token_exact(hf_dir, ours, images):
       )[0, len(prompt) :].tolist()
     assert tokens == ref
   assert got[0] != gen.generate(prompts[:1], images=[[np.zeros((8, 8, 3), np.uint8)]]).tokens[0]  # the image decides the output
+
+
+# --- bad inputs: one `error:` line, exit 2, nothing written (the helpers of tests/test_bad_inputs.py) ---------------
+
+VLM_KEYS = (
+  "decoder_block=gemma3",
+  "use_multimodal=true",
+  "image_size_for_vit=16",
+  "patch_size_for_vit=4",
+  "hidden_size_for_vit=16",
+  "intermediate_size_for_vit=32",
+  "num_hidden_layers_for_vit=1",
+  "num_attention_heads_for_vit=2",
+  "mm_tokens_per_image=4",
+  "image_token_id=500",
+  "image_placeholder=<image>",
+)
+
+
+def _vlm_train(*extra: str) -> list[str]:
+  from tests.test_bad_inputs import GRAIN_JSONL, _train
+
+  return _train(*GRAIN_JSONL, *VLM_KEYS, "grain_train_files={tmp}/data.jsonl", "use_sft=true", "train_data_columns=[prompt,completion]", *extra)
+
+
+def _decode(*extra: str) -> list[str]:
+  import sys
+
+  from tests.test_bad_inputs import REPO, TINY
+
+  keys = {**TINY, "tokenizer_path": "{sp}", "vocab_size": "512", "prompt": "look <image> here", **dict(e.split("=", 1) for e in extra)}
+  return [sys.executable, "-m", "maxtext.decode", str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in keys.items())]
+
+
+def _make_vlm_inputs(tmp) -> None:
+  import io
+
+  from PIL import Image
+
+  out = io.BytesIO()
+  Image.fromarray(np.full((8, 8, 3), 200, np.uint8)).save(out, format="PNG")
+  (tmp / "pic.png").write_bytes(out.getvalue())
+  (tmp / "broken.png").write_bytes(b"not an image at all")
+  rows = {
+    "data.jsonl": {"prompt": "a <image> b", "completion": " c", "image": "broken.png"},
+    "two_places.jsonl": {"prompt": "a <image> b <image>", "completion": " c", "image": "pic.png"},
+    "long.jsonl": {"prompt": "<image> <image> <image> <image> <image>", "completion": " c", "image": ["pic.png"] * 5},
+  }
+  for name, row in rows.items():
+    (tmp / name).write_text(json.dumps(row) + "\n")
+
+
+VLM_CASES = [
+  ("unreadable_image", _vlm_train(), "not a readable"),
+  ("more_places_than_images", _vlm_train("grain_train_files={tmp}/two_places.jsonl"), "2 '<image>' place(s) but 1 image(s)"),
+  ("images_over_the_row_budget", _vlm_train("grain_train_files={tmp}/long.jsonl"), "an example with images must fit one row"),
+  ("text_only_model_given_images", _decode("image_path={tmp}/pic.png"), "text-only model"),
+  ("decode_image_unreadable", _decode(*VLM_KEYS, "image_path={tmp}/broken.png"), "not a readable"),
+]
+
+
+@pytest.fixture(scope="module")
+def vlm_bad_results(tmp_path_factory):
+  import concurrent.futures
+
+  from tests.test_bad_inputs import _run_case
+  from tests.test_data_common import sp_model
+
+  sp, run = sp_model(), tmp_path_factory.mktemp("no_run")
+  jobs = {}
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    for case_id, argv, _ in VLM_CASES:
+      tmp = tmp_path_factory.mktemp("vlm_case") / "work"
+      tmp.mkdir()
+      _make_vlm_inputs(tmp)
+      jobs[case_id] = pool.submit(_run_case, argv, tmp, run, sp)
+  return {k: v.result() for k, v in jobs.items()}
+
+
+@pytest.mark.parametrize("case_id,argv,mention", VLM_CASES, ids=[c[0] for c in VLM_CASES])
+def test_bad_input_is_one_line_exit_2_nothing_written(vlm_bad_results, case_id, argv, mention):
+  from tests.test_bad_inputs import assert_one_line_exit_2
+
+  proc, before, after = vlm_bad_results[case_id]
+  assert_one_line_exit_2(proc, mention)
+  assert after == before

@@ -249,4 +249,5 @@ class VisionEncoder(Section):
   train_image_column: str = Field(
     "image", description="use_multimodal: the train records' column of images (one, or a list in place order): paths relative to the file or data URIs."
   )
+  image_path: str = Field("", description="decode: image files (comma-separated) for the prompt's image_placeholder places, in order (use_multimodal).")
   eval_image_column: str = Field("image", description="use_multimodal: the eval records' column of images, as train_image_column.")

@@ -224,12 +224,14 @@ class Generator:
       lengths[i] = len(p)
     return tokens, lengths
 
-  def compile(self, batch: int, prompt_length: int, adapters: bool = False) -> float:
+  def compile(self, batch: int, prompt_length: int, adapters: bool = False, images: int = 0) -> float:
     """Compile prefill and the decode loop for this batch and the bucket of prompt_length (adapters: for calls that
-    pass adapter_ids) ahead of time; returns seconds."""
+    pass adapter_ids; images: for prompts with up to this many images each) ahead of time; returns seconds."""
     start = time.perf_counter()
     tokens, lengths = self.pad([[0] * prompt_length] * batch)
-    self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None)
+    size = self.config.image_size_for_vit
+    pixels = np.zeros((tokens.shape[0], images, size, size, 3), np.float32) if images else None
+    self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None, pixels)
     return time.perf_counter() - start
 
   def _executables_for(self, tokens: np.ndarray, lengths: np.ndarray, adapter_ids: np.ndarray | None = None, images: np.ndarray | None = None) -> tuple:
