@@ -50,7 +50,7 @@ def picture(shape: str, colour: tuple[int, int, int], rng: np.random.Generator) 
 def record(index: int, placeholder: str) -> dict[str, object]:
   rng = np.random.default_rng(index)
   colour, shape = list(COLOURS)[int(rng.integers(len(COLOURS)))], SHAPES[int(rng.integers(len(SHAPES)))]
-  asked = "colour" if index % 2 == 0 else "shape"
+  asked = ("colour", "shape")[int(rng.integers(2))]  # drawn, not by index: the held-out split (every 10th) asks both
   answer = colour if asked == "colour" else shape
   return {"prompt": f"{placeholder}\n{QUESTIONS[asked]}", "completion": f" {answer}.", "image": picture(shape, COLOURS[colour], rng)}
 
