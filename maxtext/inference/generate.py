@@ -235,7 +235,7 @@ class Generator:
     return time.perf_counter() - start
 
   def _executables_for(self, tokens: np.ndarray, lengths: np.ndarray, adapter_ids: np.ndarray | None = None, images: np.ndarray | None = None) -> tuple:
-    key = (*tokens.shape, adapter_ids is not None, None if images is None else images.shape)  # (batch, bucket, with adapter ids, images)
+    key = (*tokens.shape, adapter_ids is not None) + (() if images is None else (images.shape,))  # (batch, bucket, with adapter ids[, images])
     if key not in self._executables:
       with self._mesh_context():
         prefill = self.prefill.lower(self.state, tokens, lengths, adapter_ids, images).compile()
