@@ -25,7 +25,7 @@ def resolve_tokenizer(config: MaxTextConfig) -> Tokenizer:
     if config.tokenizer_type != "sentencepiece":
       raise ConfigError("dataset_type=embedded without tokenizer_path trains a sentencepiece tokenizer; set tokenizer_type=sentencepiece or tokenizer_path")
     # with images, the ids from image_token_id up stay free for the image placeholders (embedded image-text set)
-    path = embedded.cached_tokenizer(config.base_output_directory, config.image_token_id if config.use_multimodal else config.vocab_size)
+    path = embedded.cached_tokenizer(config.base_output_directory, embedded.tokenizer_size(config))
   tokenizer = load_tokenizer(config.tokenizer_type, path)
   if tokenizer.vocab_size > config.vocab_size:
     raise ConfigError(f"tokenizer '{path}' has {tokenizer.vocab_size} tokens but vocab_size is {config.vocab_size}; set vocab_size >= {tokenizer.vocab_size}")
