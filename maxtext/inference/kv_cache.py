@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from maxtext.layers.quantization import pack_int4, unpack_int4
 from maxtext.layers.sharding import constrain
-from maxtext.layers.xla_attention import head_major_attention
+from maxtext.layers.xla_attention import head_major_attention, span_mask
 
 CACHE_AXES = ("cache_batch", "cache_heads", "cache_sequence", "cache_kv")  # head-major: attention reads it without a transpose
 LATENT_AXES = ("cache_batch", None, "cache_sequence", "cache_kv")  # MLA's latent: one shared "head"
@@ -118,8 +118,8 @@ class LayerCache:
       same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] > 0)
       causal |= jnp.concatenate([jnp.zeros((*same.shape[:2], kv_pos.shape[1] - s), bool), same], axis=2)
     mask = (kv_pos[:, None, :] >= 0) & causal
-    if window:
-      mask &= (q_pos[:, :, None] - kv_pos[:, None, :]) < window
+    if window:  # a sliding window (> 0) or minus a chunk (< 0): xla_attention.span_mask
+      mask &= span_mask(q_pos, kv_pos, window)
     return dataclasses.replace(self, arrays=kept), attended, mask
 
   def attend(

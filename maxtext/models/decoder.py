@@ -213,7 +213,7 @@ class Transformer(nnx.Module):
     rest = self.layers_remainder
     if rest is None:
       return x, stats
-    x, after = self._run_layers(rest, x, positions, segment_ids, [k.window for k in stack.remainder], adapter_ids, stacked=False, image_ids=image_ids)
+    x, after = self._run_layers(rest, x, positions, segment_ids, [k.span for k in stack.remainder], adapter_ids, stacked=False, image_ids=image_ids)
     return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, after)
 
   def _run_block(
