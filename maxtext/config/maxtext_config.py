@@ -22,6 +22,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   m.Qwen3Next,
   m.Llama4,
   m.MTP,
+  m.SparseAttention,
   m.ManifoldConstrainedHyperConnections,
   m.Logits,
   m.Quantization,

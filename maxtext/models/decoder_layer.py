@@ -14,6 +14,7 @@ from maxtext.layers.attention import Attention, AttentionSpec
 from maxtext.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec, GatedDeltaNetState
 from maxtext.layers.lora import LoRASpec
 from maxtext.layers.mla import MLA, MLASpec
+from maxtext.layers.mla_sparse import SparseMLA, SparseMLASpec
 from maxtext.layers.mlp import MLP, MLPSpec
 from maxtext.layers.moe import MoE, MoESpec, empty_stats
 from maxtext.layers.norms import NormSpec, RMSNorm
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 MODULES: dict[type, type[nnx.Module]] = {
   AttentionSpec: Attention,
   MLASpec: MLA,
+  SparseMLASpec: SparseMLA,
   GatedDeltaNetSpec: GatedDeltaNet,
   MLPSpec: MLP,
   MoESpec: MoE,
@@ -96,11 +98,12 @@ class DecoderLayer(nnx.Module):
     adapter_ids: jax.Array | None = None,
     image_ids: jax.Array | None = None,
   ) -> tuple:
-    """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense);
+    """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense;
+    indexer_loss: a sparse MLA's weighted indexer KL summed over its query tokens, else 0);
     with a KV cache (decoding), (..., updated cache). adapter_ids [B] or [B, S]: each row's (or token's) LoRA slot
     when the layer holds several adapters (None: slot 0). image_ids [B, S]: each token's image, 0 for text (Gemma 3's
     images attend within themselves both ways)."""
-    aux = empty_stats(self.spec.num_experts)
+    aux = {**empty_stats(self.spec.num_experts), "indexer_loss": jnp.zeros((), jnp.float32)}
 
     def attention_branch(h: jax.Array) -> jax.Array:
       nonlocal cache
@@ -110,6 +113,8 @@ class DecoderLayer(nnx.Module):
         y = self._linear_mixer(h, segment_ids, cache, adapter_ids)
         if cache is not None:
           y, cache = y
+      elif cache is None and isinstance(self.attention, SparseMLA):  # its output and its weighted indexer KL (summed over tokens)
+        y, aux["indexer_loss"] = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids)
       elif cache is None:
         images = {} if image_ids is None else {"image_ids": image_ids}
         y = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids, **images)
@@ -122,7 +127,8 @@ class DecoderLayer(nnx.Module):
       h = self.pre_mlp_norm(h) if self.pre_mlp_norm is not None else h
       if isinstance(self.mlp, MoE):
         valid = segment_ids != 0 if segment_ids is not None else jnp.ones(h.shape[:2], bool)
-        y, aux = self.mlp(h, valid, adapter_ids)
+        y, stats = self.mlp(h, valid, adapter_ids)
+        aux = {**stats, "indexer_loss": aux["indexer_loss"]}
       else:
         y = self.mlp(h, adapter_ids)
       return self.post_mlp_norm(y) if self.post_mlp_norm is not None else y
