@@ -26,6 +26,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   m.ManifoldConstrainedHyperConnections,
   m.Logits,
   m.Quantization,
+  m.VisionEncoder,
   s.HardwareAndMesh,
   s.IciParallelism,
   s.DcnParallelism,

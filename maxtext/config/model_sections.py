@@ -243,6 +243,30 @@ class Quantization(Section):
   )
 
 
+class VisionEncoder(Section):
+  use_multimodal: bool = Field(
+    False, description="Images in: the family's vision tower and projector put soft tokens at the image placeholders (gemma3; docs/vision.md)."
+  )
+  image_size_for_vit: int = Field(896, gt=0, description="Vision tower: square input side in pixels; images are resized to it.")
+  patch_size_for_vit: int = Field(14, gt=0, description="Vision tower: side of the square patches (the patch embedding's stride).")
+  hidden_size_for_vit: int = Field(1408, gt=0, description="Vision tower: width.")
+  intermediate_size_for_vit: int = Field(5632, gt=0, description="Vision tower: MLP hidden width.")
+  num_hidden_layers_for_vit: int = Field(34, gt=0, description="Vision tower: encoder blocks.")
+  num_attention_heads_for_vit: int = Field(16, gt=0, description="Vision tower: attention heads.")
+  remat_policy_for_vit: Literal["full", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "none"] = Field(
+    "minimal", description="What each vision tower block saves for the backward pass (as remat_policy)."
+  )
+  mm_tokens_per_image: int = Field(256, gt=0, description="Soft tokens per image (a square whose side divides the patches per side); gemma3: 256.")
+  image_token_id: int = Field(262144, ge=0, description="The placeholder token id that image soft tokens replace (HF image_token_index).")
+  max_num_images_per_example: int = Field(-1, description="Images one example may carry; more is a data error; -1 -> no limit.")
+  image_placeholder: str = Field("<|image|>", description="The text marking an image's place in image-text data (each becomes mm_tokens_per_image image ids).")
+  train_image_column: str = Field(
+    "image", description="use_multimodal: the train records' column of images (one, or a list in place order): paths relative to the file or data URIs."
+  )
+  image_path: str = Field("", description="decode: image files (comma-separated) for the prompt's image_placeholder places, in order (use_multimodal).")
+  eval_image_column: str = Field("image", description="use_multimodal: the eval records' column of images, as train_image_column.")
+
+
 class SparseAttention(Section):
   """DeepSeek Sparse Attention (decoder_block=deepseek_v32: MLA with the lightning indexer); MaxText's keys."""
 

@@ -519,7 +519,65 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
   dt = f.text("dtype", None) or f.text("torch_dtype", None)
   if dt in ("float32", "bfloat16", "float16"):
     out["dtype"] = dt
+  if hf.get("model_type") == "gemma3" and "vision_config" in hf:
+    out.update(_gemma3_vision(HFFields(hf, source)))
   return out
+
+
+SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12, "image_size": 224, "patch_size": 16}
+
+
+def _gemma3_vision(hf: HFFields) -> dict[str, Any]:
+  """A Gemma3ForConditionalGeneration's vision_config, mm_tokens_per_image and image_token_index -> the *_for_vit keys
+  (use_multimodal=true: the tower and projector load beside the decoder; pass use_multimodal=false for the text decoder)."""
+  v = HFFields({**SIGLIP_DEFAULTS, **hf.section("vision_config").values}, hf.source, "vision_config.")
+  if v.flag("vision_use_head", False):
+    raise ConfigError("config.json's vision_config sets vision_use_head; Gemma 3's SigLIP tower here has no pooling head")
+  if (
+    v.int("num_channels", 3) != 3 or v.number("layer_norm_eps", 1e-6, positive=True) != 1e-6 or v.text("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh"
+  ):
+    raise ConfigError(
+      "config.json's vision_config differs from Gemma 3's SigLIP (3 channels, layer_norm_eps 1e-6, gelu_pytorch_tanh); maxtext's tower has those"
+    )
+  return {
+    "use_multimodal": True,
+    "image_size_for_vit": v.int("image_size"),
+    "patch_size_for_vit": v.int("patch_size"),
+    "hidden_size_for_vit": v.int("hidden_size"),
+    "intermediate_size_for_vit": v.int("intermediate_size"),
+    "num_hidden_layers_for_vit": v.int("num_hidden_layers"),
+    "num_attention_heads_for_vit": v.int("num_attention_heads"),
+    "mm_tokens_per_image": hf.int("mm_tokens_per_image", 256),
+    "image_token_id": hf.int("image_token_index", 262144, minimum=0),
+  }
+
+
+def _gemma3_vision_export(c: MaxTextConfig, text: dict[str, Any]) -> dict[str, Any]:
+  """use_multimodal: the text config.json nested as a Gemma3ForConditionalGeneration's text_config, with its vision_config."""
+  text = {k: v for k, v in text.items() if k != "architectures"}
+  vision = {
+    "model_type": "siglip_vision_model",
+    "hidden_size": c.hidden_size_for_vit,
+    "intermediate_size": c.intermediate_size_for_vit,
+    "num_hidden_layers": c.num_hidden_layers_for_vit,
+    "num_attention_heads": c.num_attention_heads_for_vit,
+    "image_size": c.image_size_for_vit,
+    "patch_size": c.patch_size_for_vit,
+    "num_channels": 3,
+    "layer_norm_eps": 1e-6,
+    "hidden_act": "gelu_pytorch_tanh",
+    "vision_use_head": False,
+  }
+  return {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "text_config": text,
+    "vision_config": vision,
+    "mm_tokens_per_image": c.mm_tokens_per_image,
+    "image_token_index": c.image_token_id,
+    "tie_word_embeddings": c.logits_via_embedding,
+    "dtype": c.weight_dtype,
+  }
 
 
 def _int_if_whole(x: float) -> int | float:
@@ -640,6 +698,8 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
     hf.update(_qwen3_next_export(c, rope))
   if c.decoder_block == "llama4":
     hf.update(_llama4_export(c, rope))
+  if c.use_multimodal:
+    return _gemma3_vision_export(c, hf)
   return hf
 
 

@@ -20,6 +20,7 @@ from maxtext.convert import mxfp4
 from maxtext.errors import ConfigError, shorten
 from maxtext.models import layer_pattern, registry
 from maxtext.models.family import LayerKind
+from maxtext.vision import convert as vision_convert
 
 Array = np.ndarray
 
@@ -336,6 +337,10 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   ConfigError). stored_mtp_layers: DeepSeek's num_nextn_predict_layers, the MTP layers past num_hidden_layers that
   may be left out (those past config.mtp_num_layers are); no other tensor may be."""
   c = config
+  vision: dict[str, Array] = {}
+  if c.use_multimodal:  # Gemma 3's tower and projector; without use_multimodal a multimodal checkpoint loads its text decoder
+    vision, names = _vision_from_hf(tensors, c)
+    tensors = {k: v for k, v in tensors.items() if k not in names}
   tensors = mxfp4.dense_experts(text_decoder_tensors(tensors))
   used: set[str] = set()
 
@@ -393,7 +398,25 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   if c.logits_via_embedding and "lm_head.weight" in tensors and np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
     used.add("lm_head.weight")
   _check_all_used(sorted(set(tensors) - used), c, stored_mtp_layers)
-  return out
+  return out | vision
+
+
+def _vision_from_hf(tensors: dict[str, Array], c: MaxTextConfig) -> tuple[dict[str, Array], set[str]]:
+  """use_multimodal: the checkpoint's vision tower and projector as flat maxtext params, and the names consumed."""
+  from maxtext.models import specs
+
+  try:
+    out, names = vision_convert.gemma3_vision_from_hf(tensors, specs.vision(c))
+  except ValueError as e:
+    raise ConfigError(f"use_multimodal=true: {e}; convert a Gemma3ForConditionalGeneration checkpoint whose config.json matches it") from None
+  for name in sorted(names):
+    check_weight(name, tensors[name])
+  return out, names
+
+
+MULTIMODAL_TEXT_PREFIX = (
+  "language_model."  # transformers 5's save_pretrained of Gemma3ForConditionalGeneration: language_model.model.*, language_model.lm_head.*
+)
 
 
 def _check_all_used(unused: list[str], c: MaxTextConfig, stored_mtp_layers: int) -> None:
@@ -456,6 +479,12 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
       else:
         out[prefix + r.hf] = r.to_hf(value)
     out.update({prefix + copy: out[main] for copy, main in MTP_SHARED_COPIES.items() if main in out})
+  if c.use_multimodal:
+    from maxtext.models import specs
+
+    vision = {k: v for k, v in params.items() if k.startswith("vision/")}
+    used.update(vision)
+    out = {MULTIMODAL_TEXT_PREFIX + k: v for k, v in out.items()} | vision_convert.gemma3_vision_to_hf(vision, specs.vision(c))
   unexpected = sorted(set(params) - used)
   if unexpected:
     raise ConfigError(f"parameters with no Hugging Face name: {shorten(unexpected)}; merge or drop adapters/connectors before exporting")

@@ -46,6 +46,12 @@ def source(split: str) -> Source:
   return Source(grain.MapDataset.source(documents(split)), f"embedded pydoc_data topics ({split})")
 
 
+def tokenizer_size(config) -> int:
+  """The trained tokenizer's vocabulary: vocab_size, or with use_multimodal image_token_id (the ids from it up stay free
+  for image placeholders)."""
+  return config.image_token_id if config.use_multimodal else config.vocab_size
+
+
 def tokenizer_cache_path(base_output_directory: str, vocab_size: int) -> str:
   return os.path.join(base_output_directory, "tokenizers", f"pydoc_topics_sp{vocab_size}.model")
 

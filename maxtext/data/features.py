@@ -23,10 +23,12 @@ NO_ADAPTER = -1
 # Mixture component of a document (maxtext.data.mixture): 1 + its index on the document's first token, 0 elsewhere
 # (and on padding). A row and local-batch feature only: the DataIterator counts it and drops it from the batch.
 MIXTURE_KEY = "mixture_starts"
+# use_multimodal: each token's chunk of its image's pixels, uint8 [L, chunk] (maxtext.data.image_text).
+IMAGE_KEY = "image_pixels"
 
 
-def packed_features(with_adapters: bool) -> tuple[str, ...]:
-  return PACKED_FEATURES + (ADAPTER_KEY,) if with_adapters else PACKED_FEATURES
+def packed_features(with_adapters: bool, with_images: bool = False) -> tuple[str, ...]:
+  return PACKED_FEATURES + ((ADAPTER_KEY,) if with_adapters else ()) + ((IMAGE_KEY,) if with_images else ())
 
 
 class DocumentEncoder:
@@ -96,7 +98,7 @@ class DocumentEncoder:
     ids: list[int] = []
     mask: list[int] = []
     for text, trainable in pieces:
-      tokens = self.tokenizer.encode(text)
+      tokens = self.encode_text(text)
       ids += tokens
       mask += [int(trainable or not self.completion_only)] * len(tokens)
     templated = self.renders_template()
@@ -112,6 +114,10 @@ class DocumentEncoder:
     if self.adapter_column:
       doc[ADAPTER_KEY] = np.full(len(ids), self.adapter_slot(record, where), np.int32)
     return doc
+
+  def encode_text(self, text: str) -> list[int]:
+    """One piece's tokens (image-text documents also place their images here: maxtext.data.image_text)."""
+    return self.tokenizer.encode(text)
 
   def ends_with_eos(self, ids: list[int]) -> bool:
     """Whether the last EOS in ids is followed by nothing but whitespace."""
@@ -157,8 +163,9 @@ def shift(tokens: np.ndarray, mask: np.ndarray, adapters: np.ndarray | None = No
 def _span(doc: dict[str, np.ndarray], start: int, stop: int) -> dict[str, np.ndarray]:
   adapters = doc.get(ADAPTER_KEY)
   row = shift(doc["tokens"][start:stop], doc["mask"][start:stop], None if adapters is None else adapters[start:stop])
-  if MIXTURE_KEY in doc:
-    row[MIXTURE_KEY] = doc[MIXTURE_KEY][start:stop]
+  for key in (MIXTURE_KEY, IMAGE_KEY):
+    if key in doc:
+      row[key] = doc[key][start:stop]
   return row
 
 
@@ -206,6 +213,8 @@ def pad_row(row: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
     out[ADAPTER_KEY] = np.pad(row[ADAPTER_KEY].astype(np.int32), (0, pad), constant_values=NO_ADAPTER)
   if MIXTURE_KEY in row:
     out[MIXTURE_KEY] = padded(row[MIXTURE_KEY])
+  if IMAGE_KEY in row:
+    out[IMAGE_KEY] = np.pad(row[IMAGE_KEY], ((0, pad), (0, 0)))
   return out
 
 
@@ -225,4 +234,6 @@ def finalize_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out[ADAPTER_KEY] = np.where(segment == 0, NO_ADAPTER, row[ADAPTER_KEY]).astype(np.int32)
   if MIXTURE_KEY in row:  # the packer pads with 0: no document starts there
     out[MIXTURE_KEY] = row[MIXTURE_KEY].astype(np.int32)
+  if IMAGE_KEY in row:
+    out[IMAGE_KEY] = row[IMAGE_KEY]
   return out

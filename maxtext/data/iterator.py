@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
 from maxtext.data import batch_key, batch_rows, mixture
-from maxtext.data.features import ADAPTER_KEY, BATCH_KEYS, MIXTURE_KEY, NO_ADAPTER
+from maxtext.data.features import ADAPTER_KEY, BATCH_KEYS, IMAGE_KEY, MIXTURE_KEY, NO_ADAPTER
 from maxtext.errors import DataError, UserError
 
 STATE_VERSION = 1
@@ -52,6 +52,8 @@ class DataIterator:
     self.global_shape = (rows, config.max_target_length)
     self.sharding = mesh_lib.data_sharding(config, mesh)
     self.keys = BATCH_KEYS + (ADAPTER_KEY,) if config.lora.adapter_column else BATCH_KEYS
+    if config.use_multimodal:  # each token's image chunk, uint8 [rows, length, chunk]
+      self.keys += (IMAGE_KEY,)
     self.mixture_names = list(mixture_names)  # a mixture's components: its batches carry MIXTURE_KEY, counted here
     self._mixture_counts = np.zeros(len(mixture_names), np.int64)
     self._dataset = dataset
@@ -73,7 +75,7 @@ class DataIterator:
 
   def __next__(self) -> dict[str, jax.Array]:
     local = self.next_local()
-    return {k: jax.make_array_from_process_local_data(self.sharding, local[k], self.global_shape) for k in self.keys}
+    return {k: jax.make_array_from_process_local_data(self.sharding, local[k], self.global_shape + local[k].shape[2:]) for k in self.keys}
 
   def next_local(self) -> dict[str, np.ndarray]:
     """This process's rows of the next batch as numpy arrays."""
@@ -176,10 +178,12 @@ class DataIterator:
   def _local_rows(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
     """A batch as grain gives it -> this process's int32 rows (a short eval batch padded with empty rows)."""
     keys = self.keys + (MIXTURE_KEY,) if self.mixture_names else self.keys
-    batch = {k: np.asarray(batch[k], np.int32) for k in keys}
+    batch = {k: np.asarray(batch[k], np.uint8 if k == IMAGE_KEY else np.int32) for k in keys}
     rows = batch["inputs"].shape[0]
     if rows < self.read_rows:  # the last eval batch: pad with empty rows (on the base model)
-      batch = {k: np.pad(v, ((0, self.read_rows - rows), (0, 0)), constant_values=NO_ADAPTER if k == ADAPTER_KEY else 0) for k, v in batch.items()}
+      batch = {
+        k: np.pad(v, ((0, self.read_rows - rows),) + ((0, 0),) * (v.ndim - 1), constant_values=NO_ADAPTER if k == ADAPTER_KEY else 0) for k, v in batch.items()
+      }
     if self.elastic:  # this process's rows of the global batch
       first = self.process_index * self.local_batch
       batch = {k: v[first : first + self.local_batch] for k, v in batch.items()}

@@ -24,14 +24,15 @@ def resolve_tokenizer(config: MaxTextConfig) -> Tokenizer:
   if not path and config.dataset_type == "embedded":
     if config.tokenizer_type != "sentencepiece":
       raise ConfigError("dataset_type=embedded without tokenizer_path trains a sentencepiece tokenizer; set tokenizer_type=sentencepiece or tokenizer_path")
-    path = embedded.cached_tokenizer(config.base_output_directory, config.vocab_size)
+    # with images, the ids from image_token_id up stay free for the image placeholders (embedded image-text set)
+    path = embedded.cached_tokenizer(config.base_output_directory, embedded.tokenizer_size(config))
   tokenizer = load_tokenizer(config.tokenizer_type, path)
   if tokenizer.vocab_size > config.vocab_size:
     raise ConfigError(f"tokenizer '{path}' has {tokenizer.vocab_size} tokens but vocab_size is {config.vocab_size}; set vocab_size >= {tokenizer.vocab_size}")
   return tokenizer
 
 
-def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer) -> features.DocumentEncoder:
+def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str = "train") -> features.DocumentEncoder:
   """The record encoder of the run's objective: documents, SFT conversations, DPO pairs or GRPO prompts."""
   template = resolve_chat_template(config.chat_template, config.chat_template_path, tokenizer.chat_template, tokenizer.path) if config.use_sft else None
   kwargs = dict(
@@ -43,11 +44,37 @@ def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer) -> features.Docume
     adapter_column=config.lora.adapter_column,
     adapter_names=adapter_names(config),
   )
+  if config.use_multimodal and (config.use_dpo or config.use_grpo):
+    raise ConfigError("use_multimodal trains on image-text documents and SFT turns; DPO and GRPO with images are not supported: set use_multimodal=false")
   if config.use_dpo:
     return preference.PairEncoder(tokenizer, config.train_data_columns, max_length=config.max_target_length, **kwargs)
   if config.use_grpo:
     return prompts.PromptEncoder(tokenizer, config.train_data_columns, max_length=config.max_prefill_predict_length, **kwargs)
+  if config.use_multimodal:
+    return image_text_encoder(config, tokenizer, split, kwargs)
   return features.DocumentEncoder(tokenizer, config.train_data_columns, **kwargs)
+
+
+def image_text_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str, kwargs: dict[str, Any]) -> features.DocumentEncoder:
+  """use_multimodal: documents with images at their image_placeholder places (maxtext.data.image_text)."""
+  from maxtext.data.image_text import ImageTextEncoder
+
+  if not 0 <= config.image_token_id < config.vocab_size:
+    raise ConfigError(
+      f"image_token_id={config.image_token_id} is outside the vocabulary of {config.vocab_size}; set image_token_id to the tokenizer's image token"
+    )
+  return ImageTextEncoder(
+    tokenizer,
+    config.train_data_columns,
+    image_column=config.train_image_column if split == "train" else config.eval_image_column,
+    placeholder=config.image_placeholder,
+    image_token_id=config.image_token_id,
+    tokens_per_image=config.mm_tokens_per_image,
+    image_size=config.image_size_for_vit,
+    max_length=config.max_target_length,
+    max_images=config.max_num_images_per_example,
+    **kwargs,
+  )
 
 
 def adapter_names(config: MaxTextConfig) -> list[str]:
@@ -68,6 +95,10 @@ def open_source(config: MaxTextConfig, split: str, process_index: int, process_c
     return sources.tfds_source(config, split)
   if kind == "hf":
     return sources.hf_source(config, split, process_index, process_count, num_epoch)
+  if kind == "embedded" and config.use_multimodal:
+    from maxtext.data import shapes
+
+    return shapes.source(split, config.image_placeholder)
   if kind == "embedded":
     return embedded.source(split)
   raise ConfigError(f"dataset_type '{kind}' has no file pipeline; use grain, tfds, hf, embedded or synthetic")
@@ -82,7 +113,7 @@ def encoded_documents(config: MaxTextConfig, split: str, process_index: int, pro
   if shuffle and not 0 <= config.data_shuffle_seed < 2**32:
     raise ConfigError(f"invalid value for 'data_shuffle_seed': {config.data_shuffle_seed}; use an integer in [0, 2**32)")
   found = mixture.components(config, split)
-  encoder = make_encoder(config, resolve_tokenizer(config))
+  encoder = make_encoder(config, resolve_tokenizer(config), split)
   if found:  # a weighted mixture: shuffled, shared and repeated per component
     source = mixture.mixed_documents(config, found, encoder, process_index, process_count)
     return source.dataset, source
@@ -134,7 +165,7 @@ def local_batches(config: MaxTextConfig, split: str, process_index: int, process
     segments = None if segments is None else max(1, segments // 2)  # a pair is two segments
   else:
     ds = ds.map(Truncate(length)) if config.use_truncation else gx.FlatMapIterDataset(ds, features.ChunkTransform(length))
-    packed = features.packed_features(bool(config.lora.adapter_column))
+    packed = features.packed_features(bool(config.lora.adapter_column), config.use_multimodal)
     if isinstance(source.dataset, mixture.MixtureDataset):
       packed += (features.MIXTURE_KEY,)
     meta, finalize, pad = (), features.finalize_packed, Pad(length)

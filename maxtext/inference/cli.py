@@ -32,6 +32,32 @@ def check_adapter(config: MaxTextConfig) -> list[str] | None:
   return [name]
 
 
+def prompt_images(config: MaxTextConfig) -> list:
+  """The images of image_path (comma-separated files) as RGB uint8 arrays; a text-only model given any, or an unreadable
+  file, is a one-line error."""
+  from maxtext.data.images import read_image
+
+  paths = [p.strip() for p in config.image_path.split(",") if p.strip()]
+  if paths and not config.use_multimodal:
+    raise ConfigError(
+      f"image_path gives images to a text-only model (decoder_block={config.decoder_block}, use_multimodal=false); drop image_path or use a multimodal model"
+    )
+  return [read_image(p, None, f"image_path '{p}'") for p in paths]
+
+
+def encode_with_images(config: MaxTextConfig, tokenizer, text: str, images: int) -> list[int]:
+  """The prompt's tokens with each image_placeholder replaced by mm_tokens_per_image image ids; as many places as images."""
+  from maxtext.errors import DataError
+
+  parts = text.split(config.image_placeholder)
+  if len(parts) - 1 != images:
+    raise DataError(f"the prompt has {len(parts) - 1} '{config.image_placeholder}' place(s) but image_path gives {images} image(s); give one image per place")
+  ids = tokenizer.encode(parts[0]) if parts[0] else []
+  for part in parts[1:]:
+    ids += [config.image_token_id] * config.mm_tokens_per_image + (tokenizer.encode(part) if part else [])
+  return ids
+
+
 def check_training_only_axes(config: MaxTextConfig) -> None:
   """Decoding runs no pipeline and no context parallelism: a config that asks for either is a one-line error."""
   from maxtext.config.parallelism import axis_size
@@ -66,7 +92,8 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
     text, end_id = render_prompt(config, tokenizer)
     eos_id = end_id if end_id is not None else eos_id  # a reply ends with the template's end-of-turn token
   bos = [tokenizer.bos_id] if config.add_bos and tokenizer.bos_id is not None else []
-  prompt = tokenizer.encode(text)
+  images = prompt_images(config)  # read and checked before the model loads
+  prompt = encode_with_images(config, tokenizer, text, len(images)) if config.use_multimodal else tokenizer.encode(text)
   prompt = prompt if config.use_chat_template and bos and prompt[:1] == bos else bos + prompt  # a template may write BOS itself
   mesh = mesh_lib.create(config)
   generator_args = dict(
@@ -84,11 +111,11 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
   with memory_limit.one_line("loading the model and compiling decode", remedy):
     model = unstack.for_decoding(load_model(config, mesh, log))
     generator = Generator(model, sampling, mesh=mesh, **generator_args)
-    seconds = generator.compile(batch=1, prompt_length=len(prompt), adapters=adapter_ids is not None)
+    seconds = generator.compile(batch=1, prompt_length=len(prompt), adapters=adapter_ids is not None, images=len(images))
   log(f"compiled prefill and decode in {seconds:.1f}s")
   log(cache_layout.describe(config, 1, generator.layout))
   with memory_limit.one_line("while decoding", remedy):
-    result = generator.generate([prompt], seed=config.decode_sampling_seed, adapter_ids=adapter_ids)
+    result = generator.generate([prompt], seed=config.decode_sampling_seed, adapter_ids=adapter_ids, images=[images] if images else None)
   completion = tokenizer.decode([t for t in result.tokens[0] if t != eos_id])
   log(f"prompt: {text if config.use_chat_template else config.prompt}")
   log(f"completion: {completion}")

@@ -24,18 +24,26 @@ def _layer(graphdef: nnx.GraphDef, state: nnx.State, index) -> nnx.Module:
 
 
 def hidden_states(
-  model: Transformer, tokens: jax.Array, new_lengths: jax.Array, cache: DecodeCache, lay: Layout, adapter_ids: jax.Array | None = None
+  model: Transformer,
+  tokens: jax.Array,
+  new_lengths: jax.Array,
+  cache: DecodeCache,
+  lay: Layout,
+  adapter_ids: jax.Array | None = None,
+  images: jax.Array | None = None,
 ) -> tuple[jax.Array, DecodeCache]:
   """tokens [B, S] (row b's first new_lengths[b] are real) at positions cache.lengths + 0.. -> (final hidden [B, S, E], cache).
 
   adapter_ids [B]: each row's LoRA slot when lora.max_lora_adapters > 1 (-1: the base model; None: slot 0 for all),
-  handed to every layer. Each layer stack runs in turn (see _run_stack).
+  handed to every layer. images [B, M, S_img, S_img, 3] (a prefill of a use_multimodal model): each row's images,
+  placed at its placeholders (Transformer.input_stream). Each layer stack runs in turn (see _run_stack).
   """
   positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-  x = model.input_stream(tokens)
+  x = model.input_stream(tokens, images)
+  image_ids = model.image_ids(tokens, images)
 
   def run(layer, h, window: int, buffers: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    h, _, out = layer(h, positions, None, window, cache=LayerCache(buffers, cache.lengths, new_lengths), adapter_ids=adapter_ids)
+    h, _, out = layer(h, positions, None, window, cache=LayerCache(buffers, cache.lengths, new_lengths, image_ids), adapter_ids=adapter_ids)
     return h, out.arrays
 
   scanned, tails = [], []

@@ -144,11 +144,14 @@ class Generator:
   def _model(self, state: nnx.State) -> Transformer:
     return nnx.merge(self.graphdef, state)
 
-  def _prefill(self, state: nnx.State, tokens: jax.Array, lengths: jax.Array, adapter_ids: jax.Array | None = None) -> tuple[DecodeCache, jax.Array]:
-    """Right-padded prompts [B, P] with lengths [B] -> (cache holding them, logits [B, V] at each row's last prompt token)."""
+  def _prefill(
+    self, state: nnx.State, tokens: jax.Array, lengths: jax.Array, adapter_ids: jax.Array | None = None, images: jax.Array | None = None
+  ) -> tuple[DecodeCache, jax.Array]:
+    """Right-padded prompts [B, P] with lengths [B] (and their images [B, M, S, S, 3]) -> (cache holding them, logits
+    [B, V] at each row's last prompt token)."""
     model = self._model(state)
     cache = cache_layout.zeros(self.config, tokens.shape[0], self.layout)
-    hidden, cache = forward.hidden_states(model, tokens, lengths, cache, self.layout, adapter_ids)
+    hidden, cache = forward.hidden_states(model, tokens, lengths, cache, self.layout, adapter_ids, images)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return cache, model.logits(last)
 
@@ -221,20 +224,22 @@ class Generator:
       lengths[i] = len(p)
     return tokens, lengths
 
-  def compile(self, batch: int, prompt_length: int, adapters: bool = False) -> float:
+  def compile(self, batch: int, prompt_length: int, adapters: bool = False, images: int = 0) -> float:
     """Compile prefill and the decode loop for this batch and the bucket of prompt_length (adapters: for calls that
-    pass adapter_ids) ahead of time; returns seconds."""
+    pass adapter_ids; images: for prompts with up to this many images each) ahead of time; returns seconds."""
     start = time.perf_counter()
     tokens, lengths = self.pad([[0] * prompt_length] * batch)
-    self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None)
+    size = self.config.image_size_for_vit
+    pixels = np.zeros((tokens.shape[0], images, size, size, 3), np.float32) if images else None
+    self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None, pixels)
     return time.perf_counter() - start
 
-  def _executables_for(self, tokens: np.ndarray, lengths: np.ndarray, adapter_ids: np.ndarray | None = None) -> tuple:
-    key = (*tokens.shape, adapter_ids is not None)  # (batch, bucket, with adapter ids)
+  def _executables_for(self, tokens: np.ndarray, lengths: np.ndarray, adapter_ids: np.ndarray | None = None, images: np.ndarray | None = None) -> tuple:
+    key = (*tokens.shape, adapter_ids is not None) + (() if images is None else (images.shape,))  # (batch, bucket, with adapter ids[, images])
     if key not in self._executables:
       with self._mesh_context():
-        prefill = self.prefill.lower(self.state, tokens, lengths, adapter_ids).compile()
-        shapes = jax.eval_shape(self._prefill, self.state, tokens, lengths, adapter_ids)
+        prefill = self.prefill.lower(self.state, tokens, lengths, adapter_ids, images).compile()
+        shapes = jax.eval_shape(self._prefill, self.state, tokens, lengths, adapter_ids, images)
         cache, logits = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, prefill.output_shardings)
         loop = self.loop.lower(self.state, cache, logits, lengths, jax.random.key(0), jnp.int32(0), adapter_ids).compile()
       self._executables[key] = (prefill, loop)
@@ -251,21 +256,25 @@ class Generator:
     *,
     state: nnx.State | None = None,
     key: jax.Array | None = None,
+    images: Sequence[Sequence[np.ndarray]] | None = None,
   ) -> Result:
     """Generated tokens for each prompt (compiled once per batch size and prompt bucket), with timings.
 
     adapter_ids: each prompt's LoRA adapter (name, slot or -1 for the base) when the model holds several; one batch
     may mix them. state: parameters to decode with instead of the model's own (same structure, shardings and
     layouts, e.g. a train state's live parameters: nothing is copied). key: the sampling key instead of key(seed).
+    images: per prompt, its RGB uint8 images [h, w, 3] in the order of its runs of image placeholders
+    (use_multimodal); each run holds mm_tokens_per_image placeholder ids.
     """
     state = self.state if state is None else state
     key = jax.random.key(seed) if key is None else key
     tokens, lengths = self.pad(prompts)
     slots = self.adapter_slots(adapter_ids, len(prompts), tokens.shape[0])
-    prefill, loop = self._executables_for(tokens, lengths, slots)
+    pixels = None if images is None else prompt_images(self.config, prompts, images, tokens.shape[0])
+    prefill, loop = self._executables_for(tokens, lengths, slots, pixels)
     with self._mesh_context():
       start = time.perf_counter()
-      cache, logits = prefill(state, tokens, lengths, slots)
+      cache, logits = prefill(state, tokens, lengths, slots, pixels)
       logits.block_until_ready()
       prefill_seconds = time.perf_counter() - start
       start = time.perf_counter()
@@ -315,6 +324,24 @@ def generate(
   result = gen.generate([bos + tokenizer.encode(t) for t in texts], seed=seed, adapter_ids=adapter_ids)
   completions = [tokenizer.decode([t for t in toks if t != tokenizer.eos_id]) for toks in result.tokens]
   return completions[0] if single else completions
+
+
+def prompt_images(config: MaxTextConfig, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[np.ndarray]], rows: int) -> np.ndarray:
+  """Each prompt's images -> preprocessed pixels [rows, M, S, S, 3] (M the most any prompt has; unused slots zero). Each
+  prompt's runs of placeholders must be whole images, one per image given: else a one-line DataError."""
+  from maxtext.data.images import check_placeholders, pixels_of
+
+  if not config.use_multimodal:
+    raise ConfigError(f"images were given to a text-only model (decoder_block={config.decoder_block}, use_multimodal=false); give prompts alone")
+  if len(images) != len(prompts):
+    raise DataError(f"{len(images)} image lists for {len(prompts)} prompts; give one list (possibly empty) per prompt")
+  size, most = config.image_size_for_vit, max(1, max(len(row) for row in images))
+  out = np.zeros((rows, most, size, size, 3), np.float32)
+  for i, (prompt, row) in enumerate(zip(prompts, images)):
+    check_placeholders(prompt, len(row), config.image_token_id, config.mm_tokens_per_image, f"prompt {i}")
+    if row:
+      out[i, : len(row)] = pixels_of(list(row), size, f"prompt {i}")
+  return out
 
 
 def check_tokenizer(tokenizer, vocab_size: int) -> None:

@@ -84,12 +84,14 @@ class LayerCache:
   kv_lora_rank latent followed by the rotary key); a quantized cache adds 'key_scale' and 'value_scale'
   [B, K or 1, T, 1]. lengths [B]: tokens already cached per row; new_lengths [B]:
   how many of this call's S input tokens are real (the rest is right padding). The call's tokens sit at
-  positions lengths + 0 .. lengths + S - 1.
+  positions lengths + 0 .. lengths + S - 1. image_ids [B, S] or None: each new token's image (1, 2, ...; 0 for text):
+  a prefill's tokens of one image see each other both ways (Gemma 3).
   """
 
   arrays: dict[str, jax.Array]
   lengths: jax.Array
   new_lengths: jax.Array
+  image_ids: jax.Array | None = None
 
   def update(self, new: dict[str, jax.Array], rules, window: int = 0) -> tuple[LayerCache, dict[str, jax.Array], jax.Array]:
     """Write this call's entries new[name] [B, K, S, D] into the buffers.
@@ -116,7 +118,12 @@ class LayerCache:
       take = jnp.clip(index, 0, s - 1)[:, None, :, None]
       kept = {name: jnp.where(from_new, jnp.take_along_axis(x, take, axis=2), self.arrays[name]) for name, x in new.items()}
     kept = {name: constrain(x, axes(name, x.shape), rules) for name, x in kept.items()}
-    mask = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])
+    causal = kv_pos[:, None, :] <= q_pos[:, :, None]
+    if self.image_ids is not None and s > 1:  # the new keys of the query's own image, whatever their position
+      ids = self.image_ids
+      same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] > 0)
+      causal |= jnp.concatenate([jnp.zeros((*same.shape[:2], kv_pos.shape[1] - s), bool), same], axis=2)
+    mask = (kv_pos[:, None, :] >= 0) & causal
     if window:  # a sliding window (> 0) or minus a chunk (< 0): xla_attention.span_mask
       mask &= span_mask(q_pos, kv_pos, window)
     return dataclasses.replace(self, arrays=kept), attended, mask

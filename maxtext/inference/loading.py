@@ -114,7 +114,7 @@ def load_decode_tokenizer(config: MaxTextConfig) -> Tokenizer:
   if not path and config.hf_model_path:
     path, kind = config.hf_model_path, "huggingface"
   if not path and config.dataset_type == "embedded":
-    path = embedded.tokenizer_cache_path(config.base_output_directory, config.vocab_size)
+    path = embedded.tokenizer_cache_path(config.base_output_directory, embedded.tokenizer_size(config))
     if not os.path.exists(path):
       raise DataError(f"no tokenizer at '{path}' (training caches it there); set tokenizer_path or base_output_directory to the training run's")
   tokenizer = load_tokenizer(kind, path)

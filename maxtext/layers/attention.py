@@ -109,9 +109,11 @@ class Attention(nnx.Module):
     window: int | jax.Array,
     cache: LayerCache | None = None,
     adapter_ids: jax.Array | None = None,
+    image_ids: jax.Array | None = None,
   ):
     """-> output [B, S, E]; with a KV cache (decoding), -> (output, updated cache). adapter_ids: each row's (or
-    token's) LoRA slot, for adapted projections."""
+    token's) LoRA slot, for adapted projections. image_ids [B, S]: each token's image (0: text), whose tokens see
+    each other both ways (a cache carries its own)."""
     spec = self.spec
     rules = spec.rules
     q = checkpoint_name(self.query(x, adapter_ids), "query_proj")
@@ -149,6 +151,7 @@ class Attention(nnx.Module):
       rules=rules,
       sinks=sinks,
       context=spec.context,
+      image_ids=image_ids,
     )
     ctx = checkpoint_name(ctx, "context")
     return checkpoint_name(self.out(self._gated(ctx, gate), adapter_ids), "out_proj")

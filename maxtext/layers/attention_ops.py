@@ -146,6 +146,7 @@ def attend(
   rules: Sequence | None = None,
   sinks: jax.Array | None = None,
   context: context_parallel.Layout | None = None,
+  image_ids: jax.Array | None = None,
 ) -> jax.Array:
   """Causal attention q [B,S,H,D], k [B,T,K,D], v [B,T,K,Dv] (H a multiple of K) -> [B,S,H,Dv] in q's dtype.
 
@@ -154,13 +155,18 @@ def attend(
   traced scalar taking one of window_choices (scanned layers with mixed windows); soft_cap: cap * tanh(logits / cap) or None; scale multiplies q.k. rules: logical axis
   rules that place the fused kernels' shard_map (batch and heads) under an active mesh. sinks [H]: each head's
   sink logit (None: no sinks). context: the sequence's context-parallel layout; self-attention over a
-  `context`-sharded mesh then gathers or rings the keys and values (maxtext.layers.context_parallel).
+  `context`-sharded mesh then gathers or rings the keys and values (maxtext.layers.context_parallel). image_ids
+  [B, S]: tokens with the same non-zero id (an image's soft tokens, Gemma 3) see each other both ways; the XLA kernel
+  runs that mask (the fused kernels are causal).
   """
   kernel = select(policy, dtype=q.dtype, head_dim=q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1], soft_cap=soft_cap, sinks=sinks is not None)
   if context_parallel.is_active(context, q.shape[1], k.shape[1]):  # self-attention: kv_positions are q_positions
     return context_parallel.attend(q, k, v, q_positions, segment_ids, window, context, soft_cap, scale, policy, kernel, precision, window_choices, rules, sinks)
+  if image_ids is not None and kernel != "xla":
+    _log_once(f"attention: images attend bidirectionally, which the {kernel} kernel does not take; running XLA dot-product attention")
+    kernel = "xla"
   if kernel == "xla":
-    mask = attention_mask(q_positions, kv_positions, segment_ids, window)
+    mask = attention_mask(q_positions, kv_positions, segment_ids, window, image_ids=image_ids)
     return xla_attention(q, k, v, mask, scale, soft_cap, precision, policy.integer_bf16_rounding, sinks)
   v_dim = v.shape[-1]
   if v_dim != q.shape[-1]:  # the other kernels take one head width: zero value columns, cut from the result (MLA)

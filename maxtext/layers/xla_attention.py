@@ -12,17 +12,27 @@ NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def attention_mask(
-  q_pos: jax.Array, kv_pos: jax.Array, segment_ids: jax.Array | None, window: int | jax.Array, kv_segment_ids: jax.Array | None = None
+  q_pos: jax.Array,
+  kv_pos: jax.Array,
+  segment_ids: jax.Array | None,
+  window: int | jax.Array,
+  kv_segment_ids: jax.Array | None = None,
+  image_ids: jax.Array | None = None,
 ) -> jax.Array:
   """Boolean [B, 1, 1, S, T]: causal, same segment, and within the sliding window (window 0 = full).
-  kv_segment_ids: the keys' own segment ids when they are not the queries' sequence (default segment_ids)."""
+  kv_segment_ids: the keys' own segment ids when they are not the queries' sequence (default segment_ids).
+  image_ids [B, S] (self-attention): tokens with the same non-zero id (one image's soft tokens) also see each other
+  both ways (Gemma 3)."""
   kv_segments = kv_segment_ids if kv_segment_ids is not None else segment_ids
-  return position_mask(q_pos, kv_pos, segment_ids, kv_segments, window)[:, None, None, :, :]
+  return position_mask(q_pos, kv_pos, segment_ids, kv_segments, window, image_ids, image_ids)[:, None, None, :, :]
 
 
-def position_mask(q_pos, kv_pos, q_seg, kv_seg, window) -> jax.Array:
-  """Boolean [B, S, T] from positions, optional segment ids and window."""
+def position_mask(q_pos, kv_pos, q_seg, kv_seg, window, q_image=None, kv_image=None) -> jax.Array:
+  """Boolean [B, S, T] from positions, optional segment ids and window; with image ids [B, S] / [B, T], keys of the
+  query's own image (same non-zero id) are allowed past causality: ((causal | same image) & window & segment)."""
   allowed = kv_pos[:, None, :] <= q_pos[:, :, None]
+  if q_image is not None:
+    allowed |= (q_image[:, :, None] == kv_image[:, None, :]) & (q_image[:, :, None] > 0)
   if q_seg is not None:
     allowed &= q_seg[:, :, None] == kv_seg[:, None, :]
   if not (isinstance(window, int) and window == 0):

@@ -26,6 +26,7 @@ from maxtext.models.decoder_layer import DecoderLayer, LayerSpec
 from maxtext.models.mtp import MTPBlock
 from maxtext.models.remat import tied_to_carry
 from maxtext.platform import Policy
+from maxtext.vision import gemma3_encoder
 
 LAYERS_AXIS = pipeline.LAYERS_AXIS
 OUTSIDE_AXIS = pipeline.OUTSIDE_AXIS
@@ -109,6 +110,7 @@ class Transformer(nnx.Module):
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **{**kw, "quant": None})
     mtp_policy = dataclasses.replace(policy, quantization=None)  # MaxText's quantize_mtp=false: the MTP modules stay unquantized
     self.mtp = nnx.List([MTPBlock(s.layer, c.remat_policy, policy=mtp_policy, rngs=rngs) for _ in range(c.mtp_num_layers)]) if c.mtp_num_layers else None
+    self.vision = gemma3_encoder.Gemma3VisionEncoder(s.vision, policy=policy, rngs=rngs) if s.vision is not None else None  # use_multimodal
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """Token embeddings as the first layer sees them (scaled by sqrt(emb_dim) for Gemma)."""
@@ -117,16 +119,34 @@ class Transformer(nnx.Module):
       x = x * jnp.asarray(math.sqrt(self.config.emb_dim), x.dtype)
     return x
 
-  def input_stream(self, tokens: jax.Array) -> jax.Array:
-    """tokens [B, S] -> the residual stream state entering the first layer ([B, S, E], or [B, S, n, E] with mHC)."""
-    x = constrain(self.embed_tokens(tokens), ("activation_batch", "activation_length", "activation_embed"), self.config.logical_axis_rules)
+  def input_stream(self, tokens: jax.Array, images: jax.Array | None = None) -> jax.Array:
+    """tokens [B, S] -> the residual stream state entering the first layer ([B, S, E], or [B, S, n, E] with mHC).
+    images [B, M, S_img, S_img, 3] (use_multimodal): each row's images, whose soft tokens replace its placeholders."""
+    if images is None:
+      x = self.embed_tokens(tokens)
+    else:
+      if self.vision is None:
+        raise ConfigError(f"images were given to a text-only model (decoder_block={self.config.decoder_block}, use_multimodal=false); give token ids alone")
+      placeholder = self.vision.spec.image_token_id
+      text = self.embed_tokens(jnp.where(tokens == placeholder, 0, tokens))  # the placeholder may lie past the vocabulary
+      x = gemma3_encoder.merge(text, self.vision(images), tokens, placeholder)
+    x = constrain(x, ("activation_batch", "activation_length", "activation_embed"), self.config.logical_axis_rules)
     return expand_streams(x, self.specs.residual)
 
+  def image_ids(self, tokens: jax.Array, images: jax.Array | None) -> jax.Array | None:
+    """Each token's image (1, 2, ... per row; 0 for text) when images are given, else None."""
+    return None if images is None or self.vision is None else gemma3_encoder.image_ids(tokens, self.vision.spec.image_token_id)
+
   def hidden_states(
-    self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
+    self,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    adapter_ids: jax.Array | None = None,
+    images: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """tokens [B, S] -> (final-normed hidden [B, S, E], weighted MoE load-balance loss)."""
-    hidden, _, stats = self.forward_hidden(tokens, positions, segment_ids, adapter_ids)
+    hidden, _, stats = self.forward_hidden(tokens, positions, segment_ids, adapter_ids, images)
     return hidden, stats["lb_loss"]
 
   def _run_layers(
@@ -138,6 +158,7 @@ class Transformer(nnx.Module):
     windows: list[int],
     adapter_ids: jax.Array | None = None,
     stacked: bool | None = None,
+    image_ids: jax.Array | None = None,
   ):
     """A stack (scanned; stacked defaults to scan_layers) or list of layers over x -> (x, per-layer MoE statistics
     stacked on a leading axis).
@@ -150,11 +171,12 @@ class Transformer(nnx.Module):
     c = self.config
     stacked = c.scan_layers if stacked is None else stacked
     offload = self.policy.offload_layer_inputs
+    images = {} if image_ids is None else {"image_ids": image_ids}
 
     def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int | jax.Array):
       h = checkpoint_name(h, remat.LAYER_INPUT)  # before any other use of h, so an offloaded input is the only copy kept
       layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, self.policy.dtypes.compute) if stacked else layer_state)
-      return layer(h, positions, segment_ids, window, adapter_ids=adapter_ids)
+      return layer(h, positions, segment_ids, window, adapter_ids=adapter_ids, **images)
 
     if stacked:
       graphdef, state = nnx.split(layers)
@@ -174,20 +196,35 @@ class Transformer(nnx.Module):
       per_layer.append(stats)
     return x, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
-  def _run_stack(self, stack: layer_pattern.Stack, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, adapter_ids: jax.Array | None):
+  def _run_stack(
+    self,
+    stack: layer_pattern.Stack,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    adapter_ids: jax.Array | None,
+    image_ids: jax.Array | None = None,
+  ):
     """One of the pattern's stacks over x -> (x, per-layer MoE statistics, bottom to top)."""
     layers = getattr(self, stack.name)
     if not self.config.scan_layers or stack.period == 1:
-      return self._run_layers(layers, x, positions, segment_ids, list(stack.windows), adapter_ids)
-    x, stats = self._run_block(stack, layers, x, positions, segment_ids, adapter_ids)
+      return self._run_layers(layers, x, positions, segment_ids, list(stack.windows), adapter_ids, image_ids=image_ids)
+    x, stats = self._run_block(stack, layers, x, positions, segment_ids, adapter_ids, image_ids)
     rest = self.layers_remainder
     if rest is None:
       return x, stats
-    x, after = self._run_layers(rest, x, positions, segment_ids, [k.span for k in stack.remainder], adapter_ids, stacked=False)
+    x, after = self._run_layers(rest, x, positions, segment_ids, [k.span for k in stack.remainder], adapter_ids, stacked=False, image_ids=image_ids)
     return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, after)
 
   def _run_block(
-    self, stack: layer_pattern.Stack, block: nnx.List, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, adapter_ids: jax.Array | None
+    self,
+    stack: layer_pattern.Stack,
+    block: nnx.List,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    adapter_ids: jax.Array | None,
+    image_ids: jax.Array | None = None,
   ):
     """A repeating block of p layers of different structures (p stacks of num_groups layers each), scanned group by
     group -> (x, per-layer statistics of the whole groups, in layer order). A block position whose window is the same
@@ -197,11 +234,12 @@ class Transformer(nnx.Module):
     graphdefs, states = zip(*(nnx.split(m) for m in block))
     windows = np.asarray(stack.windows[: g * p], np.int32).reshape(g, p)
     static = [int(windows[0, j]) if len(set(windows[:, j].tolist())) == 1 else None for j in range(p)]
+    images = {} if image_ids is None else {"image_ids": image_ids}
 
     def position(j: int, window: int | jax.Array):
       def step(h, layer_state):
         h = checkpoint_name(h, remat.LAYER_INPUT)
-        return nnx.merge(graphdefs[j], tied_to_carry(layer_state, h, compute))(h, positions, segment_ids, window, adapter_ids=adapter_ids)
+        return nnx.merge(graphdefs[j], tied_to_carry(layer_state, h, compute))(h, positions, segment_ids, window, adapter_ids=adapter_ids, **images)
 
       return remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
 
@@ -217,7 +255,12 @@ class Transformer(nnx.Module):
     return x, jax.tree.map(lambda a: a.reshape(g * p, *a.shape[2:]), stats)
 
   def forward_hidden(
-    self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
+    self,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    adapter_ids: jax.Array | None = None,
+    images: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """tokens [B, S] -> (final-normed hidden [B, S, E], hidden before the final norm, MoE statistics).
 
@@ -226,21 +269,23 @@ class Transformer(nnx.Module):
     averaged over layers),
     dropped (routed pairs dropped over capacity, summed over layers), load [MoE layers, num_experts].
     adapter_ids [B] or [B, S]: the LoRA slot of each row or token when lora.max_lora_adapters > 1 (None: slot 0).
+    images [B, M, S_img, S_img, 3] (use_multimodal): each row's images in placeholder order (see input_stream).
     """
     c = self.config
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x = self.input_stream(tokens)
+    x = self.input_stream(tokens, images)
+    image_ids = self.image_ids(tokens, images)
     *prefix, main = self.stacks
     windows = list(main.windows)
     lb = indexer = jnp.zeros((), jnp.float32)
     for stack in prefix:
-      x, dense_stats = self._run_stack(stack, x, positions, segment_ids, adapter_ids)
+      x, dense_stats = self._run_stack(stack, x, positions, segment_ids, adapter_ids, image_ids)
       lb = lb + jnp.sum(dense_stats["lb_loss"])
       indexer = indexer + jnp.sum(dense_stats["indexer_loss"])
     schedule = self.specs.pipeline
     if schedule is None:
-      x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids)
+      x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids, image_ids)
     else:
       piped = schedule.plan.layers
       x, stats = schedule(self.layers, x, positions, segment_ids, adapter_ids, windows[:piped], self.policy)
@@ -279,12 +324,22 @@ class Transformer(nnx.Module):
     return self.output_head().logits(hidden)
 
   def __call__(
-    self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None, adapter_ids: jax.Array | None = None
+    self,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    adapter_ids: jax.Array | None = None,
+    images: jax.Array | None = None,
   ) -> jax.Array:
     """tokens [B, S] -> logits [B, S, vocab], in the sequence layout context parallelism's wrapper gives
-    (context_parallel.in_shard_order: the shards' order inside, natural order out)."""
+    (context_parallel.in_shard_order: the shards' order inside, natural order out). images: see forward_hidden
+    (a multimodal model runs without context parallelism)."""
+    if images is not None:
+      return self._logits(tokens, positions, segment_ids, adapter_ids, images)
     return context_parallel.in_shard_order(self.specs.context, self._logits)(tokens, positions, segment_ids, adapter_ids)
 
-  def _logits(self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None, adapter_ids: jax.Array | None) -> jax.Array:
-    hidden, _ = self.hidden_states(tokens, positions, segment_ids, adapter_ids)
+  def _logits(
+    self, tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None, adapter_ids: jax.Array | None, images: jax.Array | None = None
+  ) -> jax.Array:
+    hidden, _ = self.hidden_states(tokens, positions, segment_ids, adapter_ids, images)
     return self.logits(hidden)

@@ -96,11 +96,13 @@ class DecoderLayer(nnx.Module):
     window: int | jax.Array,
     cache: LayerCache | None = None,
     adapter_ids: jax.Array | None = None,
+    image_ids: jax.Array | None = None,
   ) -> tuple:
     """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense;
     indexer_loss: a sparse MLA's weighted indexer KL summed over its query tokens, else 0);
     with a KV cache (decoding), (..., updated cache). adapter_ids [B] or [B, S]: each row's (or token's) LoRA slot
-    when the layer holds several adapters (None: slot 0)."""
+    when the layer holds several adapters (None: slot 0). image_ids [B, S]: each token's image, 0 for text (Gemma 3's
+    images attend within themselves both ways)."""
     aux = {**empty_stats(self.spec.num_experts), "indexer_loss": jnp.zeros((), jnp.float32)}
 
     def attention_branch(h: jax.Array) -> jax.Array:
@@ -114,7 +116,8 @@ class DecoderLayer(nnx.Module):
       elif cache is None and isinstance(self.attention, SparseMLA):  # its output and its weighted indexer KL (summed over tokens)
         y, aux["indexer_loss"] = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids)
       elif cache is None:
-        y = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids)
+        images = {} if image_ids is None else {"image_ids": image_ids}
+        y = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids, **images)
       else:
         y, cache = self.attention(h, positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids)
       return self.post_attention_norm(y) if self.post_attention_norm is not None else y

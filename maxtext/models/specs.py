@@ -37,6 +37,9 @@ from maxtext.layers.sharding import Rules
 from maxtext.models.decoder_layer import LayerSpec
 from maxtext.models.family import Family, LayerKind
 from maxtext.models.pipeline import Plan, Schedule
+from maxtext.vision.gemma3_encoder import Gemma3VisionSpec
+from maxtext.vision.gemma3_projector import Gemma3ProjectorSpec
+from maxtext.vision.siglip import SiglipSpec
 
 
 def rules(config: MaxTextConfig) -> Rules:
@@ -308,6 +311,38 @@ def pipeline(config: MaxTextConfig) -> Schedule | None:
   return Schedule(plan, rules(config), fsdp_axes, config.remat_policy, config.num_experts_per_tok)
 
 
+VISION_FAMILIES = ("gemma3",)  # decoder_blocks whose vision component use_multimodal builds
+
+
+def vision(config: MaxTextConfig) -> Gemma3VisionSpec | None:
+  """Gemma 3's SigLIP tower and projector from the *_for_vit keys, or None without use_multimodal."""
+  c = config
+  if not c.use_multimodal:
+    return None
+  if c.decoder_block not in VISION_FAMILIES:
+    raise ConfigError(
+      f"use_multimodal=true: decoder_block={c.decoder_block} has no vision encoder here (only {', '.join(VISION_FAMILIES)}); set use_multimodal=false"
+    )
+  if Plan.of(c) is not None or context_layout(c) is not None:
+    raise ConfigError(
+      "use_multimodal=true does not run under pipeline or context parallelism yet; set ici/dcn_pipeline_parallelism=1 and ici/dcn_context_parallelism=1"
+    )
+  try:
+    tower = SiglipSpec(
+      c.image_size_for_vit,
+      c.patch_size_for_vit,
+      c.hidden_size_for_vit,
+      c.intermediate_size_for_vit,
+      c.num_hidden_layers_for_vit,
+      c.num_attention_heads_for_vit,
+      rules=rules(c),
+    )
+    projector = Gemma3ProjectorSpec(tower.patches_per_side, c.hidden_size_for_vit, c.emb_dim, c.mm_tokens_per_image, rules=rules(c))
+  except ValueError as e:
+    raise ConfigError(f"use_multimodal=true: {e}; fix the *_for_vit keys or mm_tokens_per_image") from None
+  return Gemma3VisionSpec(tower, projector, c.image_token_id, c.remat_policy_for_vit)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpecs:
   """What the decoder around the layers builds from (maxtext.models.decoder)."""
@@ -318,6 +353,7 @@ class ModelSpecs:
   residual: ResidualSpec
   context: context_parallel.Layout | None  # context parallelism's sequence layout (its wrapper goes around the model call)
   pipeline: Schedule | None = None  # the pipeline schedule wrapped around the main layer stack
+  vision: Gemma3VisionSpec | None = None  # the image encoder (use_multimodal), or None
 
   @property
   def layer(self) -> LayerSpec:
@@ -330,4 +366,4 @@ def model(config: MaxTextConfig, family: Family | None = None) -> ModelSpecs:
   kinds = family.kinds(config)
   by_structure = {k.structure: layer(config, family, k) for k in dict.fromkeys(kinds)}
   layers = tuple(by_structure[k.structure] for k in kinds)
-  return ModelSpecs(kinds, layers, norm(config, family), residual(config), context_layout(config), pipeline(config))
+  return ModelSpecs(kinds, layers, norm(config, family), residual(config), context_layout(config), pipeline(config), vision(config))

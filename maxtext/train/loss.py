@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 
 from maxtext.config import MaxTextConfig
+from maxtext.data.features import IMAGE_KEY
 from maxtext.layers import context_parallel
 from maxtext.models import specs
 from maxtext.models.mtp import mtp_xent_sum
+from maxtext.vision import gemma3_encoder
 
 
 class LossSums(NamedTuple):
@@ -44,7 +46,11 @@ def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, tr
   layout = specs.context_layout(config)
   natural, batch = batch, context_parallel.reorder_batch(batch, layout)
   hidden, pre_norm, stats = model.forward_hidden(
-    batch["inputs"], positions=batch["inputs_position"], segment_ids=batch["inputs_segmentation"], adapter_ids=batch.get("adapter_ids")
+    batch["inputs"],
+    positions=batch["inputs_position"],
+    segment_ids=batch["inputs_segmentation"],
+    adapter_ids=batch.get("adapter_ids"),
+    images=batch_images(model, batch),
   )
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   targets = batch["targets"]
@@ -53,6 +59,13 @@ def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, tr
   lb, dropped = jnp.asarray(stats["lb_loss"], jnp.float32), jnp.asarray(stats["dropped"], jnp.float32)
   indexer = jnp.asarray(stats["indexer_loss"], jnp.float32)
   return LossSums(xent, z, jnp.sum(mask), lb, mtp, dropped, jnp.asarray(stats["load"], jnp.float32), indexer)
+
+
+def batch_images(model: Any, batch: dict[str, jax.Array]) -> jax.Array | None:
+  """use_multimodal: the batch's images [B, M, S, S, 3] from its per-token image chunks (None without them)."""
+  if IMAGE_KEY not in batch or getattr(model, "vision", None) is None:
+    return None
+  return gemma3_encoder.images_from_tokens(batch[IMAGE_KEY], batch["inputs"], model.vision.spec)
 
 
 def token_log_probs(model: Any, batch: dict[str, jax.Array], temperature: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:

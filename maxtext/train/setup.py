@@ -22,6 +22,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxtext import mesh as mesh_lib
 from maxtext import platform
 from maxtext.config import MaxTextConfig
+from maxtext.data import image_text
+from maxtext.data.features import IMAGE_KEY
 from maxtext.data.synthetic import BATCH_KEYS
 from maxtext.train import diloco, optimizers, reference
 from maxtext.train import state as state_lib
@@ -138,6 +140,10 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
   elif config.lora.enable_lora and config.lora.max_lora_adapters > 1:  # each row's adapter slot, from the caller's batches
     batch_shardings["adapter_ids"] = rows
     abstract_batch["adapter_ids"] = jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=rows)
+  if config.use_multimodal and config.dataset_type != "synthetic":  # each token's chunk of its image (maxtext.data.image_text)
+    chunk = image_text.chunk_size(config.image_size_for_vit, config.mm_tokens_per_image)
+    batch_shardings[IMAGE_KEY] = data
+    abstract_batch[IMAGE_KEY] = jax.ShapeDtypeStruct((*shape, chunk), jnp.uint8, sharding=data)
   objective = step_lib.objective_for(config)
   for key, (per_token, dt) in objective.extra_batch.items():
     batch_shardings[key] = data if per_token else rows

@@ -229,3 +229,67 @@ def qwen3_vl_to_hf(params: Mapping[str, np.ndarray], spec, prefix: str = "model.
       }
     )
   return out
+
+
+# Gemma 3's vision component inside a whole Gemma3ForConditionalGeneration checkpoint. The tower's prefix differs by
+# writer: transformers 5's state dict, the published hub files, transformers 5's save_pretrained (what export writes).
+GEMMA3_TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.vision_model.", "vision_tower.")
+GEMMA3_PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+SAVED_TOWER_PREFIX, SAVED_PROJECTOR_PREFIX = "vision_tower.", "multi_modal_projector."
+OURS_TOWER, OURS_PROJECTOR = "vision/tower/", "vision/projector/"  # the Transformer's vision encoder (maxtext.vision.gemma3_encoder)
+
+
+def _prefix(tensors: Mapping[str, np.ndarray], prefixes: tuple[str, ...], probe: str) -> str | None:
+  return next((p for p in prefixes if p + probe in tensors), None)
+
+
+def gemma3_vision_from_hf(tensors: Mapping[str, np.ndarray], spec) -> tuple[dict[str, np.ndarray], set[str]]:
+  """A Gemma3ForConditionalGeneration checkpoint's tower and projector -> (the Transformer's flat vision parameters,
+  the checkpoint names consumed). spec: Gemma3VisionSpec. Missing or misshapen tensors are ValueErrors naming them."""
+  tower_prefix = _prefix(tensors, GEMMA3_TOWER_PREFIXES, "embeddings.patch_embedding.weight")
+  projector_prefix = _prefix(tensors, GEMMA3_PROJECTOR_PREFIXES, "mm_input_projection_weight")
+  if tower_prefix is None or projector_prefix is None:
+    raise ValueError("the checkpoint has no Gemma 3 vision tower and projector (vision_tower.*, multi_modal_projector.*)")
+  used = set(siglip_to_hf_names(spec.tower, tower_prefix)) | {projector_prefix + "mm_soft_emb_norm.weight", projector_prefix + "mm_input_projection_weight"}
+  missing = sorted(used - set(tensors))
+  if missing:
+    raise ValueError(f"the checkpoint is missing tensor '{missing[0]}' of the vision tower (num_hidden_layers_for_vit={spec.tower.num_layers})")
+  try:
+    tower = siglip_from_hf(tensors, spec.tower, tower_prefix)
+  except ValueError as e:
+    raise ValueError(f"the vision tower's tensors do not fit the *_for_vit sizes ({e})") from None
+  out = {OURS_TOWER + k: v for k, v in tower.items()}
+  out |= {OURS_PROJECTOR + k: v for k, v in projector_from_hf(tensors, spec.projector, projector_prefix).items()}
+  for name, shape in _expected_shapes(spec).items():
+    if tuple(out[name].shape) != shape:
+      raise ValueError(f"the vision tensor for {name} has shape {tuple(out[name].shape)}; the *_for_vit keys and mm_tokens_per_image give {shape}")
+  return out, used
+
+
+def siglip_to_hf_names(spec: SiglipSpec, prefix: str) -> list[str]:
+  emb, enc = prefix + "embeddings.", prefix + "encoder.layers."
+  fixed = [
+    emb + "patch_embedding.weight",
+    emb + "patch_embedding.bias",
+    emb + "position_embedding.weight",
+    prefix + "post_layernorm.weight",
+    prefix + "post_layernorm.bias",
+  ]
+  return fixed + [f"{enc}{i}.{theirs}" for i in range(spec.num_layers) for theirs, _ in _BLOCK.values()]
+
+
+def _expected_shapes(spec) -> dict[str, tuple[int, ...]]:
+  t, p = spec.tower, spec.projector
+  return {
+    OURS_TOWER + "patch_embed/kernel": (t.patch_size, t.patch_size, t.num_channels, t.emb_dim),
+    OURS_TOWER + "position_embed": (t.num_patches, t.emb_dim),
+    OURS_TOWER + "blocks/mlp/wi/kernel": (t.num_layers, t.emb_dim, t.mlp_dim),
+    OURS_PROJECTOR + "projection/kernel": (p.vision_dim, p.text_dim),
+  }
+
+
+def gemma3_vision_to_hf(params: Mapping[str, np.ndarray], spec) -> dict[str, np.ndarray]:
+  """The Transformer's flat vision parameters -> tensors named as transformers 5's save_pretrained writes them."""
+  tower = {k[len(OURS_TOWER) :]: v for k, v in params.items() if k.startswith(OURS_TOWER)}
+  projector = {k[len(OURS_PROJECTOR) :]: v for k, v in params.items() if k.startswith(OURS_PROJECTOR)}
+  return siglip_to_hf(tower, spec.tower, SAVED_TOWER_PREFIX) | projector_to_hf(projector, spec.projector, SAVED_PROJECTOR_PREFIX)

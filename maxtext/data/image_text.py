@@ -1,0 +1,105 @@
+"""Image-text documents (use_multimodal): text (or SFT turns) with `image_placeholder` places and a column of images.
+
+Each place becomes `mm_tokens_per_image` ids `image_token_id` (never trained on), and its image rides along the
+tokens as the per-token feature IMAGE_KEY: the image resized to image_size x image_size (uint8 HWC, as the HF
+processor resizes), flattened and cut into mm_tokens_per_image equal chunks, chunk k on the k-th placeholder token
+(zeros elsewhere). Truncation, chunking and packing move it with its tokens; the model puts the chunks back
+together (maxtext.vision.gemma3_encoder.images_from_tokens), so a packed row holds any mix of documents and images.
+An example must fit one row (max_target_length) with its images whole.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from maxtext.data.features import IMAGE_KEY, DocumentEncoder
+from maxtext.data.images import read_image
+from maxtext.errors import DataError
+from maxtext.vision import preprocess
+
+
+def chunk_size(image_size: int, tokens_per_image: int) -> int:
+  """Bytes of a resized image each of its placeholder tokens carries."""
+  return math.ceil(image_size * image_size * 3 / tokens_per_image)
+
+
+def record_dir(where: str) -> Path | None:
+  """The directory of the file a record came from, for paths relative to it (jsonl records are '<path> line <n>')."""
+  if " line " not in where:
+    return None
+  return Path(where.rsplit(" line ", 1)[0]).parent
+
+
+class ImageTextEncoder(DocumentEncoder):
+  """DocumentEncoder whose documents also carry IMAGE_KEY: the images of the record's image column at its places."""
+
+  def __init__(
+    self, *args, image_column: str, placeholder: str, image_token_id: int, tokens_per_image: int, image_size: int, max_length: int, max_images: int, **kwargs
+  ):
+    super().__init__(*args, **kwargs)
+    self.image_column, self.placeholder = image_column, placeholder
+    self.image_token_id, self.tokens_per_image, self.image_size = image_token_id, tokens_per_image, image_size
+    self.max_length, self.max_images = max_length, max_images
+    self.chunk = chunk_size(image_size, tokens_per_image)
+    self._places = threading.local()  # places met while encoding the current record (grain maps records on several threads)
+
+  def __getstate__(self) -> dict[str, Any]:  # grain's worker processes receive the encoder pickled
+    return {k: v for k, v in self.__dict__.items() if k != "_places"}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._places = threading.local()
+
+  def encode_text(self, text: str) -> list[int]:
+    """The text's tokens with each placeholder replaced by mm_tokens_per_image image ids."""
+    parts = text.split(self.placeholder)
+    ids = self.tokenizer.encode(parts[0]) if parts[0] else []
+    for part in parts[1:]:
+      ids += [self.image_token_id] * self.tokens_per_image
+      self._places.count += 1
+      ids += self.tokenizer.encode(part) if part else []
+    return ids
+
+  def images_of(self, record: dict[str, Any], where: str) -> list[np.ndarray]:
+    value = record.get(self.image_column)
+    if value is None:
+      return []
+    if isinstance(value, np.ndarray) and value.dtype == object:
+      value = value.tolist()
+    items = value if isinstance(value, list) else [value]
+    if 0 < self.max_images < len(items):
+      raise DataError(f"{where} has {len(items)} images, more than max_num_images_per_example={self.max_images}; drop some or raise the limit")
+    return [read_image(item, record_dir(where), f"{where} image {i}") for i, item in enumerate(items)]
+
+  def encode(self, record: dict[str, Any], where: str) -> dict[str, np.ndarray] | None:
+    images = self.images_of(record, where)
+    self._places.count = 0
+    doc = super().encode(record, where)
+    if self._places.count != len(images):
+      raise DataError(
+        f"{where} has {self._places.count} '{self.placeholder}' place(s) but {len(images)} image(s) in column '{self.image_column}'; give one image per place"
+      )
+    if doc is None:
+      return None
+    tokens = doc["tokens"]
+    if images and len(tokens) > self.max_length:
+      raise DataError(
+        f"{where} has {len(tokens)} tokens with its {len(images)} image(s) of {self.tokens_per_image} tokens each, more than max_target_length={self.max_length}: "
+        "an example with images must fit one row; shorten it, use fewer images or raise max_target_length"
+      )
+    is_image = tokens == self.image_token_id
+    doc["mask"] = np.where(is_image, 0, doc["mask"]).astype(np.int32)  # placeholders are never targets
+    pixels = np.zeros((len(tokens), self.chunk), np.uint8)
+    if images:
+      flat = np.zeros((len(images), self.tokens_per_image * self.chunk), np.uint8)
+      for i, image in enumerate(images):
+        resized = preprocess.resize_bilinear(image, self.image_size).reshape(-1)
+        flat[i, : resized.size] = resized
+      pixels[is_image] = flat.reshape(len(images) * self.tokens_per_image, self.chunk)
+    doc[IMAGE_KEY] = pixels
+    return doc
