@@ -39,6 +39,8 @@ class LayerKind:
   mixer: str = "attention"
   ffn: str = "dense"
   window: int = 0
+  variant: str = ""  # a family's structural variant of the layer (gemma4: 'global', full attention with its own head dims and rope)
+  kv_shared: bool = False  # attends with the keys and values of the last earlier unshared layer of the same window; no key/value projections
 
   def __post_init__(self):
     if self.mixer not in MIXERS:
@@ -102,6 +104,23 @@ GEMMA_HF_NORMS = {
   "pre_mlp_norm": "pre_feedforward_layernorm",
   "post_mlp_norm": "post_feedforward_layernorm",
 }
+
+
+def gemma4_pattern(shape: LayerShape) -> tuple[LayerKind, ...]:
+  """Gemma 4's pattern: per inhomogeneous_layer_cycle_interval layers, sliding-window layers then one global layer
+  (variant 'global'); the last layer is global (as transformers forces it); the last num_kv_shared_layers layers
+  reuse the keys and values of the last earlier unshared layer of their kind."""
+  n, every, w = shape.num_decoder_layers, shape.inhomogeneous_layer_cycle_interval, shape.sliding_window_size
+  shared_from = n - getattr(shape, "num_kv_shared_layers", 0)
+  ffn = experts_ffn(shape)
+
+  def kind(i: int) -> LayerKind:
+    full = (i + 1) % every == 0 or i == n - 1
+    return LayerKind("attention", ffn, 0 if full else w, "global" if full else "", i >= shared_from)
+
+  return tuple(kind(i) for i in range(n))
+
+
 POST_ONLY_HF_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}  # OLMo 2 and 3
 
 
@@ -122,6 +141,12 @@ class Family:
   attention_out_bias: bool = True  # attention_bias also biases the output projection (Qwen2: q/k/v only)
   attention_output_gate: bool = False  # attention's query projection yields a sigmoid gate on its output too (Qwen3-Next)
   shared_expert_gate: bool = False  # the shared experts' output is scaled by sigmoid(x w) per token (Qwen3-Next)
+  value_norm: bool = False  # an RMSNorm on each value head (Gemma 4; its scale per v_norm_with_scale)
+  softmax_scale: float | None = None  # a fixed attention softmax scale (Gemma 4: 1, its query norm sizes the logits); None: query_pre_attn_scalar's
+  layer_scalar: bool = False  # each layer's output is multiplied by a learned scalar (Gemma 4's layer_scalar)
+  gemma4_keys: bool = (
+    False  # Gemma 4's keys apply: 'global' layers' global_head_dim, global_num_kv_heads, share_kv_projections and global_rope_*, per-layer inputs, KV sharing
+  )
 
   def kinds(self, shape: LayerShape) -> tuple[LayerKind, ...]:
     """The kind of each of shape.num_decoder_layers layers."""
