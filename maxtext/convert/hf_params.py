@@ -160,6 +160,10 @@ def _layer_rules(c: MaxTextConfig, kind: LayerKind) -> list[Rule]:
   """Rules of one decoder layer of this kind."""
   if len(c.mlp_activations) != 2:
     raise ConfigError("a single MLP activation has no Hugging Face layout; use mlp_activations=[<act>, linear]")
+  if registry.get(c.decoder_block).gemma4_keys:
+    from maxtext.convert import hf_gemma4
+
+    return hf_gemma4.layer_rules(c, kind)
   rules = _attention_rules(c, kind.mixer)
   dense = kind.ffn == "dense"
   for ours, hf in registry.get(c.decoder_block).hf_norm_names.items():
@@ -233,6 +237,10 @@ def _global_rules(c: MaxTextConfig) -> list[Rule]:
   ]
   if not c.logits_via_embedding:
     rules.append(Rule("output/kernel", "lm_head.weight", _transpose, _transpose))
+  if registry.get(c.decoder_block).gemma4_keys:
+    from maxtext.convert import hf_gemma4
+
+    rules += hf_gemma4.global_rules(c)
   return rules
 
 
