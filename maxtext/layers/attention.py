@@ -152,7 +152,8 @@ class Attention(nnx.Module):
     sinks = self.sinks[...] if self.sinks is not None else None
     if cache is not None:
       ctx, cache = cache.attend(q, k, v, window, spec.scale, spec.soft_cap, self.policy.dtypes.precision, rules, sinks)  # type: ignore[arg-type]
-      return self.out(self._gated(ctx, gate), adapter_ids), cache
+      out = self.out(self._gated(ctx, gate), adapter_ids)
+      return (out, cache, (k, v)) if return_kv else (out, cache)
     ctx = attention_ops.attend(
       q,
       k,

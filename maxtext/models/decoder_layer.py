@@ -126,9 +126,13 @@ class DecoderLayer(nnx.Module):
         if cache is not None:
           y, cache = y
       elif shared_kv is not None or return_kv:
-        y = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids, shared_kv=shared_kv, return_kv=return_kv)
+        y = self.attention(h, positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids, shared_kv=shared_kv, return_kv=return_kv)
         if return_kv:
-          y, kv = y
+          *y, kv = y
+        if cache is not None:
+          y, cache = y
+        elif return_kv:
+          (y,) = y
       elif cache is None:
         y = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids)
       else:
