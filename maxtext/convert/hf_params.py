@@ -274,6 +274,7 @@ def _layer_index(name: str) -> int:
 # beside the vision tower and projector that a text decoder leaves out.
 TEXT_DECODER_PREFIXES = ("language_model.model.", "model.language_model.")
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+VISION_PREFIXES += ("model.audio_tower.", "model.embed_vision.", "model.embed_audio.")  # Gemma 4's audio tower and modality embedders
 
 
 def text_decoder_tensors(tensors: dict[str, Array]) -> dict[str, Array]:
