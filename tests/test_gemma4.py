@@ -212,3 +212,18 @@ def test_bad_maxtext_configs_are_one_line_errors(overrides, message):
 def test_gemma4_keys_on_another_family_are_refused():
   with pytest.raises(ConfigError, match="num_kv_shared_layers, use_double_wide_mlp apply to gemma4 layers, not decoder_block=llama2"):
     load(["configs/base.yml", "num_kv_shared_layers=2", "use_double_wide_mlp=true"], env={}, num_devices=1)
+
+
+def test_multimodal_gemma4_directory_loads_its_text_decoder(tmp_path):
+  """A Gemma4ForConditionalGeneration directory (text_config, language_model tensors beside a vision tower): the text
+  decoder loads and gives the multimodal model's text-only logits."""
+  torch.manual_seed(0)
+  vision = transformers.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+  config = transformers.Gemma4Config(text_config=tiny_config().to_dict(), vision_config=vision.to_dict(), audio_config=None)
+  torch_model = transformers.Gemma4ForConditionalGeneration(config).float().eval()
+  torch_model.save_pretrained(tmp_path)
+  model, _ = from_hf(tmp_path, dtype="float32", matmul_precision="highest")
+  tokens = np.random.default_rng(0).integers(0, VOCAB, size=(1, 9)).astype(np.int32)
+  with torch.no_grad():
+    expected = torch_model(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+  np.testing.assert_allclose(np.asarray(model(tokens)), expected, atol=1e-4, rtol=0)
