@@ -201,6 +201,8 @@ def test_bad_hf_configs_are_one_line_errors(edit, message):
     (dict(num_kv_shared_layers=7), "num_kv_shared_layers=7 leaves none of the 7 layers"),
     (dict(num_kv_shared_layers=5), r"layer 2 \(global\) shares the keys and values of an earlier global layer, but every global layer is shared"),
     (dict(num_experts=4, num_experts_per_tok=2), "gemma4's MoE block"),
+    (dict(mhc_expansion_rate=2), "set mhc_expansion_rate=1"),
+    (dict(mtp_num_layers=1), "multi-token prediction is not built for gemma4's layers"),
   ],
 )
 def test_bad_maxtext_configs_are_one_line_errors(overrides, message):

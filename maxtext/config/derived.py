@@ -425,6 +425,10 @@ def _check_gemma4_fields(c: MaxTextConfig, family) -> None:
       f"num_kv_shared_layers={c.num_kv_shared_layers}: layer {orphan} ({kind}) shares the keys and values of an earlier {kind} layer, but every {kind} "
       "layer is shared; lower num_kv_shared_layers"
     )
+  if c.hidden_size_per_layer_input and c.mhc_expansion_rate > 1:
+    raise ConfigError("hidden_size_per_layer_input adds per-layer inputs to one residual stream; set mhc_expansion_rate=1 (or hidden_size_per_layer_input=0)")
+  if c.mtp_num_layers:
+    raise ConfigError(f"mtp_num_layers={c.mtp_num_layers}: multi-token prediction is not built for gemma4's layers; set mtp_num_layers=0")
   if c.num_experts > 1:
     raise ConfigError(
       f"num_experts={c.num_experts}: gemma4's MoE block (the experts beside the dense MLP, Hugging Face enable_moe_block) is not built here yet; "
