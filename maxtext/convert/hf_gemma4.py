@@ -121,6 +121,8 @@ def overrides(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]
   build are one-line ConfigErrors naming the field."""
   f = text_fields(hf, source)
   for key, off in NOT_BUILT.items():
+    if key == "use_bidirectional_attention" and f.values.get(key) == "vision":
+      continue  # only image tokens attend both ways (the multimodal model's mask); text attends causally, as here
     if f.values.get(key, off) not in (off, False, None):
       raise ConfigError(f"{f.name(key)}={f.values[key]!r} in {source}: maxtext's gemma4 does not build that feature; it loads {key}={off!r} models only")
   heads, kv, layers = f.int("num_attention_heads"), f.int("num_key_value_heads"), f.int("num_hidden_layers")
