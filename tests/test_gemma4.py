@@ -90,6 +90,8 @@ def test_pattern_sliding_global_and_shared_layers():
   assert [k.kv_shared for k in kinds] == [False] * 4 + [True] * 3
   (stack,) = layer_pattern.stacks(kinds)
   assert (stack.period, stack.num_groups) == (7, 1)  # shared layers never repeat the unshared ones: one scanned group
+  vision = hf_config.overrides_from_hf({**tiny_config().to_dict(), "use_bidirectional_attention": "vision"})  # published configs: text stays causal
+  assert vision == hf_config.overrides_from_hf(tiny_config().to_dict())
 
 
 @pytest.mark.parametrize("scan", [True, False])
