@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from tests import cli_server
 from tests.hf_fixtures import save_tiny_model
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
+  """The command as a process of its own, forked from a server that imported maxtext once (tests/cli_server.py)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-  return subprocess.run([sys.executable, "-m", "maxtext.convert", *args], capture_output=True, text=True, env=env, timeout=300)
+  return cli_server.run([sys.executable, "-m", "maxtext.convert", *args], env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")

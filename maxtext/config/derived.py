@@ -158,6 +158,7 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
   _check_quantization(c)
   _check_post_training(c)
   _check_family_fields(c)
+  _check_llama4_fields(c)
   if c.load_parameters_path and c.load_full_state_path and not c.lora.enable_lora:  # LoRA: the frozen base under the state's adapters
     raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one (load_parameters_path= clears it)")
   if c.learning_rate_schedule_steps != -1 and c.learning_rate_schedule_steps < 1:
@@ -433,6 +434,32 @@ def _check_gemma4_fields(c: MaxTextConfig, family) -> None:
     raise ConfigError(
       f"num_experts={c.num_experts}: gemma4's MoE block (the experts beside the dense MLP, Hugging Face enable_moe_block) is not built here yet; "
       "use a dense gemma4 model (num_experts=1)"
+    )
+
+
+def _check_llama4_fields(c: MaxTextConfig) -> None:
+  """Llama 4's pattern keys mean something only to a family with its pattern (and rope_use_scale only to llama3.1 rope)."""
+  import math
+
+  from maxtext.models import family as family_lib
+  from maxtext.models import registry  # the config loads before any model code otherwise
+
+  if not c.rope_use_scale and c.rope_type != "llama3.1":
+    raise ConfigError(f"rope_use_scale=false turns off llama3.1 rope's scaling, but rope_type={c.rope_type}; drop rope_use_scale")
+  if registry.get(c.decoder_block).layer_pattern is not family_lib.llama4_pattern:
+    for key, default in (("interleave_moe_layer_step", 1), ("nope_layer_interval", -1), ("chunk_attn_window_size", 0), ("temperature_tuning", False)):
+      if getattr(c, key) != default:
+        raise ConfigError(f"{key}={getattr(c, key)} shapes llama4's layer pattern, not decoder_block={c.decoder_block}'s; set it to {default}")
+    return
+  if c.nope_layer_interval == 0 or c.nope_layer_interval < -1:
+    raise ConfigError(f"invalid value for 'nope_layer_interval': {c.nope_layer_interval}; use -1 (no NoPE layers) or a positive interval")
+  if not c.chunk_attn_window_size:
+    raise ConfigError("llama4's rope layers attend within chunks; set chunk_attn_window_size > 0 (8192 in the published models)")
+  period = math.lcm(c.interleave_moe_layer_step, max(c.nope_layer_interval, 1))
+  if c.inhomogeneous_layer_cycle_interval not in (1, period):
+    raise ConfigError(
+      f"inhomogeneous_layer_cycle_interval={c.inhomogeneous_layer_cycle_interval}, but llama4's pattern of interleave_moe_layer_step="
+      f"{c.interleave_moe_layer_step} and nope_layer_interval={c.nope_layer_interval} repeats every {period} layers; set it to {period}"
     )
 
 

@@ -21,6 +21,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   m.DeepSeekMoE,
   m.Qwen3Next,
   m.Gemma4,
+  m.Llama4,
   m.MTP,
   m.ManifoldConstrainedHyperConnections,
   m.Logits,

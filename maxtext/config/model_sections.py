@@ -103,6 +103,7 @@ class Rope(Section):
   local_rope_max_timescale: float = Field(
     -1.0, description="Rotary base of sliding-window (local) layers, which then take no linear scaling (gemma3); -1 -> rope_max_timescale."
   )
+  rope_use_scale: bool = Field(True, description="llama3.1 rope: apply its frequency scaling; false -> plain rope frequencies (llama4 Maverick).")
 
 
 class YarnRope(Section):
@@ -186,6 +187,19 @@ class Qwen3Next(Section):
   gdn_num_value_heads: int = Field(32, gt=0, description="Gated DeltaNet: value heads, a multiple of gdn_num_key_heads.")
   gdn_chunk_size: int = Field(64, gt=0, description="Gated DeltaNet: tokens per chunk of the chunked (training, prefill) form.")
   partial_rotary_factor: float = Field(1.0, gt=0, le=1, description="Fraction of each attention head's features that rotate (qwen3_next: 0.25).")
+
+
+class Llama4(Section):
+  interleave_moe_layer_step: int = Field(
+    1, gt=0, description="llama4: every this many layers one is MoE (layers step-1, 2 step-1, ...), the others dense MLPs of mlp_dim."
+  )
+  nope_layer_interval: int = Field(-1, description="llama4: every this many layers one takes no rope (NoPE) and attends globally; -1 -> none.")
+  chunk_attn_window_size: int = Field(0, ge=0, description="llama4: the rope layers attend only within chunks of this many positions (causal); 0 -> off.")
+  temperature_tuning: bool = Field(
+    False, description="llama4: NoPE layers scale queries by 1 + temperature_tuning_scale ln(1 + floor((pos + 1) / floor_scale))."
+  )
+  temperature_tuning_scale: float = Field(0.1, ge=0, description="llama4: temperature tuning's scale (Hugging Face attn_scale).")
+  temperature_tuning_floor_scale: float = Field(8192.0, gt=0, description="llama4: temperature tuning's position divisor (Hugging Face floor_scale).")
 
 
 class Gemma4(Section):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from maxtext.config import MaxTextConfig
 from maxtext.convert import hf_gemma4, safetensors_io
 from maxtext.convert.hf_fields import HFFields
-from maxtext.errors import ConfigError
+from maxtext.errors import ConfigError, shorten
 from maxtext.layers.rope import yarn_mscale
 from maxtext.models import registry
 
@@ -28,6 +29,7 @@ HF_ARCHITECTURES = {
   "deepseek": "DeepseekV3ForCausalLM",
   "qwen2": "Qwen2ForCausalLM",
   "olmo3": "Olmo3ForCausalLM",
+  "llama4": "Llama4ForCausalLM",
 }
 HF_MODEL_TYPES = {
   "llama2": "llama",
@@ -42,12 +44,13 @@ HF_MODEL_TYPES = {
   "deepseek": "deepseek_v3",
   "qwen2": "qwen2",
   "olmo3": "olmo3",
+  "llama4": "llama4_text",
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_next", "gpt_oss", "deepseek")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_next", "gpt_oss", "deepseek", "llama4")
 WINDOWED_TYPES = ("gemma2", "gemma3_text", "gpt_oss", "olmo3")  # model types whose layer_types alternate sliding and full attention
 # Model types whose transformers attention puts a bias on q, k, v and o exactly when attention_bias is true (maxtext's
 # attention_bias); MistralAttention and MixtralAttention have no biases whatever the key says.
-BIASED_ATTENTION_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "gemma2", "gemma3_text", "gpt_oss", "olmo3")
+BIASED_ATTENTION_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "gemma2", "gemma3_text", "gpt_oss", "olmo3", "llama4_text")
 UNBIASED_ATTENTION_TYPES = ("mistral", "mixtral")
 # Gemma3TextConfig defaults for the fields a multimodal Gemma 3 config.json may leave out of its text_config.
 GEMMA3_TEXT_DEFAULTS = {
@@ -190,6 +193,11 @@ def _moe(hf: HFFields, model_type: str) -> dict[str, Any]:
 def text_config(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
   """The decoder's config.json fields: a multimodal Gemma 3 config's text_config (with Gemma3TextConfig's defaults for
   what it leaves out), else hf itself."""
+  if hf.get("model_type") == "llama4":  # Llama4ForConditionalGeneration: the text decoder's own config
+    text = {**HFFields(hf, source).section("text_config").values, "model_type": "llama4_text"}
+    if "dtype" not in text and "torch_dtype" not in text:
+      text["dtype"] = hf.get("dtype") or hf.get("torch_dtype")
+    return text
   if hf.get("model_type") != "gemma3":
     return hf
   text = {**GEMMA3_TEXT_DEFAULTS, **HFFields(hf, source).section("text_config").values, "model_type": "gemma3_text"}
@@ -329,6 +337,76 @@ def _qwen3_next(hf: HFFields) -> dict[str, Any]:
   }
 
 
+def _llama4(hf: HFFields) -> dict[str, Any]:
+  """Expert, NoPE, chunked-attention and temperature keys of a llama4_text config; its moe_layers, no_rope_layers and
+  layer_types must be the family's pattern of interleave_moe_layer_step and no_rope_layer_interval."""
+  layers, step, nope = hf.int("num_hidden_layers"), hf.int("interleave_moe_layer_step", 1, minimum=1), hf.int("no_rope_layer_interval", 4, minimum=1)
+  chunk = hf.int("attention_chunk_size", 8192, minimum=1) if hf.values.get("attention_chunk_size", 8192) is not None else None
+  if chunk is None:
+    raise ConfigError("llama4 config.json with attention_chunk_size=null (full attention on the rope layers) is not built; maxtext's llama4 chunks them")
+  if hf.int("num_experts_per_tok", 1) != 1:
+    raise ConfigError(f"llama4 config.json routes num_experts_per_tok={hf.int('num_experts_per_tok')}; maxtext's llama4 weights expert inputs for top-1 only")
+  rope_flags = hf.values.get("no_rope_layers") or [int((i + 1) % nope != 0) for i in range(layers)]
+  if len(rope_flags) != layers:
+    raise ConfigError(f"config.json lists {len(rope_flags)} no_rope_layers for num_hidden_layers={layers}; the two contradict each other, fix one")
+  if list(rope_flags) != [int((i + 1) % nope != 0) for i in range(layers)]:
+    raise ConfigError(
+      f"config.json's no_rope_layers are not layers {nope - 1}, {2 * nope - 1}, ... NoPE (no_rope_layer_interval={nope}); maxtext's llama4 has that pattern: fix one"
+    )
+  moe = hf.values.get("moe_layers")
+  if moe is not None and list(moe) != list(range(step - 1, layers, step)):
+    raise ConfigError(
+      f"config.json's moe_layers {shorten([str(i) for i in moe])} are not the layers {step - 1}, {2 * step - 1}, ... of {layers} that "
+      f"interleave_moe_layer_step={step} makes MoE; fix one of them"
+    )
+  types = hf.texts("layer_types")
+  if types is not None and types != ["chunked_attention" if r else "full_attention" for r in rope_flags]:
+    raise ConfigError("config.json's layer_types are not chunked_attention on the rope layers and full_attention on the NoPE layers; fix layer_types")
+  tuning = hf.values.get("attn_temperature_tuning", True)  # early configs hold a number (truthy) here
+  return {
+    "base_mlp_dim": hf.int("intermediate_size_mlp", 16384),
+    "base_moe_mlp_dim": hf.int("intermediate_size"),
+    "num_experts": hf.int("num_local_experts", 16),
+    "num_experts_per_tok": 1,
+    "shared_experts": 1,
+    "interleave_moe_layer_step": step,
+    "nope_layer_interval": nope,
+    "inhomogeneous_layer_cycle_interval": math.lcm(step, nope),
+    "chunk_attn_window_size": chunk,
+    "use_qk_norm": hf.flag("use_qk_norm", True),
+    "temperature_tuning": bool(tuning),
+    "temperature_tuning_scale": hf.number("attn_scale", 0.1),
+    "temperature_tuning_floor_scale": hf.number("floor_scale", 8192, positive=True),
+  }
+
+
+def _llama4_export(c: MaxTextConfig, rope: dict[str, Any]) -> dict[str, Any]:
+  """config.json keys of a Llama4ForCausalLM (text): experts beside one shared expert, NoPE and chunked layers."""
+  if c.shared_experts != 1 or c.num_experts_per_tok != 1:
+    raise ConfigError("Llama4ForCausalLM has one shared expert and top-1 routing; export a llama4 model with shared_experts=1 and num_experts_per_tok=1")
+  kinds = registry.get(c.decoder_block).kinds(c)
+  nope = c.nope_layer_interval if c.nope_layer_interval > 0 else c.num_decoder_layers + 1
+  rope = rope if c.rope_use_scale else {"rope_theta": c.rope_max_timescale, "rope_type": "default"}
+  return {
+    "intermediate_size": c.moe_mlp_dim,
+    "intermediate_size_mlp": c.mlp_dim,
+    "num_local_experts": c.num_experts,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": c.interleave_moe_layer_step,
+    "moe_layers": [i for i, k in enumerate(kinds) if k.ffn != "dense"],
+    "no_rope_layer_interval": nope,
+    "no_rope_layers": [int(k.chunk > 0) for k in kinds],
+    "layer_types": ["chunked_attention" if k.chunk else "full_attention" for k in kinds],
+    "attention_chunk_size": c.chunk_attn_window_size,
+    "use_qk_norm": c.use_qk_norm,
+    "attn_temperature_tuning": c.temperature_tuning,
+    "attn_scale": c.temperature_tuning_scale,
+    "floor_scale": _int_if_whole(c.temperature_tuning_floor_scale),
+    "rope_parameters": rope,
+    "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None,
+  }
+
+
 def stored_mtp_layers(hf: dict[str, Any], source: str = "config.json") -> int:
   """How many multi-token-prediction layers the checkpoint stores past num_hidden_layers (DeepSeek's
   num_nextn_predict_layers; no other family stores any)."""
@@ -347,7 +425,7 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
   Every field read is checked for its type and range (maxtext.convert.hf_fields)."""
   if hf.get("model_type") in hf_gemma4.MODEL_TYPES:
     return hf_gemma4.overrides(hf, source)
-  prefix = "text_config." if hf.get("model_type") == "gemma3" else ""
+  prefix = "text_config." if hf.get("model_type") in ("gemma3", "llama4") else ""
   f = HFFields(text_config(hf, source), source, prefix)
   model_type = f.text("model_type", "")
   family = registry.by_hf_model_type(model_type)
@@ -413,6 +491,8 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
     out.update(_moe(f, model_type))
   if model_type == "qwen3_next":
     out.update(_qwen3_next(f))
+  if model_type == "llama4_text":
+    out.update(_llama4(f))
   dt = f.text("dtype", None) or f.text("torch_dtype", None)
   if dt in ("float32", "bfloat16", "float16"):
     out["dtype"] = dt
@@ -532,6 +612,8 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
     hf.update(_deepseek_export(c))
   if c.decoder_block == "qwen3_next":
     hf.update(_qwen3_next_export(c, rope))
+  if c.decoder_block == "llama4":
+    hf.update(_llama4_export(c, rope))
   return hf
 
 

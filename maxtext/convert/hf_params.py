@@ -128,7 +128,7 @@ def _attention_rules(c: MaxTextConfig, mixer: str = "attention") -> list[Rule]:
       rules.append(Rule("attention/out/bias", "self_attn.o_proj.bias", _identity, _identity))
   if c.attention_sink:
     rules.append(Rule("attention/sinks", "self_attn.sinks", _identity, _identity))
-  if c.use_qk_norm:
+  if c.use_qk_norm and not registry.get(c.decoder_block).l2_qk_norm:  # Llama 4's L2 norm has no weights
     rules += [Rule("attention/query_norm/scale", "self_attn.q_norm.weight", _identity, _identity)]
     rules += [Rule("attention/key_norm/scale", "self_attn.k_norm.weight", _identity, _identity)]
   return rules
@@ -145,6 +145,26 @@ def _gpt_oss_moe_rules() -> list[Rule]:
     Rule("mlp/wi_1_bias", "mlp.experts.gate_up_proj_bias", _identity, _identity, part=(1, 2)),
     Rule("mlp/wo", "mlp.experts.down_proj", _identity, _identity),
     Rule("mlp/wo_bias", "mlp.experts.down_proj_bias", _identity, _identity),
+  ]
+
+
+def _halves_to_interleaved(x: Array) -> Array:
+  """[..., 2 n] of two halves -> [..., 2 n] with the halves' columns interleaved (so Rule.part takes each half)."""
+  return np.ascontiguousarray(x.reshape(*x.shape[:-1], 2, -1).swapaxes(-1, -2).reshape(x.shape))
+
+
+def _interleaved_to_halves(x: Array) -> Array:
+  return np.ascontiguousarray(x.reshape(*x.shape[:-1], -1, 2).swapaxes(-1, -2).reshape(x.shape))
+
+
+def _llama4_moe_rules() -> list[Rule]:
+  """Llama 4 experts: stacked tensors, gate then up halves in gate_up_proj [E, in, 2 x mlp]; a router and a shared expert."""
+  return [
+    Rule("mlp/gate/kernel", "feed_forward.router.weight", _transpose, _transpose),
+    Rule("mlp/wi_0", "feed_forward.experts.gate_up_proj", _halves_to_interleaved, _interleaved_to_halves, part=(0, 2)),
+    Rule("mlp/wi_1", "feed_forward.experts.gate_up_proj", _halves_to_interleaved, _interleaved_to_halves, part=(1, 2)),
+    Rule("mlp/wo", "feed_forward.experts.down_proj", _identity, _identity),
+    *_dense_mlp_rules("mlp/shared_experts", "feed_forward.shared_expert"),
   ]
 
 
@@ -169,7 +189,9 @@ def _layer_rules(c: MaxTextConfig, kind: LayerKind) -> list[Rule]:
   for ours, hf in registry.get(c.decoder_block).hf_norm_names.items():
     rules.append(Rule(f"{ours}/scale", f"{hf}.weight", _identity, _identity))
   if c.num_experts == 1 or dense:
-    return rules + _dense_mlp_rules("mlp", "mlp")
+    return rules + _dense_mlp_rules("mlp", "feed_forward" if c.decoder_block == "llama4" else "mlp")
+  if c.decoder_block == "llama4":
+    return rules + _llama4_moe_rules()
   if c.decoder_block == "gpt_oss":
     return rules + _gpt_oss_moe_rules()
   if c.decoder_block == "mixtral":
@@ -273,7 +295,7 @@ def _layer_index(name: str) -> int:
 # Multimodal Gemma 3 checkpoints keep the text decoder under one of these prefixes (hub layout, transformers 5 layout),
 # beside the vision tower and projector that a text decoder leaves out.
 TEXT_DECODER_PREFIXES = ("language_model.model.", "model.language_model.")
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.", "vision_model.", "model.vision_model.")
 VISION_PREFIXES += ("model.audio_tower.", "model.embed_vision.", "model.embed_audio.")  # Gemma 4's audio tower and modality embedders
 
 

@@ -74,7 +74,8 @@ class Layout:
     return tuple(f for s in self.stacks for f in s.forms)
 
   def slots(self, window: int) -> int:
-    return min(window, self.max_length) if window else self.max_length
+    """Slots of a layer with this span: a ring of its sliding window or chunk (-span), else max_length."""
+    return min(abs(window), self.max_length) if window else self.max_length
 
 
 def cache_form(config: MaxTextConfig, mixer: str, kind: LayerKind | None = None) -> str:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from maxtext.layers.quantization import pack_int4, unpack_int4
 from maxtext.layers.sharding import constrain
-from maxtext.layers.xla_attention import head_major_attention
+from maxtext.layers.xla_attention import head_major_attention, span_mask
 
 CACHE_AXES = ("cache_batch", "cache_heads", "cache_sequence", "cache_kv")  # head-major: attention reads it without a transpose
 LATENT_AXES = ("cache_batch", None, "cache_sequence", "cache_kv")  # MLA's latent: one shared "head"
@@ -111,8 +111,8 @@ class LayerCache:
       kept = {name: jnp.where(from_new, jnp.take_along_axis(x, take, axis=2), self.arrays[name]) for name, x in new.items()}
     kept = {name: constrain(x, axes(name, x.shape), rules) for name, x in kept.items()}
     mask = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])
-    if window:
-      mask &= (q_pos[:, :, None] - kv_pos[:, None, :]) < window
+    if window:  # a sliding window (> 0) or minus a chunk (< 0): xla_attention.span_mask
+      mask &= span_mask(q_pos, kv_pos, window)
     return dataclasses.replace(self, arrays=kept), attended, mask
 
   def attend(

@@ -1,5 +1,5 @@
-"""Grouped-query self-attention with rotary embeddings, optional QK norm, biases, sinks, soft cap, sliding window,
-partial rotary embedding and a sigmoid output gate.
+"""Grouped-query self-attention with rotary embeddings, optional QK norm, biases, sinks, soft cap, sliding window or
+chunked local attention, partial rotary embedding, a sigmoid output gate, and Llama 4's NoPE layers.
 
 With output_gate (Qwen3-Next's gated attention) the query projection yields per head a query and a gate,
 [q | g] = x W_q ([H, 2 D]), and the output is W_o (attend(q, k, v) * sigmoid(g)). With partial_rotary_factor f
@@ -45,6 +45,9 @@ class AttentionSpec:
   qk_norm_per_head: bool = True  # False: qk_norm spans the whole query (key) projection, all heads at once (OLMo 3)
   output_gate: bool = False  # the query projection also yields a per-head gate: out(ctx * sigmoid(gate)) (Qwen3-Next)
   partial_rotary_factor: float = 1.0  # rotate the first head_dim * factor features of q and k, pass the rest
+  nope_full_layers: bool = False  # layers of full attention (span 0) neither rotate nor L2-normalise q and k (Llama 4's NoPE)
+  l2_qk_norm_eps: float = 0.0  # > 0: a weightless RMS (L2) norm of rotated q and k heads with this epsilon (Llama 4)
+  temperature_tuning: tuple[float, float] | None = None  # NoPE layers: q * (1 + scale ln(1 + floor((pos + 1) / floor_scale)))
   value_norm: NormSpec | None = None  # an RMSNorm on each value head (Gemma 4)
   value_norm_scale: bool = True  # the value norm has a learned scale (v_norm_with_scale)
   values_from_keys: bool = False  # no value projection: values are the key projection before its norm and rope (share_kv_projections)
@@ -134,7 +137,7 @@ class Attention(nnx.Module):
       k, v = shared_kv
       if self.query_norm is not None:
         q = self.query_norm(q)
-      q = self._rotate(q, positions, window)
+      q = self._position(q, q, positions, window)[0]  # keys come rotated from the source layer
     else:
       k = checkpoint_name(self.key(x, adapter_ids), "key_proj")
       v = k if self.value is None else checkpoint_name(self.value(x, adapter_ids), "value_proj")
@@ -145,7 +148,7 @@ class Attention(nnx.Module):
         k = self.key_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
       if self.value_norm is not None:
         v = self.value_norm(v)
-      q, k = self._rotate(q, positions, window), self._rotate(k, positions, window)
+      q, k = self._position(q, k, positions, window)
     q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
     k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
     v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
@@ -175,6 +178,24 @@ class Attention(nnx.Module):
     out = checkpoint_name(self.out(self._gated(ctx, gate), adapter_ids), "out_proj")
     return (out, (k, v)) if return_kv else out
 
+  def _position(self, q: jax.Array, k: jax.Array, positions: jax.Array, window: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rotary embedding (then the L2 norm) of q and k; with nope_full_layers a full-attention layer (window 0, traced
+    or not) instead keeps q and k unrotated and temperature-tunes q (Llama 4's NoPE layers)."""
+    spec = self.spec
+    rq, rk = self._rotate(q, positions, window), self._rotate(k, positions, window)
+    if spec.l2_qk_norm_eps > 0:
+      rq, rk = l2_norm(rq, spec.l2_qk_norm_eps), l2_norm(rk, spec.l2_qk_norm_eps)
+    if not spec.nope_full_layers or (isinstance(window, int) and window != 0):
+      return rq, rk
+    if spec.temperature_tuning is not None:
+      scale, floor_scale = spec.temperature_tuning
+      tune = jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale)) * scale + 1.0
+      q = (q * tune[:, :, None, None]).astype(q.dtype)
+    if isinstance(window, int):
+      return q, k
+    nope = jnp.asarray(window) == 0
+    return jnp.where(nope, q, rq), jnp.where(nope, k, rk)
+
   def _rotate(self, x: jax.Array, positions: jax.Array, window: int | jax.Array) -> jax.Array:
     """Rotary embedding of the first rotary_dim features of each head of x [B, S, heads, D]."""
     spec = self.spec
@@ -189,3 +210,9 @@ class Attention(nnx.Module):
     if gate is None:
       return ctx
     return (ctx.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(ctx.dtype)
+
+
+def l2_norm(x: jax.Array, eps: float) -> jax.Array:
+  """x / sqrt(mean(x^2) + eps) over the last axis, computed in float32, without a scale (Llama 4's query/key norm)."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)

@@ -14,6 +14,8 @@ context parallelism, both strategies); cuDNN cannot, and autoselected then falls
 
 The fused kernels mask by token index within the row: they assume positions count up by one inside each
 segment, which is what the data pipeline produces (packed or not). The XLA and chunked kernels mask by positions.
+Chunked local attention (Llama 4, a negative window) reaches the fused kernels as causal attention over segment ids
+split at the chunk boundaries of the positions (`chunk_segments`), so packed documents chunk from their own start.
 """
 
 from __future__ import annotations
@@ -148,8 +150,8 @@ def attend(
   """Causal attention q [B,S,H,D], k [B,T,K,D], v [B,T,K,Dv] (H a multiple of K) -> [B,S,H,Dv] in q's dtype.
 
   positions [B,S]/[B,T] int; segment_ids [B,S] (self-attention, 0 = padding) or None; window: attend to keys with
-  q_pos - kv_pos < window (0 = unbounded), an int or a traced scalar taking one of window_choices (scanned layers
-  with mixed windows); soft_cap: cap * tanh(logits / cap) or None; scale multiplies q.k. rules: logical axis
+  q_pos - kv_pos < window (0 = unbounded; < 0: within the query's chunk of -window positions, Llama 4), an int or a
+  traced scalar taking one of window_choices (scanned layers with mixed windows); soft_cap: cap * tanh(logits / cap) or None; scale multiplies q.k. rules: logical axis
   rules that place the fused kernels' shard_map (batch and heads) under an active mesh. sinks [H]: each head's
   sink logit (None: no sinks). context: the sequence's context-parallel layout; self-attention over a
   `context`-sharded mesh then gathers or rings the keys and values (maxtext.layers.context_parallel).
@@ -171,39 +173,61 @@ def attend(
     else:
       run = functools.partial(cudnn_attention, scale=scale, max_segments=policy.max_segments_per_seq)
     segments = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
-    out = _per_window(run, q, k, v, segments, sinks, window, window_choices, rules)
+    mask_only = functools.partial(run, max_segments=0) if kernel == "cudnn" else run  # chunks are more runs than documents
+    out = _per_window(_chunks_as_segments(run, mask_only), q, k, v, segments, q_positions, sinks, window, window_choices, rules)
   return out[..., :v_dim]
 
 
-def _per_window(run, q, k, v, segments, sinks, window, window_choices, rules) -> jax.Array:
-  """run(q, k, v, segments, sinks, window=int) under a batch/head shard_map; a traced window switches between window_choices."""
+def chunk_segments(segments: jax.Array, positions: jax.Array, chunk: int) -> jax.Array:
+  """Segment ids [B, S] that also split every segment into its chunks of `chunk` positions: causal attention within
+  them is chunked local attention (Llama 4), so the fused kernels run it with their plain causal mask, packed
+  documents chunking from their own first position. Padding (segment 0) keeps ids below every document's."""
+  spread = jnp.max(positions) // chunk + 1
+  return segments * spread + positions // chunk
 
-  def local(q, k, v, segments, sinks):
+
+def _chunks_as_segments(run, mask_only):
+  """run(q, k, v, segments, sinks, window=w) -> the same taking positions after segments; a chunk (w < 0) runs causal
+  attention over chunk_segments with mask_only (cuDNN: its segment mask, not the packed offsets)."""
+
+  def with_chunks(q, k, v, segments, positions, sinks, *, window: int):
+    if window < 0:
+      return mask_only(q, k, v, chunk_segments(segments, positions, -window), sinks, window=0)
+    return run(q, k, v, segments, sinks, window=window)
+
+  return with_chunks
+
+
+def _per_window(run, q, k, v, segments, positions, sinks, window, window_choices, rules) -> jax.Array:
+  """run(q, k, v, segments, positions, sinks, window=int) under a batch/head shard_map; a traced window switches
+  between window_choices."""
+
+  def local(q, k, v, segments, positions, sinks):
     if isinstance(window, int):
-      return run(q, k, v, segments, sinks, window=window)
+      return run(q, k, v, segments, positions, sinks, window=window)
     choices = sorted(set(window_choices))
     if not choices:
       raise ValueError("a traced window needs window_choices")
     index = sum(jnp.where(window == w, i, 0) for i, w in enumerate(choices))
-    return jax.lax.switch(index, [functools.partial(run, window=w) for w in choices], q, k, v, segments, sinks)
+    return jax.lax.switch(index, [functools.partial(run, window=w) for w in choices], q, k, v, segments, positions, sinks)
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or rules is None:
-    return local(q, k, v, segments, sinks)
+    return local(q, k, v, segments, positions, sinks)
   qs = logical_to_spec(("activation_batch", None, "activation_heads", None), rules, mesh)
   kvs = logical_to_spec(("activation_batch", None, "activation_kv_heads", None), rules, mesh)
   ss = logical_to_spec(("activation_batch", None), rules, mesh)
   hs = None if sinks is None else logical_to_spec(("activation_heads",), rules, mesh)
   if not isinstance(window, int):  # the traced window enters the shard_map replicated
     w_local = jax.shard_map(
-      lambda q, k, v, s, h, w: _per_window(run, q, k, v, s, h, w, window_choices, None),
+      lambda q, k, v, s, p, h, w: _per_window(run, q, k, v, s, p, h, w, window_choices, None),
       mesh=mesh,
-      in_specs=(qs, kvs, kvs, ss, hs, jax.sharding.PartitionSpec()),
+      in_specs=(qs, kvs, kvs, ss, ss, hs, jax.sharding.PartitionSpec()),
       out_specs=qs,
       check_vma=False,
     )
-    return w_local(q, k, v, segments, sinks, window)
-  return jax.shard_map(local, mesh=mesh, in_specs=(qs, kvs, kvs, ss, hs), out_specs=qs, check_vma=False)(q, k, v, segments, sinks)
+    return w_local(q, k, v, segments, positions, sinks, window)
+  return jax.shard_map(local, mesh=mesh, in_specs=(qs, kvs, kvs, ss, ss, hs), out_specs=qs, check_vma=False)(q, k, v, segments, positions, sinks)
 
 
 # ------------------------------------------------------------------------------------------------ TPU: splash

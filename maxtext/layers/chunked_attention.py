@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxtext.layers.xla_attention import NEG_INF, position_mask
+from maxtext.layers.xla_attention import NEG_INF, position_mask, span_mask
 
 
 def chunked_attention(
@@ -119,7 +119,7 @@ def _tile(q, k_blk, q_pos, pos_blk, q_seg, seg_blk, window, scale, soft_cap):
   if soft_cap is not None:
     logits = soft_cap * jnp.tanh(logits / soft_cap)
   mask = position_mask(q_pos, pos_blk, q_seg, seg_blk, 0)
-  mask &= ((q_pos[:, :, None] - pos_blk[:, None, :]) < window) | (window == 0)
+  mask &= span_mask(q_pos, pos_blk, window)  # sliding window (> 0) or chunk (< 0)
   return logits, mask[:, None, None]
 
 

@@ -8,6 +8,8 @@ its two best biased scores). The chosen experts' weights are the unbiased scores
 with RoutingSpec.renormalize (norm_topk_prob, or a family that always renormalises; with softmax scores that is a softmax over the chosen experts' logits,
 as gpt-oss computes it), times routed_scaling_factor.
 
+With MoESpec.input_weights (Llama 4, top-1) the chosen expert's weight multiplies its input instead: E(w x).
+
 Experts: gated MLPs act0(x wi_0) * act1(x wi_1) -> wo, or gpt-oss's clamped SwiGLU (maxtext.layers.mlp.glu);
 with mlp_bias every projection adds a per-expert bias. With `quantization` every expert product is quantized
 (maxtext.layers.quantization.expert_product, through moe_dispatch.expert_matmul); a stored recipe (QLoRA, decoding)
@@ -69,6 +71,7 @@ class MoESpec:
   expert_bias: bool = False  # mlp_bias: every expert projection adds a per-expert bias
   shared: MLPSpec | None = None  # shared experts (shared_experts x width), run on every token
   shared_gate: bool = False  # the shared experts' output is scaled per token by sigmoid(x w_gate) (Qwen3-Next's shared_expert_gate)
+  input_weights: bool = False  # top-1: the routing weight scales the chosen expert's input, not its output (Llama 4)
   capacity_factor: float = -1.0  # > 0: each expert takes at most ceil(factor x seq_len x k / experts) pairs per sequence
   wi_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wi_0/wi_1 (MaxText's wi_tile_* keys)
   wo_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wo (wo_tile_* keys)
@@ -277,9 +280,11 @@ class MoE(nnx.Module):
     layout = moe_dispatch.Layout() if single else dispatch_layout(b, s, spec.rules, mesh, scale_axes)
     names = moe_dispatch.ExpertWeights._fields
     weights = moe_dispatch.ExpertWeights(*(None if p is None else p[...] for p in (getattr(self, name) for name in names)))
-    routed = (r.weights.reshape(b, s, -1), r.experts.reshape(b, s, -1))
+    routed_x, combine = x.astype(self.dtype), r.weights.reshape(b, s, -1)
+    if spec.input_weights:  # one expert per token: its weight scales the expert's input, the output is taken whole
+      routed_x, combine = routed_x * combine.astype(routed_x.dtype), jnp.ones_like(combine)
     plan = dispatch_plan(spec, self.policy, s)
-    y, dropped = moe_dispatch.dispatch(x.astype(self.dtype), *routed, valid.reshape(b, s), weights, layout, plan, None if single else mesh)
+    y, dropped = moe_dispatch.dispatch(routed_x, combine, r.experts.reshape(b, s, -1), valid.reshape(b, s), weights, layout, plan, None if single else mesh)
     y = y.astype(self.dtype)
     if self.shared_experts is not None:
       shared = self.shared_experts(x, adapter_ids)

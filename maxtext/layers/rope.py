@@ -47,10 +47,11 @@ def inverse_frequencies(
     low_wavelen = original_max_position / low_freq_factor
     high_wavelen = original_max_position / high_freq_factor
     wavelen = 2 * math.pi / inv
-    smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
     mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    with np.errstate(divide="ignore", invalid="ignore"):  # equal factors (Llama 4 Scout: 1, 1) leave no middle band to smooth
+      smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+      inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
   return inv
 
 

@@ -26,9 +26,20 @@ def position_mask(q_pos, kv_pos, q_seg, kv_seg, window) -> jax.Array:
   if q_seg is not None:
     allowed &= q_seg[:, :, None] == kv_seg[:, None, :]
   if not (isinstance(window, int) and window == 0):
-    in_window = (q_pos[:, :, None] - kv_pos[:, None, :]) < window
-    allowed &= in_window | (jnp.asarray(window) == 0)
+    allowed &= span_mask(q_pos, kv_pos, window)
   return allowed
+
+
+def span_mask(q_pos: jax.Array, kv_pos: jax.Array, span: int | jax.Array) -> jax.Array:
+  """Boolean [B, S, T]: the keys a layer's span allows beside causality. span > 0: a sliding window, q_pos - kv_pos <
+  span; span < 0: chunked local attention (Llama 4), query and key in the same chunk of -span positions; 0: all."""
+  if isinstance(span, int) and span == 0:
+    return jnp.ones((q_pos.shape[0], q_pos.shape[1], kv_pos.shape[1]), bool)
+  span = jnp.asarray(span)
+  chunk = jnp.maximum(-span, 1)
+  in_window = (q_pos[:, :, None] - kv_pos[:, None, :]) < span
+  in_chunk = (q_pos[:, :, None] // chunk) == (kv_pos[:, None, :] // chunk)
+  return jnp.where(span > 0, in_window, jnp.where(span < 0, in_chunk, True))
 
 
 def xla_attention(

@@ -156,7 +156,7 @@ def _keys(config: MaxTextConfig) -> list[int]:
     if kind.mixer == "gated_deltanet":
       out.append(min(seq, config.gdn_chunk_size))
     else:
-      out.append(min(seq, kind.window) if kind.window > 0 else seq)
+      out.append(min(seq, kind.window or kind.chunk) if kind.window or kind.chunk else seq)  # a chunk bounds the keys as a window does
   return out
 
 

@@ -228,7 +228,7 @@ class Transformer(nnx.Module):
     if rest is None:
       return x, stats
     x, after = self._run_layers(
-      rest, x, positions, segment_ids, [k.window for k in stack.remainder], adapter_ids, stacked=False, per_layer=None if mine is None else mine[whole:]
+      rest, x, positions, segment_ids, [k.span for k in stack.remainder], adapter_ids, stacked=False, per_layer=None if mine is None else mine[whole:]
     )
     return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, after)
 

@@ -26,6 +26,9 @@ class LayerShape(Protocol):
   num_experts: int
   shared_experts: int
   inhomogeneous_layer_cycle_interval: int
+  interleave_moe_layer_step: int  # llama4
+  nope_layer_interval: int  # llama4
+  chunk_attn_window_size: int  # llama4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +37,14 @@ class LayerKind:
 
   window: the sliding window of an attention mixer (0: full attention). It is a number, not a structure: layers
   that differ only in their window share one parameter stack and take the window as a scan input.
+  chunk: chunked local attention (Llama 4): each token attends causally within its chunk of `chunk` positions
+  (0: none). Like the window, a number: the layer receives both as one signed `span` (window, or -chunk).
   """
 
   mixer: str = "attention"
   ffn: str = "dense"
   window: int = 0
+  chunk: int = 0
   variant: str = ""  # a family's structural variant of the layer (gemma4: 'global', full attention with its own head dims and rope)
   kv_shared: bool = False  # attends with the keys and values of the last earlier unshared layer of the same window; no key/value projections
 
@@ -47,11 +53,19 @@ class LayerKind:
       raise ValueError(f"unknown token mixer {self.mixer!r}; one of {', '.join(MIXERS)}")
     if self.ffn not in FEED_FORWARDS:
       raise ValueError(f"unknown feed-forward {self.ffn!r}; one of {', '.join(FEED_FORWARDS)}")
+    if self.window and self.chunk:
+      raise ValueError("a layer attends within a sliding window or within chunks, not both")
 
   @property
   def structure(self) -> LayerKind:
-    """The kind without its window: layers of equal structure have the same parameters and stack together."""
-    return dataclasses.replace(self, window=0)
+    """The kind without its window or chunk: layers of equal structure have the same parameters and stack together."""
+    return dataclasses.replace(self, window=0, chunk=0)
+
+  @property
+  def span(self) -> int:
+    """What the layer's attention receives per layer (a scan input when it varies): the sliding window (> 0), minus
+    the chunk (< 0), or 0 for full causal attention (maxtext.layers.xla_attention.span_mask reads it)."""
+    return -self.chunk if self.chunk else self.window
 
 
 Pattern = Callable[[LayerShape], tuple[LayerKind, ...]]
@@ -97,6 +111,17 @@ def hybrid_pattern() -> Pattern:
   return pattern
 
 
+def llama4_pattern(shape: LayerShape) -> tuple[LayerKind, ...]:
+  """Llama 4's pattern: layer i is MoE (routed experts beside shared_experts) when (i + 1) % interleave_moe_layer_step
+  == 0, else a dense MLP; NoPE with full attention when (i + 1) % nope_layer_interval == 0, else rope attending within
+  chunks of chunk_attn_window_size (Hugging Face moe_layers, no_rope_layers and layer_types)."""
+  ffn, step, nope = experts_ffn(shape), shape.interleave_moe_layer_step, shape.nope_layer_interval
+  return tuple(
+    LayerKind("attention", ffn if (i + 1) % step == 0 else "dense", chunk=0 if nope > 0 and (i + 1) % nope == 0 else shape.chunk_attn_window_size)
+    for i in range(shape.num_decoder_layers)
+  )
+
+
 LLAMA_HF_NORMS = {"pre_attention_norm": "input_layernorm", "pre_mlp_norm": "post_attention_layernorm"}
 GEMMA_HF_NORMS = {
   "pre_attention_norm": "input_layernorm",
@@ -116,7 +141,7 @@ def gemma4_pattern(shape: LayerShape) -> tuple[LayerKind, ...]:
 
   def kind(i: int) -> LayerKind:
     full = (i + 1) % every == 0 or i == n - 1
-    return LayerKind("attention", ffn, 0 if full else w, "global" if full else "", i >= shared_from)
+    return LayerKind("attention", ffn, 0 if full else w, variant="global" if full else "", kv_shared=i >= shared_from)
 
   return tuple(kind(i) for i in range(n))
 
@@ -141,6 +166,10 @@ class Family:
   attention_out_bias: bool = True  # attention_bias also biases the output projection (Qwen2: q/k/v only)
   attention_output_gate: bool = False  # attention's query projection yields a sigmoid gate on its output too (Qwen3-Next)
   shared_expert_gate: bool = False  # the shared experts' output is scaled by sigmoid(x w) per token (Qwen3-Next)
+  nope_full_layers: bool = False  # Llama 4: layers of full attention (span 0) take no rope and no qk norm, and temperature_tuning
+  l2_qk_norm: bool = False  # use_qk_norm is a weightless L2 (RMS) norm of q and k after rope (Llama 4), not a learned RMSNorm
+  interleaved_rope: bool = False  # rotary pairs are neighbouring features (x[2i], x[2i+1]) whatever the rope type (Llama 4)
+  expert_input_weights: bool = False  # the router's top-1 sigmoid weight scales the expert's input, not its output (Llama 4)
   value_norm: bool = False  # an RMSNorm on each value head (Gemma 4; its scale per v_norm_with_scale)
   softmax_scale: float | None = None  # a fixed attention softmax scale (Gemma 4: 1, its query norm sizes the logits); None: query_pre_attn_scalar's
   layer_scalar: bool = False  # each layer's output is multiplied by a learned scalar (Gemma 4's layer_scalar)
@@ -158,6 +187,10 @@ class Family:
   def layer_windows(self, shape: LayerShape) -> list[int]:
     """The sliding window of each layer (0 = full attention)."""
     return [k.window for k in self.kinds(shape)]
+
+  def layer_spans(self, shape: LayerShape) -> list[int]:
+    """What each layer's attention receives: its window (> 0), minus its chunk (< 0), or 0 (LayerKind.span)."""
+    return [k.span for k in self.kinds(shape)]
 
   def mixers(self, shape: LayerShape) -> set[str]:
     """The token mixers the model's layers use."""

@@ -43,7 +43,8 @@ class Stack:
 
   @property
   def windows(self) -> tuple[int, ...]:
-    return tuple(k.window for k in self.kinds)
+    """What each layer's attention receives: its window, or minus its chunk (LayerKind.span)."""
+    return tuple(k.span for k in self.kinds)
 
   def locate(self, i: int) -> tuple[int | None, int]:
     """Layer i of the stack in a scanned model -> (block position j, index in position j's stack), or (None, index

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from maxtext.models.families import deepseek, gemma2, gemma3, gemma4, gpt_oss, llama2, mistral, mixtral, olmo3, qwen2, qwen3, qwen3_moe, qwen3_next
+from maxtext.models.families import deepseek, gemma2, gemma3, gemma4, gpt_oss, llama2, llama4, mistral, mixtral, olmo3, qwen2, qwen3, qwen3_moe, qwen3_next
 from maxtext.models.family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -20,6 +20,7 @@ FAMILIES: dict[str, Family] = {
     deepseek.FAMILY,
     qwen2.FAMILY,
     olmo3.FAMILY,
+    llama4.FAMILY,
     gemma4.FAMILY,
     gemma4.SMALL,
   )

@@ -82,11 +82,15 @@ def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None
   if shared and not c.shared_experts:
     raise ConfigError(f"decoder_block={c.decoder_block} has MoE layers with shared experts; set shared_experts >= 1")
   family = family or family_of(c)
-  sigmoid = c.routed_score_func == "sigmoid"
+  if family.expert_input_weights and c.num_experts_per_tok != 1:
+    raise ConfigError(
+      f"decoder_block={c.decoder_block} weights each expert's input, which is built for top-1 routing only; set num_experts_per_tok=1 (was {c.num_experts_per_tok})"
+    )
+  sigmoid = c.routed_score_func == "sigmoid" or family.expert_input_weights  # Llama 4's router: sigmoid of the top-1 logit
   routing = RoutingSpec(
     num_experts=c.num_experts,
     k=c.num_experts_per_tok,
-    score_func=c.routed_score_func,
+    score_func="sigmoid" if sigmoid else c.routed_score_func,
     groups=c.n_routing_groups,
     topk_groups=c.topk_routing_group,
     renormalize=c.norm_topk_prob or family.renormalize_topk,
@@ -104,6 +108,7 @@ def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None
     expert_bias=c.mlp_bias,
     shared=mlp(c, c.shared_experts * c.moe_mlp_dim) if shared else None,
     shared_gate=shared and family.shared_expert_gate,
+    input_weights=family.expert_input_weights,
     capacity_factor=c.capacity_factor,
     wi_tiles=wi,
     wo_tiles=wo,
@@ -111,11 +116,12 @@ def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None
   )
 
 
-def rope(config: MaxTextConfig, mla: bool = False) -> RopeSpec:
-  """The rotary embedding of GQA layers, or of MLA's rotary part (mla=True)."""
+def rope(config: MaxTextConfig, mla: bool = False, family: Family | None = None) -> RopeSpec:
+  """The rotary embedding of GQA layers, or of MLA's rotary part (mla=True); family: whose pairs may be interleaved."""
   c = config
+  unscaled = c.rope_type == "llama3.1" and not c.rope_use_scale  # MaxText's rope_use_scale=false: llama3.1 without its scaling
   return RopeSpec(
-    kind=c.rope_type,
+    kind="default" if unscaled else c.rope_type,
     theta=c.rope_max_timescale,
     linear_scaling=c.rope_linear_scaling_factor,
     llama3_factor=c.rope_scaling_factor,
@@ -129,7 +135,7 @@ def rope(config: MaxTextConfig, mla: bool = False) -> RopeSpec:
     truncate=c.rope_truncate,
     attention_scaling=c.rope_attention_scaling,
     local_theta=c.local_rope_max_timescale,
-    interleave=c.rope_interleave and (mla or c.rope_type == "yarn"),  # split halves for every other rope
+    interleave=(c.rope_interleave and (mla or c.rope_type == "yarn")) or (family is not None and family.interleaved_rope),  # else split halves
   )
 
 
@@ -145,23 +151,32 @@ def attention(config: MaxTextConfig, family: Family | None = None) -> AttentionS
   """Grouped-query attention; its traced windows are the family's layer windows."""
   c = config
   family = family or family_of(c)
+  spans = family.layer_spans(c)
+  if min(spans) < 0 and context_layout(c) is not None:
+    raise ConfigError(
+      f"decoder_block={c.decoder_block} has chunked-attention layers, which context parallelism does not build yet; set ici/dcn_context_parallelism=1"
+    )
+  l2 = family.l2_qk_norm and c.use_qk_norm
   return AttentionSpec(
     emb_dim=c.emb_dim,
     num_query_heads=c.num_query_heads,
     num_kv_heads=c.num_kv_heads,
     head_dim=c.head_dim,
-    rope=rope(c),
+    rope=rope(c, family=family),
     scale=family.softmax_scale if family.softmax_scale is not None else (c.query_pre_attn_scalar or c.head_dim) ** -0.5,
     max_target_length=c.max_target_length,
     soft_cap=c.attn_logits_soft_cap,
     use_bias=c.attention_bias,
     sinks=c.attention_sink,
-    qk_norm=norm(c, family) if c.use_qk_norm else None,
+    qk_norm=norm(c, family) if c.use_qk_norm and not l2 else None,
     output_gate=family.attention_output_gate,
     partial_rotary_factor=c.partial_rotary_factor,
     qk_norm_per_head=family.qk_norm_per_head,
     out_bias=family.attention_out_bias,
-    window_choices=tuple(sorted(set(family.layer_windows(c)))),
+    nope_full_layers=family.nope_full_layers,
+    l2_qk_norm_eps=c.normalization_layer_epsilon if l2 else 0.0,
+    temperature_tuning=(c.temperature_tuning_scale, c.temperature_tuning_floor_scale) if c.temperature_tuning else None,
+    window_choices=tuple(sorted(set(spans))),
     context=context_layout(c),
     rules=rules(c),
   )
