@@ -34,6 +34,7 @@ PUBLISHED_BILLIONS = {
   "qwen3-30b-a3b": 30.53,
   "qwen3-235b-a22b": 235.09,
   "deepseek3-671b": 671.03,  # the main model; its multi-token-prediction module is counted apart (see below)
+  "deepseek3.2-671b": 671.88,  # deepseek3-671b plus 61 lightning indexers (0.85B); its MTP module apart
   "gemma3-1b": 1.0,
   # Text decoders of the multimodal releases: the published 4.3B / 12.2B / 27.4B include the 0.42B SigLIP vision tower
   # and projector; 27.0B is the text decoder the issue names.

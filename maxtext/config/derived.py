@@ -158,6 +158,7 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
   _check_quantization(c)
   _check_post_training(c)
   _check_family_fields(c)
+  _check_indexer(c)
   _check_llama4_fields(c)
   if c.load_parameters_path and c.load_full_state_path and not c.lora.enable_lora:  # LoRA: the frozen base under the state's adapters
     raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one (load_parameters_path= clears it)")
@@ -236,7 +237,7 @@ def _check_quantization(c: MaxTextConfig) -> None:
       raise ConfigError("quantize_kvcache=true needs kv_quant_axis=dkv or heads_and_dkv (the axes one scale covers); set it")
     if c.kv_quant_dtype == "int4" and c.head_dim % 2:
       raise ConfigError(f"kv_quant_dtype=int4 stores two values per byte along head_dim, which is odd ({c.head_dim}); use kv_quant_dtype=int8")
-    if "mla" in _mixers(c):
+    if {"mla", "mla_sparse"} & _mixers(c):
       raise ConfigError(
         f"quantize_kvcache=true quantizes keys and values per kv head; decoder_block={c.decoder_block} (MLA) caches a compressed latent,"
         " which stays in the compute dtype here; drop quantize_kvcache"
@@ -307,7 +308,7 @@ def _check_moe_fields(c: MaxTextConfig) -> None:
     )
   if c.mlp_bias and c.num_experts == 1:
     raise ConfigError("mlp_bias adds biases to routed experts, but num_experts is 1 (dense MLPs have none here); set num_experts > 1 or mlp_bias=false")
-  if c.decoder_block == "deepseek" and (c.kv_lora_rank < 1 or c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2 or c.v_head_dim < 1):
+  if c.decoder_block in ("deepseek", "deepseek_v32") and (c.kv_lora_rank < 1 or c.qk_rope_head_dim < 2 or c.qk_rope_head_dim % 2 or c.v_head_dim < 1):
     raise ConfigError("deepseek MLA needs kv_lora_rank >= 1, an even qk_rope_head_dim >= 2 and v_head_dim >= 1; fix the MLA keys")
 
 
@@ -376,7 +377,7 @@ def _check_family_fields(c: MaxTextConfig) -> None:
     raise ConfigError(
       f"sliding_window_size={c.sliding_window_size}, but decoder_block={c.decoder_block}'s layer pattern has no sliding-window layer; set it to 0"
     )
-  if (c.attention_bias or c.attention_sink) and "mla" in _mixers(c):
+  if (c.attention_bias or c.attention_sink) and {"mla", "mla_sparse"} & _mixers(c):
     raise ConfigError(f"attention_bias and attention_sink apply to grouped-query attention; decoder_block={c.decoder_block} uses MLA, drop them")
   if c.mlp_activations_limit > 0 and not family.clamped_glu:
     with_glu = sorted(f.name for f in registry.FAMILIES.values() if f.clamped_glu)
@@ -435,6 +436,22 @@ def _check_gemma4_fields(c: MaxTextConfig, family) -> None:
       f"num_experts={c.num_experts}: gemma4's MoE block (the experts beside the dense MLP, Hugging Face enable_moe_block) is not built here yet; "
       "use a dense gemma4 model (num_experts=1)"
     )
+
+
+def _check_indexer(c: MaxTextConfig) -> None:
+  """DeepSeek Sparse Attention's keys: use_indexer exactly with the sparse MLA layers of decoder_block=deepseek_v32."""
+  sparse = "mla_sparse" in _mixers(c)
+  if c.use_indexer and not sparse:
+    raise ConfigError(
+      f"use_indexer=true, but decoder_block={c.decoder_block} has no sparse attention layers; "
+      "MaxText's deepseek with use_indexer is decoder_block=deepseek_v32 here: set it, or use_indexer=false"
+    )
+  if sparse and not c.use_indexer:
+    raise ConfigError(f"decoder_block={c.decoder_block} attends through the lightning indexer; set use_indexer=true (or decoder_block=deepseek for dense MLA)")
+  if sparse and not c.q_lora_rank:
+    raise ConfigError("DeepSeek Sparse Attention's indexer projects MLA's query latent; set q_lora_rank > 0")
+  if sparse and c.indexer_head_dim < c.qk_rope_head_dim:
+    raise ConfigError(f"indexer_head_dim={c.indexer_head_dim} is smaller than its rotary part qk_rope_head_dim={c.qk_rope_head_dim}; raise indexer_head_dim")
 
 
 def _check_llama4_fields(c: MaxTextConfig) -> None:

@@ -23,6 +23,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   m.Gemma4,
   m.Llama4,
   m.MTP,
+  m.SparseAttention,
   m.ManifoldConstrainedHyperConnections,
   m.Logits,
   m.Quantization,

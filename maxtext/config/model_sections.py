@@ -263,3 +263,22 @@ class Quantization(Section):
   kv_quant_axis: Literal["", "dkv", "heads_and_dkv"] = Field(
     "heads_and_dkv", description="decode: axes one KV-cache scale covers: dkv (each head's vector), heads_and_dkv (all heads of a token)."
   )
+
+
+class SparseAttention(Section):
+  """DeepSeek Sparse Attention (decoder_block=deepseek_v32: MLA with the lightning indexer); MaxText's keys."""
+
+  use_indexer: bool = Field(
+    False, description="DeepSeek Sparse Attention: MLA attends to the indexer's top-k keys; true exactly for decoder_block=deepseek_v32."
+  )
+  indexer_n_heads: int = Field(64, gt=0, description="DeepSeek Sparse Attention: the indexer's query heads.")
+  indexer_head_dim: int = Field(128, gt=0, description="DeepSeek Sparse Attention: the indexer's query/key width (its first qk_rope_head_dim features rotate).")
+  indexer_topk: int = Field(2048, gt=0, description="DeepSeek Sparse Attention: keys each query attends to (all of them when fewer are visible).")
+  indexer_sparse_training: bool = Field(
+    False,
+    description="DeepSeek Sparse Attention with indexer_loss_scaling_factor > 0: false -> dense warm-up (dense attention, only the indexer trains, "
+    "KL over all keys); true -> sparse training (top-k attention, KL over the selected keys, the rest trains on the LM loss).",
+  )
+  indexer_loss_scaling_factor: float = Field(
+    0.0, ge=0, description="DeepSeek Sparse Attention: weight of the indexer's KL loss in the training loss; 0 -> off."
+  )

@@ -27,6 +27,7 @@ HF_ARCHITECTURES = {
   "gemma3": "Gemma3ForCausalLM",
   "gpt_oss": "GptOssForCausalLM",
   "deepseek": "DeepseekV3ForCausalLM",
+  "deepseek_v32": "DeepseekV32ForCausalLM",
   "qwen2": "Qwen2ForCausalLM",
   "olmo3": "Olmo3ForCausalLM",
   "llama4": "Llama4ForCausalLM",
@@ -42,11 +43,13 @@ HF_MODEL_TYPES = {
   "gemma3": "gemma3_text",
   "gpt_oss": "gpt_oss",
   "deepseek": "deepseek_v3",
+  "deepseek_v32": "deepseek_v32",
   "qwen2": "qwen2",
   "olmo3": "olmo3",
   "llama4": "llama4_text",
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_next", "gpt_oss", "deepseek", "llama4")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_next", "gpt_oss", "deepseek", "llama4", "deepseek_v32")
+DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v32")  # MLA and DeepSeekMoE; deepseek_v32 adds the lightning indexer
 WINDOWED_TYPES = ("gemma2", "gemma3_text", "gpt_oss", "olmo3")  # model types whose layer_types alternate sliding and full attention
 # Model types whose transformers attention puts a bias on q, k, v and o exactly when attention_bias is true (maxtext's
 # attention_bias); MistralAttention and MixtralAttention have no biases whatever the key says.
@@ -187,6 +190,28 @@ def _moe(hf: HFFields, model_type: str) -> dict[str, Any]:
     "qk_rope_head_dim": rope,
     "v_head_dim": hf.int("v_head_dim"),
     "rope_interleave": hf.flag("rope_interleave", True),
+    **(_indexer(hf) if model_type == "deepseek_v32" else {}),
+  }
+
+
+def _indexer(hf: HFFields) -> dict[str, Any]:
+  """DeepseekV32's lightning indexer (it always rotates MLA's keys in interleaved pairs and has a query latent)."""
+  layers = hf.int("num_hidden_layers")
+  types = hf.texts("layer_types")
+  if types is not None and types != ["indexed_attention"] * layers:
+    raise ConfigError(f"config.json's layer_types must be {layers} x 'indexed_attention' (DeepseekV32 indexes every layer); fix layer_types")
+  dense = min(hf.int("first_k_dense_replace", 3, minimum=0), layers)
+  mlp_types = hf.texts("mlp_layer_types")
+  if mlp_types is not None and mlp_types != ["dense"] * dense + ["sparse"] * (layers - dense):
+    raise ConfigError(f"config.json's mlp_layer_types must be first_k_dense_replace={dense} 'dense' then 'sparse' layers; fix one of them")
+  if not hf.int("q_lora_rank", 0, minimum=0):
+    raise ConfigError("DeepseekV32 config.json needs q_lora_rank (its indexer projects the query latent); set it")
+  return {
+    "use_indexer": True,
+    "indexer_n_heads": hf.int("index_n_heads", 64),
+    "indexer_head_dim": hf.int("index_head_dim", 128),
+    "indexer_topk": hf.int("index_topk", 2048),
+    "rope_interleave": True,
   }
 
 
@@ -237,7 +262,7 @@ def _check_consistent(hf: HFFields) -> None:
   per_token = hf.int("num_experts_per_tok", 0, minimum=0)
   if experts and per_token > experts:
     raise ConfigError(f"config.json routes num_experts_per_tok={per_token} of only {experts} experts; the two contradict each other")
-  if hf.values.get("model_type") == "deepseek_v3":
+  if hf.values.get("model_type") in DEEPSEEK_TYPES:
     experts = _experts(hf, "n_routed_experts", "num_local_experts")
     groups, topk = hf.int("n_group", 1), hf.int("topk_group", 1)
     if experts % groups or not 1 <= topk <= groups:
@@ -410,7 +435,7 @@ def _llama4_export(c: MaxTextConfig, rope: dict[str, Any]) -> dict[str, Any]:
 def stored_mtp_layers(hf: dict[str, Any], source: str = "config.json") -> int:
   """How many multi-token-prediction layers the checkpoint stores past num_hidden_layers (DeepSeek's
   num_nextn_predict_layers; no other family stores any)."""
-  if hf.get("model_type") != "deepseek_v3":
+  if hf.get("model_type") not in DEEPSEEK_TYPES:
     return 0
   return HFFields(hf, source).int("num_nextn_predict_layers", 0, minimum=0)
 
@@ -483,11 +508,11 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
   if model_type == "mixtral":
     out["num_experts"] = f.int("num_local_experts")
     out["num_experts_per_tok"] = f.int("num_experts_per_tok")
-  if out.get("rope_type") == "yarn" and model_type != "deepseek_v3":  # deepseek_v3 (MLA) reads rope_interleave
+  if out.get("rope_type") == "yarn" and model_type not in DEEPSEEK_TYPES:  # deepseek_v3 (MLA) reads rope_interleave
     out["rope_interleave"] = False  # transformers' grouped-query attention rotates split halves (maxtext's yarn default pairs neighbours)
   if model_type == "gpt_oss":
     out.update(_gpt_oss(f))
-  if model_type in ("qwen3_moe", "deepseek_v3"):
+  if model_type in ("qwen3_moe", *DEEPSEEK_TYPES):
     out.update(_moe(f, model_type))
   if model_type == "qwen3_next":
     out.update(_qwen3_next(f))
@@ -522,7 +547,7 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
     raise ConfigError("mHC connectors have no Hugging Face equivalent; export a model with mhc_expansion_rate=1")
   if c.attention_bias and HF_MODEL_TYPES[c.decoder_block] in UNBIASED_ATTENTION_TYPES:
     raise ConfigError(f"{HF_ARCHITECTURES[c.decoder_block]} has no attention biases; export a {c.decoder_block} model with attention_bias=false")
-  rope = _rope_export(c, mla="mla" in registry.get(c.decoder_block).mixers(c))
+  rope = _rope_export(c, mla=bool({"mla", "mla_sparse"} & registry.get(c.decoder_block).mixers(c)))
   hf: dict[str, Any] = {
     "architectures": [HF_ARCHITECTURES[c.decoder_block]],
     "model_type": HF_MODEL_TYPES[c.decoder_block],
@@ -608,8 +633,13 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
       decoder_sparse_step=1,
       mlp_only_layers=[],
     )
-  if c.decoder_block == "deepseek":
+  if c.decoder_block in ("deepseek", "deepseek_v32"):
     hf.update(_deepseek_export(c))
+  if c.decoder_block == "deepseek_v32":
+    if not c.rope_interleave:
+      raise ConfigError("DeepseekV32 always rotates MLA's keys in interleaved pairs; export a deepseek_v32 model with rope_interleave=true")
+    hf.update(index_n_heads=c.indexer_n_heads, index_head_dim=c.indexer_head_dim, index_topk=c.indexer_topk)
+    hf.pop("rope_interleave")
   if c.decoder_block == "qwen3_next":
     hf.update(_qwen3_next_export(c, rope))
   if c.decoder_block == "llama4":

@@ -91,10 +91,24 @@ def _gated_deltanet_rules(c: MaxTextConfig) -> list[Rule]:
   ]
 
 
+def _indexer_rules(c: MaxTextConfig) -> list[Rule]:
+  """DeepSeek Sparse Attention's lightning indexer (DeepseekV32's self_attn.indexer)."""
+  e, h, d = c.emb_dim, c.indexer_n_heads, c.indexer_head_dim
+  return [
+    Rule("attention/indexer/wq_b/kernel", "self_attn.indexer.wq_b.weight", *_linear((c.q_lora_rank,), (h, d))),
+    Rule("attention/indexer/wk/kernel", "self_attn.indexer.wk.weight", *_linear((e,), (d,))),
+    Rule("attention/indexer/k_norm/scale", "self_attn.indexer.k_norm.weight", _identity, _identity),
+    Rule("attention/indexer/k_norm/bias", "self_attn.indexer.k_norm.bias", _identity, _identity),
+    Rule("attention/indexer/weights_proj/kernel", "self_attn.indexer.weights_proj.weight", *_linear((e,), (h,))),
+  ]
+
+
 def _attention_rules(c: MaxTextConfig, mixer: str = "attention") -> list[Rule]:
   e, h, kv, d = c.emb_dim, c.num_query_heads, c.num_kv_heads, c.head_dim
   if mixer == "gated_deltanet":
     return _gated_deltanet_rules(c)
+  if mixer == "mla_sparse":
+    return _attention_rules(c, "mla") + _indexer_rules(c)
   if mixer == "mla":
     qk = c.qk_nope_head_dim + c.qk_rope_head_dim
     rules = []

@@ -31,6 +31,7 @@ from maxtext.models import layer_pattern, registry
 from maxtext.models.family import LayerKind
 
 STACK_AXIS = "cache_layers"
+INDEXED = "+index"  # the suffix of a sparse MLA layer's form: MLA's buffers plus 'index_key' [B, 1, T, indexer_head_dim]
 
 
 @jax.tree_util.register_dataclass
@@ -94,6 +95,8 @@ def cache_form(config: MaxTextConfig, mixer: str, kind: LayerKind | None = None)
     return "kv"
   if mixer == "mla":
     return "mla_naive" if config.mla_naive_kvcache else "mla_latent"
+  if mixer == "mla_sparse":  # MLA's cache plus the lightning indexer's keys
+    return cache_form(config, "mla") + INDEXED
   raise ValueError(f"no decode cache form for token mixer {mixer!r}")
 
 
@@ -110,6 +113,8 @@ def layout(config: MaxTextConfig, max_length: int | None = None) -> Layout:
 def layer_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: int, form: str) -> dict[str, tuple[int, ...]]:
   """One layer's cache buffers and their [B, K, T, D] shapes."""
   c, slots = config, lay.slots(window)
+  if form.endswith(INDEXED):
+    return {**layer_shapes(config, lay, batch, window, form.removesuffix(INDEXED)), "index_key": (batch, 1, slots, c.indexer_head_dim)}
   if form == "gdn_state":
     channels = 2 * c.gdn_num_key_heads * c.gdn_key_head_dim + c.gdn_num_value_heads * c.gdn_value_head_dim
     return {"conv": (batch, c.gdn_conv_kernel_dim - 1, channels), "recurrent": (batch, c.gdn_num_value_heads, c.gdn_key_head_dim, c.gdn_value_head_dim)}
@@ -201,6 +206,8 @@ def values_per_slot(config: MaxTextConfig, form: str) -> int:
   kv_lora_rank + qk_rope_head_dim (576 for DeepSeek V3, against 128 x (192 + 128) naive); a Gated DeltaNet state: 0
   (its size does not grow with the tokens: state_bits)."""
   c = config
+  if form.endswith(INDEXED):
+    return values_per_slot(config, form.removesuffix(INDEXED)) + c.indexer_head_dim
   if form in ("gdn_state", "kv_shared"):
     return 0
   if form == "kv_global":
@@ -225,7 +232,7 @@ def bits_per_slot(config: MaxTextConfig, form: str) -> int:
 def theoretical_bytes(config: MaxTextConfig, batch: int, lay: Layout, form: str | None = None) -> int:
   """batch x sum over layers of slots x bits_per_slot of the layer's form / 8 (form: another cache form for the MLA
   layers, e.g. MLA's naive)."""
-  forms = [form if form and f.startswith("mla") else f for f in lay.forms]
+  forms = [(form + (INDEXED if f.endswith(INDEXED) else "")) if form and f.startswith("mla") else f for f in lay.forms]
   return batch * sum(lay.slots(w) * bits_per_slot(config, f) + state_bits(config, f) for w, f in zip(lay.windows, forms)) // 8
 
 
@@ -256,7 +263,7 @@ def describe(config: MaxTextConfig, batch: int, lay: Layout) -> str:
   if states:
     fixed = batch * states * state_bits(config, "gdn_state") // 8
     line += f"; {fixed / 2**20:,.2f} MiB of it the {states} Gated DeltaNet layers' fixed-size state, the same at every length"
-  if "mla_latent" in lay.forms:
+  if {"mla_latent", "mla_latent" + INDEXED} & set(lay.forms):
     naive = theoretical_bytes(config, batch, lay, "mla_naive")
     line += f"; per-head keys and values (mla_naive_kvcache=true) would take {naive / 2**20:,.2f} MiB ({naive / size:.1f}x)"
   return line

@@ -41,11 +41,22 @@ def check_training_only_axes(config: MaxTextConfig) -> None:
       raise ConfigError(f"decode does not use the '{axis}' mesh axis (training only); set {keys} to 1 (checkpoints do not depend on them)")
 
 
+def check_sparse_context(config: MaxTextConfig) -> None:
+  """DeepSeek Sparse Attention selects indexer_topk keys of the cache; a top-k beyond the whole context (max_target_length)
+  would select every key, which is dense attention under another name: a one-line error."""
+  if config.use_indexer and config.indexer_topk > config.max_target_length:
+    raise ConfigError(
+      f"indexer_topk={config.indexer_topk} is larger than the decode context max_target_length={config.max_target_length}, so the indexer would "
+      "select every key; raise max_target_length or lower indexer_topk"
+    )
+
+
 def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
   check_training_only_axes(config)
   check_save_path(config)
   if config.hf_model_path:
     config = hf_config(argv, config.hf_model_path)
+  check_sparse_context(config)
   sampling = SamplingParams.from_config(config)
   tokenizer = load_decode_tokenizer(config)
   text, eos_id = config.prompt, tokenizer.eos_id

@@ -31,7 +31,13 @@ CACHE_AXES = ("cache_batch", "cache_heads", "cache_sequence", "cache_kv")  # hea
 LATENT_AXES = ("cache_batch", None, "cache_sequence", "cache_kv")  # MLA's latent: one shared "head"
 # A Gated DeltaNet layer's decode state: its convolution window [B, K - 1, channels] and recurrent state [B, H_v, d_k, d_v].
 STATE_AXES = {"conv": ("cache_batch", None, None), "recurrent": ("cache_batch", "cache_heads", None, None)}
-AXES = {"key": CACHE_AXES, "value": CACHE_AXES, "latent": LATENT_AXES, **STATE_AXES}
+AXES = {
+  "key": CACHE_AXES,
+  "value": CACHE_AXES,
+  "latent": LATENT_AXES,
+  "index_key": LATENT_AXES,
+  **STATE_AXES,
+}  # index_key: DeepSeek Sparse Attention's indexer keys
 KV_QMAX = {"int8": 127.0, "int4": 7.0}
 PACKED_INT4 = jnp.dtype(jnp.uint8)  # a cache buffer of this dtype holds int4 values, two per byte along D
 

@@ -90,6 +90,14 @@ class MLA(nnx.Module):
     # An explicit kernel that cannot run this model fails here, at build time, as a one-line config error.
     attention_ops.select(policy, dtype=policy.dtypes.compute, head_dim=qk, q_len=spec.max_target_length, kv_len=spec.max_target_length, soft_cap=spec.soft_cap)
 
+  def queries(self, x: jax.Array, adapter_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """x [B, S, E] -> (queries [B, S, H, nope + rope] before rotation, the normalised query latent [B, S, q_lora_rank]
+    or None when q_lora_rank = 0)."""
+    if self.wq is not None:
+      return checkpoint_name(self.wq(x, adapter_ids), "query_proj"), None
+    latent = self.q_norm(self.wq_a(x, adapter_ids))
+    return checkpoint_name(self.wq_b(latent, adapter_ids), "query_proj"), latent
+
   def __call__(
     self,
     x: jax.Array,
@@ -104,8 +112,7 @@ class MLA(nnx.Module):
     spec = self.spec
     rules = spec.rules
     nope, rope_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim
-    q = self.wq(x, adapter_ids) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x, adapter_ids)), adapter_ids)
-    q = checkpoint_name(q, "query_proj")
+    q, _ = self.queries(x, adapter_ids)
     kv_a = checkpoint_name(self.wkv_a(x, adapter_ids), "kv_wa_proj")
     latent, k_rope = self.kv_norm(kv_a[..., : spec.kv_lora_rank]), kv_a[..., spec.kv_lora_rank :]
     inv_freq, rope_scale = rope.layer_frequencies(spec.rope, rope_dim)

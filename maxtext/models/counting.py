@@ -165,7 +165,7 @@ def attention_width(c: MaxTextConfig, mixer: str = "attention") -> float:
   Gated DeltaNet (d_k + d_v) / 2 scaled by its value heads per query head (the scores count num_query_heads heads)."""
   if mixer == "gated_deltanet":
     return (c.gdn_key_head_dim + c.gdn_value_head_dim) / 2 * c.gdn_num_value_heads / c.num_query_heads
-  if mixer == "mla":
+  if mixer in ("mla", "mla_sparse"):  # mla_sparse: its mask-based attention scores every visible key (indexer scores not counted)
     return (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2
   return c.head_dim
 

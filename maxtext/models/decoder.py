@@ -289,6 +289,8 @@ class Transformer(nnx.Module):
     """tokens [B, S] -> (final-normed hidden [B, S, E], hidden before the final norm, MoE statistics).
 
     Statistics: lb_loss (load-balance loss x load_balance_loss_weight / num_decoder_layers, summed over layers),
+    indexer_loss (DeepSeek Sparse Attention: the indexer KL x indexer_loss_scaling_factor summed over query tokens,
+    averaged over layers),
     dropped (routed pairs dropped over capacity, summed over layers), load [MoE layers, num_experts].
     adapter_ids [B] or [B, S]: the LoRA slot of each row or token when lora.max_lora_adapters > 1 (None: slot 0).
     """
@@ -299,10 +301,11 @@ class Transformer(nnx.Module):
     per_layer = self.per_layer_inputs(tokens)
     *prefix, main = self.stacks
     windows = list(main.windows)
-    lb = jnp.zeros((), jnp.float32)
+    lb = indexer = jnp.zeros((), jnp.float32)
     for stack in prefix:
       x, dense_stats = self._run_stack(stack, x, positions, segment_ids, adapter_ids, per_layer)
       lb = lb + jnp.sum(dense_stats["lb_loss"])
+      indexer = indexer + jnp.sum(dense_stats["indexer_loss"])
     schedule = self.specs.pipeline
     if schedule is None:
       x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids, per_layer)
@@ -311,11 +314,12 @@ class Transformer(nnx.Module):
       x, stats = schedule(self.layers, x, positions, segment_ids, adapter_ids, windows[:piped], self.policy)
       if self.layers_outside_pipeline is not None:
         x, after = self._run_layers(self.layers_outside_pipeline, x, positions, segment_ids, windows[piped:], adapter_ids)
-        stats = {k: jnp.concatenate([stats[k], after[k]]) for k in ("lb_loss", "dropped", "load")}
+        stats = {k: jnp.concatenate([stats[k], after[k]]) for k in ("lb_loss", "dropped", "load", "indexer_loss")}
     x = collapse_streams(x, self.specs.residual)
     hidden = self.final_norm(x)
     lb = (lb + jnp.sum(stats["lb_loss"])) * (c.load_balance_loss_weight / c.num_decoder_layers)
-    return hidden, x, {"lb_loss": lb, "dropped": jnp.sum(stats["dropped"]), "load": stats["load"]}
+    indexer = (indexer + jnp.sum(stats["indexer_loss"])) / c.num_decoder_layers
+    return hidden, x, {"lb_loss": lb, "dropped": jnp.sum(stats["dropped"]), "load": stats["load"], "indexer_loss": indexer}
 
   def output_head(self) -> OutputHead:
     """The map from final hidden states to logits: the output kernel, or the embedding table when tied."""

@@ -15,6 +15,7 @@ from maxtext.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec, Gate
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.lora import LoRASpec
 from maxtext.layers.mla import MLA, MLASpec
+from maxtext.layers.mla_sparse import SparseMLA, SparseMLASpec
 from maxtext.layers.mlp import MLP, MLPSpec, activation
 from maxtext.layers.moe import MoE, MoESpec, empty_stats
 from maxtext.layers.norms import NormSpec, RMSNorm
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 MODULES: dict[type, type[nnx.Module]] = {
   AttentionSpec: Attention,
   MLASpec: MLA,
+  SparseMLASpec: SparseMLA,
   GatedDeltaNetSpec: GatedDeltaNet,
   MLPSpec: MLP,
   MoESpec: MoE,
@@ -109,12 +111,13 @@ class DecoderLayer(nnx.Module):
     shared_kv: tuple[jax.Array, jax.Array] | None = None,
     return_kv: bool = False,
   ) -> tuple:
-    """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense);
+    """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense;
+    indexer_loss: a sparse MLA's weighted indexer KL summed over its query tokens, else 0);
     with a KV cache (decoding), (..., updated cache). adapter_ids [B] or [B, S]: each row's (or token's) LoRA slot
     when the layer holds several adapters (None: slot 0). per_layer_input [B, S, P]: this layer's per-layer input
     (Gemma 4). shared_kv: the keys and values a KV-shared layer attends with; return_kv: (..., (keys, values)) of
     this layer, for the layers that share them."""
-    aux = empty_stats(self.spec.num_experts)
+    aux = {**empty_stats(self.spec.num_experts), "indexer_loss": jnp.zeros((), jnp.float32)}
     kv = None
 
     def attention_branch(h: jax.Array) -> jax.Array:
@@ -125,6 +128,8 @@ class DecoderLayer(nnx.Module):
         y = self._linear_mixer(h, segment_ids, cache, adapter_ids)
         if cache is not None:
           y, cache = y
+      elif cache is None and isinstance(self.attention, SparseMLA):  # its output and its weighted indexer KL (summed over tokens)
+        y, aux["indexer_loss"] = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids)
       elif shared_kv is not None or return_kv:
         y = self.attention(h, positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids, shared_kv=shared_kv, return_kv=return_kv)
         if return_kv:
@@ -144,7 +149,8 @@ class DecoderLayer(nnx.Module):
       h = self.pre_mlp_norm(h) if self.pre_mlp_norm is not None else h
       if isinstance(self.mlp, MoE):
         valid = segment_ids != 0 if segment_ids is not None else jnp.ones(h.shape[:2], bool)
-        y, aux = self.mlp(h, valid, adapter_ids)
+        y, stats = self.mlp(h, valid, adapter_ids)
+        aux = {**stats, "indexer_loss": aux["indexer_loss"]}
       else:
         y = self.mlp(h, adapter_ids)
       return self.post_mlp_norm(y) if self.post_mlp_norm is not None else y

@@ -12,7 +12,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-MIXERS = ("attention", "mla", "gated_deltanet")  # the token mixers a LayerKind may name (maxtext.models.specs.MIXERS builds each)
+# The token mixers a LayerKind may name (maxtext.models.specs.MIXERS builds each); mla_sparse: MLA over a lightning
+# indexer's top-k keys (DeepSeek V3.2).
+MIXERS = ("attention", "mla", "gated_deltanet", "mla_sparse")
 FEED_FORWARDS = ("dense", "moe", "moe_shared")  # the feed-forwards (maxtext.models.specs.FEED_FORWARDS builds each)
 
 

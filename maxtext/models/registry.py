@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
-from maxtext.models.families import deepseek, gemma2, gemma3, gemma4, gpt_oss, llama2, llama4, mistral, mixtral, olmo3, qwen2, qwen3, qwen3_moe, qwen3_next
+from maxtext.models.families import (
+  deepseek,
+  deepseek_v32,
+  gemma2,
+  gemma3,
+  gemma4,
+  gpt_oss,
+  llama2,
+  llama4,
+  mistral,
+  mixtral,
+  olmo3,
+  qwen2,
+  qwen3,
+  qwen3_moe,
+  qwen3_next,
+)
 from maxtext.models.family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -18,6 +34,7 @@ FAMILIES: dict[str, Family] = {
     gemma3.FAMILY,
     gpt_oss.FAMILY,
     deepseek.FAMILY,
+    deepseek_v32.FAMILY,
     qwen2.FAMILY,
     olmo3.FAMILY,
     llama4.FAMILY,

@@ -27,6 +27,7 @@ from maxtext.layers.gated_deltanet import GatedDeltaNetSpec
 from maxtext.layers.lora import LoRASpec
 from maxtext.layers.mla import MLASpec
 from maxtext.layers.mla import softmax_scale as mla_softmax_scale
+from maxtext.layers.mla_sparse import IndexerSpec, SparseMLASpec
 from maxtext.layers.mlp import MLPSpec
 from maxtext.layers.moe import MoESpec, RoutingSpec
 from maxtext.layers.norms import NormSpec
@@ -204,6 +205,30 @@ def mla(config: MaxTextConfig) -> MLASpec:
   )
 
 
+def indexer_warmup(config: MaxTextConfig) -> bool:
+  """The dense warm-up of DeepSeek Sparse Attention's indexer: a KL loss and indexer_sparse_training=false. The main
+  attention then stays dense and only the indexer trains (maxtext.train.trainable)."""
+  return config.use_indexer and config.indexer_loss_scaling_factor > 0 and not config.indexer_sparse_training
+
+
+def mla_sparse(config: MaxTextConfig) -> SparseMLASpec:
+  """MLA with DeepSeek Sparse Attention's lightning indexer, from MaxText's indexer_* keys."""
+  c = config
+  if context_layout(c) is not None:
+    raise ConfigError(
+      f"decoder_block={c.decoder_block} selects each query's top-k keys over the whole sequence, which context parallelism does not split yet; "
+      "set ici/dcn_context_parallelism=1"
+    )
+  indexer = IndexerSpec(
+    num_heads=c.indexer_n_heads,
+    head_dim=c.indexer_head_dim,
+    topk=c.indexer_topk,
+    loss_scale=c.indexer_loss_scaling_factor,
+    dense_warmup=indexer_warmup(c),
+  )
+  return SparseMLASpec(mla(c), indexer)
+
+
 def gated_deltanet(config: MaxTextConfig) -> GatedDeltaNetSpec:
   """Gated DeltaNet linear attention (Qwen3-Next), from MaxText's gdn_* keys."""
   c = config
@@ -248,6 +273,7 @@ MIXERS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
   "attention": attention,
   "mla": lambda config, family: mla(config),
   "gated_deltanet": lambda config, family: gated_deltanet(config),
+  "mla_sparse": lambda config, family: mla_sparse(config),
 }
 FEED_FORWARDS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
   "dense": lambda config, family: mlp(config),

@@ -1,7 +1,7 @@
 """Masked next-token cross entropy with z-loss (the output head streams the vocabulary with num_vocab_tiling > 1).
 
 Sums (not means) are returned so micro-batches can be combined token-weighted:
-loss = (sum xent + sum z + sum mtp) / total_weights + moe_aux; mtp only in training.
+loss = (sum xent + sum z + sum mtp + sum indexer KL) / total_weights + moe_aux; mtp only in training.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ class LossSums(NamedTuple):
   mtp: jax.Array  # multi-token prediction: scaled mean over modules of summed cross entropy (0 when off or in eval)
   dropped: jax.Array  # routed (token, expert) pairs dropped over expert capacity, summed over MoE layers
   load: jax.Array  # [MoE layers, num_experts] tokens routed to each expert (the aux-loss-free bias update reads it)
+  indexer: jax.Array  # DeepSeek Sparse Attention: the weighted indexer KL summed over query tokens, mean over layers (0 without)
 
 
 def zero_sums(config: MaxTextConfig) -> LossSums:
   """LossSums of zeros (the start of gradient accumulation)."""
   zero = jnp.zeros((), jnp.float32)
   load = jnp.zeros((config.num_decoder_layers - config.first_num_dense_layers, config.num_experts), jnp.float32)
-  return LossSums(zero, zero, zero, zero, zero, zero, load)
+  return LossSums(zero, zero, zero, zero, zero, zero, load, zero)
 
 
 def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, training: bool = True) -> LossSums:
@@ -50,7 +51,8 @@ def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, tr
   xent, z = model.output_head().loss_sums(hidden, targets, mask, config.z_loss_multiplier)
   mtp = mtp_xent_sum(model, pre_norm, natural, config, layout) if training and config.mtp_num_layers else jnp.zeros((), jnp.float32)
   lb, dropped = jnp.asarray(stats["lb_loss"], jnp.float32), jnp.asarray(stats["dropped"], jnp.float32)
-  return LossSums(xent, z, jnp.sum(mask), lb, mtp, dropped, jnp.asarray(stats["load"], jnp.float32))
+  indexer = jnp.asarray(stats["indexer_loss"], jnp.float32)
+  return LossSums(xent, z, jnp.sum(mask), lb, mtp, dropped, jnp.asarray(stats["load"], jnp.float32), indexer)
 
 
 def token_log_probs(model: Any, batch: dict[str, jax.Array], temperature: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -29,7 +29,7 @@ from maxtext.train.trainable import split_params
 
 class LanguageModel:
   """Next-token cross entropy, token-weighted, plus z-loss, multi-token prediction and the MoE load-balance loss:
-  loss = (sum xent + sum z + sum mtp) / real target tokens + mean MoE aux."""
+  loss = (sum xent + sum z + sum mtp + sum indexer KL) / real target tokens + mean MoE aux."""
 
   uses_reference = False
   iterations = 1
@@ -48,7 +48,7 @@ class LanguageModel:
     return loss_lib.zero_sums(self.config)
 
   def loss(self, sums: loss_lib.LossSums, weight: jax.Array) -> jax.Array:
-    return (sums.xent + sums.z_loss + sums.mtp) / weight + sums.aux / self.config.gradient_accumulation_steps
+    return (sums.xent + sums.z_loss + sums.mtp + sums.indexer) / weight + sums.aux / self.config.gradient_accumulation_steps
 
   def metrics(self, sums: loss_lib.LossSums, weight: jax.Array) -> Metrics:
     c = self.config
@@ -56,6 +56,7 @@ class LanguageModel:
       "z_loss": sums.z_loss / weight,
       "moe_lb_loss": sums.aux / c.gradient_accumulation_steps,
       **({"mtp_loss": sums.mtp / weight} if c.mtp_num_layers else {}),
+      **({"indexer_loss": sums.indexer / weight} if c.use_indexer and c.indexer_loss_scaling_factor > 0 else {}),
       **({"moe_dropped_tokens": sums.dropped} if c.capacity_factor > 0 and c.num_experts > 1 else {}),
       "total_weights": sums.weights,
     }

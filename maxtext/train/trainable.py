@@ -13,8 +13,11 @@ def trainable_filter(config: MaxTextConfig) -> nnx.filterlib.Filter:
   """nnx filter of the parameters the optimizer updates; the others are frozen.
 
   Every parameter, except with lora.enable_lora: only the adapters, plus the mHC connectors when
-  mhc_expansion_rate > 1.
+  mhc_expansion_rate > 1; and in DeepSeek Sparse Attention's dense warm-up (indexer_loss_scaling_factor > 0,
+  indexer_sparse_training=false) only the lightning indexers, as the DeepSeek V3.2 report freezes the rest.
   """
+  if config.use_indexer and config.indexer_loss_scaling_factor > 0 and not config.indexer_sparse_training:
+    return nnx.All(nnx.Param, nnx.PathContains("indexer"))  # DeepSeek Sparse Attention's dense warm-up: only the indexer trains
   if not config.lora.enable_lora:
     return nnx.Param
   from maxtext.layers.lora import LoRAParam

@@ -1,0 +1,247 @@
+"""DeepSeek Sparse Attention (DeepSeek V3.2): multi-head latent attention over the top-k keys a lightning indexer picks.
+
+The indexer scores every (query t, key s) pair cheaply:
+
+    I(t, s) = sum_j w_j(t) relu(q_j(t) . k(s) / sqrt(d)),   w(t) = x_t W_w / sqrt(heads)
+
+with its own queries q_j = RoPE(W_qb c_t) from MLA's normalised query latent c_t, one shared key k = RoPE(LayerNorm(x_s
+W_k)) (rotary on the first qk_rope_head_dim features, split halves), and per-head weights w. Each query attends only
+to the index_topk allowed keys (causal, same segment, in the window) of highest score; with fewer allowed keys it
+attends to all of them. Decoding caches the indexer keys beside MLA's cache and selects over the whole cache.
+
+Training signal (the DeepSeek V3.2 report): the indexer's distribution softmax(I(t, .)) is pulled towards the main
+attention's, p(t, .) = L1-normalised sum over heads of the attention probabilities (detached), by
+KL(p || softmax(I)) per query token. In the dense warm-up the main attention stays dense and the KL covers every
+allowed key; in sparse training both distributions are restricted to the selected keys. The indexer reads detached
+inputs, so the KL trains only the indexer and the language-model loss (which the discrete selection cannot carry
+back) only the rest of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from maxtext.errors import ConfigError
+from maxtext.layers import matmul, rope
+from maxtext.layers.linear import DenseGeneral, dense_kwargs
+from maxtext.layers.mla import MLA, MLASpec
+from maxtext.layers.sharding import constrain
+from maxtext.layers.xla_attention import NEG_INF, head_major_attention, position_mask, xla_attention
+from maxtext.platform import Policy
+
+if TYPE_CHECKING:
+  from maxtext.layers.attention_ops import LayerCache
+
+INDEX_KEY = "index_key"  # the decode cache's buffer of indexer keys [B, 1, T, indexer_head_dim]
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerSpec:
+  """The lightning indexer (maxtext.models.specs builds it from MaxText's indexer_* keys)."""
+
+  num_heads: int  # indexer_n_heads
+  head_dim: int  # indexer_head_dim (its first qk_rope_head_dim features rotate)
+  topk: int  # indexer_topk: keys each query attends to
+  loss_scale: float = 0.0  # indexer_loss_scaling_factor: weight of the KL term (0: none computed)
+  dense_warmup: bool = False  # the main attention stays dense and the KL covers every allowed key (indexer_sparse_training=false)
+  norm_epsilon: float = 1e-6  # the key LayerNorm's epsilon (DeepSeek's)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMLASpec:
+  """MLA with the lightning indexer (DeepSeek Sparse Attention)."""
+
+  mla: MLASpec
+  indexer: IndexerSpec
+
+
+class LayerNorm(nnx.Module):
+  """(x - mean) / std * scale + bias over the last axis, in float32 (the indexer's key norm)."""
+
+  def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype, weight_dtype: jnp.dtype):
+    self.eps, self.dtype = eps, dtype
+    self.scale = nnx.Param(jnp.ones((dim,), weight_dtype), logical_axes=("norm",))
+    self.bias = nnx.Param(jnp.zeros((dim,), weight_dtype), logical_axes=("norm",))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+    return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class Indexer(nnx.Module):
+  """The lightning indexer's projections: wq_b (query latent -> heads x head_dim), wk (input -> one shared key),
+  k_norm, weights_proj (input -> one weight per head, float32)."""
+
+  def __init__(self, spec: IndexerSpec, mla: MLASpec, *, policy: Policy, rngs: nnx.Rngs):
+    if mla.q_lora_rank == 0:
+      raise ConfigError("DeepSeek Sparse Attention's indexer projects MLA's query latent; set q_lora_rank > 0")
+    if spec.head_dim < mla.qk_rope_head_dim:
+      raise ConfigError(f"indexer_head_dim={spec.head_dim} is smaller than its rotary part qk_rope_head_dim={mla.qk_rope_head_dim}; raise it")
+    self.spec, self.mla = spec, mla
+    kw = dense_kwargs(policy, rngs)
+    self.wq_b = DenseGeneral((mla.q_lora_rank,), (spec.num_heads, spec.head_dim), ("q_lora", "heads", "head_dim"), **kw)
+    self.wk = DenseGeneral((mla.emb_dim,), (spec.head_dim,), ("embed", "head_dim"), **kw)
+    self.k_norm = LayerNorm(spec.head_dim, spec.norm_epsilon, dtype=policy.dtypes.compute, weight_dtype=policy.dtypes.params)
+    self.weights_proj = DenseGeneral((mla.emb_dim,), (spec.num_heads,), ("embed", "heads"), **{**kw, "dtype": jnp.float32, "quant": None})
+
+  def _rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary embedding on the first qk_rope_head_dim features (split halves, MLA's frequencies and cos/sin scale)."""
+    d = self.mla.qk_rope_head_dim
+    inv_freq, scale = rope.layer_frequencies(self.mla.rope, d)
+    return jnp.concatenate([rope.apply_rope(x[..., :d], positions, inv_freq, interleave=False, scale=scale), x[..., d:]], axis=-1)
+
+  def keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [B, S, E] (detached) -> the indexer keys [B, S, head_dim]."""
+    k = self.k_norm(self.wk(x))
+    return self._rotate(k[:, :, None, :], positions)[:, :, 0, :]
+
+  def queries(self, x: jax.Array, q_latent: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """-> (queries [B, S, heads, head_dim], head weights [B, S, heads] float32 with 1/sqrt(heads))."""
+    q = self._rotate(self.wq_b(q_latent), positions)
+    w = self.weights_proj(x.astype(jnp.float32)).astype(jnp.float32) * self.spec.num_heads**-0.5
+    return q, w
+
+  def scores(self, q: jax.Array, w: jax.Array, k: jax.Array) -> jax.Array:
+    """Index scores I [B, S, T] float32 of queries q [B, S, H, D] (weights w [B, S, H]) against keys k [B, T, D].
+
+    A scan over the heads adds one head's w_j relu(q_j . k / sqrt(d)) at a time (its body rematerialised), so neither
+    pass holds the [B, S, T, H] per-head scores (4 GiB per row at 4096 tokens and 64 heads)."""
+    k = k.astype(jnp.float32)
+    q = q.astype(jnp.float32) * self.spec.head_dim**-0.5
+
+    def add_head(total, head):
+      qh, wh = head  # [B, S, D], [B, S]
+      return total + jax.nn.relu(jnp.einsum("bsd,btd->bst", qh, k)) * wh[..., None], None
+
+    zero = jnp.zeros(q.shape[:2] + k.shape[1:2], jnp.float32)
+    total, _ = jax.lax.scan(jax.checkpoint(add_head), zero, (jnp.moveaxis(q, 2, 0), jnp.moveaxis(w, 2, 0)))
+    return total
+
+
+def select_topk(scores: jax.Array, allowed: jax.Array, k: int) -> jax.Array:
+  """Boolean [B, S, T]: the (at most) k allowed keys of highest score per query, ties broken towards earlier keys."""
+  k = min(k, scores.shape[-1])
+  scores = jnp.where(allowed, scores, -jnp.inf)
+  kth = jax.lax.top_k(scores, k)[0][..., -1:]
+  greater = scores > kth
+  equal = scores == kth
+  room = k - jnp.sum(greater, axis=-1, keepdims=True)
+  return (greater | (equal & (jnp.cumsum(equal, axis=-1) <= room))) & allowed
+
+
+def indexer_kl(index_scores: jax.Array, attention_probs: jax.Array, support: jax.Array, real: jax.Array) -> jax.Array:
+  """Sum over real query tokens of KL(p || softmax(I)) on the support keys.
+
+  index_scores [B, S, T]; attention_probs [B, H, S, T] (each head's main attention probabilities); support [B, S, T]
+  the keys both distributions cover; real [B, S] the query tokens counted. p is the heads' sum restricted to the
+  support, L1-normalised."""
+  p = jnp.sum(jnp.where(support[:, None], attention_probs, 0.0), axis=1)
+  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  log_q = jax.nn.log_softmax(jnp.where(support, index_scores, NEG_INF), axis=-1)
+  kl = jnp.sum(jnp.where(p > 0, p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0), axis=-1)
+  return jnp.sum(jnp.where(real, kl, 0.0))
+
+
+class SparseMLA(MLA):
+  """MLA whose queries attend only to the indexer's top-k keys. Called without a cache it returns (output, the layer's
+  summed KL term times indexer_loss_scaling_factor); with a cache, (output, updated cache)."""
+
+  def __init__(self, spec: SparseMLASpec, *, policy: Policy, rngs: nnx.Rngs):
+    super().__init__(spec.mla, policy=policy, rngs=rngs)
+    self.sparse = spec
+    self.indexer = Indexer(spec.indexer, spec.mla, policy=policy, rngs=rngs)
+
+  def __call__(
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    window: int | jax.Array,
+    cache: LayerCache | None = None,
+    adapter_ids: jax.Array | None = None,
+  ):
+    spec, ix = self.spec, self.sparse.indexer
+    nope, rope_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim
+    q, q_latent = self.queries(x, adapter_ids)
+    kv_a = checkpoint_name(self.wkv_a(x, adapter_ids), "kv_wa_proj")
+    latent, k_rope = self.kv_norm(kv_a[..., : spec.kv_lora_rank]), kv_a[..., spec.kv_lora_rank :]
+    inv_freq, rope_scale = rope.layer_frequencies(spec.rope, rope_dim)
+    rot = dict(interleave=spec.rope.interleave, scale=rope_scale)
+    q_rope = rope.apply_rope(q[..., nope:], positions, inv_freq, **rot)
+    k_rope = rope.apply_rope(k_rope[:, :, None, :], positions, inv_freq, **rot)
+    # The indexer reads detached inputs: the language-model loss never reaches it, its KL reaches nothing else.
+    x_ix, latent_ix = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
+    iq, iw = self.indexer.queries(x_ix, latent_ix, positions)
+    ik = self.indexer.keys(x_ix, positions)
+    if cache is not None:
+      return self._decode(q[..., :nope], q_rope, latent, k_rope, iq, iw, ik, window, cache, adapter_ids)
+    kv = checkpoint_name(self.wkv_b(latent, adapter_ids), "key_proj")
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    q = jnp.concatenate([q[..., :nope], q_rope], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + (rope_dim,))], axis=-1)
+    rules = spec.rules
+    q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
+    k = constrain(k, ("activation_batch", "activation_length", "activation_heads", None), rules)
+    v = constrain(v, ("activation_batch", "activation_length", "activation_heads", None), rules)
+    allowed = position_mask(positions, positions, segment_ids, segment_ids, window)  # [B, S, T]
+    scores = self.indexer.scores(iq, iw, ik)
+    selected = jax.lax.stop_gradient(select_topk(scores, allowed, ix.topk))
+    mask = allowed if ix.dense_warmup else selected
+    prec = self.policy.dtypes.precision
+    ctx = xla_attention(q, k, v, mask[:, None, None], spec.scale, spec.soft_cap, prec, self.policy.integer_bf16_rounding)
+    out = checkpoint_name(self.out(checkpoint_name(ctx, "context"), adapter_ids), "out_proj")
+    if ix.loss_scale == 0:
+      return out, jnp.zeros((), jnp.float32)
+    probs = self._attention_probs(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), mask)
+    real = segment_ids != 0 if segment_ids is not None else jnp.ones(positions.shape, bool)
+    return out, ix.loss_scale * indexer_kl(scores, probs, mask, real)
+
+  def _attention_probs(self, q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+    """The main attention's probabilities [B, H, S, T] (float32) under mask [B, S, T]."""
+    spec = self.spec
+    logits = matmul.einsum("bshd,bthd->bhst", q, k, dtype=q.dtype, precision=self.policy.dtypes.precision, out_dtype=jnp.float32) * spec.scale
+    if spec.soft_cap is not None:
+      logits = spec.soft_cap * jnp.tanh(logits / spec.soft_cap)
+    return jax.nn.softmax(jnp.where(mask[:, None], logits, NEG_INF), axis=-1)
+
+  def _decode(self, q_nope, q_rope, latent, k_rope, iq, iw, ik, window, cache: LayerCache, adapter_ids):
+    """Prefill or decode step against the cache: the indexer keys are cached beside MLA's (latent or per-head keys and
+    values), and each query attends to the top-k of every cached key it may see."""
+    spec, ix = self.spec, self.sparse.indexer
+    prec, dt = self.policy.dtypes.precision, self.policy.dtypes.compute
+    nope = spec.qk_nope_head_dim
+    index_key = ik[:, None].astype(dt)  # [B, 1, S, D]
+    if "latent" in cache.arrays:
+      if self.wkv_b.lora is not None:
+        raise ConfigError(
+          "decoding MLA from its compressed cache folds wkv_b into the queries, which a LoRA adapter on wkv_b prevents; merge the adapter or set mla_naive_kvcache=true"
+        )
+      new = jnp.concatenate([latent, k_rope[:, :, 0, :].astype(latent.dtype)], axis=-1)[:, None]
+      cache, attended, allowed = cache.update({"latent": new, INDEX_KEY: index_key}, spec.rules, window)
+    else:
+      kv = self.wkv_b(latent, adapter_ids)
+      k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rope, kv.shape[:3] + (spec.qk_rope_head_dim,))], axis=-1)
+      new = {"key": jnp.swapaxes(k, 1, 2), "value": jnp.swapaxes(kv[..., nope:], 1, 2), INDEX_KEY: index_key}
+      cache, attended, allowed = cache.update(new, spec.rules, window)
+    scores = self.indexer.scores(iq, iw, attended[INDEX_KEY][:, 0])
+    mask = select_topk(scores, allowed, ix.topk)
+    if "latent" in cache.arrays:
+      kernel = self.wkv_b.kernel[...]
+      slots = attended["latent"]
+      q_latent = matmul.einsum("bshn,rhn->bshr", q_nope, kernel[..., :nope], dtype=dt, precision=prec)
+      query = jnp.concatenate([q_latent, q_rope.astype(dt)], axis=-1)
+      out_latent = head_major_attention(query, slots, slots[..., : spec.kv_lora_rank], mask, spec.scale, spec.soft_cap, prec)
+      ctx = matmul.einsum("bshr,rhv->bshv", out_latent, kernel[..., nope:], dtype=dt, precision=prec)
+    else:
+      query = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
+      ctx = head_major_attention(query, attended["key"], attended["value"], mask, spec.scale, spec.soft_cap, prec)
+    return self.out(ctx, adapter_ids), cache
