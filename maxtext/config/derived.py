@@ -390,6 +390,52 @@ def _check_family_fields(c: MaxTextConfig) -> None:
     raise ConfigError(f"invalid value for 'local_rope_max_timescale': {c.local_rope_max_timescale}; use -1 (= rope_max_timescale) or a positive base")
   if c.rope_linear_scaling_factor != 1.0 and c.rope_type != "default":
     raise ConfigError(f"rope_linear_scaling_factor scales the default rope; rope_type={c.rope_type} has its own scaling: set one of the two")
+  _check_gemma4_fields(c, family)
+
+
+GEMMA4_KEYS = (
+  "global_head_dim",
+  "global_num_kv_heads",
+  "share_kv_projections",
+  "v_norm_with_scale",
+  "global_rope_max_timescale",
+  "global_rope_proportion",
+  "local_rope_proportion",
+  "hidden_size_per_layer_input",
+  "vocab_size_per_layer_input",
+  "num_kv_shared_layers",
+  "use_double_wide_mlp",
+)
+
+
+def _check_gemma4_fields(c: MaxTextConfig, family) -> None:
+  """Gemma 4's keys: only for a family that builds them, and KV sharing that its layer pattern can serve."""
+  if not family.gemma4_keys:
+    changed = [k for k in GEMMA4_KEYS if getattr(c, k) != type(c).model_fields[k].default]
+    if changed:
+      raise ConfigError(f"{', '.join(changed)} apply to gemma4 layers, not decoder_block={c.decoder_block}; drop them (or set decoder_block=gemma4)")
+    return
+  layers = _layer_shape(c).num_decoder_layers
+  if c.num_kv_shared_layers >= layers:
+    raise ConfigError(f"num_kv_shared_layers={c.num_kv_shared_layers} leaves none of the {layers} layers to compute keys and values; make it < {layers}")
+  kinds = family.kinds(_layer_shape(c))
+  sources = {k.window for k in kinds if not k.kv_shared}
+  orphan = next((i for i, k in enumerate(kinds) if k.kv_shared and k.window not in sources), None)
+  if orphan is not None:
+    kind = "sliding-window" if kinds[orphan].window else "global"
+    raise ConfigError(
+      f"num_kv_shared_layers={c.num_kv_shared_layers}: layer {orphan} ({kind}) shares the keys and values of an earlier {kind} layer, but every {kind} "
+      "layer is shared; lower num_kv_shared_layers"
+    )
+  if c.hidden_size_per_layer_input and c.mhc_expansion_rate > 1:
+    raise ConfigError("hidden_size_per_layer_input adds per-layer inputs to one residual stream; set mhc_expansion_rate=1 (or hidden_size_per_layer_input=0)")
+  if c.mtp_num_layers:
+    raise ConfigError(f"mtp_num_layers={c.mtp_num_layers}: multi-token prediction is not built for gemma4's layers; set mtp_num_layers=0")
+  if c.num_experts > 1:
+    raise ConfigError(
+      f"num_experts={c.num_experts}: gemma4's MoE block (the experts beside the dense MLP, Hugging Face enable_moe_block) is not built here yet; "
+      "use a dense gemma4 model (num_experts=1)"
+    )
 
 
 def _check_indexer(c: MaxTextConfig) -> None:

@@ -20,6 +20,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   m.MoEKernels,
   m.DeepSeekMoE,
   m.Qwen3Next,
+  m.Gemma4,
   m.Llama4,
   m.MTP,
   m.SparseAttention,

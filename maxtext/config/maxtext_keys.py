@@ -19,7 +19,7 @@ _MISSING = object()
 
 # MaxText keys (not in the schema) whose non-default value describes what this project does anyway, so MaxText's
 # model files for the families here load unchanged: key -> whether a value matches, given the merged config values.
-POST_NORM_FAMILIES = ("gemma2", "gemma3", "olmo3")
+POST_NORM_FAMILIES = ("gemma2", "gemma3", "olmo3", "gemma4", "gemma4_small")
 MATCHES_BUILT_IN: dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
   "enable_dropout": lambda value, c: value is False,  # there is no dropout here
   "use_post_attn_norm": lambda value, c: value == (c.get("decoder_block") in POST_NORM_FAMILIES),  # gemma2/3 and olmo3 layers always have them

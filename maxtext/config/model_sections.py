@@ -202,6 +202,28 @@ class Llama4(Section):
   temperature_tuning_floor_scale: float = Field(8192.0, gt=0, description="llama4: temperature tuning's position divisor (Hugging Face floor_scale).")
 
 
+class Gemma4(Section):
+  global_head_dim: int = Field(0, ge=0, description="gemma4: width of each attention head of the global layers; 0 -> head_dim.")
+  global_num_kv_heads: int = Field(0, ge=0, description="gemma4: key/value heads of the global layers; 0 -> num_kv_heads.")
+  share_kv_projections: bool = Field(
+    False, description="gemma4: the global layers have no value projection; their values are the key projection before its norm and rope (HF attention_k_eq_v)."
+  )
+  v_norm_with_scale: bool = Field(True, description="gemma4: the RMSNorm on each value head has a learned scale (Hugging Face's has none: false).")
+  global_rope_max_timescale: float = Field(-1.0, description="gemma4: rotary base of the global layers; -1 -> rope_max_timescale.")
+  global_rope_proportion: float = Field(
+    0.25, gt=0, le=1, description="gemma4: the first this fraction of each global head's frequency pairs rotate, the rest stay (proportional rope)."
+  )
+  local_rope_proportion: float = Field(1.0, gt=0, le=1, description="gemma4: the same fraction for the sliding-window layers.")
+  hidden_size_per_layer_input: int = Field(
+    0, ge=0, description="gemma4: width of the per-layer input embedding each layer gates in after its MLP (E2B/E4B: 256); 0 -> none."
+  )
+  vocab_size_per_layer_input: int = Field(0, ge=0, description="gemma4: rows of the per-layer input embedding table; 0 -> vocab_size.")
+  num_kv_shared_layers: int = Field(
+    0, ge=0, description="gemma4: the last this many layers attend with the keys and values of the last earlier layer of their kind and cache none."
+  )
+  use_double_wide_mlp: bool = Field(False, description="gemma4: the MLP of the KV-shared layers is 2 x mlp_dim wide (E2B).")
+
+
 class MTP(Section):
   mtp_num_layers: int = Field(0, ge=0, description="Multi-token prediction modules (layer k predicts token t+1+k); training-only extra loss; 0 -> off.")
   mtp_loss_scaling_factor: float = Field(0.1, ge=0, description="Weight of the mean multi-token-prediction loss added to the training loss.")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from maxtext.config import MaxTextConfig
-from maxtext.convert import safetensors_io
+from maxtext.convert import hf_gemma4, safetensors_io
 from maxtext.convert.hf_fields import HFFields
 from maxtext.errors import ConfigError, shorten
 from maxtext.layers.rope import yarn_mscale
@@ -448,6 +448,8 @@ def read_overrides(hf_dir: str | Path) -> dict[str, Any]:
 def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
   """maxtext config keys describing the architecture in a Hugging Face config.json (source: how messages name it).
   Every field read is checked for its type and range (maxtext.convert.hf_fields)."""
+  if hf.get("model_type") in hf_gemma4.MODEL_TYPES:
+    return hf_gemma4.overrides(hf, source)
   prefix = "text_config." if hf.get("model_type") in ("gemma3", "llama4") else ""
   f = HFFields(text_config(hf, source), source, prefix)
   model_type = f.text("model_type", "")
@@ -587,6 +589,8 @@ def _int_if_whole(x: float) -> int | float:
 def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
   """A Hugging Face config.json for a maxtext config (transformers loads it)."""
   c = config
+  if registry.get(c.decoder_block).gemma4_keys:
+    return hf_gemma4.export(c)
   if c.decoder_block not in HF_ARCHITECTURES:
     raise ConfigError(f"decoder_block '{c.decoder_block}' has no Hugging Face export")
   if (c.num_experts > 1) != (c.decoder_block in MOE_FAMILIES):

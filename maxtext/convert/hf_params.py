@@ -195,6 +195,10 @@ def _layer_rules(c: MaxTextConfig, kind: LayerKind) -> list[Rule]:
   """Rules of one decoder layer of this kind."""
   if len(c.mlp_activations) != 2:
     raise ConfigError("a single MLP activation has no Hugging Face layout; use mlp_activations=[<act>, linear]")
+  if registry.get(c.decoder_block).gemma4_keys:
+    from maxtext.convert import hf_gemma4
+
+    return hf_gemma4.layer_rules(c, kind)
   rules = _attention_rules(c, kind.mixer)
   dense = kind.ffn == "dense"
   for ours, hf in registry.get(c.decoder_block).hf_norm_names.items():
@@ -270,6 +274,10 @@ def _global_rules(c: MaxTextConfig) -> list[Rule]:
   ]
   if not c.logits_via_embedding:
     rules.append(Rule("output/kernel", "lm_head.weight", _transpose, _transpose))
+  if registry.get(c.decoder_block).gemma4_keys:
+    from maxtext.convert import hf_gemma4
+
+    rules += hf_gemma4.global_rules(c)
   return rules
 
 
@@ -303,6 +311,7 @@ def _layer_index(name: str) -> int:
 # beside the vision tower and projector that a text decoder leaves out.
 TEXT_DECODER_PREFIXES = ("language_model.model.", "model.language_model.")
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.", "vision_model.", "model.vision_model.")
+VISION_PREFIXES += ("model.audio_tower.", "model.embed_vision.", "model.embed_audio.")  # Gemma 4's audio tower and modality embedders
 
 
 def text_decoder_tensors(tensors: dict[str, Array]) -> dict[str, Array]:

@@ -28,6 +28,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.inference import kv_cache
 from maxtext.layers.dtypes import bits, dtype
 from maxtext.models import layer_pattern, registry
+from maxtext.models.family import LayerKind
 
 STACK_AXIS = "cache_layers"
 INDEXED = "+index"  # the suffix of a sparse MLA layer's form: MLA's buffers plus 'index_key' [B, 1, T, indexer_head_dim]
@@ -78,10 +79,16 @@ class Layout:
     return min(abs(window), self.max_length) if window else self.max_length
 
 
-def cache_form(config: MaxTextConfig, mixer: str) -> str:
+def cache_form(config: MaxTextConfig, mixer: str, kind: LayerKind | None = None) -> str:
   """What a layer with this token mixer caches: 'kv' (keys and values per kv head), 'mla_naive' (keys and values per
   head), 'mla_latent' (MLA's compressed latent), 'gdn_state' (a Gated DeltaNet layer's fixed-size state: its
-  convolution window and recurrent state, whatever the sequence length)."""
+  convolution window and recurrent state, whatever the sequence length); for a layer of this kind (Gemma 4):
+  'kv_global' (keys and values of a global layer's own head dims), 'kv_shared' (nothing: the layer reads the cache of
+  the last earlier unshared layer with its window)."""
+  if kind is not None and kind.kv_shared:
+    return "kv_shared"
+  if kind is not None and mixer == "attention" and kind.variant == "global" and registry.get(config.decoder_block).gemma4_keys:
+    return "kv_global"
   if mixer == "gated_deltanet":
     return "gdn_state"
   if mixer == "attention":
@@ -97,7 +104,7 @@ def layout(config: MaxTextConfig, max_length: int | None = None) -> Layout:
   stacks = []
   for stack in layer_pattern.stacks(registry.get(config.decoder_block).kinds(config)):
     p = layer_pattern.decode_period(stack) if config.scan_layers else 0
-    forms = tuple(cache_form(config, k.mixer) for k in stack.kinds)
+    forms = tuple(cache_form(config, k.mixer, k) for k in stack.kinds)
     stacks.append(Stack(stack.name, stack.windows, p, len(stack.kinds) // p if p else 0, forms, stack))
   forms = {f for s in stacks for f in s.forms}
   return Layout(tuple(stacks), max_length or config.max_target_length, forms.pop() if len(forms) == 1 else "mixed")
@@ -116,12 +123,23 @@ def layer_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: int, fo
   if form == "mla_naive":
     h = c.num_query_heads
     return {"key": (batch, h, slots, c.qk_nope_head_dim + c.qk_rope_head_dim), "value": (batch, h, slots, c.v_head_dim)}
-  d = c.head_dim // 2 if stored_dtype(c) == kv_cache.PACKED_INT4 else c.head_dim
-  shapes = {"key": (batch, c.num_kv_heads, slots, d), "value": (batch, c.num_kv_heads, slots, d)}
+  if form == "kv_shared":
+    return {}
+  heads, d = kv_dims(c, form)
+  d = d // 2 if stored_dtype(c) == kv_cache.PACKED_INT4 else d
+  shapes = {"key": (batch, heads, slots, d), "value": (batch, heads, slots, d)}
   if c.quantize_kvcache:
-    scale = (batch, scale_heads(c), slots, 1)
+    scale = (batch, heads if c.kv_quant_axis == "dkv" else 1, slots, 1)
     shapes.update(key_scale=scale, value_scale=scale)
   return shapes
+
+
+def kv_dims(config: MaxTextConfig, form: str) -> tuple[int, int]:
+  """(kv heads, head dim) a layer of this key/value form caches: a Gemma 4 global layer's own, else the model's."""
+  c = config
+  if form == "kv_global":
+    return c.global_num_kv_heads or c.num_kv_heads, c.global_head_dim or c.head_dim
+  return c.num_kv_heads, c.head_dim
 
 
 def kv_dtype(config: MaxTextConfig) -> jnp.dtype:
@@ -190,8 +208,11 @@ def values_per_slot(config: MaxTextConfig, form: str) -> int:
   c = config
   if form.endswith(INDEXED):
     return values_per_slot(config, form.removesuffix(INDEXED)) + c.indexer_head_dim
-  if form == "gdn_state":
+  if form in ("gdn_state", "kv_shared"):
     return 0
+  if form == "kv_global":
+    heads, d = kv_dims(c, form)
+    return 2 * heads * d
   if form == "mla_latent":
     return c.kv_lora_rank + c.qk_rope_head_dim
   if form == "mla_naive":
@@ -201,8 +222,9 @@ def values_per_slot(config: MaxTextConfig, form: str) -> int:
 
 def bits_per_slot(config: MaxTextConfig, form: str) -> int:
   """Bits one layer of this cache form stores per token: values_per_slot x bits per value + scales x bits per scale."""
-  per_slot = values_per_slot(config, form) * bits(kv_dtype(config) if form == "kv" else dtype(config.dtype))
-  if form == "kv" and config.quantize_kvcache:
+  kv_form = form in ("kv", "kv_global")
+  per_slot = values_per_slot(config, form) * bits(kv_dtype(config) if kv_form else dtype(config.dtype))
+  if kv_form and config.quantize_kvcache:
     per_slot += 2 * scale_heads(config) * bits(dtype(config.dtype))
   return per_slot
 
@@ -227,13 +249,16 @@ def describe(config: MaxTextConfig, batch: int, lay: Layout) -> str:
   """The KV cache size line: bytes, per-token values, for MLA the naive form's size beside the compressed one, and
   the part of linear-attention layers' fixed-size states."""
   size = theoretical_bytes(config, batch, lay)
-  growing = [f for f in dict.fromkeys(lay.forms) if f != "gdn_state"] or ["gdn_state"]
+  growing = [f for f in dict.fromkeys(lay.forms) if f not in ("gdn_state", "kv_shared")] or ["gdn_state"]
   per_layer = "/".join(f"{values_per_slot(config, f):,}" for f in growing)
   line = (
     f"KV cache: {size / 2**20:,.2f} MiB for batch {batch} x {lay.max_length} tokens over {len(lay.windows)} layers "
     f"({per_layer} values per token and layer, {kv_dtype(config).name}"
     f"{f' with {2 * scale_heads(config)} scales' if config.quantize_kvcache else ''})"
   )
+  shared = lay.forms.count("kv_shared")
+  if shared:
+    line += f"; the {shared} KV-shared layers cache nothing (they attend over an earlier layer's cache)"
   states = lay.forms.count("gdn_state")
   if states:
     fixed = batch * states * state_bits(config, "gdn_state") // 8

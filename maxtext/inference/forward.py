@@ -41,40 +41,63 @@ def hidden_states(
   positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
   x = model.input_stream(tokens, images)
   image_ids = model.image_ids(tokens, images)
+  per_layer = model.per_layer_inputs(tokens)  # [layers, B, S, P] (Gemma 4) or None
 
-  def run(layer, h, window: int, buffers: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    h, _, out = layer(h, positions, None, window, cache=LayerCache(buffers, cache.lengths, new_lengths, image_ids), adapter_ids=adapter_ids)
+  def run(layer, h, window: int, buffers: dict[str, jax.Array], kind=None, shared=None, per_layer_input=None):
+    """One layer over its cache -> (h, its updated buffers). shared (a stack with KV-shared layers): window -> the
+    cache and keys/values of the last unshared layer with that window, which a KV-shared layer attends over."""
+    extra = {} if per_layer_input is None else {"per_layer_input": per_layer_input}
+    if kind is not None and kind.kv_shared:
+      source_buffers, kv = shared[window]
+      h, _, _ = layer(
+        h, positions, None, window, cache=LayerCache(source_buffers, cache.lengths, new_lengths, image_ids), adapter_ids=adapter_ids, shared_kv=kv, **extra
+      )
+      return h, {}
+    layer_cache = LayerCache(buffers, cache.lengths, new_lengths, image_ids)
+    if shared is None:
+      h, _, out = layer(h, positions, None, window, cache=layer_cache, adapter_ids=adapter_ids, **extra)
+    else:
+      h, _, out, kv = layer(h, positions, None, window, cache=layer_cache, adapter_ids=adapter_ids, return_kv=True, **extra)
+      shared[window] = (buffers, kv)
     return h, out.arrays
 
   scanned, tails = [], []
   for stack, scan_cache, tail_cache in zip(lay.stacks, cache.scan, cache.tail):
-    x, s, t = _run_stack(model, stack, x, scan_cache, tail_cache, run)
+    start = stack.pattern.start if stack.pattern is not None else 0
+    mine = None if per_layer is None else per_layer[start : start + len(stack.windows)]
+    x, s, t = _run_stack(model, stack, x, scan_cache, tail_cache, run, mine)
     scanned.append(s)
     tails.append(t)
   hidden = model.final_norm(collapse_streams(x, model.specs.residual))
   return hidden, DecodeCache(tuple(scanned), tuple(tails), cache.lengths + new_lengths)
 
 
-def _run_stack(model: Transformer, stack: Stack, x: jax.Array, scan_cache: tuple, tail_cache: tuple, run) -> tuple[jax.Array, tuple, tuple]:
+def _run_stack(
+  model: Transformer, stack: Stack, x: jax.Array, scan_cache: tuple, tail_cache: tuple, run, per_layer: jax.Array | None = None
+) -> tuple[jax.Array, tuple, tuple]:
   """One layer stack: scanned models scan over groups of `stack.period` layers, the stacked caches riding along as scan
-  inputs and outputs; the rest of the layers run one by one."""
+  inputs and outputs; the rest of the layers run one by one. A stack with KV-shared layers never repeats, so its
+  shared layers find their sources' caches within one group (or among the unscanned layers)."""
   source = _LayerSource(model, stack)
+  kinds = stack.pattern.kinds if stack.pattern is not None else (None,) * len(stack.windows)
+  sharing = any(k is not None and k.kv_shared for k in kinds)
   scanned = ()
   if stack.period:
     p = stack.period
 
     def body(h, xs):
-      group_states, buffers = xs
-      new = []
+      group_states, buffers, inputs = xs
+      new, shared = [], {} if sharing else None
       for j in range(p):
-        h, out = run(source.in_group(group_states, j), h, stack.windows[j], buffers[j])
+        h, out = run(source.in_group(group_states, j), h, stack.windows[j], buffers[j], kinds[j], shared, None if inputs is None else inputs[j])
         new.append(out)
       return h, tuple(new)
 
-    x, scanned = jax.lax.scan(body, x, (source.groups(p, stack.num_groups), scan_cache))
-  tail = []
+    grouped = None if per_layer is None else per_layer[: p * stack.num_groups].reshape(stack.num_groups, p, *per_layer.shape[1:])
+    x, scanned = jax.lax.scan(body, x, (source.groups(p, stack.num_groups), scan_cache, grouped))
+  tail, shared = [], {} if sharing else None
   for t, i in enumerate(stack.tail_layers):
-    x, out = run(source.layer(i), x, stack.windows[i], tail_cache[t])
+    x, out = run(source.layer(i), x, stack.windows[i], tail_cache[t], kinds[i], shared, None if per_layer is None else per_layer[i])
     tail.append(out)
   return x, scanned, tuple(tail)
 

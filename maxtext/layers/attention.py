@@ -48,6 +48,10 @@ class AttentionSpec:
   nope_full_layers: bool = False  # layers of full attention (span 0) neither rotate nor L2-normalise q and k (Llama 4's NoPE)
   l2_qk_norm_eps: float = 0.0  # > 0: a weightless RMS (L2) norm of rotated q and k heads with this epsilon (Llama 4)
   temperature_tuning: tuple[float, float] | None = None  # NoPE layers: q * (1 + scale ln(1 + floor((pos + 1) / floor_scale)))
+  value_norm: NormSpec | None = None  # an RMSNorm on each value head (Gemma 4)
+  value_norm_scale: bool = True  # the value norm has a learned scale (v_norm_with_scale)
+  values_from_keys: bool = False  # no value projection: values are the key projection before its norm and rope (share_kv_projections)
+  kv_shared: bool = False  # no key/value projections: the layer attends with keys and values it is given (num_kv_shared_layers)
   window_choices: tuple[int, ...] = ()  # the windows a traced (scanned, per-layer) window can take, sorted
   context: context_parallel.Layout | None = None  # context parallelism's sequence layout (None: none)
   rules: Rules = ()  # logical_axis_rules
@@ -85,8 +89,8 @@ class Attention(nnx.Module):
     e, h, kv, d = spec.emb_dim, spec.num_query_heads, spec.num_kv_heads, spec.head_dim
     kw = dict(dense_kwargs(policy, rngs), use_bias=spec.use_bias)
     self.query = DenseGeneral((e,), (h, 2 * d if spec.output_gate else d), ("embed", "heads", "head_dim"), **kw)  # [q | gate] per head
-    self.key = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
-    self.value = DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
+    self.key = None if spec.kv_shared else DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
+    self.value = None if spec.kv_shared or spec.values_from_keys else DenseGeneral((e,), (kv, d), ("embed", "kv_heads", "head_dim"), **kw)
     self.out = DenseGeneral((h, d), (e,), ("heads", "head_dim", "embed"), **{**kw, "use_bias": spec.use_bias and spec.out_bias})
     if spec.qk_norm is not None and spec.qk_norm_per_head:
       self.query_norm = RMSNorm.of(d, spec.qk_norm, policy.dtypes, logical_axis="head_dim")
@@ -96,6 +100,12 @@ class Attention(nnx.Module):
       self.key_norm = RMSNorm.of(kv * d, spec.qk_norm, policy.dtypes, logical_axis="norm")
     else:
       self.query_norm = self.key_norm = None
+    if spec.kv_shared:
+      self.key_norm = None
+    if spec.value_norm is not None and not spec.kv_shared:
+      self.value_norm = RMSNorm.of(d, spec.value_norm, policy.dtypes, logical_axis="head_dim", with_scale=spec.value_norm_scale)
+    else:
+      self.value_norm = None
     self.sinks = nnx.Param(jnp.zeros((h,), policy.dtypes.params), logical_axes=("heads",)) if spec.sinks else None
     # An explicit kernel that cannot run this model fails here, at build time, as a one-line config error.
     length = spec.max_target_length
@@ -110,31 +120,45 @@ class Attention(nnx.Module):
     cache: LayerCache | None = None,
     adapter_ids: jax.Array | None = None,
     image_ids: jax.Array | None = None,
+    shared_kv: tuple[jax.Array, jax.Array] | None = None,
+    return_kv: bool = False,
   ):
     """-> output [B, S, E]; with a KV cache (decoding), -> (output, updated cache). adapter_ids: each row's (or
-    token's) LoRA slot, for adapted projections. image_ids [B, S]: each token's image (0: text), whose tokens see
-    each other both ways (a cache carries its own)."""
+    token's) LoRA slot, for adapted projections. shared_kv: the (rotated, normed) keys and values a KV-shared layer
+    attends with; return_kv: -> (output, (keys, values)), for the layers that share them. image_ids [B, S]: each
+    token's image (0: text), whose tokens see each other both ways (a cache carries its own)."""
     spec = self.spec
     rules = spec.rules
     q = checkpoint_name(self.query(x, adapter_ids), "query_proj")
     gate = None
     if spec.output_gate:
       q, gate = jnp.split(q, 2, axis=-1)
-    k = checkpoint_name(self.key(x, adapter_ids), "key_proj")
-    v = checkpoint_name(self.value(x, adapter_ids), "value_proj")
-    if self.query_norm is not None and spec.qk_norm_per_head:
-      q, k = self.query_norm(q), self.key_norm(k)
-    elif self.query_norm is not None:
-      q = self.query_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
-      k = self.key_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
-    q, k = self._position(q, k, positions, window)
+    if spec.kv_shared:
+      if shared_kv is None:
+        raise ValueError("a KV-shared attention layer needs the keys and values of its source layer (shared_kv)")
+      k, v = shared_kv
+      if self.query_norm is not None:
+        q = self.query_norm(q)
+      q = self._position(q, q, positions, window)[0]  # keys come rotated from the source layer
+    else:
+      k = checkpoint_name(self.key(x, adapter_ids), "key_proj")
+      v = k if self.value is None else checkpoint_name(self.value(x, adapter_ids), "value_proj")
+      if self.query_norm is not None and spec.qk_norm_per_head:
+        q, k = self.query_norm(q), self.key_norm(k)
+      elif self.query_norm is not None:
+        q = self.query_norm(q.reshape(*q.shape[:-2], -1)).reshape(q.shape)
+        k = self.key_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
+      if self.value_norm is not None:
+        v = self.value_norm(v)
+      q, k = self._position(q, k, positions, window)
     q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
     k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
     v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
     sinks = self.sinks[...] if self.sinks is not None else None
     if cache is not None:
       ctx, cache = cache.attend(q, k, v, window, spec.scale, spec.soft_cap, self.policy.dtypes.precision, rules, sinks)  # type: ignore[arg-type]
-      return self.out(self._gated(ctx, gate), adapter_ids), cache
+      out = self.out(self._gated(ctx, gate), adapter_ids)
+      return (out, cache, (k, v)) if return_kv else (out, cache)
     ctx = attention_ops.attend(
       q,
       k,
@@ -154,7 +178,8 @@ class Attention(nnx.Module):
       image_ids=image_ids,
     )
     ctx = checkpoint_name(ctx, "context")
-    return checkpoint_name(self.out(self._gated(ctx, gate), adapter_ids), "out_proj")
+    out = checkpoint_name(self.out(self._gated(ctx, gate), adapter_ids), "out_proj")
+    return (out, (k, v)) if return_kv else out
 
   def _position(self, q: jax.Array, k: jax.Array, positions: jax.Array, window: int | jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rotary embedding (then the L2 norm) of q and k; with nope_full_layers a full-attention layer (window 0, traced

@@ -29,6 +29,7 @@ class RopeSpec:
   attention_scaling: bool = False  # rope_attention_scaling: yarn scales cos/sin by its mscale
   local_theta: float = 0.0  # local_rope_max_timescale: > 0, sliding-window layers rotate with this base, unscaled
   interleave: bool = False  # rotary pairs interleaved (x[2i], x[2i+1]) instead of split halves
+  proportion: float = 1.0  # proportional rope (Gemma 4): only the first proportion x dim / 2 frequency pairs rotate, the rest keep frequency 0
 
 
 def inverse_frequencies(
@@ -80,6 +81,15 @@ def yarn_inverse_frequencies(
 
 
 def layer_frequencies(spec: RopeSpec, dim: int, local: bool = False) -> tuple[np.ndarray, float]:
+  """(inverse frequencies [dim // 2], cos/sin scale) of one layer (_frequencies), the pairs past spec.proportion of
+  them at frequency 0 (unrotated), as Hugging Face's proportional rope."""
+  inv, scale = _frequencies(spec, dim, local)
+  if spec.proportion < 1.0:
+    inv = np.where(np.arange(inv.shape[0]) < int(spec.proportion * dim // 2), inv, 0.0)
+  return inv, scale
+
+
+def _frequencies(spec: RopeSpec, dim: int, local: bool = False) -> tuple[np.ndarray, float]:
   """(inverse frequencies [dim // 2], cos/sin scale) of one layer's rotary embedding over `dim` dimensions.
 
   local: a sliding-window layer; with local_theta set it rotates with that base and no scaling (gemma3).

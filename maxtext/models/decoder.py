@@ -85,6 +85,14 @@ class Transformer(nnx.Module):
     # Tied tables also produce the logits: unit-variance rows would give logits of std sqrt(emb_dim) at init.
     tied_scale = 1.0 if (c.normalize_embedding_logits or not c.logits_via_embedding) else c.emb_dim**-0.5
     self.embed = Embed(c.vocab_size, c.emb_dim, init_std=tied_scale, dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
+    if c.hidden_size_per_layer_input:  # Gemma 4's per-layer inputs
+      n, p = c.num_decoder_layers, c.hidden_size_per_layer_input
+      vocab = c.vocab_size_per_layer_input or c.vocab_size
+      self.per_layer_inputs_embed = Embed(vocab, n * p, dtype=kw["dtype"], weight_dtype=kw["weight_dtype"], rngs=rngs)
+      self.per_layer_model_projection = DenseGeneral((c.emb_dim,), (n * p,), ("embed", "mlp"), **{**kw, "quant": None})
+      self.per_layer_projection_norm = RMSNorm.of(p, s.norm, policy.dtypes)
+    else:
+      self.per_layer_inputs_embed = self.per_layer_model_projection = self.per_layer_projection_norm = None
     self.stacks = layer_pattern.stacks(s.kinds)  # the pattern's layer stacks (dense_layers, layers), bottom to top
     built: dict[str, Any] = {}
     for stack in self.stacks:
@@ -118,6 +126,20 @@ class Transformer(nnx.Module):
     if self.family.scale_embedding:
       x = x * jnp.asarray(math.sqrt(self.config.emb_dim), x.dtype)
     return x
+
+  def per_layer_inputs(self, tokens: jax.Array) -> jax.Array | None:
+    """tokens [B, S] -> each layer's per-layer input [layers, B, S, P] (Gemma 4), or None: (the layers' rows of the
+    per-layer table x sqrt(P) + RMSNorm(the embeddings projected, / sqrt(emb_dim))) / sqrt(2)."""
+    if self.per_layer_inputs_embed is None:
+      return None
+    c = self.config
+    n, p = c.num_decoder_layers, c.hidden_size_per_layer_input
+    table = self.per_layer_inputs_embed(tokens)
+    token_part = (table * jnp.asarray(math.sqrt(p), table.dtype)).reshape(*tokens.shape, n, p)
+    projected = self.per_layer_model_projection(self.embed_tokens(tokens)) * jnp.asarray(c.emb_dim**-0.5, table.dtype)
+    context_part = self.per_layer_projection_norm(projected.reshape(*tokens.shape, n, p))
+    combined = (context_part + token_part) * jnp.asarray(2.0**-0.5, table.dtype)
+    return jnp.moveaxis(combined, 2, 0)
 
   def input_stream(self, tokens: jax.Array, images: jax.Array | None = None) -> jax.Array:
     """tokens [B, S] -> the residual stream state entering the first layer ([B, S, E], or [B, S, n, E] with mHC).
@@ -159,6 +181,8 @@ class Transformer(nnx.Module):
     adapter_ids: jax.Array | None = None,
     stacked: bool | None = None,
     image_ids: jax.Array | None = None,
+    per_layer: jax.Array | None = None,
+    kinds: tuple | None = None,
   ):
     """A stack (scanned; stacked defaults to scan_layers) or list of layers over x -> (x, per-layer MoE statistics
     stacked on a leading axis).
@@ -173,28 +197,37 @@ class Transformer(nnx.Module):
     offload = self.policy.offload_layer_inputs
     images = {} if image_ids is None else {"image_ids": image_ids}
 
-    def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int | jax.Array):
+    def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int | jax.Array, extra: dict, return_kv: bool = False):
       h = checkpoint_name(h, remat.LAYER_INPUT)  # before any other use of h, so an offloaded input is the only copy kept
       layer = nnx.merge(graphdef, tied_to_carry(layer_state, h, self.policy.dtypes.compute) if stacked else layer_state)
-      return layer(h, positions, segment_ids, window, adapter_ids=adapter_ids, **images)
+      return layer(h, positions, segment_ids, window, adapter_ids=adapter_ids, return_kv=return_kv, **images, **extra)
 
     if stacked:
       graphdef, state = nnx.split(layers)
       static_window = windows[0] if len(set(windows)) == 1 else None
 
       def body(h, xs):
-        layer_state, window = xs
-        return layer_fn(graphdef, layer_state, h, static_window if static_window is not None else window)
+        layer_state, window, ple = xs
+        extra = {} if ple is None else {"per_layer_input": ple}
+        return layer_fn(graphdef, layer_state, h, static_window if static_window is not None else window, extra)
 
       body = remat.wrap(body, c.remat_policy, prevent_cse=False, offload_input=offload)
-      return jax.lax.scan(body, x, (state, jnp.asarray(windows, jnp.int32)))
-    per_layer = []
-    for layer, window in zip(layers, windows):
+      return jax.lax.scan(body, x, (state, jnp.asarray(windows, jnp.int32), per_layer))
+    stats_per_layer, shared = [], {}  # shared: window -> the keys and values of the last unshared layer with it (KV sharing)
+    for i, (layer, window) in enumerate(zip(layers, windows)):
       graphdef, state = nnx.split(layer)
-      step = remat.wrap(lambda h, st, w=window, g=graphdef: layer_fn(g, st, h, w), c.remat_policy, prevent_cse=True, offload_input=offload)
-      x, stats = step(x, state)
-      per_layer.append(stats)
-    return x, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+      kind = kinds[i] if kinds is not None else None
+      extra = {} if per_layer is None else {"per_layer_input": per_layer[i]}
+      if kind is not None and kind.kv_shared:
+        extra["shared_kv"] = shared[window]
+      emit = kind is not None and not kind.kv_shared and any(k.kv_shared for k in kinds)
+      step = remat.wrap(lambda h, st, ex, w=window, g=graphdef, e=emit: layer_fn(g, st, h, w, ex, e), c.remat_policy, prevent_cse=True, offload_input=offload)
+      out = step(x, state, extra)
+      x, stats = out[0], out[1]
+      if emit:
+        shared[window] = out[2]
+      stats_per_layer.append(stats)
+    return x, jax.tree.map(lambda *xs: jnp.stack(xs), *stats_per_layer)
 
   def _run_stack(
     self,
@@ -204,16 +237,30 @@ class Transformer(nnx.Module):
     segment_ids: jax.Array | None,
     adapter_ids: jax.Array | None,
     image_ids: jax.Array | None = None,
+    per_layer: jax.Array | None = None,
   ):
-    """One of the pattern's stacks over x -> (x, per-layer MoE statistics, bottom to top)."""
+    """One of the pattern's stacks over x -> (x, per-layer MoE statistics, bottom to top). per_layer: every model
+    layer's per-layer input [layers, B, S, P] (Gemma 4) or None."""
     layers = getattr(self, stack.name)
+    mine = None if per_layer is None else per_layer[stack.start : stack.start + len(stack.kinds)]
     if not self.config.scan_layers or stack.period == 1:
-      return self._run_layers(layers, x, positions, segment_ids, list(stack.windows), adapter_ids, image_ids=image_ids)
-    x, stats = self._run_block(stack, layers, x, positions, segment_ids, adapter_ids, image_ids)
+      return self._run_layers(layers, x, positions, segment_ids, list(stack.windows), adapter_ids, per_layer=mine, kinds=stack.kinds, image_ids=image_ids)
+    whole = stack.num_groups * stack.period
+    x, stats = self._run_block(stack, layers, x, positions, segment_ids, adapter_ids, None if mine is None else mine[:whole], image_ids)
     rest = self.layers_remainder
     if rest is None:
       return x, stats
-    x, after = self._run_layers(rest, x, positions, segment_ids, [k.span for k in stack.remainder], adapter_ids, stacked=False, image_ids=image_ids)
+    x, after = self._run_layers(
+      rest,
+      x,
+      positions,
+      segment_ids,
+      [k.span for k in stack.remainder],
+      adapter_ids,
+      stacked=False,
+      per_layer=None if mine is None else mine[whole:],
+      image_ids=image_ids,
+    )
     return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, after)
 
   def _run_block(
@@ -225,6 +272,7 @@ class Transformer(nnx.Module):
     segment_ids: jax.Array | None,
     adapter_ids: jax.Array | None,
     image_ids: jax.Array | None = None,
+    per_layer: jax.Array | None = None,
   ):
     """A repeating block of p layers of different structures (p stacks of num_groups layers each), scanned group by
     group -> (x, per-layer statistics of the whole groups, in layer order). A block position whose window is the same
@@ -236,22 +284,36 @@ class Transformer(nnx.Module):
     static = [int(windows[0, j]) if len(set(windows[:, j].tolist())) == 1 else None for j in range(p)]
     images = {} if image_ids is None else {"image_ids": image_ids}
 
-    def position(j: int, window: int | jax.Array):
-      def step(h, layer_state):
+    # KV sharing: a stack with KV-shared layers never repeats (p = all its layers, one group), so each shared layer
+    # finds its source's keys and values within the group.
+    sharing = any(k.kv_shared for k in stack.kinds)
+
+    def position(j: int, window: int | jax.Array, return_kv: bool):
+      def step(h, layer_state, extra):
         h = checkpoint_name(h, remat.LAYER_INPUT)
-        return nnx.merge(graphdefs[j], tied_to_carry(layer_state, h, compute))(h, positions, segment_ids, window, adapter_ids=adapter_ids, **images)
+        layer = nnx.merge(graphdefs[j], tied_to_carry(layer_state, h, compute))
+        return layer(h, positions, segment_ids, window, adapter_ids=adapter_ids, return_kv=return_kv, **images, **extra)
 
       return remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
 
     def body(h, xs):
-      group_states, group_windows = xs
-      out = []
+      group_states, group_windows, group_inputs = xs
+      out, shared = [], {}
       for j in range(p):
-        h, aux = position(j, static[j] if static[j] is not None else group_windows[j])(h, group_states[j])
+        kind = stack.kinds[j]
+        extra = {} if group_inputs is None else {"per_layer_input": group_inputs[j]}
+        if kind.kv_shared:
+          extra["shared_kv"] = shared[static[j]]
+        emit = sharing and not kind.kv_shared
+        res = position(j, static[j] if static[j] is not None else group_windows[j], emit)(h, group_states[j], extra)
+        h, aux = res[0], res[1]
+        if emit:
+          shared[static[j]] = res[2]
         out.append(aux)
       return h, jax.tree.map(lambda *a: jnp.stack(a), *out)
 
-    x, stats = jax.lax.scan(body, x, (tuple(states), jnp.asarray(windows)))
+    grouped_inputs = None if per_layer is None else per_layer.reshape(g, p, *per_layer.shape[1:])
+    x, stats = jax.lax.scan(body, x, (tuple(states), jnp.asarray(windows), grouped_inputs))
     return x, jax.tree.map(lambda a: a.reshape(g * p, *a.shape[2:]), stats)
 
   def forward_hidden(
@@ -276,16 +338,17 @@ class Transformer(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x = self.input_stream(tokens, images)
     image_ids = self.image_ids(tokens, images)
+    per_layer = self.per_layer_inputs(tokens)
     *prefix, main = self.stacks
     windows = list(main.windows)
     lb = indexer = jnp.zeros((), jnp.float32)
     for stack in prefix:
-      x, dense_stats = self._run_stack(stack, x, positions, segment_ids, adapter_ids, image_ids)
+      x, dense_stats = self._run_stack(stack, x, positions, segment_ids, adapter_ids, per_layer, image_ids)
       lb = lb + jnp.sum(dense_stats["lb_loss"])
       indexer = indexer + jnp.sum(dense_stats["indexer_loss"])
     schedule = self.specs.pipeline
     if schedule is None:
-      x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids, image_ids)
+      x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids, per_layer, image_ids)
     else:
       piped = schedule.plan.layers
       x, stats = schedule(self.layers, x, positions, segment_ids, adapter_ids, windows[:piped], self.policy)

@@ -12,10 +12,11 @@ from flax import nnx
 from maxtext.layers import lora
 from maxtext.layers.attention import Attention, AttentionSpec
 from maxtext.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec, GatedDeltaNetState
+from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.lora import LoRASpec
 from maxtext.layers.mla import MLA, MLASpec
 from maxtext.layers.mla_sparse import SparseMLA, SparseMLASpec
-from maxtext.layers.mlp import MLP, MLPSpec
+from maxtext.layers.mlp import MLP, MLPSpec, activation
 from maxtext.layers.moe import MoE, MoESpec, empty_stats
 from maxtext.layers.norms import NormSpec, RMSNorm
 from maxtext.layers.residual import ResidualSpec, make_connection
@@ -50,6 +51,8 @@ class LayerSpec:
   lora: LoRASpec | None = None  # adapters on the layer's projections (lora.enable_lora)
   num_experts: int = 1  # the statistics' width (a dense layer in a model with experts reports zeros for each)
   rules: Rules = ()  # logical_axis_rules
+  per_layer_input: int = 0  # width of the per-layer input gated in after the MLP branch (Gemma 4's hidden_size_per_layer_input); 0: none
+  layer_scalar: bool = False  # the layer's output is multiplied by a learned scalar (Gemma 4)
 
 
 class DecoderLayer(nnx.Module):
@@ -67,6 +70,14 @@ class DecoderLayer(nnx.Module):
     self.post_mlp_norm = norm() if spec.post_norms else None
     self.attention_connection = make_connection(spec.residual, policy.dtypes)
     self.mlp_connection = make_connection(spec.residual, policy.dtypes)
+    if spec.per_layer_input:  # Gemma 4: x += norm(W_p (act(W_g x) * per_layer_input))
+      kw = dense_kwargs(policy, rngs)
+      self.per_layer_input_gate = DenseGeneral((spec.emb_dim,), (spec.per_layer_input,), ("embed", "mlp"), **kw)
+      self.per_layer_projection = DenseGeneral((spec.per_layer_input,), (spec.emb_dim,), ("mlp", "embed"), **kw)
+      self.post_per_layer_input_norm = norm()
+    else:
+      self.per_layer_input_gate = self.per_layer_projection = self.post_per_layer_input_norm = None
+    self.layer_scalar = nnx.Param(jnp.ones((), policy.dtypes.params), logical_axes=()) if spec.layer_scalar else None
     lora.attach(self, spec.lora, policy.dtypes, rngs)  # adapters last, so base parameters draw the same random keys with or without LoRA
 
   def branches(self) -> tuple[tuple[nnx.Module, RMSNorm | None, nnx.Module, RMSNorm | None], ...]:
@@ -97,16 +108,22 @@ class DecoderLayer(nnx.Module):
     cache: LayerCache | None = None,
     adapter_ids: jax.Array | None = None,
     image_ids: jax.Array | None = None,
+    per_layer_input: jax.Array | None = None,
+    shared_kv: tuple[jax.Array, jax.Array] | None = None,
+    return_kv: bool = False,
   ) -> tuple:
     """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense;
     indexer_loss: a sparse MLA's weighted indexer KL summed over its query tokens, else 0);
     with a KV cache (decoding), (..., updated cache). adapter_ids [B] or [B, S]: each row's (or token's) LoRA slot
-    when the layer holds several adapters (None: slot 0). image_ids [B, S]: each token's image, 0 for text (Gemma 3's
-    images attend within themselves both ways)."""
+    when the layer holds several adapters (None: slot 0). per_layer_input [B, S, P]: this layer's per-layer input
+    (Gemma 4). shared_kv: the keys and values a KV-shared layer attends with; return_kv: (..., (keys, values)) of
+    this layer, for the layers that share them. image_ids [B, S]: each token's image, 0 for text (Gemma 3's images
+    attend within themselves both ways)."""
     aux = {**empty_stats(self.spec.num_experts), "indexer_loss": jnp.zeros((), jnp.float32)}
+    kv = None
 
     def attention_branch(h: jax.Array) -> jax.Array:
-      nonlocal cache
+      nonlocal cache, kv
       if self.pre_attention_norm is not None:
         h = self.pre_attention_norm(h)
       if isinstance(self.attention, GatedDeltaNet):  # a linear mixer: no positions or window; its decode state is its cache
@@ -115,6 +132,15 @@ class DecoderLayer(nnx.Module):
           y, cache = y
       elif cache is None and isinstance(self.attention, SparseMLA):  # its output and its weighted indexer KL (summed over tokens)
         y, aux["indexer_loss"] = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids)
+      elif shared_kv is not None or return_kv:
+        images = {} if image_ids is None or cache is not None else {"image_ids": image_ids}
+        y = self.attention(h, positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids, shared_kv=shared_kv, return_kv=return_kv, **images)
+        if return_kv:
+          *y, kv = y
+        if cache is not None:
+          y, cache = y
+        elif return_kv:
+          (y,) = y
       elif cache is None:
         images = {} if image_ids is None else {"image_ids": image_ids}
         y = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids, **images)
@@ -135,5 +161,11 @@ class DecoderLayer(nnx.Module):
 
     x = self.attention_connection(x, attention_branch)
     x = self.mlp_connection(x, mlp_branch)
+    if self.per_layer_input_gate is not None:
+      gated = activation(self.spec.feed_forward.activations[0])(self.per_layer_input_gate(x)) * per_layer_input.astype(x.dtype)
+      x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+    if self.layer_scalar is not None:
+      x = x * self.layer_scalar[...].astype(x.dtype)
     x = constrain(x, ("activation_batch", "activation_length") + (None,) * (x.ndim - 3) + ("activation_embed",), self.spec.rules)
-    return (x, aux) if cache is None else (x, aux, cache)
+    out = (x, aux) if cache is None else (x, aux, cache)
+    return out + (kv,) if return_kv else out

@@ -47,6 +47,8 @@ class LayerKind:
   ffn: str = "dense"
   window: int = 0
   chunk: int = 0
+  variant: str = ""  # a family's structural variant of the layer (gemma4: 'global', full attention with its own head dims and rope)
+  kv_shared: bool = False  # attends with the keys and values of the last earlier unshared layer of the same window; no key/value projections
 
   def __post_init__(self):
     if self.mixer not in MIXERS:
@@ -129,6 +131,23 @@ GEMMA_HF_NORMS = {
   "pre_mlp_norm": "pre_feedforward_layernorm",
   "post_mlp_norm": "post_feedforward_layernorm",
 }
+
+
+def gemma4_pattern(shape: LayerShape) -> tuple[LayerKind, ...]:
+  """Gemma 4's pattern: per inhomogeneous_layer_cycle_interval layers, sliding-window layers then one global layer
+  (variant 'global'); the last layer is global (as transformers forces it); the last num_kv_shared_layers layers
+  reuse the keys and values of the last earlier unshared layer of their kind."""
+  n, every, w = shape.num_decoder_layers, shape.inhomogeneous_layer_cycle_interval, shape.sliding_window_size
+  shared_from = n - getattr(shape, "num_kv_shared_layers", 0)
+  ffn = experts_ffn(shape)
+
+  def kind(i: int) -> LayerKind:
+    full = (i + 1) % every == 0 or i == n - 1
+    return LayerKind("attention", ffn, 0 if full else w, variant="global" if full else "", kv_shared=i >= shared_from)
+
+  return tuple(kind(i) for i in range(n))
+
+
 POST_ONLY_HF_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}  # OLMo 2 and 3
 
 
@@ -153,6 +172,12 @@ class Family:
   l2_qk_norm: bool = False  # use_qk_norm is a weightless L2 (RMS) norm of q and k after rope (Llama 4), not a learned RMSNorm
   interleaved_rope: bool = False  # rotary pairs are neighbouring features (x[2i], x[2i+1]) whatever the rope type (Llama 4)
   expert_input_weights: bool = False  # the router's top-1 sigmoid weight scales the expert's input, not its output (Llama 4)
+  value_norm: bool = False  # an RMSNorm on each value head (Gemma 4; its scale per v_norm_with_scale)
+  softmax_scale: float | None = None  # a fixed attention softmax scale (Gemma 4: 1, its query norm sizes the logits); None: query_pre_attn_scalar's
+  layer_scalar: bool = False  # each layer's output is multiplied by a learned scalar (Gemma 4's layer_scalar)
+  gemma4_keys: bool = (
+    False  # Gemma 4's keys apply: 'global' layers' global_head_dim, global_num_kv_heads, share_kv_projections and global_rope_*, per-layer inputs, KV sharing
+  )
 
   def kinds(self, shape: LayerShape) -> tuple[LayerKind, ...]:
     """The kind of each of shape.num_decoder_layers layers."""

@@ -7,6 +7,7 @@ from maxtext.models.families import (
   deepseek_v32,
   gemma2,
   gemma3,
+  gemma4,
   gpt_oss,
   llama2,
   llama4,
@@ -37,6 +38,8 @@ FAMILIES: dict[str, Family] = {
     qwen2.FAMILY,
     olmo3.FAMILY,
     llama4.FAMILY,
+    gemma4.FAMILY,
+    gemma4.SMALL,
   )
 }
 

@@ -167,7 +167,7 @@ def attention(config: MaxTextConfig, family: Family | None = None) -> AttentionS
     num_kv_heads=c.num_kv_heads,
     head_dim=c.head_dim,
     rope=rope(c, family=family),
-    scale=(c.query_pre_attn_scalar or c.head_dim) ** -0.5,
+    scale=family.softmax_scale if family.softmax_scale is not None else (c.query_pre_attn_scalar or c.head_dim) ** -0.5,
     max_target_length=c.max_target_length,
     soft_cap=c.attn_logits_soft_cap,
     use_bias=c.attention_bias,
@@ -285,13 +285,42 @@ FEED_FORWARDS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
 }
 
 
+def gemma4_attention(config: MaxTextConfig, kind: LayerKind, spec: AttentionSpec) -> AttentionSpec:
+  """Gemma 4's attention of this kind: value norm; global layers with global_head_dim, global_num_kv_heads,
+  share_kv_projections and the global rope, sliding layers with the local rope (each its own proportion); KV-shared
+  layers without key/value projections."""
+  c, full = config, kind.variant == "global"
+  theta = c.global_rope_max_timescale if full else c.local_rope_max_timescale
+  rope_spec = dataclasses.replace(
+    spec.rope, theta=theta if theta > 0 else c.rope_max_timescale, local_theta=0.0, proportion=c.global_rope_proportion if full else c.local_rope_proportion
+  )
+  return dataclasses.replace(
+    spec,
+    head_dim=(c.global_head_dim or c.head_dim) if full else c.head_dim,
+    num_kv_heads=(c.global_num_kv_heads or c.num_kv_heads) if full else c.num_kv_heads,
+    rope=rope_spec,
+    qk_norm=norm(c),
+    value_norm=norm(c),
+    value_norm_scale=c.v_norm_with_scale,
+    values_from_keys=full and c.share_kv_projections,
+    kv_shared=kind.kv_shared,
+  )
+
+
 def layer(config: MaxTextConfig, family: Family, kind: LayerKind) -> LayerSpec:
   """One decoder layer of this kind (its window is a call argument, not part of the spec)."""
   c = config
+  mixer, ffn = MIXERS[kind.mixer](c, family), FEED_FORWARDS[kind.ffn](c, family)
+  if family.gemma4_keys and kind.mixer == "attention":
+    mixer = gemma4_attention(c, kind, mixer)
+  if kind.kv_shared and c.use_double_wide_mlp and isinstance(ffn, MLPSpec):
+    ffn = dataclasses.replace(ffn, width=2 * ffn.width)
   return LayerSpec(
     emb_dim=c.emb_dim,
-    attention=MIXERS[kind.mixer](c, family),
-    feed_forward=FEED_FORWARDS[kind.ffn](c, family),
+    attention=mixer,
+    feed_forward=ffn,
+    per_layer_input=c.hidden_size_per_layer_input,
+    layer_scalar=family.layer_scalar,
     norm=norm(c, family),
     post_norms=family.post_norms,
     pre_norms=family.pre_norms,
