@@ -58,7 +58,7 @@ def layer_stack_seconds(config, repeats: int) -> float:
     b, s = config.global_batch_size_to_train_on, config.max_target_length
     tokens = jax.random.randint(jax.random.key(0), (b, s), 1, config.vocab_size)
     positions = jax.numpy.broadcast_to(jax.numpy.arange(s), (b, s))
-    windows = model.family.layer_windows(config)
+    windows = [kind.window for kind in model.specs.kinds]
 
     def loss(params):
       m = nnx.merge(graphdef, params, rest)

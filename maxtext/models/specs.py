@@ -290,3 +290,52 @@ def model(config: MaxTextConfig, family: Family | None = None) -> ModelSpecs:
   by_structure = {k.structure: layer(config, family, k) for k in dict.fromkeys(kinds)}
   layers = tuple(by_structure[k.structure] for k in kinds)
   return ModelSpecs(kinds, layers, norm(config, family), residual(config), context_layout(config), pipeline(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+  """All the Transformer (maxtext.models.decoder) reads, read from the config once: frozen and hashable, it sits in
+  the model's graphdef where the 273-field config would otherwise."""
+
+  model: ModelSpecs  # the layers, the final norm, the residual stream, context parallelism, the pipeline
+  decoder_block: str  # the family's name (for error messages)
+  vocab_size: int
+  emb_dim: int
+  scan_layers: bool
+  remat_policy: str
+  scale_embedding: bool  # the family scales token embeddings by sqrt(emb_dim) (Gemma)
+  logits_via_embedding: bool  # the output head is the embedding table, transposed
+  normalize_embedding_logits: bool  # with tied embeddings, logits divided by sqrt(emb_dim)
+  final_logits_soft_cap: float  # 0: off
+  logits_dot_in_fp32: bool
+  quantize_logits_proj: bool
+  num_vocab_tiling: int
+  mtp_num_layers: int
+  load_balance_loss_weight: float  # divided by num_decoder_layers, summed over layers
+  num_decoder_layers: int
+  rules: Rules
+
+
+def decoder(config: MaxTextConfig, family: Family | None = None) -> DecoderSpec:
+  """The Transformer's spec (maxtext.models.build hands the config here; the model never sees it)."""
+  c = config
+  family = family or family_of(c)
+  return DecoderSpec(
+    model=model(c, family),
+    decoder_block=c.decoder_block,
+    vocab_size=c.vocab_size,
+    emb_dim=c.emb_dim,
+    scan_layers=c.scan_layers,
+    remat_policy=c.remat_policy,
+    scale_embedding=family.scale_embedding,
+    logits_via_embedding=c.logits_via_embedding,
+    normalize_embedding_logits=c.normalize_embedding_logits,
+    final_logits_soft_cap=float(c.final_logits_soft_cap or 0.0),
+    logits_dot_in_fp32=c.logits_dot_in_fp32,
+    quantize_logits_proj=c.quantize_logits_proj,
+    num_vocab_tiling=c.num_vocab_tiling,
+    mtp_num_layers=c.mtp_num_layers,
+    load_balance_loss_weight=c.load_balance_loss_weight,
+    num_decoder_layers=c.num_decoder_layers,
+    rules=rules(c),
+  )
