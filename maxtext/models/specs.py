@@ -35,7 +35,7 @@ from maxtext.layers.rope import RopeSpec
 from maxtext.layers.sharding import Rules
 from maxtext.models.decoder_layer import LayerSpec
 from maxtext.models.family import Family, LayerKind
-from maxtext.models.pipeline import Plan, Schedule
+from maxtext.models.pipeline import STAGE_AXIS, Plan, Schedule
 
 
 def rules(config: MaxTextConfig) -> Rules:
@@ -258,9 +258,26 @@ def layer(config: MaxTextConfig, family: Family, kind: LayerKind) -> LayerSpec:
   )
 
 
+def pipeline_plan(config: MaxTextConfig) -> Plan | None:
+  """The config's pipeline plan, or None without pipeline parallelism."""
+  c = config
+  stages = axis_size(c.ici_parallelism, c.dcn_parallelism, c.mesh_axes, STAGE_AXIS)
+  if stages == 1:
+    return None
+  return Plan(
+    stages,
+    c.num_pipeline_repeats,
+    c.num_layers_per_pipeline_stage,
+    c.num_pipeline_microbatches,
+    2 if c.pipeline_delay_activation_forwarding else 1,
+    c.pipeline_fsdp_ag_once,
+    c.num_decoder_layers - c.first_num_dense_layers - c.pipeline_parallel_layers,
+  )
+
+
 def pipeline(config: MaxTextConfig) -> Schedule | None:
   """The pipeline schedule around the main layer stack, or None without pipeline parallelism."""
-  plan = Plan.of(config)
+  plan = pipeline_plan(config)
   if plan is None:
     return None
   fsdp_axes = frozenset(dict(rules(config)).get("embed", ()))  # the mesh axes the layers' 'embed' dimension is sharded over
