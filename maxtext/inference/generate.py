@@ -81,7 +81,8 @@ class Generator:
     fixed_bucket: pad every prompt batch to max_prefill_length (one prefill compile for all prompt lengths).
     tokenizer_vocab_size: the ids the tokenizer can decode; with a padded vocabulary (the model's vocab_size larger)
     the ids from it up are never sampled. None: every id of the model's vocabulary may be."""
-    c = config
+    # the model's layer arrangement decides the cache's (unstack.for_decoding may have unstacked a scanned model)
+    c = config if config.scan_layers == model.spec.scan_layers else config.model_copy(update={"scan_layers": model.spec.scan_layers})
     self.config = c
     self.sampling = sampling or SamplingParams()
     self.max_target_length = max_target_length or c.max_target_length
