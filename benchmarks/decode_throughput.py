@@ -116,7 +116,7 @@ def measure(
   def generator(config):
     model = models.create_sharded(config, mesh, policy=serving_policy(config, mesh))
     param_bytes = sum(x.size * bits(x.dtype) // 8 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    return Generator(unstack_layers(model) if unstack else model, mesh=mesh), param_bytes
+    return Generator(unstack_layers(model) if unstack else model, config=config, mesh=mesh), param_bytes
 
   gen, param_bytes = generator(config)
   base_config = config.model_copy(update={"quantization": "", "quantize_kvcache": False, "quantize_logits_proj": False})

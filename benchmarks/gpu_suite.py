@@ -464,7 +464,7 @@ def section_decode(suite: Suite, sec: Section) -> None:
     mesh = mesh_lib.create(config, [dev])
     model = arrange(load_model(config, mesh, quiet))
     with jax.default_matmul_precision("highest"):
-      return Generator(model, mesh=mesh, **args).generate(prompts).tokens
+      return Generator(model, config=config, mesh=mesh, **args).generate(prompts).tokens
 
   got = run(device, lambda m: m)  # as the device decodes: the layers as trained (scanned)
   want = run(cpu, unstack.for_decoding)  # as `python -m maxtext.decode` decodes on CPU

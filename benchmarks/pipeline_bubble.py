@@ -58,7 +58,7 @@ def layer_stack_seconds(config, repeats: int) -> float:
     b, s = config.global_batch_size_to_train_on, config.max_target_length
     tokens = jax.random.randint(jax.random.key(0), (b, s), 1, config.vocab_size)
     positions = jax.numpy.broadcast_to(jax.numpy.arange(s), (b, s))
-    windows = model.family.layer_windows(config)
+    windows = [kind.window for kind in model.specs.kinds]
 
     def loss(params):
       m = nnx.merge(graphdef, params, rest)
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> None:
   args = parser.parse_args(argv)
 
   from maxtext.config import from_overrides
-  from maxtext.models import pipeline
+  from maxtext.models import specs
 
   devices = jax.device_count()
   p, lps, v = args.stages, args.layers_per_stage, args.repeats_per_stage
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
   rows = []
   for m in (int(x) for x in args.microbatches.split(",")):
     config = from_overrides(num_devices=devices, **base, num_pipeline_microbatches=m, per_device_batch_size=m * args.microbatch_rows / devices)
-    plan = pipeline.Plan.of(config)
+    plan = specs.pipeline_plan(config)
     rows.append((m, plan, layer_stack_seconds(config, args.timing_runs)))
   useful = np.array([m * plan.repeats for m, plan, _ in rows], float)
   seconds = np.array([t for *_, t in rows])

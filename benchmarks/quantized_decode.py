@@ -85,7 +85,7 @@ def main(argv: list[str]) -> list[dict]:
     if weight_only:
       policy = dataclasses.replace(policy, quantization=dataclasses.replace(policy.quantization, activation=None))
     model = load_model(config, mesh, log=lambda _: None, policy=policy)
-    gen = Generator(model, max_target_length=length, max_prefill_length=max(len(p) for p in prompts), mesh=mesh)
+    gen = Generator(model, config=config, max_target_length=length, max_prefill_length=max(len(p) for p in prompts), mesh=mesh)
     batches = [[p] for p in prompts] if unbatched else [prompts]
     tokens = [t[: args.tokens] for batch in batches for t in gen.generate(batch).tokens]
     weight_bytes = sum(x.size * bits(x.dtype) // 8 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -79,9 +79,11 @@ def harness(config: Any, argv: list[str]) -> dict[str, Any]:
 
   unknown_tasks(config.eval_harness_tasks, config.eval_harness_include_path)
   tasks = task_manager(config.eval_harness_include_path or None)
-  model, tokenizer, mesh = load(argv)
+  model, model_config, tokenizer, mesh = load(argv)
   return simple_evaluate(
-    model=MaxTextLM(model, tokenizer, batch_size=config.global_batch_size_to_eval_on, mesh=mesh), tasks=list(config.eval_harness_tasks), task_manager=tasks
+    model=MaxTextLM(model, tokenizer, maxtext_config=model_config, batch_size=config.global_batch_size_to_eval_on, mesh=mesh),
+    tasks=list(config.eval_harness_tasks),
+    task_manager=tasks,
   )
 
 

@@ -13,8 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from maxtext import platform
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
-
-LogicalAxes = Sequence[str | None]
+from maxtext.layers.sharding import LogicalAxes, logical_to_spec  # noqa: F401  (mesh.logical_to_spec for its callers)
 
 
 def create(config: MaxTextConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -33,23 +32,6 @@ def create(config: MaxTextConfig, devices: Sequence[jax.Device] | None = None) -
   else:
     grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
   return Mesh(grid, tuple(config.mesh_axes))
-
-
-def logical_to_spec(axes: LogicalAxes | None, rules: Sequence[tuple[str, Sequence[str]]], mesh: Mesh) -> PartitionSpec:
-  """PartitionSpec for logical axis names under the rules; a mesh axis is used once at most."""
-  if axes is None:
-    return PartitionSpec()
-  table = {name: tuple(mesh_axes) for name, mesh_axes in rules}
-  used: set[str] = set()
-  spec: list[str | tuple[str, ...] | None] = []
-  for name in axes:
-    if name is None or name not in table:
-      spec.append(None)
-      continue
-    chosen = tuple(a for a in table[name] if a not in used and mesh.shape.get(a, 1) > 1)
-    used.update(chosen)
-    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
-  return PartitionSpec(*spec)
 
 
 def logical_sharding(axes: LogicalAxes | None, config: MaxTextConfig, mesh: Mesh) -> NamedSharding:

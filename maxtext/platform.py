@@ -26,11 +26,11 @@ import ml_dtypes
 import numpy as np
 
 from maxtext.errors import ConfigError
+from maxtext.quantization_recipe import Recipe, check_devices, recipe
 
 if TYPE_CHECKING:
   import jax  # imported where devices are read: `import maxtext` chooses the platform without importing JAX
 
-  from maxtext.layers.quantization import Recipe
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 _TPU_NODES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")  # v2-v4 expose /dev/accel*, v5e/v5p/v6e /dev/vfio/<n>
@@ -43,8 +43,6 @@ CPU_CHUNKED_ATTENTION_FROM = 2048
 CPU_ATTENTION_KEY_BLOCK = 512
 
 MOE_DISPATCHES = ("megablox", "tokamax", "ragged_dot", "dense")
-# The config keys of fp8_full's calibration methods (checked by maxtext.config.derived, read by maxtext.layers.quantization.recipe)
-QUANTIZATION_CALIBRATION_KEYS = ("weight_quantization_calibration_method", "act_quantization_calibration_method", "bwd_quantization_calibration_method")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +75,7 @@ class PolicyKeys(Protocol):
   max_segments_per_seq: int
   decoder_layer_input: str
   optimizer_memory_host_offload: bool
-  quantization: str  # with the keys maxtext.layers.quantization.recipe reads when it is set
+  quantization: str  # with the keys maxtext.quantization_recipe.recipe reads when it is set
   sparse_matmul: bool
   megablox: bool
   use_tokamax_gmm: bool
@@ -191,8 +189,6 @@ NATIVE_FORMATS = {"cpu": ("int8",), "gpu": ("int8", "fp8", "fp8_full"), "tpu": (
 def _quantization_recipe(config: PolicyKeys, platform: str) -> Recipe | None:
   if not config.quantization:
     return None
-  from maxtext.layers.quantization import recipe  # imports JAX and qwix: only for runs that quantize
-
   return recipe(config, native=config.quantization in NATIVE_FORMATS[platform])
 
 
@@ -235,8 +231,6 @@ def resolve(config: PolicyKeys, mesh: jax.sharding.Mesh | None = None) -> Policy
   devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()
   policy = for_platform(config, platform_of(devices))
   if policy.quantization is not None:
-    from maxtext.layers.quantization import check_devices
-
     check_devices(policy.quantization, devices)
   return policy
 

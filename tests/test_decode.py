@@ -60,7 +60,7 @@ def built(scan: bool):
   """(config, model, generator, tokens [2, 20], the full forward pass's logits over them)."""
   config = from_overrides(**TINY, scan_layers=scan)
   model = perturbed(config)
-  gen = Generator(model, max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length)
+  gen = Generator(model, config=config, max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length)
   tokens = np.random.default_rng(0).integers(0, 97, size=(2, 20)).astype(np.int32)
   return config, model, gen, tokens, full_logits(model, tokens)
 
@@ -173,5 +173,5 @@ def test_bad_sampling_settings_are_config_errors(bad):
 def test_unstacked_layers_give_the_same_logits(scanned):
   _, model, _, tokens, full = scanned
   unstacked = unstack_layers(model)
-  assert not unstacked.config.scan_layers and len(unstacked.layers) == 3
+  assert not unstacked.spec.scan_layers and len(unstacked.layers) == 3
   np.testing.assert_allclose(full_logits(unstacked, tokens), full, atol=1e-5, rtol=0)

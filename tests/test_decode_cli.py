@@ -57,8 +57,8 @@ def test_decode_kimi_shaped_deepseek_from_its_compressed_cache(tokenizer, tmp_pa
   out = run(capsys, f"hf_model_path={tmp_path}", f"tokenizer_path={tokenizer}", "prompt=w1 w2 w3")
   line = next(x for x in out.splitlines() if x.startswith("KV cache:"))
   assert "(20 values per token and layer, float32); per-head keys and values (mla_naive_kvcache=true) would take" in line and "(3.6x)" in line
-  model, _ = maxtext.from_hf(tmp_path, dtype="float32", max_target_length=20, max_prefill_predict_length=16)
-  completion = maxtext.generate(model, load_tokenizer("huggingface", tokenizer), "w1 w2 w3")
+  model, config = maxtext.from_hf(tmp_path, dtype="float32", max_target_length=20, max_prefill_predict_length=16)
+  completion = maxtext.generate(model, load_tokenizer("huggingface", tokenizer), "w1 w2 w3", config=config)
   assert f"completion: {completion}\n" in out
 
 
@@ -113,10 +113,10 @@ def test_generate_api(hf_dir, tokenizer, tmp_path):
   from maxtext.errors import DataError
   from maxtext.tokenizer import load_tokenizer
 
-  model, _ = maxtext.from_hf(hf_dir, dtype="float32", max_target_length=20, max_prefill_predict_length=16)
+  model, config = maxtext.from_hf(hf_dir, dtype="float32", max_target_length=20, max_prefill_predict_length=16)
   tok = load_tokenizer("huggingface", tokenizer)
-  completions = maxtext.generate(model, tok, ["w1 w2", "w3"])
+  completions = maxtext.generate(model, tok, ["w1 w2", "w3"], config=config)
   assert isinstance(completions, list) and len(completions) == 2 and all(isinstance(c, str) for c in completions)
-  assert maxtext.generate(model, tok, "w1 w2") == completions[0]
+  assert maxtext.generate(model, tok, "w1 w2", config=config) == completions[0]
   with pytest.raises(DataError, match="has 123 tokens"):
-    maxtext.generate(model, load_tokenizer("huggingface", word_tokenizer(tmp_path / "big.json", 120)), "w1")
+    maxtext.generate(model, load_tokenizer("huggingface", word_tokenizer(tmp_path / "big.json", 120)), "w1", config=config)

@@ -26,8 +26,8 @@ def test_greedy_matches_transformers_generate(tmp_path, name):
   rng = np.random.default_rng(1)
   prompts = [rng.integers(3, 97, size=n).tolist() for n in PROMPT_LENGTHS]
   eos = torch_model.config.eos_token_id
-  model, _ = from_hf(tmp_path, scan_layers=name != "mistral", dtype="float32", matmul_precision="highest")
-  gen = Generator(model, max_target_length=MAX_TARGET_LENGTH, max_prefill_length=16, eos_id=eos)
+  model, config = from_hf(tmp_path, scan_layers=name != "mistral", dtype="float32", matmul_precision="highest")
+  gen = Generator(model, config=config, max_target_length=MAX_TARGET_LENGTH, max_prefill_length=16, eos_id=eos)
   ours = gen.generate(prompts).tokens
   for prompt, got in zip(prompts, ours):
     with torch.no_grad():

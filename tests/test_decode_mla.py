@@ -52,7 +52,7 @@ TINY_MLA = dict(
 def built(naive: bool, scan: bool):
   config = from_overrides(**TINY_MLA, mla_naive_kvcache=naive, scan_layers=scan)
   model = perturbed(config)
-  gen = Generator(model, max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length)
+  gen = Generator(model, config=config, max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length)
   tokens = np.random.default_rng(0).integers(0, 97, size=(2, 20)).astype(np.int32)
   return config, gen, tokens, full_logits(model, tokens)
 

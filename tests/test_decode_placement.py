@@ -39,9 +39,9 @@ def test_generator_moves_a_state_from_other_devices_onto_its_mesh():
   config = from_overrides(**TINY)
   first, second = jax.devices()[:2]
   model = models.create_sharded(config, mesh_lib.create(config, [first]))
-  want = Generator(model, max_target_length=20).generate(PROMPTS).tokens
+  want = Generator(model, config=config, max_target_length=20).generate(PROMPTS).tokens
   other = mesh_lib.create(config, [second])
-  gen = Generator(model, max_target_length=20, mesh=other)
+  gen = Generator(model, config=config, max_target_length=20, mesh=other)
   assert devices_of(gen.state) == {second}
   assert gen.generate(PROMPTS).tokens == want
 

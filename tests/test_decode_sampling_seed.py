@@ -25,7 +25,7 @@ PROMPTS = [[5, 9, 2], [11, 3, 7]]
 @pytest.mark.parametrize("strategy", ["weighted", "topk"])
 def test_same_seed_same_tokens_other_seed_other_tokens(strategy):
   config = from_overrides(**TINY, decode_sampling_strategy=strategy)
-  gen = Generator(perturbed(config), SamplingParams.from_config(config))  # what `python -m maxtext.decode` builds
+  gen = Generator(perturbed(config), SamplingParams.from_config(config), config=config)  # what `python -m maxtext.decode` builds
 
   def sampled(seed: int) -> list[list[int]]:
     seeded = config.model_copy(update={"decode_sampling_seed": seed})

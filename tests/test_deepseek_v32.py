@@ -126,8 +126,8 @@ def test_greedy_decode_matches_transformers_generate(saved):
   prompts = [rng.integers(3, 97, size=n).tolist() for n in (3, 9)]
   eos = torch_model.config.eos_token_id
   for naive in (False, True):
-    model, _ = from_hf(hf_dir, dtype="float32", matmul_precision="highest", mla_naive_kvcache=naive)
-    ours = Generator(model, max_target_length=17, max_prefill_length=16, eos_id=eos).generate(prompts).tokens
+    model, config = from_hf(hf_dir, dtype="float32", matmul_precision="highest", mla_naive_kvcache=naive)
+    ours = Generator(model, config=config, max_target_length=17, max_prefill_length=16, eos_id=eos).generate(prompts).tokens
     for prompt, got in zip(prompts, ours):
       with torch.no_grad():
         ref = torch_model.generate(torch.tensor([prompt]), max_new_tokens=17 - len(prompt), do_sample=False, eos_token_id=eos, pad_token_id=0)

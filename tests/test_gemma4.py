@@ -108,11 +108,11 @@ def test_logits_match_transformers(hf_dir, loaded, scan):
 def test_greedy_decode_matches_transformers_generate(hf_dir, loaded, scan):
   """Prompts of different lengths in one batch (one longer than the window); shared layers read their sources' caches."""
   _, torch_model = hf_dir
-  model, _ = loaded[scan]
+  model, config = loaded[scan]
   rng = np.random.default_rng(1)
   prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (3, 2 * WINDOW + 1)]
   eos = torch_model.config.eos_token_id
-  ours = Generator(model, max_target_length=24, max_prefill_length=16, eos_id=eos).generate(prompts).tokens
+  ours = Generator(model, config=config, max_target_length=24, max_prefill_length=16, eos_id=eos).generate(prompts).tokens
   for prompt, got in zip(prompts, ours):
     with torch.no_grad():
       out = torch_model.generate(torch.tensor([prompt]), max_new_tokens=24 - len(prompt), do_sample=False, eos_token_id=eos, pad_token_id=0)

@@ -82,7 +82,7 @@ def test_rolling_loglikelihood_matches_the_hf_backend(backends):
   from maxtext.integrations.lm_eval_backend import MaxTextLM
 
   ours, theirs = backends
-  short_ours = MaxTextLM(ours.model, ours.tokenizer, batch_size=4, max_length=16)
+  short_ours = MaxTextLM(ours.model, ours.tokenizer, maxtext_config=ours.maxtext_config, batch_size=4, max_length=16)
   short_theirs = HFLM(pretrained=theirs.model, tokenizer=theirs.tokenizer, batch_size=4, max_length=16)
   texts = [" ".join(f"w{(7 * i + k) % 90}" for i in range(n)) for k, n in ((1, 40), (2, 9))]
   requests = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
@@ -150,7 +150,7 @@ def test_unsupported_options_are_one_line_errors_not_ignored(backends):
 
   ours, _ = backends
   with pytest.raises(ConfigError, match="batch_size 'auto'"):
-    MaxTextLM(ours.model, ours.tokenizer, batch_size="auto")
+    MaxTextLM(ours.model, ours.tokenizer, maxtext_config=ours.maxtext_config, batch_size="auto")
   with pytest.raises(DataError, match=r"gen_kwargs \['num_beams'\]"):
     ours.generate_until([Instance("generate_until", {}, ("w1 w2", {"until": ["w3"], "num_beams": 2}), 0)])
 

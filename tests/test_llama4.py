@@ -141,7 +141,7 @@ def test_greedy_decode_matches_transformers_generate(hf_dir, converted):
   model, config = converted
   lay = cache_layout.layout(config, 20)
   assert [lay.slots(w) for w in lay.windows] == [CHUNK, CHUNK, CHUNK, 20, CHUNK, CHUNK]
-  ours = Generator(model, max_target_length=20, max_prefill_length=12, eos_id=eos).generate(prompts).tokens
+  ours = Generator(model, config=config, max_target_length=20, max_prefill_length=12, eos_id=eos).generate(prompts).tokens
   for prompt, got in zip(prompts, ours):
     with torch.no_grad():
       out = torch_model.generate(torch.tensor([prompt]), max_new_tokens=20 - len(prompt), do_sample=False, eos_token_id=eos, pad_token_id=0)

@@ -166,7 +166,7 @@ def test_decode_serves_several_adapters_in_one_batch():
   nested = {k.split(".", 1)[1]: v for k, v in MULTI.items() if k != "lora.adapter_column"}
   lora = {**nested, "lora_module_path": "attention/query$|mlp/wo$"}
   cfg = tiny(dtype="float32", matmul_precision="highest", lora=lora, max_target_length=20, max_prefill_predict_length=8)
-  gen = Generator(perturbed(cfg, seed=3), SamplingParams(strategy="greedy"))
+  gen = Generator(perturbed(cfg, seed=3), SamplingParams(strategy="greedy"), config=cfg)
   prompts = [[5, 9, 2, 7], [11, 3, 8]]
   gen.compile(batch=2, prompt_length=4, adapters=True)  # what generate(..., adapter_ids=...) runs, compiled ahead
   mixed = gen.generate(prompts, adapter_ids=["alice", 1]).tokens

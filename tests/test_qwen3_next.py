@@ -116,8 +116,8 @@ def test_greedy_decode_matches_transformers_generate(hf_dir, scan):
   rng = np.random.default_rng(1)
   prompts = [rng.integers(3, 97, size=n).tolist() for n in (3, CHUNK + 3)]
   eos = torch_model.config.eos_token_id
-  model, _ = from_hf(d, scan_layers=scan, dtype="float32", matmul_precision="highest", gdn_chunk_size=CHUNK)
-  ours = Generator(model, max_target_length=24, max_prefill_length=16, eos_id=eos).generate(prompts).tokens
+  model, config = from_hf(d, scan_layers=scan, dtype="float32", matmul_precision="highest", gdn_chunk_size=CHUNK)
+  ours = Generator(model, config=config, max_target_length=24, max_prefill_length=16, eos_id=eos).generate(prompts).tokens
   for prompt, got in zip(prompts, ours):
     with torch.no_grad():
       out = torch_model.generate(torch.tensor([prompt]), max_new_tokens=24 - len(prompt), do_sample=False, eos_token_id=eos, pad_token_id=0)

@@ -116,14 +116,14 @@ def test_generate_with_a_padded_vocabulary_emits_only_tokenizer_ids(padded_model
 
   tokenizer = load_tokenizer("sentencepiece", sp_model())
   assert tokenizer.vocab_size == REAL
-  model, _ = maxtext.from_hf(padded_model, dtype="float32", max_target_length=24, max_prefill_predict_length=16)
-  texts = maxtext.generate(model, tokenizer, ["the quick fox", "a"], sampling=STRATEGIES["topk"])
+  model, config = maxtext.from_hf(padded_model, dtype="float32", max_target_length=24, max_prefill_predict_length=16)
+  texts = maxtext.generate(model, tokenizer, ["the quick fox", "a"], config=config, sampling=STRATEGIES["topk"])
   assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
-  gen = Generator(model, STRATEGIES["weighted"], max_target_length=24, max_prefill_length=16, tokenizer_vocab_size=REAL)
+  gen = Generator(model, STRATEGIES["weighted"], config=config, max_target_length=24, max_prefill_length=16, tokenizer_vocab_size=REAL)
   tokens = gen.generate([tokenizer.encode("the quick fox")] * 4, seed=3).tokens
   assert sum(map(len, tokens)) > 40 and max(max(t) for t in tokens) < REAL  # 4 rows of up to 21 tokens, none a padding id
   with pytest.raises(ConfigError, match="tokenizer_vocab_size=513"):
-    Generator(model, tokenizer_vocab_size=VOCAB + 1)
+    Generator(model, config=config, tokenizer_vocab_size=VOCAB + 1)
 
 
 # --- reward functions -------------------------------------------------------------------------------------------

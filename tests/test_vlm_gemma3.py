@@ -175,7 +175,7 @@ def test_greedy_decode_with_images_token_exact(hf_dir, ours, images):
   prompts = [with_images([2, 10, 11, 12, 13], 1), with_images([2, 30, 31, 32, 33, 34, 35, 36], 2)]
   given = [images[1:], images]
   total = 64
-  gen = Generator(for_decoding(ours[0]), max_target_length=total, max_prefill_length=48, eos_id=1)
+  gen = Generator(for_decoding(ours[0]), config=ours[1], max_target_length=total, max_prefill_length=48, eos_id=1)
   got = gen.generate(prompts, images=given).tokens
   processor = transformers.Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_pan_and_scan=False)
   for prompt, row, tokens in zip(prompts, given, got):

@@ -53,7 +53,7 @@ def compile_decode_step(config: MaxTextConfig) -> DecodeCompileResult:
   batch = config.micro_batch_size_to_train_on
   with jax.set_mesh(mesh):
     abstract_model = models.abstract_model(config, policy)
-    gen = Generator(abstract_model, max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length, mesh=mesh)
+    gen = Generator(abstract_model, config=config, max_target_length=config.max_target_length, max_prefill_length=config.max_prefill_predict_length, mesh=mesh)
     shardings = models.state_shardings(gen.state, config, mesh)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     gen.state = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), gen.state, shardings, is_leaf=is_var)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from maxtext.config.adapters import adapter_specs
 from maxtext.config.parallelism import PARALLEL_AXES, axis_size, check_context, check_diloco, diloco_axes, fill_parallelism, parallelism_key, pipeline_values
 from maxtext.errors import ConfigError, echo
-from maxtext.platform import QUANTIZATION_CALIBRATION_KEYS
+from maxtext.quantization_recipe import QUANTIZATION_CALIBRATION_KEYS
 
 if TYPE_CHECKING:
   from maxtext.config.maxtext_config import MaxTextConfig

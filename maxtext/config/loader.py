@@ -427,7 +427,7 @@ def load_with_sources(
   sources.update({k: overridden_source(k, overridden[k]) if k in overridden else "command line" for k in cli})
   values.update(env_values)
   sources.update({k: f"env {env_name(k)}" for k in env_values})
-  from maxtext.convert.hf_dir import apply_architecture, is_hf_dir  # a Hugging Face directory's config.json sets the architecture
+  from maxtext.convert.hf_architecture import apply_architecture, is_hf_dir  # a Hugging Face directory's config.json sets the architecture
 
   if is_hf_dir(values.get("load_parameters_path")):
     apply_architecture(str(values["load_parameters_path"]), values, sources, "base.yml")

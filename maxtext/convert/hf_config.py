@@ -7,12 +7,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from maxtext.config import MaxTextConfig
 from maxtext.convert import hf_gemma4, safetensors_io
 from maxtext.convert.hf_fields import HFFields
 from maxtext.errors import ConfigError, shorten
 from maxtext.layers.rope import yarn_mscale
 from maxtext.models import registry
+
+# The run's config, read by attribute (a maxtext.config.MaxTextConfig; not imported: the config's loader reads this module)
+Config = Any
 
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu", "gelu": "gelu_exact", "relu": "relu"}
 TO_HF_ACTIVATIONS = {"silu": "silu", "gelu": "gelu_pytorch_tanh", "gelu_exact": "gelu", "relu": "relu"}
@@ -405,7 +407,7 @@ def _llama4(hf: HFFields) -> dict[str, Any]:
   }
 
 
-def _llama4_export(c: MaxTextConfig, rope: dict[str, Any]) -> dict[str, Any]:
+def _llama4_export(c: Config, rope: dict[str, Any]) -> dict[str, Any]:
   """config.json keys of a Llama4ForCausalLM (text): experts beside one shared expert, NoPE and chunked layers."""
   if c.shared_experts != 1 or c.num_experts_per_tok != 1:
     raise ConfigError("Llama4ForCausalLM has one shared expert and top-1 routing; export a llama4 model with shared_experts=1 and num_experts_per_tok=1")
@@ -554,7 +556,7 @@ def _gemma3_vision(hf: HFFields) -> dict[str, Any]:
   }
 
 
-def _gemma3_vision_export(c: MaxTextConfig, text: dict[str, Any]) -> dict[str, Any]:
+def _gemma3_vision_export(c: Config, text: dict[str, Any]) -> dict[str, Any]:
   """use_multimodal: the text config.json nested as a Gemma3ForConditionalGeneration's text_config, with its vision_config."""
   text = {k: v for k, v in text.items() if k != "architectures"}
   vision = {
@@ -586,7 +588,7 @@ def _int_if_whole(x: float) -> int | float:
   return int(x) if float(x).is_integer() else x
 
 
-def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
+def hf_config_from(config: Config) -> dict[str, Any]:
   """A Hugging Face config.json for a maxtext config (transformers loads it)."""
   c = config
   if registry.get(c.decoder_block).gemma4_keys:
@@ -707,7 +709,7 @@ def hf_config_from(config: MaxTextConfig) -> dict[str, Any]:
   return hf
 
 
-def _qwen3_next_export(c: MaxTextConfig, rope: dict[str, Any]) -> dict[str, Any]:
+def _qwen3_next_export(c: Config, rope: dict[str, Any]) -> dict[str, Any]:
   """config.json keys of a Qwen3NextForCausalLM: the hybrid layer types, Gated DeltaNet sizes, experts and the gated
   shared expert (which Qwen3-Next always has, as its query/key norms)."""
   if not c.shared_experts or not c.use_qk_norm:
@@ -735,7 +737,7 @@ def _qwen3_next_export(c: MaxTextConfig, rope: dict[str, Any]) -> dict[str, Any]
   }
 
 
-def _deepseek_export(c: MaxTextConfig) -> dict[str, Any]:
+def _deepseek_export(c: Config) -> dict[str, Any]:
   """config.json keys of a DeepseekV3 model (MLA, DeepSeekMoE, YaRN)."""
   if c.routed_score_func != "sigmoid" or not c.routed_bias:
     raise ConfigError("DeepseekV3 on Hugging Face routes with sigmoid scores and a score-correction bias; set routed_score_func=sigmoid and routed_bias=true")
@@ -768,7 +770,7 @@ def _deepseek_export(c: MaxTextConfig) -> dict[str, Any]:
   }
 
 
-def _rope_export(c: MaxTextConfig, mla: bool = False) -> dict[str, Any]:
+def _rope_export(c: Config, mla: bool = False) -> dict[str, Any]:
   """rope_parameters of a config.json: default, linear, llama3 or yarn (MLA's yarn: DeepSeek's mscale form or cos/sin scaling)."""
   rope: dict[str, Any] = {"rope_theta": c.rope_max_timescale, "rope_type": "default"}
   if c.rope_type == "llama3.1":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from maxtext.data.batch_size import batch_key, batch_rows
 from maxtext.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -66,16 +67,6 @@ def dpo_notes(config: MaxTextConfig, split: str, process_index: int, process_cou
   dropped = sum(survey.dropped.values())
   note = f"{split} data: {dropped} {survey.counted()} {'is' if dropped == 1 else 'are'} dropped: {reasons}"
   return [note], f"{dropped} {survey.counted()} {'is' if dropped == 1 else 'are'} dropped ({reasons})"
-
-
-def batch_rows(config: MaxTextConfig, split: str) -> int:
-  """Rows of one global batch of split: global_batch_size_to_eval_on for eval, else global_batch_size_to_train_on."""
-  return config.global_batch_size_to_eval_on if split == "eval" else config.global_batch_size_to_train_on
-
-
-def batch_key(config: MaxTextConfig, split: str) -> str:
-  """The key that sets split's batch size (what an error about it names)."""
-  return "eval_per_device_batch_size" if split == "eval" and config.eval_per_device_batch_size else "per_device_batch_size"
 
 
 def local_batch_size(config: MaxTextConfig, mesh: Mesh, process_count: int, split: str = "train") -> int:

@@ -13,7 +13,8 @@ from jax.sharding import Mesh
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
-from maxtext.data import batch_key, batch_rows, mixture
+from maxtext.data import mixture
+from maxtext.data.batch_size import batch_key, batch_rows
 from maxtext.data.features import ADAPTER_KEY, BATCH_KEYS, IMAGE_KEY, MIXTURE_KEY, NO_ADAPTER
 from maxtext.errors import DataError, UserError
 

@@ -268,9 +268,7 @@ def mixed_documents(config, found: list[Component], encoder: Any, process_index:
     if kind == "grain":
       source = sources.grain_files_source(config, where, c.pattern)
       if not source.random_access:
-        from maxtext.data.pipeline import streamed_share
-
-        source.dataset = streamed_share(source.dataset, process_index, process_count)
+        source.dataset = sources.streamed_share(source.dataset, process_index, process_count)
     else:
       source = sources.hf_files_source(config, where, c.pattern, process_index, process_count, 1)
     parts.append(ComponentDocuments(source, encoder, index, config.enable_data_shuffling, config.data_shuffle_seed, config.grain_shuffle_buffer_size))

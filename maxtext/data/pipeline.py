@@ -89,7 +89,7 @@ def open_source(config: MaxTextConfig, split: str, process_index: int, process_c
   if kind == "grain":
     source = sources.grain_source(config, split)
     if not source.random_access:
-      source.dataset = streamed_share(source.dataset, process_index, process_count)
+      source.dataset = sources.streamed_share(source.dataset, process_index, process_count)
     return source
   if kind == "tfds":
     return sources.tfds_source(config, split)
@@ -224,34 +224,3 @@ class Pad:
 class PadPair(Pad):
   def __call__(self, element: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return preference.pad_pair(element, self.length)
-
-
-def streamed_share(ds: grain.IterDataset, process_index: int, process_count: int) -> grain.IterDataset:
-  return ds if process_count == 1 else StrideIterDataset(ds, process_index, process_count)
-
-
-class StrideIterDataset(grain.IterDataset):
-  """Keeps elements start, start + step, ... of a stream (this process's share of a streamed source)."""
-
-  def __init__(self, parent: grain.IterDataset, start: int, step: int):
-    super().__init__(parent)
-    self.start, self.step = start, step
-
-  def __iter__(self) -> grain.DatasetIterator:
-    return StrideIterator(self._parent.__iter__(), self.start, self.step)
-
-
-class StrideIterator(grain.DatasetIterator):
-  def __init__(self, parent: grain.DatasetIterator, start: int, step: int):
-    super().__init__(parent)
-    self.start, self.step = start, step
-
-  def __next__(self):
-    group = [next(self._parent) for _ in range(self.step)]  # a partial last group raises StopIteration
-    return group[self.start]
-
-  def get_state(self) -> dict[str, Any]:
-    return self._parent.get_state()
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    self._parent.set_state(state)

@@ -297,3 +297,35 @@ class HFStreamIterator(grain.DatasetIterator):
     self._ds.load_state_dict(copy.deepcopy(state["hf"]))
     self._epoch, self._count = state["epoch"], state["count"]
     self._it = None
+
+
+def streamed_share(ds: grain.IterDataset, process_index: int, process_count: int) -> grain.IterDataset:
+  """This process's share of a streamed source: every process_count-th element, from the process_index-th."""
+  return ds if process_count == 1 else StrideIterDataset(ds, process_index, process_count)
+
+
+class StrideIterDataset(grain.IterDataset):
+  """Keeps elements start, start + step, ... of a stream (this process's share of a streamed source)."""
+
+  def __init__(self, parent: grain.IterDataset, start: int, step: int):
+    super().__init__(parent)
+    self.start, self.step = start, step
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return StrideIterator(self._parent.__iter__(), self.start, self.step)
+
+
+class StrideIterator(grain.DatasetIterator):
+  def __init__(self, parent: grain.DatasetIterator, start: int, step: int):
+    super().__init__(parent)
+    self.start, self.step = start, step
+
+  def __next__(self):
+    group = [next(self._parent) for _ in range(self.step)]  # a partial last group raises StopIteration
+    return group[self.start]
+
+  def get_state(self) -> dict[str, Any]:
+    return self._parent.get_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._parent.set_state(state)

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from maxtext import mesh as mesh_lib
 from maxtext.config import MaxTextConfig
-from maxtext.data import batch_rows
+from maxtext.data.batch_size import batch_rows
 
 BATCH_KEYS = ("inputs", "inputs_position", "inputs_segmentation", "targets", "targets_position", "targets_segmentation")
 MAX_STRIDE = 8

@@ -110,7 +110,7 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
   )
   with memory_limit.one_line("loading the model and compiling decode", remedy):
     model = unstack.for_decoding(load_model(config, mesh, log))
-    generator = Generator(model, sampling, mesh=mesh, **generator_args)
+    generator = Generator(model, sampling, config=config, mesh=mesh, **generator_args)
     seconds = generator.compile(batch=1, prompt_length=len(prompt), adapters=adapter_ids is not None, images=len(images))
   log(f"compiled prefill and decode in {seconds:.1f}s")
   log(cache_layout.describe(config, 1, generator.layout))

@@ -110,7 +110,7 @@ class _LayerSource:
   def __init__(self, model: Transformer, stack: Stack):
     layers = getattr(model, stack.name)
     self.pattern = stack.pattern
-    self.listed = None if model.config.scan_layers else layers
+    self.listed = None if model.spec.scan_layers else layers
     self.block = self.pattern.period if self.listed is None else 1
     self.parts = [] if self.listed is not None else [nnx.split(m) for m in layers] if self.block > 1 else [nnx.split(layers)]
     self.remainder = model.layers_remainder

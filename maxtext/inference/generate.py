@@ -69,6 +69,7 @@ class Generator:
     model: Transformer,
     sampling: SamplingParams | None = None,
     *,
+    config: MaxTextConfig,
     max_target_length: int | None = None,
     max_prefill_length: int | None = None,
     eos_id: int | None = None,
@@ -76,10 +77,12 @@ class Generator:
     fixed_bucket: bool = False,
     tokenizer_vocab_size: int | None = None,
   ):
-    """fixed_bucket: pad every prompt batch to max_prefill_length (one prefill compile for all prompt lengths).
+    """config: the model's (the model keeps only its spec): the cache layout, the lengths' defaults, LoRA slots.
+    fixed_bucket: pad every prompt batch to max_prefill_length (one prefill compile for all prompt lengths).
     tokenizer_vocab_size: the ids the tokenizer can decode; with a padded vocabulary (the model's vocab_size larger)
     the ids from it up are never sampled. None: every id of the model's vocabulary may be."""
-    c = model.config
+    # the model's layer arrangement decides the cache's (unstack.for_decoding may have unstacked a scanned model)
+    c = config if config.scan_layers == model.spec.scan_layers else config.model_copy(update={"scan_layers": model.spec.scan_layers})
     self.config = c
     self.sampling = sampling or SamplingParams()
     self.max_target_length = max_target_length or c.max_target_length
@@ -289,6 +292,7 @@ def generate(
   tokenizer,
   prompts: str | Sequence[str],
   *,
+  config: MaxTextConfig,
   sampling: SamplingParams | None = None,
   max_target_length: int | None = None,
   max_prefill_predict_length: int | None = None,
@@ -301,11 +305,11 @@ def generate(
   adapter_ids: with several LoRA adapters (lora.max_lora_adapters > 1), each prompt's adapter: a name from
   lora.lora_adapters, a slot number or -1 (the base model); one value applies to every prompt.
 
-  Defaults come from model.config: the decode_sampling_* keys, max_target_length, max_prefill_predict_length
+  config: the model's. Defaults come from it: the decode_sampling_* keys, max_target_length, max_prefill_predict_length
   and add_bos. A tokenizer whose vocabulary does not fit the model's is a DataError; with a padded vocabulary
   (the model's larger than the tokenizer's) the ids the tokenizer cannot decode are never sampled.
   """
-  c = model.config
+  c = config
   check_tokenizer(tokenizer, c.vocab_size)
   single = isinstance(prompts, str)
   texts = [prompts] if single else list(prompts)
@@ -314,6 +318,7 @@ def generate(
   gen = Generator(
     unstack.for_decoding(model),
     sampling or SamplingParams.from_config(c),
+    config=c,
     max_target_length=max_target_length,
     max_prefill_length=max_prefill_predict_length,
     eos_id=tokenizer.eos_id,

@@ -41,6 +41,7 @@ class Rollout:
     self.generator = Generator(
       model,
       SamplingParams.from_config(config),
+      config=config,
       max_target_length=config.max_target_length,
       max_prefill_length=config.max_prefill_predict_length,
       eos_id=eos_id,

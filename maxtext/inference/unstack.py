@@ -3,19 +3,20 @@ scan's per-layer weight slices are copies (XLA:CPU copies each slice before its 
 
 from __future__ import annotations
 
+import dataclasses
+
 from flax import nnx
 
-from maxtext import models
 from maxtext.models import layer_pattern
 from maxtext.models.decoder import Transformer
 
 
 def unstack_layers(model: Transformer) -> Transformer:
   """The same model with scan_layers=false: layer i's parameters are the stacked arrays' i-th slices (a one-time copy)."""
-  if not model.config.scan_layers:
+  if not model.spec.scan_layers:
     return model
-  config = model.config.model_copy(update={"scan_layers": False})
-  graphdef, abstract = nnx.split(models.abstract_model(config, model.policy))
+  spec = dataclasses.replace(model.spec, scan_layers=False)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(spec, policy=model.policy, rngs=nnx.Rngs(0))))
   stacked = dict(nnx.to_flat_state(nnx.state(model)))
   stacks = {stack.name: stack for stack in model.stacks}
   leaves = {}

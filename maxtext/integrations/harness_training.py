@@ -44,7 +44,7 @@ class TrainingHarness:
 
     model = nnx.merge(setup.graphdef, state["params"], state.get("other", nnx.State({})))
     if self.lm is None:
-      self.lm = MaxTextLM(model, self.tokenizer, batch_size=self.config.global_batch_size_to_eval_on, mesh=setup.mesh)
+      self.lm = MaxTextLM(model, self.tokenizer, maxtext_config=self.config, batch_size=self.config.global_batch_size_to_eval_on, mesh=setup.mesh)
     else:
       self.lm.load_parameters(model)  # the compiled scorer and decoders are reused
     results = simple_evaluate(model=self.lm, tasks=list(self.config.eval_harness_tasks), task_manager=self.tasks)

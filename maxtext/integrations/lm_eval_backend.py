@@ -1,6 +1,6 @@
 """maxtext as an lm-evaluation-harness model (lm_eval's `LM` API), registered as `maxtext`.
 
-`MaxTextLM(model, tokenizer)` wraps a loaded model; `MaxTextLM(config=<yml>, key=value, ...)` (what the harness builds
+`MaxTextLM(model, tokenizer, maxtext_config=config)` wraps a loaded model; `MaxTextLM(config=<yml>, key=value, ...)` (what the harness builds
 from `--model_args`) loads one the way `maxtext.decode` does: hf_model_path, load_parameters_path or the run's own
 checkpoint, with the model's tokenizer. Requests follow the harness's `hf` backend token for token (BOS handling,
 left truncation to max_length, the rolling windows, stop sequences), so scores and greedy generations agree with it:
@@ -30,6 +30,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from maxtext import mesh as mesh_lib
+from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError, DataError
 from maxtext.inference import unstack
 from maxtext.inference.generate import MIN_BUCKET, Generator, check_tokenizer, prefill_bucket
@@ -39,8 +40,8 @@ from maxtext.models.decoder import Transformer
 DEFAULT_MAX_GEN_TOKS = 256  # the hf backend's default when a task sets no max_gen_toks
 
 
-def load(argv: Sequence[str]) -> tuple[Transformer, Any, Any]:
-  """(model, tokenizer, mesh) for `<config.yml> key=value ...`, loaded and checked as `maxtext.decode` does."""
+def load(argv: Sequence[str]) -> tuple[Transformer, MaxTextConfig, Any, Any]:
+  """(model, its config, tokenizer, mesh) for `<config.yml> key=value ...`, loaded and checked as `maxtext.decode` does."""
   from maxtext.config import load as load_config
   from maxtext.inference.cli import check_training_only_axes
   from maxtext.inference.loading import hf_config, load_decode_tokenizer, load_model
@@ -51,7 +52,7 @@ def load(argv: Sequence[str]) -> tuple[Transformer, Any, Any]:
     config = hf_config(argv, config.hf_model_path)
   tokenizer = load_decode_tokenizer(config)
   mesh = mesh_lib.create(config)
-  return load_model(config, mesh, log=lambda m: None), tokenizer, mesh
+  return load_model(config, mesh, log=lambda m: None), config, tokenizer, mesh
 
 
 @functools.lru_cache(maxsize=4)
@@ -108,7 +109,7 @@ def _score_rows(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, tar
 class MaxTextLM(TemplateLM):
   """An lm-evaluation-harness model backed by a maxtext Transformer and its tokenizer.
 
-  model, tokenizer: a loaded model (e.g. maxtext.from_hf) and a maxtext tokenizer; or config (a YAML file, default
+  model, tokenizer, maxtext_config: a loaded model and its config (e.g. maxtext.from_hf's pair) and a maxtext tokenizer; or config (a YAML file, default
   the package's base.yml) and maxtext config keys, loaded as maxtext.decode loads them. batch_size: rows per forward
   pass and per generation batch. max_length: most tokens a scored row or a prompt plus its generation holds (default
   the config's max_target_length). device: the harness's torch device option; JAX places the model (JAX_PLATFORMS).
@@ -119,6 +120,7 @@ class MaxTextLM(TemplateLM):
     model: Transformer | None = None,
     tokenizer: Any = None,
     *,
+    maxtext_config: MaxTextConfig | None = None,
     config: str | None = None,
     batch_size: int | str = 1,
     max_batch_size: int | None = None,
@@ -132,12 +134,14 @@ class MaxTextLM(TemplateLM):
       raise ConfigError("max_batch_size bounds the harness's batch_size=auto search, which the maxtext backend does not run; drop it and set --batch_size")
     self._batch = _batch_size(batch_size)
     if model is None:
-      model, tokenizer, mesh = load(_config_argv(config, config_keys))
+      model, maxtext_config, tokenizer, mesh = load(_config_argv(config, config_keys))
     elif config is not None or config_keys:
       raise ConfigError(f"pass either a loaded model or config keys, not both (got {sorted([*config_keys, *(['config'] if config else [])])})")
     if tokenizer is None:
       raise ConfigError("MaxTextLM(model=...) needs the model's tokenizer (maxtext.tokenizer.load_tokenizer)")
-    c = model.config
+    if maxtext_config is None:
+      raise ConfigError("MaxTextLM(model=...) needs the model's config (maxtext_config=, as maxtext.from_hf returns it)")
+    c = maxtext_config
     check_tokenizer(tokenizer, c.vocab_size)
     self.model = unstack.for_decoding(model)
     self.tokenizer = tokenizer
@@ -328,7 +332,13 @@ class MaxTextLM(TemplateLM):
     key = (prompt_bucket, max_gen_toks, sampling)
     if key not in self._generators:
       self._generators[key] = Generator(
-        self.model, sampling, max_target_length=prompt_bucket + max_gen_toks, max_prefill_length=prompt_bucket, eos_id=self.tokenizer.eos_id, mesh=self.mesh
+        self.model,
+        sampling,
+        config=self.maxtext_config,
+        max_target_length=prompt_bucket + max_gen_toks,
+        max_prefill_length=prompt_bucket,
+        eos_id=self.tokenizer.eos_id,
+        mesh=self.mesh,
       )
     return self._generators[key]
 

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from maxtext.errors import ConfigError
 from maxtext.layers import context_parallel
 from maxtext.layers.chunked_attention import chunked_attention
+from maxtext.layers.sharding import logical_to_spec
 from maxtext.layers.xla_attention import attention_mask, xla_attention
-from maxtext.mesh import logical_to_spec
 from maxtext.platform import Policy
 
 KERNELS = ("xla", "chunked", "splash", "cudnn")

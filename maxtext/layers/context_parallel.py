@@ -34,8 +34,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtext.layers.chunked_attention import ChunkedBlocks, chunked_attention
+from maxtext.layers.sharding import logical_to_spec
 from maxtext.layers.xla_attention import attention_mask, xla_attention
-from maxtext.mesh import logical_to_spec
 from maxtext.platform import Policy
 
 CONTEXT_AXIS = "context"

@@ -39,8 +39,7 @@ from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers import moe_dispatch, quantization
 from maxtext.layers.linear import DenseGeneral, dense_kwargs, variance_scaling_init
 from maxtext.layers.mlp import MLP, MLPSpec
-from maxtext.layers.sharding import Rules
-from maxtext.mesh import logical_to_spec
+from maxtext.layers.sharding import Rules, logical_to_spec
 from maxtext.platform import Policy
 
 

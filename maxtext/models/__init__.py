@@ -29,17 +29,19 @@ def build(config: MaxTextConfig, rngs: nnx.Rngs | None = None, policy: Policy | 
   policy defaults to the local devices' (maxtext.platform.resolve); setup passes the target mesh's.
   """
   from maxtext.models.decoder import Transformer
+  from maxtext.models.specs import decoder
 
   policy = policy or platform.resolve(config)
-  return Transformer(config, policy=policy, rngs=rngs or nnx.Rngs(config.init_weights_seed))
+  return Transformer(decoder(config), policy=policy, rngs=rngs or nnx.Rngs(config.init_weights_seed))
 
 
 def abstract_model(config: MaxTextConfig, policy: Policy | None = None) -> Transformer:
   """The model with ShapeDtypeStruct parameters: no memory allocated."""
   from maxtext.models.decoder import Transformer
+  from maxtext.models.specs import decoder
 
-  policy = policy or platform.resolve(config)
-  return nnx.eval_shape(lambda: Transformer(config, policy=policy, rngs=nnx.Rngs(config.init_weights_seed)))
+  policy, spec = policy or platform.resolve(config), decoder(config)
+  return nnx.eval_shape(lambda: Transformer(spec, policy=policy, rngs=nnx.Rngs(config.init_weights_seed)))
 
 
 def _is_variable(x) -> bool:
@@ -67,15 +69,17 @@ def state_shardings(state: nnx.State, config: MaxTextConfig, mesh: Mesh) -> nnx.
 def create_sharded(config: MaxTextConfig, mesh: Mesh, seed: int | None = None, policy: Policy | None = None) -> Transformer:
   """Initialise the model with every parameter born sharded (no full host copy); policy defaults to the mesh's."""
   from maxtext.models.decoder import Transformer
+  from maxtext.models.specs import decoder
 
   seed = config.init_weights_seed if seed is None else seed
+  spec = decoder(config)
   policy = policy or platform.resolve(config, mesh)
   graphdef, abstract_state = nnx.split(abstract_model(config, policy))
   shardings = state_shardings(abstract_state, config, mesh)
 
   @jax.jit
   def init() -> nnx.State:
-    return nnx.state(Transformer(config, policy=policy, rngs=nnx.Rngs(seed)))
+    return nnx.state(Transformer(spec, policy=policy, rngs=nnx.Rngs(seed)))
 
   with jax.set_mesh(mesh):
     state = jax.jit(init, out_shardings=shardings)()

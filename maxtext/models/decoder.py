@@ -12,7 +12,6 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
 from maxtext.layers import context_parallel
 from maxtext.layers.embed import Embed
@@ -21,10 +20,11 @@ from maxtext.layers.norms import RMSNorm
 from maxtext.layers.output_head import OutputHead
 from maxtext.layers.residual import collapse_streams, expand_streams
 from maxtext.layers.sharding import constrain
-from maxtext.models import layer_pattern, pipeline, registry, remat, specs
+from maxtext.models import layer_pattern, pipeline, remat
 from maxtext.models.decoder_layer import DecoderLayer, LayerSpec
 from maxtext.models.mtp import MTPBlock
 from maxtext.models.remat import tied_to_carry
+from maxtext.models.specs import DecoderSpec
 from maxtext.platform import Policy
 from maxtext.vision import gemma3_encoder
 
@@ -46,7 +46,7 @@ def stacked_layers(spec: LayerSpec, policy: Policy, keys: jax.Array, axis: str) 
   return nnx.merge(graphdef, state)
 
 
-def main_stacks(config: MaxTextConfig, spec: LayerSpec, policy: Policy, rngs: nnx.Rngs, num_layers: int) -> tuple[DecoderLayer, DecoderLayer | None]:
+def main_stacks(plan: pipeline.Plan | None, spec: LayerSpec, policy: Policy, rngs: nnx.Rngs, num_layers: int) -> tuple[DecoderLayer, DecoderLayer | None]:
   """The main stack's num_layers layers (those after first_num_dense_layers), stacked: (axis 'layers', the layers
   after them on axis 'layers_outside_pipeline', or None).
 
@@ -55,7 +55,6 @@ def main_stacks(config: MaxTextConfig, spec: LayerSpec, policy: Policy, rngs: nn
   layer gets the random key of its plain index, so every layout starts with the same weights.
   """
   keys = jax.random.split(rngs.params(), num_layers)
-  plan = pipeline.Plan.of(config)
   if plan is None:
     return stacked_layers(spec, policy, keys, LAYERS_AXIS), None
   pipelined = stacked_layers(spec, policy, keys[: plan.layers][plan.order()], LAYERS_AXIS)
@@ -75,12 +74,11 @@ def block_stacks(stack: layer_pattern.Stack, layer_specs: tuple[LayerSpec, ...],
 class Transformer(nnx.Module):
   """Decoder-only LM. model(tokens) -> float32 logits [B, S, vocab]. policy: the target platform's kernels and numerics."""
 
-  def __init__(self, config: MaxTextConfig, *, policy: Policy, rngs: nnx.Rngs):
-    c = config
-    self.config = c
+  def __init__(self, spec: DecoderSpec, *, policy: Policy, rngs: nnx.Rngs):
+    c = spec
+    self.spec = spec
     self.policy = policy
-    self.family = registry.get(c.decoder_block)
-    self.specs = s = specs.model(c, self.family)
+    self.specs = s = spec.model
     kw = dense_kwargs(policy, rngs)
     # Tied tables also produce the logits: unit-variance rows would give logits of std sqrt(emb_dim) at init.
     tied_scale = 1.0 if (c.normalize_embedding_logits or not c.logits_via_embedding) else c.emb_dim**-0.5
@@ -100,13 +98,13 @@ class Transformer(nnx.Module):
       if not c.scan_layers:
         built[stack.name] = nnx.List([DecoderLayer(spec, policy=policy, rngs=rngs) for spec in stack_specs])
       elif stack.period > 1:
-        if stack.name == layer_pattern.MAIN_STACK and pipeline.Plan.of(c) is not None:
+        if stack.name == layer_pattern.MAIN_STACK and s.pipeline is not None:
           raise ConfigError(
             f"decoder_block={c.decoder_block} repeats a block of {stack.period} different layers, which the pipeline does not run; set ici/dcn_pipeline_parallelism=1"
           )
         built[stack.name], built[layer_pattern.REMAINDER] = block_stacks(stack, stack_specs, policy, rngs)
       elif stack.name == layer_pattern.MAIN_STACK:
-        built[stack.name], built["layers_outside_pipeline"] = main_stacks(c, stack_specs[0], policy, rngs, len(stack.kinds))
+        built[stack.name], built["layers_outside_pipeline"] = main_stacks(s.pipeline and s.pipeline.plan, stack_specs[0], policy, rngs, len(stack.kinds))
       else:
         built[stack.name] = stacked_layers(stack_specs[0], policy, jax.random.split(rngs.params(), len(stack.kinds)), stack.name)
     self.dense_layers = built.get(layer_pattern.PREFIX_STACK)
@@ -123,8 +121,8 @@ class Transformer(nnx.Module):
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """Token embeddings as the first layer sees them (scaled by sqrt(emb_dim) for Gemma)."""
     x = self.embed(tokens)
-    if self.family.scale_embedding:
-      x = x * jnp.asarray(math.sqrt(self.config.emb_dim), x.dtype)
+    if self.spec.scale_embedding:
+      x = x * jnp.asarray(math.sqrt(self.spec.emb_dim), x.dtype)
     return x
 
   def per_layer_inputs(self, tokens: jax.Array) -> jax.Array | None:
@@ -132,7 +130,7 @@ class Transformer(nnx.Module):
     per-layer table x sqrt(P) + RMSNorm(the embeddings projected, / sqrt(emb_dim))) / sqrt(2)."""
     if self.per_layer_inputs_embed is None:
       return None
-    c = self.config
+    c = self.spec
     n, p = c.num_decoder_layers, c.hidden_size_per_layer_input
     table = self.per_layer_inputs_embed(tokens)
     token_part = (table * jnp.asarray(math.sqrt(p), table.dtype)).reshape(*tokens.shape, n, p)
@@ -148,11 +146,11 @@ class Transformer(nnx.Module):
       x = self.embed_tokens(tokens)
     else:
       if self.vision is None:
-        raise ConfigError(f"images were given to a text-only model (decoder_block={self.config.decoder_block}, use_multimodal=false); give token ids alone")
+        raise ConfigError(f"images were given to a text-only model (decoder_block={self.spec.decoder_block}, use_multimodal=false); give token ids alone")
       placeholder = self.vision.spec.image_token_id
       text = self.embed_tokens(jnp.where(tokens == placeholder, 0, tokens))  # the placeholder may lie past the vocabulary
       x = gemma3_encoder.merge(text, self.vision(images), tokens, placeholder)
-    x = constrain(x, ("activation_batch", "activation_length", "activation_embed"), self.config.logical_axis_rules)
+    x = constrain(x, ("activation_batch", "activation_length", "activation_embed"), self.spec.rules)
     return expand_streams(x, self.specs.residual)
 
   def image_ids(self, tokens: jax.Array, images: jax.Array | None) -> jax.Array | None:
@@ -192,7 +190,7 @@ class Transformer(nnx.Module):
     instead (decoding does, for its per-layer caches) measured far more TPU memory in training: XLA copied each
     group position's slice of every stacked weight out of the loop (benchmarks/README.md).
     """
-    c = self.config
+    c = self.spec
     stacked = c.scan_layers if stacked is None else stacked
     offload = self.policy.offload_layer_inputs
     images = {} if image_ids is None else {"image_ids": image_ids}
@@ -243,7 +241,7 @@ class Transformer(nnx.Module):
     layer's per-layer input [layers, B, S, P] (Gemma 4) or None."""
     layers = getattr(self, stack.name)
     mine = None if per_layer is None else per_layer[stack.start : stack.start + len(stack.kinds)]
-    if not self.config.scan_layers or stack.period == 1:
+    if not self.spec.scan_layers or stack.period == 1:
       return self._run_layers(layers, x, positions, segment_ids, list(stack.windows), adapter_ids, per_layer=mine, kinds=stack.kinds, image_ids=image_ids)
     whole = stack.num_groups * stack.period
     x, stats = self._run_block(stack, layers, x, positions, segment_ids, adapter_ids, None if mine is None else mine[:whole], image_ids)
@@ -277,7 +275,7 @@ class Transformer(nnx.Module):
     """A repeating block of p layers of different structures (p stacks of num_groups layers each), scanned group by
     group -> (x, per-layer statistics of the whole groups, in layer order). A block position whose window is the same
     in every group gets it as a constant, otherwise as a scan input."""
-    c, p, g = self.config, stack.period, stack.num_groups
+    c, p, g = self.spec, stack.period, stack.num_groups
     offload, compute = self.policy.offload_layer_inputs, self.policy.dtypes.compute
     graphdefs, states = zip(*(nnx.split(m) for m in block))
     windows = np.asarray(stack.windows[: g * p], np.int32).reshape(g, p)
@@ -333,7 +331,7 @@ class Transformer(nnx.Module):
     adapter_ids [B] or [B, S]: the LoRA slot of each row or token when lora.max_lora_adapters > 1 (None: slot 0).
     images [B, M, S_img, S_img, 3] (use_multimodal): each row's images in placeholder order (see input_stream).
     """
-    c = self.config
+    c = self.spec
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x = self.input_stream(tokens, images)
@@ -363,7 +361,7 @@ class Transformer(nnx.Module):
 
   def output_head(self) -> OutputHead:
     """The map from final hidden states to logits: the output kernel, or the embedding table when tied."""
-    c = self.config
+    c = self.spec
     if self.output is None:
       kernel = self.embed.embedding[...].T
       scale = c.emb_dim**-0.5 if c.normalize_embedding_logits else 1.0
@@ -374,8 +372,8 @@ class Transformer(nnx.Module):
       self.policy.dtypes.compute,
       self.policy.dtypes.precision,
       scale,
-      c.final_logits_soft_cap or 0.0,
-      c.logical_axis_rules,
+      c.final_logits_soft_cap,
+      c.rules,
       self.policy.integer_bf16_rounding,
       c.num_vocab_tiling,
       dataclasses.replace(self.policy.quantization, stored=False) if c.quantize_logits_proj else None,

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtext.config import MaxTextConfig
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.residual import collapse_streams, expand_streams
@@ -55,17 +54,17 @@ def shift_left(x: jax.Array, k: int) -> jax.Array:
   return jnp.concatenate([x[:, k:], jnp.zeros_like(x[:, :k])], axis=1)
 
 
-def mtp_xent_sum(model, pre_norm: jax.Array, batch: dict[str, jax.Array], config: MaxTextConfig, layout=None) -> jax.Array:
-  """mtp_loss_scaling_factor x mean over modules of each module's summed cross entropy (over targets it can see).
+def mtp_xent_sum(model, pre_norm: jax.Array, batch: dict[str, jax.Array], scaling_factor: float, layout=None) -> jax.Array:
+  """scaling_factor (mtp_loss_scaling_factor) x mean over modules of each module's summed cross entropy (over targets
+  it can see); the modules' attention has the window of the model's last layer.
 
   batch in natural order; pre_norm (and the modules' attention) in the order of the context-parallel layout, which
   the shifted per-token arrays are put in too (None: natural order)."""
-  c = config
   order = (lambda x: x) if layout is None else layout.reorder
   tokens, targets = batch["inputs"], batch["targets"]
   positions, segments = order(batch["inputs_position"]), batch["inputs_segmentation"]
   head = model.output_head()
-  window = model.family.layer_windows(c)[-1]
+  window = model.specs.kinds[-1].window
   h, total = pre_norm, jnp.zeros((), jnp.float32)
   for k, block in enumerate(model.mtp, start=1):
     h, normed = block(h, model.embed_tokens(order(shift_left(tokens, k))), positions, order(segments), window)
@@ -73,4 +72,4 @@ def mtp_xent_sum(model, pre_norm: jax.Array, batch: dict[str, jax.Array], config
     mask = ((shift_left(batch["targets_segmentation"], k) != 0) & same_document).astype(jnp.float32)
     xent, _ = head.loss_sums(normed, order(shift_left(targets, k)), order(mask), 0.0)
     total = total + xent
-  return total * (c.mtp_loss_scaling_factor / c.mtp_num_layers)
+  return total * (scaling_factor / len(model.mtp))

@@ -37,11 +37,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from maxtext import mesh as mesh_lib
-from maxtext.config import MaxTextConfig
-from maxtext.config.parallelism import axis_size
 from maxtext.layers.moe import load_balance_from_sums
-from maxtext.layers.sharding import Rules
-from maxtext.mesh import logical_to_spec
+from maxtext.layers.sharding import Rules, logical_to_spec
 from maxtext.models import remat
 from maxtext.platform import Policy
 
@@ -61,22 +58,6 @@ class Plan:
   delay: int  # iterations between a stage's output and the next stage's use of it (1, or 2 with delayed forwarding)
   fsdp_ag_once: bool
   outside: int = 0  # main-stack layers after the pipelined ones (pipeline_parallel_layers), run unpipelined
-
-  @classmethod
-  def of(cls, config: MaxTextConfig) -> Plan | None:
-    """The config's pipeline, or None without pipeline parallelism."""
-    stages = axis_size(config.ici_parallelism, config.dcn_parallelism, config.mesh_axes, STAGE_AXIS)
-    if stages == 1:
-      return None
-    return cls(
-      stages,
-      config.num_pipeline_repeats,
-      config.num_layers_per_pipeline_stage,
-      config.num_pipeline_microbatches,
-      2 if config.pipeline_delay_activation_forwarding else 1,
-      config.pipeline_fsdp_ag_once,
-      config.num_decoder_layers - config.first_num_dense_layers - config.pipeline_parallel_layers,
-    )
 
   @property
   def layers(self) -> int:
@@ -106,9 +87,8 @@ class Plan:
     return ((r * self.stages + s) * self.layers_per_stage + i).reshape(-1)
 
 
-def banner(config: MaxTextConfig) -> str | None:
+def banner(plan: Plan | None) -> str | None:
   """One line naming the schedule, stages, microbatches and bubble fraction (None without a pipeline)."""
-  plan = Plan.of(config)
   if plan is None:
     return None
   outside = f" ({plan.outside} after them run on every stage)" if plan.outside else ""
@@ -218,27 +198,27 @@ def _split(m: Any, plan: Plan, rules: Any) -> Any:
   return _rebuilt(m, raw)
 
 
-def _convert(tree: Any, config: MaxTextConfig, to_plain: bool) -> Any:
-  plan = Plan.of(config)
+def _convert(tree: Any, schedule: Schedule | None, to_plain: bool) -> Any:
+  plan = schedule and schedule.plan
   if plan is None or (plan.repeats == 1 and not plan.outside):
     return tree
   convert = _join if to_plain else _split
   holds_stack = lambda x: isinstance(x, Mapping) and LAYERS_AXIS in x  # noqa: E731 - the model's, the optimizer's moments', ...
-  return jax.tree.map(lambda m: convert(m, plan, config.logical_axis_rules) if holds_stack(m) else m, tree, is_leaf=lambda x: holds_stack(x) or _is_var(x))
+  return jax.tree.map(lambda m: convert(m, plan, schedule.rules) if holds_stack(m) else m, tree, is_leaf=lambda x: holds_stack(x) or _is_var(x))
 
 
-def to_storage(tree: Any, config: MaxTextConfig) -> Any:
+def to_storage(tree: Any, schedule: Schedule | None) -> Any:
   """A train state (or any tree of its Variables, abstract ones included) as checkpoints hold it: one 'layers' stack
   of all main-stack layers in plain order, whatever the pipeline. A new array per stacked leaf while saving (its
   layer axis unsharded when layers stay outside the pipeline); the identity without a circular schedule or
   pipeline_parallel_layers."""
-  return _convert(tree, config, to_plain=True)
+  return _convert(tree, schedule, to_plain=True)
 
 
-def from_storage(tree: Any, config: MaxTextConfig) -> Any:
-  """The inverse of to_storage: a restored tree in the layout this config's pipeline keeps in the train state (its
+def from_storage(tree: Any, schedule: Schedule | None) -> Any:
+  """The inverse of to_storage: a restored tree in the layout the schedule (maxtext.models.specs.pipeline) keeps in the train state (its
   arrays are donated)."""
-  return _convert(tree, config, to_plain=False)
+  return _convert(tree, schedule, to_plain=False)
 
 
 # ----------------------------------------------------------------------------------------------------- the schedule

@@ -36,7 +36,7 @@ from maxtext.layers.rope import RopeSpec
 from maxtext.layers.sharding import Rules
 from maxtext.models.decoder_layer import LayerSpec
 from maxtext.models.family import Family, LayerKind
-from maxtext.models.pipeline import Plan, Schedule
+from maxtext.models.pipeline import STAGE_AXIS, Plan, Schedule
 from maxtext.vision.gemma3_encoder import Gemma3VisionSpec
 from maxtext.vision.gemma3_projector import Gemma3ProjectorSpec
 from maxtext.vision.siglip import SiglipSpec
@@ -331,9 +331,26 @@ def layer(config: MaxTextConfig, family: Family, kind: LayerKind) -> LayerSpec:
   )
 
 
+def pipeline_plan(config: MaxTextConfig) -> Plan | None:
+  """The config's pipeline plan, or None without pipeline parallelism."""
+  c = config
+  stages = axis_size(c.ici_parallelism, c.dcn_parallelism, c.mesh_axes, STAGE_AXIS)
+  if stages == 1:
+    return None
+  return Plan(
+    stages,
+    c.num_pipeline_repeats,
+    c.num_layers_per_pipeline_stage,
+    c.num_pipeline_microbatches,
+    2 if c.pipeline_delay_activation_forwarding else 1,
+    c.pipeline_fsdp_ag_once,
+    c.num_decoder_layers - c.first_num_dense_layers - c.pipeline_parallel_layers,
+  )
+
+
 def pipeline(config: MaxTextConfig) -> Schedule | None:
   """The pipeline schedule around the main layer stack, or None without pipeline parallelism."""
-  plan = Plan.of(config)
+  plan = pipeline_plan(config)
   if plan is None:
     return None
   fsdp_axes = frozenset(dict(rules(config)).get("embed", ()))  # the mesh axes the layers' 'embed' dimension is sharded over
@@ -396,3 +413,56 @@ def model(config: MaxTextConfig, family: Family | None = None) -> ModelSpecs:
   by_structure = {k.structure: layer(config, family, k) for k in dict.fromkeys(kinds)}
   layers = tuple(by_structure[k.structure] for k in kinds)
   return ModelSpecs(kinds, layers, norm(config, family), residual(config), context_layout(config), pipeline(config), vision(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+  """All the Transformer (maxtext.models.decoder) reads, read from the config once: frozen and hashable, it sits in
+  the model's graphdef where the 273-field config would otherwise."""
+
+  model: ModelSpecs  # the layers, the final norm, the residual stream, context parallelism, the pipeline
+  decoder_block: str  # the family's name (for error messages)
+  vocab_size: int
+  emb_dim: int
+  scan_layers: bool
+  remat_policy: str
+  scale_embedding: bool  # the family scales token embeddings by sqrt(emb_dim) (Gemma)
+  logits_via_embedding: bool  # the output head is the embedding table, transposed
+  normalize_embedding_logits: bool  # with tied embeddings, logits divided by sqrt(emb_dim)
+  final_logits_soft_cap: float  # 0: off
+  logits_dot_in_fp32: bool
+  quantize_logits_proj: bool
+  num_vocab_tiling: int
+  mtp_num_layers: int
+  load_balance_loss_weight: float  # divided by num_decoder_layers, summed over layers
+  num_decoder_layers: int
+  hidden_size_per_layer_input: int  # Gemma 4's per-layer inputs: each layer's width (0: none)
+  vocab_size_per_layer_input: int  # their table's rows (0: vocab_size)
+  rules: Rules
+
+
+def decoder(config: MaxTextConfig, family: Family | None = None) -> DecoderSpec:
+  """The Transformer's spec (maxtext.models.build hands the config here; the model never sees it)."""
+  c = config
+  family = family or family_of(c)
+  return DecoderSpec(
+    model=model(c, family),
+    decoder_block=c.decoder_block,
+    vocab_size=c.vocab_size,
+    emb_dim=c.emb_dim,
+    scan_layers=c.scan_layers,
+    remat_policy=c.remat_policy,
+    scale_embedding=family.scale_embedding,
+    logits_via_embedding=c.logits_via_embedding,
+    normalize_embedding_logits=c.normalize_embedding_logits,
+    final_logits_soft_cap=float(c.final_logits_soft_cap or 0.0),
+    logits_dot_in_fp32=c.logits_dot_in_fp32,
+    quantize_logits_proj=c.quantize_logits_proj,
+    num_vocab_tiling=c.num_vocab_tiling,
+    mtp_num_layers=c.mtp_num_layers,
+    load_balance_loss_weight=c.load_balance_loss_weight,
+    num_decoder_layers=c.num_decoder_layers,
+    hidden_size_per_layer_input=c.hidden_size_per_layer_input or 0,
+    vocab_size_per_layer_input=c.vocab_size_per_layer_input or 0,
+    rules=rules(c),
+  )

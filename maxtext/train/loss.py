@@ -55,7 +55,7 @@ def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, tr
   mask = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   targets = batch["targets"]
   xent, z = model.output_head().loss_sums(hidden, targets, mask, config.z_loss_multiplier)
-  mtp = mtp_xent_sum(model, pre_norm, natural, config, layout) if training and config.mtp_num_layers else jnp.zeros((), jnp.float32)
+  mtp = mtp_xent_sum(model, pre_norm, natural, config.mtp_loss_scaling_factor, layout) if training and config.mtp_num_layers else jnp.zeros((), jnp.float32)
   lb, dropped = jnp.asarray(stats["lb_loss"], jnp.float32), jnp.asarray(stats["dropped"], jnp.float32)
   indexer = jnp.asarray(stats["indexer_loss"], jnp.float32)
   return LossSums(xent, z, jnp.sum(mask), lb, mtp, dropped, jnp.asarray(stats["load"], jnp.float32), indexer)
