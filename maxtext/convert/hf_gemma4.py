@@ -1,15 +1,16 @@
-"""Gemma 4 (text decoder) config.json <-> maxtext keys, and its tensor names (maxtext.convert.hf_config and hf_params
-call these for the gemma4 family)."""
+"""Gemma 4 (text decoder) config.json <-> maxtext keys (maxtext.convert.hf_config calls these for the gemma4 family;
+its tensor names are in maxtext.convert.hf_params)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from maxtext.config import MaxTextConfig
 from maxtext.convert.hf_fields import HFFields
 from maxtext.errors import ConfigError
 from maxtext.models import registry
-from maxtext.models.family import LayerKind
+
+# The run's config, read by attribute (a maxtext.config.MaxTextConfig; not imported: the config's loader reads this module)
+Config = Any
 
 MODEL_TYPES = ("gemma4_text", "gemma4")
 HF_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu", "gelu_new": "gelu", "gelu": "gelu_exact", "silu": "silu", "swish": "silu", "relu": "relu"}
@@ -178,7 +179,7 @@ def overrides(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]
   return out
 
 
-def export(c: MaxTextConfig) -> dict[str, Any]:
+def export(c: Config) -> dict[str, Any]:
   """A Gemma4TextConfig config.json for a gemma4 maxtext config (transformers loads it)."""
   if c.num_experts > 1:
     raise ConfigError("gemma4 with experts has no Hugging Face export here; maxtext's gemma4 MoE block is not built")
@@ -225,61 +226,5 @@ def export(c: MaxTextConfig) -> dict[str, Any]:
   }
 
 
-def _theta(c: MaxTextConfig, value: float) -> float:
+def _theta(c: Config, value: float) -> float:
   return value if value > 0 else c.rope_max_timescale
-
-
-def layer_rules(c: MaxTextConfig, kind: LayerKind) -> list:
-  """The tensors of one Gemma 4 decoder layer of this kind (maxtext.convert.hf_params.Rule)."""
-  from maxtext.convert.hf_params import Rule, _dense_mlp_rules, _identity, _linear, _transpose
-
-  full = kind.variant == "global"
-  e, h = c.emb_dim, c.num_query_heads
-  d = (c.global_head_dim or c.head_dim) if full else c.head_dim
-  kv = (c.global_num_kv_heads or c.num_kv_heads) if full else c.num_kv_heads
-  if c.v_norm_with_scale:
-    raise ConfigError("Gemma4's value norm has no scale in Hugging Face checkpoints; set v_norm_with_scale=false")
-  rules = [
-    Rule("attention/query/kernel", "self_attn.q_proj.weight", *_linear((e,), (h, d))),
-    Rule("attention/out/kernel", "self_attn.o_proj.weight", *_linear((h, d), (e,))),
-    Rule("attention/query_norm/scale", "self_attn.q_norm.weight", _identity, _identity),
-  ]
-  if not kind.kv_shared:
-    rules += [
-      Rule("attention/key/kernel", "self_attn.k_proj.weight", *_linear((e,), (kv, d))),
-      Rule("attention/key_norm/scale", "self_attn.k_norm.weight", _identity, _identity),
-    ]
-    if not (full and c.share_kv_projections):
-      rules.append(Rule("attention/value/kernel", "self_attn.v_proj.weight", *_linear((e,), (kv, d))))
-  for ours, hf in registry.get(c.decoder_block).hf_norm_names.items():
-    rules.append(Rule(f"{ours}/scale", f"{hf}.weight", _identity, _identity))
-  rules += _dense_mlp_rules("mlp", "mlp")
-  if c.hidden_size_per_layer_input:
-    rules += [
-      Rule("per_layer_input_gate/kernel", "per_layer_input_gate.weight", _transpose, _transpose),
-      Rule("per_layer_projection/kernel", "per_layer_projection.weight", _transpose, _transpose),
-      Rule("post_per_layer_input_norm/scale", "post_per_layer_input_norm.weight", _identity, _identity),
-    ]
-  rules.append(Rule("layer_scalar", "layer_scalar", _scalar_to_ours, _scalar_to_hf))
-  return rules
-
-
-def global_rules(c: MaxTextConfig) -> list:
-  """The per-layer input embedding's tensors outside the layers (none without hidden_size_per_layer_input)."""
-  from maxtext.convert.hf_params import Rule, _identity, _transpose
-
-  if not c.hidden_size_per_layer_input:
-    return []
-  return [
-    Rule("per_layer_inputs_embed/embedding", "model.embed_tokens_per_layer.weight", _identity, _identity),
-    Rule("per_layer_model_projection/kernel", "model.per_layer_model_projection.weight", _transpose, _transpose),
-    Rule("per_layer_projection_norm/scale", "model.per_layer_projection_norm.weight", _identity, _identity),
-  ]
-
-
-def _scalar_to_ours(x):
-  return x.reshape(())
-
-
-def _scalar_to_hf(x):
-  return x.reshape(1)

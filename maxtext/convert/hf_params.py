@@ -196,9 +196,7 @@ def _layer_rules(c: MaxTextConfig, kind: LayerKind) -> list[Rule]:
   if len(c.mlp_activations) != 2:
     raise ConfigError("a single MLP activation has no Hugging Face layout; use mlp_activations=[<act>, linear]")
   if registry.get(c.decoder_block).gemma4_keys:
-    from maxtext.convert import hf_gemma4
-
-    return hf_gemma4.layer_rules(c, kind)
+    return _gemma4_layer_rules(c, kind)
   rules = _attention_rules(c, kind.mixer)
   dense = kind.ffn == "dense"
   for ours, hf in registry.get(c.decoder_block).hf_norm_names.items():
@@ -275,9 +273,7 @@ def _global_rules(c: MaxTextConfig) -> list[Rule]:
   if not c.logits_via_embedding:
     rules.append(Rule("output/kernel", "lm_head.weight", _transpose, _transpose))
   if registry.get(c.decoder_block).gemma4_keys:
-    from maxtext.convert import hf_gemma4
-
-    rules += hf_gemma4.global_rules(c)
+    rules += _gemma4_global_rules(c)
   return rules
 
 
@@ -498,3 +494,55 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
   if unexpected:
     raise ConfigError(f"parameters with no Hugging Face name: {shorten(unexpected)}; merge or drop adapters/connectors before exporting")
   return out
+
+
+def _gemma4_layer_rules(c: MaxTextConfig, kind: LayerKind) -> list:
+  """The tensors of one Gemma 4 decoder layer of this kind (maxtext.convert.hf_params.Rule)."""
+  full = kind.variant == "global"
+  e, h = c.emb_dim, c.num_query_heads
+  d = (c.global_head_dim or c.head_dim) if full else c.head_dim
+  kv = (c.global_num_kv_heads or c.num_kv_heads) if full else c.num_kv_heads
+  if c.v_norm_with_scale:
+    raise ConfigError("Gemma4's value norm has no scale in Hugging Face checkpoints; set v_norm_with_scale=false")
+  rules = [
+    Rule("attention/query/kernel", "self_attn.q_proj.weight", *_linear((e,), (h, d))),
+    Rule("attention/out/kernel", "self_attn.o_proj.weight", *_linear((h, d), (e,))),
+    Rule("attention/query_norm/scale", "self_attn.q_norm.weight", _identity, _identity),
+  ]
+  if not kind.kv_shared:
+    rules += [
+      Rule("attention/key/kernel", "self_attn.k_proj.weight", *_linear((e,), (kv, d))),
+      Rule("attention/key_norm/scale", "self_attn.k_norm.weight", _identity, _identity),
+    ]
+    if not (full and c.share_kv_projections):
+      rules.append(Rule("attention/value/kernel", "self_attn.v_proj.weight", *_linear((e,), (kv, d))))
+  for ours, hf in registry.get(c.decoder_block).hf_norm_names.items():
+    rules.append(Rule(f"{ours}/scale", f"{hf}.weight", _identity, _identity))
+  rules += _dense_mlp_rules("mlp", "mlp")
+  if c.hidden_size_per_layer_input:
+    rules += [
+      Rule("per_layer_input_gate/kernel", "per_layer_input_gate.weight", _transpose, _transpose),
+      Rule("per_layer_projection/kernel", "per_layer_projection.weight", _transpose, _transpose),
+      Rule("post_per_layer_input_norm/scale", "post_per_layer_input_norm.weight", _identity, _identity),
+    ]
+  rules.append(Rule("layer_scalar", "layer_scalar", _scalar_to_ours, _scalar_to_hf))
+  return rules
+
+
+def _gemma4_global_rules(c: MaxTextConfig) -> list:
+  """The per-layer input embedding's tensors outside the layers (none without hidden_size_per_layer_input)."""
+  if not c.hidden_size_per_layer_input:
+    return []
+  return [
+    Rule("per_layer_inputs_embed/embedding", "model.embed_tokens_per_layer.weight", _identity, _identity),
+    Rule("per_layer_model_projection/kernel", "model.per_layer_model_projection.weight", _transpose, _transpose),
+    Rule("per_layer_projection_norm/scale", "model.per_layer_projection_norm.weight", _identity, _identity),
+  ]
+
+
+def _scalar_to_ours(x):
+  return x.reshape(())
+
+
+def _scalar_to_hf(x):
+  return x.reshape(1)
