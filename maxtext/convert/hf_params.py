@@ -77,12 +77,23 @@ def _conv_to_hf(w: Array) -> Array:
 
 
 def _gated_deltanet_rules(c: MaxTextConfig) -> list[Rule]:
-  """Qwen3NextGatedDeltaNet (linear_attn.*): the fused projections keep HF's per-key-head order; conv1d [C, 1, K] is our [K, C]."""
+  """Qwen3NextGatedDeltaNet (linear_attn.*): the fused projections keep HF's per-key-head order; Qwen3_5GatedDeltaNet's
+  split ones are plain linear layers; conv1d [C, 1, K] is our [K, C]."""
   e, hk, dk, hv, dv = c.emb_dim, c.gdn_num_key_heads, c.gdn_key_head_dim, c.gdn_num_value_heads, c.gdn_value_head_dim
   r = hv // hk
-  return [
-    Rule("attention/in_proj_qkvz/kernel", "linear_attn.in_proj_qkvz.weight", *_linear((e,), (hk, 2 * dk + 2 * r * dv))),
-    Rule("attention/in_proj_ba/kernel", "linear_attn.in_proj_ba.weight", *_linear((e,), (hk, 2 * r))),
+  if registry.get(c.decoder_block).split_linear_projections:  # Qwen3_5GatedDeltaNet
+    projections = [
+      Rule("attention/in_proj_qkv/kernel", "linear_attn.in_proj_qkv.weight", _transpose, _transpose),
+      Rule("attention/in_proj_z/kernel", "linear_attn.in_proj_z.weight", *_linear((e,), (hv, dv))),
+      Rule("attention/in_proj_b/kernel", "linear_attn.in_proj_b.weight", _transpose, _transpose),
+      Rule("attention/in_proj_a/kernel", "linear_attn.in_proj_a.weight", _transpose, _transpose),
+    ]
+  else:
+    projections = [
+      Rule("attention/in_proj_qkvz/kernel", "linear_attn.in_proj_qkvz.weight", *_linear((e,), (hk, 2 * dk + 2 * r * dv))),
+      Rule("attention/in_proj_ba/kernel", "linear_attn.in_proj_ba.weight", *_linear((e,), (hk, 2 * r))),
+    ]
+  return projections + [
     Rule("attention/conv", "linear_attn.conv1d.weight", _conv_to_ours, _conv_to_hf),
     Rule("attention/A_log", "linear_attn.A_log", _identity, _identity),
     Rule("attention/dt_bias", "linear_attn.dt_bias", _identity, _identity),
@@ -184,7 +195,7 @@ def _layer_rules(c: MaxTextConfig, kind: LayerKind) -> list[Rule]:
   if c.routed_bias:
     rules.append(Rule("mlp/routed_bias", "mlp.gate.e_score_correction_bias", _identity, _identity))
   if c.shared_experts:
-    hf_shared = "mlp.shared_expert" if c.decoder_block == "qwen3_next" else "mlp.shared_experts"
+    hf_shared = "mlp.shared_expert" if registry.get(c.decoder_block).shared_expert_gate else "mlp.shared_experts"
     rules += _dense_mlp_rules("mlp/shared_experts", hf_shared)
     if registry.get(c.decoder_block).shared_expert_gate:
       rules.append(Rule("mlp/shared_expert_gate/kernel", "mlp.shared_expert_gate.weight", _transpose, _transpose))

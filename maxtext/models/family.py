@@ -122,6 +122,7 @@ class Family:
   attention_out_bias: bool = True  # attention_bias also biases the output projection (Qwen2: q/k/v only)
   attention_output_gate: bool = False  # attention's query projection yields a sigmoid gate on its output too (Qwen3-Next)
   shared_expert_gate: bool = False  # the shared experts' output is scaled by sigmoid(x w) per token (Qwen3-Next)
+  split_linear_projections: bool = False  # Gated DeltaNet projects q|k|v, z, b, a apart (Qwen3.5), not fused per key head (Qwen3-Next)
 
   def kinds(self, shape: LayerShape) -> tuple[LayerKind, ...]:
     """The kind of each of shape.num_decoder_layers layers."""

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
-from maxtext.models.families import deepseek, gemma2, gemma3, gpt_oss, llama2, mistral, mixtral, olmo3, qwen2, qwen3, qwen3_moe, qwen3_next
+from maxtext.models.families import (
+  deepseek,
+  gemma2,
+  gemma3,
+  gpt_oss,
+  llama2,
+  mistral,
+  mixtral,
+  olmo3,
+  qwen2,
+  qwen3,
+  qwen3_5,
+  qwen3_5_moe,
+  qwen3_moe,
+  qwen3_next,
+)
 from maxtext.models.family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -14,6 +29,8 @@ FAMILIES: dict[str, Family] = {
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
     qwen3_next.FAMILY,
+    qwen3_5.FAMILY,
+    qwen3_5_moe.FAMILY,
     gemma2.FAMILY,
     gemma3.FAMILY,
     gpt_oss.FAMILY,

@@ -189,9 +189,10 @@ def mla(config: MaxTextConfig) -> MLASpec:
   )
 
 
-def gated_deltanet(config: MaxTextConfig) -> GatedDeltaNetSpec:
-  """Gated DeltaNet linear attention (Qwen3-Next), from MaxText's gdn_* keys."""
+def gated_deltanet(config: MaxTextConfig, family: Family | None = None) -> GatedDeltaNetSpec:
+  """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5), from MaxText's gdn_* keys."""
   c = config
+  family = family or family_of(c)
   if context_layout(c) is not None:
     raise ConfigError(
       f"decoder_block={c.decoder_block} has Gated DeltaNet layers, whose state does not pass between context shards yet; "
@@ -208,6 +209,7 @@ def gated_deltanet(config: MaxTextConfig) -> GatedDeltaNetSpec:
     conv_kernel=c.gdn_conv_kernel_dim,
     chunk_size=c.gdn_chunk_size,
     norm_epsilon=c.normalization_layer_epsilon,
+    split_projections=family.split_linear_projections,
     rules=rules(c),
   )
 
@@ -232,7 +234,7 @@ def lora(config: MaxTextConfig) -> LoRASpec | None:
 MIXERS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
   "attention": attention,
   "mla": lambda config, family: mla(config),
-  "gated_deltanet": lambda config, family: gated_deltanet(config),
+  "gated_deltanet": lambda config, family: gated_deltanet(config, family),
 }
 FEED_FORWARDS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
   "dense": lambda config, family: mlp(config),
