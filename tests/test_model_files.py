@@ -58,6 +58,9 @@ PUBLISHED_BILLIONS = {
   "deepseek2-16b": 15.71,  # DeepSeek-V2-Lite
   "deepseek2-236b": 235.74,
   "qwen3-next-80b-a3b": 80.0,  # the model card's 80B (the HF safetensors also hold its multi-token-prediction layer)
+  "qwen3.5-27b": 27.0,  # Qwen3.5 model cards' sizes; the text decoders (the cards' totals also hold a 0.4B vision tower)
+  "qwen3.5-35b-a3b": 35.0,
+  "qwen3.5-397b-a17b": 397.0,
 }
 NOT_PUBLISHED = ("deepseek3-tiny", "kimi-k2-1t")  # a CPU-sized architecture file; Kimi K2's size is published only as "1T, 32B active"
 
