@@ -41,9 +41,7 @@ def tiny_config(variant: str, **extra) -> transformers.PretrainedConfig:
   )
   if variant == "dense":
     return transformers.Qwen3_5TextConfig(**shape, intermediate_size=48, **extra)
-  return transformers.Qwen3_5MoeTextConfig(
-    **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, **extra
-  )
+  return transformers.Qwen3_5MoeTextConfig(**shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, **extra)
 
 
 @functools.cache
@@ -129,3 +127,76 @@ def test_bad_configs_are_one_line_errors(extra, message):
   fields = {**tiny_config("dense").to_dict(), **extra}
   with pytest.raises(ConfigError, match=message):
     hf_config.overrides_from_hf(fields)
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+  """The tiny MoE checkpoint plus a multi-token-prediction module as Qwen3.5 stores it (mtp.*: the two input norms,
+  fc and one full-attention MoE layer, its final norm), every tensor random."""
+  base = tmp_path_factory.mktemp("qwen3_5_moe_base")
+  torch_model = saved("moe", str(base))
+  tensors = safetensors_io.read_tensors(base)
+  rng = np.random.default_rng(7)
+  mtp = {
+    f"mtp.layers.0.{k[len('model.layers.3.') :]}": v + rng.normal(0, 0.05, v.shape).astype(v.dtype)
+    for k, v in tensors.items()
+    if k.startswith("model.layers.3.")
+  }
+  mtp["mtp.fc.weight"] = rng.normal(0, 0.2, (32, 64)).astype(np.float32)
+  for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+    mtp[f"mtp.{name}.weight"] = rng.normal(0, 0.1, (32,)).astype(np.float32)
+  config = {**safetensors_io.read_config(base), "mtp_num_hidden_layers": 1}
+  out = tmp_path_factory.mktemp("qwen3_5_moe_mtp")
+  safetensors_io.write(out, config, {**tensors, **mtp})
+  return out, torch_model, mtp
+
+
+def test_mtp_module_converts_both_ways_and_is_skipped_without_mtp_num_layers(mtp_dir):
+  d, torch_model, mtp = mtp_dir
+  tokens = np.random.default_rng(0).integers(0, 97, size=(1, 11)).astype(np.int32)
+  plain, _ = from_hf(d, dtype="float32", matmul_precision="highest", gdn_chunk_size=CHUNK)  # mtp.* left out
+  assert plain.mtp is None
+  np.testing.assert_allclose(np.asarray(plain(tokens)), hf_logits(torch_model, tokens), atol=1e-4, rtol=0)
+  model, config = from_hf(d, dtype="float32", mtp_num_layers=1)
+  tensors = hf_params.maxtext_to_hf({k: np.asarray(v) for k, v in flat_params(model).items()}, config)
+  original = safetensors_io.read_tensors(d)
+  assert sorted(tensors) == sorted(original) and set(mtp) <= set(tensors)
+  for k, v in original.items():
+    assert np.array_equal(tensors[k], v), k
+  assert hf_config.hf_config_from(config)["mtp_num_hidden_layers"] == 1
+  with pytest.raises(ConfigError, match="set mtp_num_layers=1"):
+    from_hf(d, dtype="float32", mtp_num_layers=2)
+
+
+def test_mtp_module_matches_a_transformers_reference(mtp_dir):
+  """h = layer(fc([norm(embedding of the next token); norm(hidden before the final norm)])), then its norm, computed
+  with transformers' own Qwen3.5-MoE decoder layer and norms holding the mtp.* weights."""
+  from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_mod
+
+  from maxtext.models.mtp import shift_left
+
+  d, torch_model, mtp = mtp_dir
+  model, _ = from_hf(d, dtype="float32", matmul_precision="highest", gdn_chunk_size=CHUNK, mtp_num_layers=1)
+  tokens = np.random.default_rng(3).integers(0, 97, size=(2, 2 * CHUNK + 5)).astype(np.int32)
+  positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+  _, pre_norm, _ = model.forward_hidden(tokens)
+  ahead = shift_left(tokens, 1)
+  _, ours = model.mtp[0](pre_norm, model.embed_tokens(ahead), positions, None, 0)
+
+  cfg = torch_model.config
+  layer = hf_mod.Qwen3_5MoeDecoderLayer(cfg, 3).float().eval()
+  layer.load_state_dict({k[len("mtp.layers.0.") :]: torch.as_tensor(v) for k, v in mtp.items() if k.startswith("mtp.layers.0.")})
+  norms = {n: hf_mod.Qwen3_5MoeRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+  with torch.no_grad():
+    for n, norm in norms.items():
+      norm.weight.copy_(torch.as_tensor(mtp[f"mtp.{n}.weight"]))
+    emb = torch_model.model.embed_tokens(torch.as_tensor(np.asarray(ahead), dtype=torch.long))
+    hidden = torch.as_tensor(np.asarray(pre_norm))
+    x = torch.cat([norms["pre_fc_norm_embedding"](emb), norms["pre_fc_norm_hidden"](hidden)], -1) @ torch.as_tensor(mtp["mtp.fc.weight"]).T
+    position_ids = torch.as_tensor(positions, dtype=torch.long)[None].expand(3, -1, -1)
+    rope = torch_model.model.rotary_emb(x, position_ids)
+    s = tokens.shape[1]
+    mask = torch.full((s, s), float("-inf")).triu(1)[None, None].expand(tokens.shape[0], 1, s, s)
+    out = layer(x, position_embeddings=rope, attention_mask=mask, position_ids=position_ids[0])
+    reference = norms["norm"](out[0] if isinstance(out, tuple) else out).numpy()
+  np.testing.assert_allclose(np.asarray(ours), reference, atol=1e-4, rtol=0)

@@ -572,6 +572,8 @@ def _qwen3_next_export(c: MaxTextConfig, rope: dict[str, Any]) -> dict[str, Any]
     "linear_num_key_heads": c.gdn_num_key_heads,
     "linear_num_value_heads": c.gdn_num_value_heads,
   }
+  if c.mtp_num_layers:
+    linear["mtp_num_hidden_layers"] = c.mtp_num_layers
   if c.num_experts <= 1:
     return linear
   return {

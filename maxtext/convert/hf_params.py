@@ -247,15 +247,45 @@ def _global_rules(c: MaxTextConfig) -> list[Rule]:
   return rules
 
 
+# Families whose checkpoints keep their multi-token-prediction module under mtp.*: pre_fc_norm_embedding,
+# pre_fc_norm_hidden, fc (the projection of [embedding; hidden]), mtp.layers.<k> (full-attention layers) and norm.
+MTP_UNDER_MTP_PREFIX = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def _mtp_prefix(c: MaxTextConfig, k: int) -> str:
+  """Where MTP module k's tensors live: DeepSeek's layer num_hidden_layers + k, or Qwen's mtp.*."""
+  return "mtp." if c.decoder_block in MTP_UNDER_MTP_PREFIX else f"model.layers.{c.num_decoder_layers + k}."
+
+
 def _mtp_rules(c: MaxTextConfig) -> list[Rule]:
-  """One multi-token-prediction module (DeepSeek's layer num_hidden_layers + k): norms, projection, a MoE layer."""
+  """One multi-token-prediction module (DeepSeek's layer num_hidden_layers + k; Qwen's mtp.*): norms, projection, a layer
+  built like the model's last attention layer."""
+  layer = [dataclasses.replace(r, ours=f"layer/{r.ours}") for r in _layer_rules(c, mtp_layer_kind(c))]
+  if c.decoder_block in MTP_UNDER_MTP_PREFIX:
+    if c.mtp_num_layers > 1:
+      raise ConfigError(
+        f"{c.decoder_block} checkpoints share one MTP projection and norms across their MTP layers, maxtext's MTP modules each have their own; "
+        "set mtp_num_layers=1 (or 0)"
+      )
+    return [
+      Rule("embed_norm/scale", "pre_fc_norm_embedding.weight", _identity, _identity),
+      Rule("hidden_norm/scale", "pre_fc_norm_hidden.weight", _identity, _identity),
+      Rule("projection/kernel", "fc.weight", _transpose, _transpose),
+      Rule("out_norm/scale", "norm.weight", _identity, _identity),
+    ] + [dataclasses.replace(r, hf=f"layers.0.{r.hf}") for r in layer]
   rules = [
     Rule("embed_norm/scale", "enorm.weight", _identity, _identity),
     Rule("hidden_norm/scale", "hnorm.weight", _identity, _identity),
     Rule("projection/kernel", "eh_proj.weight", _transpose, _transpose),
     Rule("out_norm/scale", "shared_head.norm.weight", _identity, _identity),
   ]
-  return rules + [dataclasses.replace(r, ours=f"layer/{r.ours}") for r in _layer_rules(c, registry.get(c.decoder_block).kinds(c)[-1])]
+  return rules + layer
+
+
+def mtp_layer_kind(c: MaxTextConfig) -> LayerKind:
+  """The kind of the MTP modules' layer: the model's last layer with attention (a Gated DeltaNet layer keeps a state)."""
+  kinds = registry.get(c.decoder_block).kinds(c)
+  return next((k for k in reversed(kinds) if k.mixer != "gated_deltanet"), kinds[-1])
 
 
 # DeepSeek stores copies of the embedding and the output head in every MTP layer; maxtext shares the main model's.
@@ -276,7 +306,7 @@ def _layer_index(name: str) -> int:
 # Multimodal Gemma 3 checkpoints keep the text decoder under one of these prefixes (hub layout, transformers 5 layout),
 # beside the vision tower and projector that a text decoder leaves out.
 TEXT_DECODER_PREFIXES = ("language_model.model.", "model.language_model.")
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.", "model.visual.")
 
 
 def text_decoder_tensors(tensors: dict[str, Array]) -> dict[str, Array]:
@@ -351,7 +381,7 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   except ValueError as e:
     raise ConfigError(f"layers' tensors differ in shape ({_first_line(e)}); the safetensors files disagree with config.json") from None
   for k in range(c.mtp_num_layers):
-    prefix = f"model.layers.{c.num_decoder_layers + k}."
+    prefix = _mtp_prefix(c, k)
     for r in _mtp_rules(c):
       if r.experts:
         out[f"mtp/{k}/{r.ours}"] = np.stack([convert(r, prefix + r.hf.format(j=j)) for j in range(c.num_experts)])
@@ -364,6 +394,8 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   # DeepSeek's multi-token-prediction layers past num_hidden_layers (transformers does not run them) that
   # mtp_num_layers leaves out.
   used.update(k for k in tensors if c.num_decoder_layers + c.mtp_num_layers <= _layer_index(k) < c.num_decoder_layers + stored_mtp_layers)
+  if c.decoder_block in MTP_UNDER_MTP_PREFIX and not c.mtp_num_layers:  # Qwen's MTP module (mtp.*), left out without mtp_num_layers
+    used.update(k for k in tensors if k.startswith("mtp."))
   # Tied checkpoints may carry a copy of the embedding as lm_head.
   if c.logits_via_embedding and "lm_head.weight" in tensors and np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
     used.add("lm_head.weight")
@@ -423,14 +455,15 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
       else:
         out[prefix + r.hf] = r.to_hf(value)
   for k in range(c.mtp_num_layers):
-    prefix = f"model.layers.{c.num_decoder_layers + k}."
+    prefix = _mtp_prefix(c, k)
     for r in _mtp_rules(c):
       value = take(f"mtp/{k}/{r.ours}")
       if r.experts:
         out.update({prefix + r.hf.format(j=j): r.to_hf(value[j]) for j in range(c.num_experts)})
       else:
         out[prefix + r.hf] = r.to_hf(value)
-    out.update({prefix + copy: out[main] for copy, main in MTP_SHARED_COPIES.items() if main in out})
+    if c.decoder_block not in MTP_UNDER_MTP_PREFIX:
+      out.update({prefix + copy: out[main] for copy, main in MTP_SHARED_COPIES.items() if main in out})
   unexpected = sorted(set(params) - used)
   if unexpected:
     raise ConfigError(f"parameters with no Hugging Face name: {shorten(unexpected)}; merge or drop adapters/connectors before exporting")

@@ -282,8 +282,10 @@ class ModelSpecs:
 
   @property
   def layer(self) -> LayerSpec:
-    """The last decoder layer's spec: the MTP modules' layers are built like it."""
-    return self.layers[-1]
+    """The spec the MTP modules' layers are built like: the last decoder layer with attention (a Gated DeltaNet
+    layer's state has no place in an MTP module; Qwen3-Next's and Qwen3.5's MTP layers are full attention)."""
+    last = next((i for i in reversed(range(len(self.kinds))) if self.kinds[i].mixer != "gated_deltanet"), len(self.kinds) - 1)
+    return self.layers[last]
 
 
 def model(config: MaxTextConfig, family: Family | None = None) -> ModelSpecs:
