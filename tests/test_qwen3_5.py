@@ -185,12 +185,17 @@ def test_mtp_module_matches_a_transformers_reference(mtp_dir):
 
   cfg = torch_model.config
   layer = hf_mod.Qwen3_5MoeDecoderLayer(cfg, 3).float().eval()
-  layer.load_state_dict({k[len("mtp.layers.0.") :]: torch.as_tensor(v) for k, v in mtp.items() if k.startswith("mtp.layers.0.")})
+  weights = {k[len("mtp.layers.0.") :]: torch.as_tensor(v) for k, v in mtp.items() if k.startswith("mtp.layers.0.")}
+  experts = range(cfg.num_experts)
+  expert = {p: torch.stack([weights.pop(f"mlp.experts.{j}.{p}_proj.weight") for j in experts]) for p in ("gate", "up", "down")}
+  weights["mlp.experts.gate_up_proj"] = torch.cat([expert["gate"], expert["up"]], dim=1)  # transformers' fused layout
+  weights["mlp.experts.down_proj"] = expert["down"]
+  layer.load_state_dict(weights)
   norms = {n: hf_mod.Qwen3_5MoeRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
   with torch.no_grad():
     for n, norm in norms.items():
       norm.weight.copy_(torch.as_tensor(mtp[f"mtp.{n}.weight"]))
-    emb = torch_model.model.embed_tokens(torch.as_tensor(np.asarray(ahead), dtype=torch.long))
+    emb = torch_model.model.embed_tokens(torch.as_tensor(np.array(ahead), dtype=torch.long))
     hidden = torch.as_tensor(np.asarray(pre_norm))
     x = torch.cat([norms["pre_fc_norm_embedding"](emb), norms["pre_fc_norm_hidden"](hidden)], -1) @ torch.as_tensor(mtp["mtp.fc.weight"]).T
     position_ids = torch.as_tensor(positions, dtype=torch.long)[None].expand(3, -1, -1)
