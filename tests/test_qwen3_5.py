@@ -205,3 +205,53 @@ def test_mtp_module_matches_a_transformers_reference(mtp_dir):
     out = layer(x, position_embeddings=rope, attention_mask=mask, position_ids=position_ids[0])
     reference = norms["norm"](out[0] if isinstance(out, tuple) else out).numpy()
   np.testing.assert_allclose(np.asarray(ours), reference, atol=1e-4, rtol=0)
+
+
+LORA = {
+  "enable_lora": True,
+  "lora_rank": 4,
+  "lora_alpha": 8,
+  "lora_module_path": r"(^|/)(attention/(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj|query|key|value|out)|mlp/(wi_0|wi_1|wo))$",
+}
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_peft_adapters_on_the_linear_and_attention_projections(tmp_path_factory, scan):
+  """LoRA on every projection of the Gated DeltaNet and attention layers (scanned: a block of 4 and a remainder layer):
+  the PEFT export reproduces our logits in transformers, imports back bit-exactly, and merges into weights that do too."""
+  import copy
+
+  import jax
+  from flax import nnx
+
+  from maxtext.convert import peft as lora_peft
+  from maxtext.layers.lora import LoRAParam
+
+  peft = pytest.importorskip("peft")
+  d = tmp_path_factory.mktemp("qwen3_5_peft")
+  torch_model = saved("dense", str(d))
+  model, config = from_hf(d, scan_layers=scan, dtype="float32", matmul_precision="highest", gdn_chunk_size=CHUNK, lora=LORA)
+  for i, (_, var) in enumerate(nnx.to_flat_state(nnx.state(model, LoRAParam))):
+    var.set_value(0.3 * jax.random.normal(jax.random.key(i), var.shape))
+  flat = {k: np.asarray(v) for k, v in flat_params(model).items()}
+  adapters = {k: v for k, v in flat.items() if "/lora/" in k}
+  tokens = np.random.default_rng(4).integers(0, 97, size=(2, 2 * CHUNK + 5)).astype(np.int32)
+  ours = np.asarray(model(tokens))
+
+  tensors, adapter_config = lora_peft.to_peft(adapters, config)
+  assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "o_proj", "up_proj"} <= set(adapter_config["target_modules"])
+  assert any(".4.linear_attn.in_proj_qkv." in k for k in tensors) and any(".3.self_attn.q_proj." in k for k in tensors)
+  out = d / f"peft_{scan}"
+  lora_peft.write(out, tensors, adapter_config)
+  wrapped = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(out)).eval()
+  np.testing.assert_allclose(hf_logits(wrapped, tokens), ours, atol=1e-4, rtol=0)
+
+  back = lora_peft.from_peft(tensors, config, {k: v.shape for k, v in adapters.items()})
+  assert sorted(back) == sorted(adapters)
+  for k, v in adapters.items():
+    assert np.array_equal(back[k], v), k
+
+  merged = hf_params.maxtext_to_hf(lora_peft.merge(flat, config), config)
+  exported = copy.deepcopy(torch_model)
+  exported.load_state_dict({k: torch.as_tensor(np.array(v)) for k, v in merged.items()})
+  np.testing.assert_allclose(hf_logits(exported, tokens), ours, atol=1e-4, rtol=0)
