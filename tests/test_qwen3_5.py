@@ -255,3 +255,25 @@ def test_peft_adapters_on_the_linear_and_attention_projections(tmp_path_factory,
   exported = copy.deepcopy(torch_model)
   exported.load_state_dict({k: torch.as_tensor(np.array(v)) for k, v in merged.items()})
   np.testing.assert_allclose(hf_logits(exported, tokens), ours, atol=1e-4, rtol=0)
+
+
+def test_vision_language_config_with_key_heads_not_dividing_value_heads_is_one_line_exit_2(tmp_path):
+  """As the user converts a Qwen3.5 vision-language checkpoint (model_type qwen3_5, the decoder in text_config) whose
+  linear key heads do not divide its value heads: exit 2, one `error:` line naming both, nothing written."""
+  import json
+  import shutil
+
+  from tests.test_bad_inputs import CONVERT, _run_case, assert_one_line_exit_2
+
+  src = tmp_path / "src"
+  saved("dense", str(src))
+  hf = tmp_path / "hf"
+  hf.mkdir()
+  shutil.copy(src / "model.safetensors", hf / "model.safetensors")
+  text = {**json.loads((src / "config.json").read_text()), "linear_num_key_heads": 3}
+  (hf / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text}))
+  run = tmp_path / "run"
+  run.mkdir()
+  proc, before, after = _run_case([*CONVERT, "--hf-dir", "{tmp}/hf"], tmp_path, run, "")
+  assert_one_line_exit_2(proc, "linear_num_value_heads=4, not a multiple of linear_num_key_heads=3")
+  assert before == after and not (tmp_path / "converted").exists()
