@@ -62,6 +62,9 @@ PUBLISHED_BILLIONS = {
   "qwen3-next-80b-a3b": 80.0,  # the model card's 80B (the HF safetensors also hold its multi-token-prediction layer)
   "llama4-17b-16e": 109.0,  # Scout's card: 109B with its vision encoder, which these text weights leave out
   "llama4-17b-128e": 400.0,  # Maverick's card: 400B
+  "qwen3.5-27b": 27.0,  # Qwen3.5 model cards' sizes; the text decoders (the cards' totals also hold a 0.4B vision tower)
+  "qwen3.5-35b-a3b": 35.0,
+  "qwen3.5-397b-a17b": 397.0,
 }
 TOLERANCE = {"llama4-17b-16e": 0.015}  # the card's total counts the vision encoder; the text decoder is 1.1% below it
 NOT_PUBLISHED = ("deepseek3-tiny", "kimi-k2-1t")  # a CPU-sized architecture file; Kimi K2's size is published only as "1T, 32B active"

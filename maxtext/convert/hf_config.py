@@ -25,6 +25,8 @@ HF_ARCHITECTURES = {
   "qwen3": "Qwen3ForCausalLM",
   "qwen3_moe": "Qwen3MoeForCausalLM",
   "qwen3_next": "Qwen3NextForCausalLM",
+  "qwen3_5": "Qwen3_5ForCausalLM",
+  "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
   "gemma2": "Gemma2ForCausalLM",
   "gemma3": "Gemma3ForCausalLM",
   "gpt_oss": "GptOssForCausalLM",
@@ -41,6 +43,8 @@ HF_MODEL_TYPES = {
   "qwen3": "qwen3",
   "qwen3_moe": "qwen3_moe",
   "qwen3_next": "qwen3_next",
+  "qwen3_5": "qwen3_5_text",
+  "qwen3_5_moe": "qwen3_5_moe_text",
   "gemma2": "gemma2",
   "gemma3": "gemma3_text",
   "gpt_oss": "gpt_oss",
@@ -50,12 +54,14 @@ HF_MODEL_TYPES = {
   "olmo3": "olmo3",
   "llama4": "llama4_text",
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_next", "gpt_oss", "deepseek", "llama4", "deepseek_v32")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "gpt_oss", "deepseek", "llama4", "deepseek_v32")
 DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v32")  # MLA and DeepSeekMoE; deepseek_v32 adds the lightning indexer
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # Gated DeltaNet layers beside gated full attention
+QWEN3_5_MULTIMODAL = ("qwen3_5", "qwen3_5_moe")  # config.json of the vision-language checkpoints: the decoder is text_config
 WINDOWED_TYPES = ("gemma2", "gemma3_text", "gpt_oss", "olmo3")  # model types whose layer_types alternate sliding and full attention
 # Model types whose transformers attention puts a bias on q, k, v and o exactly when attention_bias is true (maxtext's
 # attention_bias); MistralAttention and MixtralAttention have no biases whatever the key says.
-BIASED_ATTENTION_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_next", "gemma2", "gemma3_text", "gpt_oss", "olmo3", "llama4_text")
+BIASED_ATTENTION_TYPES = ("llama", "qwen3", "qwen3_moe", *HYBRID_TYPES, "gemma2", "gemma3_text", "gpt_oss", "olmo3", "llama4_text")
 UNBIASED_ATTENTION_TYPES = ("mistral", "mixtral")
 # Gemma3TextConfig defaults for the fields a multimodal Gemma 3 config.json may leave out of its text_config.
 GEMMA3_TEXT_DEFAULTS = {
@@ -225,6 +231,11 @@ def text_config(hf: dict[str, Any], source: str = "config.json") -> dict[str, An
     if "dtype" not in text and "torch_dtype" not in text:
       text["dtype"] = hf.get("dtype") or hf.get("torch_dtype")
     return text
+  if hf.get("model_type") in QWEN3_5_MULTIMODAL:
+    text = {**HFFields(hf, source).section("text_config").values}
+    text.setdefault("model_type", hf["model_type"] + "_text")
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+    return text
   if hf.get("model_type") != "gemma3":
     return hf
   text = {**GEMMA3_TEXT_DEFAULTS, **HFFields(hf, source).section("text_config").values, "model_type": "gemma3_text"}
@@ -318,15 +329,16 @@ def _gpt_oss(hf: HFFields) -> dict[str, Any]:
   }
 
 
-def _qwen3_next(hf: HFFields) -> dict[str, Any]:
-  """Hybrid-attention, Gated DeltaNet and expert keys of a qwen3_next config.json; its layer_types must be the family's
-  pattern: per full_attention_interval layers, linear attention then one full attention layer."""
+def _qwen3_next(hf: HFFields, family: str = "qwen3_next") -> dict[str, Any]:
+  """Hybrid-attention, Gated DeltaNet and expert keys of a qwen3_next, qwen3_5_text or qwen3_5_moe_text config.json
+  (qwen3_5_text: dense, no expert keys); its layer_types must be the family's pattern: per full_attention_interval
+  layers, linear attention then one full attention layer."""
   layers = hf.int("num_hidden_layers")
   types = hf.texts("layer_types")
   if types is not None:
     unknown = sorted(set(types) - {"linear_attention", "full_attention"})
     if unknown:
-      raise ConfigError(f"config.json's layer_types has unknown type(s) {', '.join(unknown)}; qwen3_next has linear_attention and full_attention")
+      raise ConfigError(f"config.json's layer_types has unknown type(s) {', '.join(unknown)}; {family} has linear_attention and full_attention")
     if len(types) != layers:
       raise ConfigError(f"config.json lists {len(types)} layer_types for num_hidden_layers={layers}; the two contradict each other, fix one")
   full = [i for i, t in enumerate(types or []) if t == "full_attention"]
@@ -335,20 +347,13 @@ def _qwen3_next(hf: HFFields) -> dict[str, Any]:
   if types is not None and types != expected:
     raise ConfigError(
       f"config.json's layer_types are not {interval - 1} linear_attention layers then one full_attention layer, repeated; "
-      "maxtext's qwen3_next has that pattern: fix layer_types"
+      f"maxtext's {family} has that pattern: fix layer_types"
     )
-  if hf.int("decoder_sparse_step", 1) != 1 or hf.values.get("mlp_only_layers"):
-    raise ConfigError("qwen3_next config.json with decoder_sparse_step != 1 or mlp_only_layers is not supported; every layer must be MoE")
   keys, values = hf.int("linear_num_key_heads"), hf.int("linear_num_value_heads")
   if values % keys:
     raise ConfigError(f"config.json has linear_num_value_heads={values}, not a multiple of linear_num_key_heads={keys}; the two contradict each other")
-  width, shared = hf.int("moe_intermediate_size"), hf.int("shared_expert_intermediate_size", 0, minimum=0)
-  if shared % width:
-    raise ConfigError(
-      f"config.json's shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size={width}; maxtext sizes shared experts so"
-    )
   rope = {**hf.section("rope_scaling").values, **hf.section("rope_parameters").values}
-  return {
+  out = {
     "inhomogeneous_layer_cycle_interval": interval,
     "gdn_conv_kernel_dim": hf.int("linear_conv_kernel_dim", 4),
     "gdn_key_head_dim": hf.int("linear_key_head_dim"),
@@ -356,6 +361,18 @@ def _qwen3_next(hf: HFFields) -> dict[str, Any]:
     "gdn_num_key_heads": keys,
     "gdn_num_value_heads": values,
     "partial_rotary_factor": float(rope.get("partial_rotary_factor", hf.number("partial_rotary_factor", 0.25, positive=True))),
+  }
+  if hf.values.get("model_type") == "qwen3_5_text":
+    return out
+  if hf.int("decoder_sparse_step", 1) != 1 or hf.values.get("mlp_only_layers"):
+    raise ConfigError(f"{family} config.json with decoder_sparse_step != 1 or mlp_only_layers is not supported; every layer must be MoE")
+  width, shared = hf.int("moe_intermediate_size"), hf.int("shared_expert_intermediate_size", 0, minimum=0)
+  if shared % width:
+    raise ConfigError(
+      f"config.json's shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size={width}; maxtext sizes shared experts so"
+    )
+  return {
+    **out,
     "num_experts": hf.int("num_experts"),
     "num_experts_per_tok": hf.int("num_experts_per_tok"),
     "base_moe_mlp_dim": width,
@@ -452,7 +469,7 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
   Every field read is checked for its type and range (maxtext.convert.hf_fields)."""
   if hf.get("model_type") in hf_gemma4.MODEL_TYPES:
     return hf_gemma4.overrides(hf, source)
-  prefix = "text_config." if hf.get("model_type") in ("gemma3", "llama4") else ""
+  prefix = "text_config." if hf.get("model_type") in ("gemma3", "llama4", *QWEN3_5_MULTIMODAL) else ""
   f = HFFields(text_config(hf, source), source, prefix)
   model_type = f.text("model_type", "")
   family = registry.by_hf_model_type(model_type)
@@ -471,14 +488,14 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
     "base_num_query_heads": heads,
     "base_num_kv_heads": f.int("num_key_value_heads", heads),
     "head_dim": f.int("head_dim", None) or hidden // heads,
-    "base_mlp_dim": f.int("intermediate_size"),
+    "base_mlp_dim": f.int("moe_intermediate_size" if model_type == "qwen3_5_moe_text" and not f.has("intermediate_size") else "intermediate_size"),
     "base_num_decoder_layers": layers,
     "vocab_size": f.int("vocab_size"),
     "normalization_layer_epsilon": f.number("rms_norm_eps", 1e-6, positive=True),
     "mlp_activations": [HF_ACTIVATIONS[act], "linear"],
     "logits_via_embedding": f.flag("tie_word_embeddings", False),
     "normalize_embedding_logits": False,
-    "use_qk_norm": model_type in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3_text", "olmo3"),
+    "use_qk_norm": model_type in ("qwen3", "qwen3_moe", *HYBRID_TYPES, "gemma3_text", "olmo3"),
     "global_parameter_scale": 1,
     **_rope(f),
   }
@@ -516,8 +533,8 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
     out.update(_gpt_oss(f))
   if model_type in ("qwen3_moe", *DEEPSEEK_TYPES):
     out.update(_moe(f, model_type))
-  if model_type == "qwen3_next":
-    out.update(_qwen3_next(f))
+  if model_type in HYBRID_TYPES:
+    out.update(_qwen3_next(f, family.name))
   if model_type == "llama4_text":
     out.update(_llama4(f))
   dt = f.text("dtype", None) or f.text("torch_dtype", None)
@@ -593,6 +610,8 @@ def hf_config_from(config: Config) -> dict[str, Any]:
   c = config
   if registry.get(c.decoder_block).gemma4_keys:
     return hf_gemma4.export(c)
+  if c.decoder_block == "qwen3_5" and c.num_experts > 1:  # MaxText's qwen3_5 model files are the MoE models
+    c = c.model_copy(update={"decoder_block": "qwen3_5_moe"})
   if c.decoder_block not in HF_ARCHITECTURES:
     raise ConfigError(f"decoder_block '{c.decoder_block}' has no Hugging Face export")
   if (c.num_experts > 1) != (c.decoder_block in MOE_FAMILIES):
@@ -700,8 +719,10 @@ def hf_config_from(config: Config) -> dict[str, Any]:
       raise ConfigError("DeepseekV32 always rotates MLA's keys in interleaved pairs; export a deepseek_v32 model with rope_interleave=true")
     hf.update(index_n_heads=c.indexer_n_heads, index_head_dim=c.indexer_head_dim, index_topk=c.indexer_topk)
     hf.pop("rope_interleave")
-  if c.decoder_block == "qwen3_next":
+  if c.decoder_block in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
     hf.update(_qwen3_next_export(c, rope))
+  if c.decoder_block == "qwen3_5_moe":
+    hf.pop("intermediate_size")  # Qwen3_5MoeTextConfig has none
   if c.decoder_block == "llama4":
     hf.update(_llama4_export(c, rope))
   if c.use_multimodal:
@@ -712,12 +733,13 @@ def hf_config_from(config: Config) -> dict[str, Any]:
 def _qwen3_next_export(c: Config, rope: dict[str, Any]) -> dict[str, Any]:
   """config.json keys of a Qwen3NextForCausalLM: the hybrid layer types, Gated DeltaNet sizes, experts and the gated
   shared expert (which Qwen3-Next always has, as its query/key norms)."""
-  if not c.shared_experts or not c.use_qk_norm:
+  arch = HF_ARCHITECTURES[c.decoder_block]
+  if not c.use_qk_norm or (c.num_experts > 1 and not c.shared_experts):
     raise ConfigError(
-      "Qwen3NextForCausalLM always has a shared expert and query/key norms; export a qwen3_next model with shared_experts >= 1 and use_qk_norm=true"
+      f"{arch} always has query/key norms (and with experts a shared expert); export a {c.decoder_block} model with use_qk_norm=true (and shared_experts >= 1)"
     )
   kinds = registry.get(c.decoder_block).kinds(c)
-  return {
+  linear = {
     "layer_types": ["full_attention" if k.mixer == "attention" else "linear_attention" for k in kinds],
     "full_attention_interval": c.inhomogeneous_layer_cycle_interval,
     "rope_parameters": {**rope, "partial_rotary_factor": c.partial_rotary_factor},
@@ -727,6 +749,13 @@ def _qwen3_next_export(c: Config, rope: dict[str, Any]) -> dict[str, Any]:
     "linear_value_head_dim": c.gdn_value_head_dim,
     "linear_num_key_heads": c.gdn_num_key_heads,
     "linear_num_value_heads": c.gdn_num_value_heads,
+  }
+  if c.mtp_num_layers:
+    linear["mtp_num_hidden_layers"] = c.mtp_num_layers
+  if c.num_experts <= 1:
+    return linear
+  return {
+    **linear,
     "num_experts": c.num_experts,
     "num_experts_per_tok": c.num_experts_per_tok,
     "moe_intermediate_size": c.moe_mlp_dim,

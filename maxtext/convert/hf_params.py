@@ -78,12 +78,23 @@ def _conv_to_hf(w: Array) -> Array:
 
 
 def _gated_deltanet_rules(c: MaxTextConfig) -> list[Rule]:
-  """Qwen3NextGatedDeltaNet (linear_attn.*): the fused projections keep HF's per-key-head order; conv1d [C, 1, K] is our [K, C]."""
+  """Qwen3NextGatedDeltaNet (linear_attn.*): the fused projections keep HF's per-key-head order; Qwen3_5GatedDeltaNet's
+  split ones are plain linear layers; conv1d [C, 1, K] is our [K, C]."""
   e, hk, dk, hv, dv = c.emb_dim, c.gdn_num_key_heads, c.gdn_key_head_dim, c.gdn_num_value_heads, c.gdn_value_head_dim
   r = hv // hk
-  return [
-    Rule("attention/in_proj_qkvz/kernel", "linear_attn.in_proj_qkvz.weight", *_linear((e,), (hk, 2 * dk + 2 * r * dv))),
-    Rule("attention/in_proj_ba/kernel", "linear_attn.in_proj_ba.weight", *_linear((e,), (hk, 2 * r))),
+  if registry.get(c.decoder_block).split_linear_projections:  # Qwen3_5GatedDeltaNet
+    projections = [
+      Rule("attention/in_proj_qkv/kernel", "linear_attn.in_proj_qkv.weight", _transpose, _transpose),
+      Rule("attention/in_proj_z/kernel", "linear_attn.in_proj_z.weight", *_linear((e,), (hv, dv))),
+      Rule("attention/in_proj_b/kernel", "linear_attn.in_proj_b.weight", _transpose, _transpose),
+      Rule("attention/in_proj_a/kernel", "linear_attn.in_proj_a.weight", _transpose, _transpose),
+    ]
+  else:
+    projections = [
+      Rule("attention/in_proj_qkvz/kernel", "linear_attn.in_proj_qkvz.weight", *_linear((e,), (hk, 2 * dk + 2 * r * dv))),
+      Rule("attention/in_proj_ba/kernel", "linear_attn.in_proj_ba.weight", *_linear((e,), (hk, 2 * r))),
+    ]
+  return projections + [
     Rule("attention/conv", "linear_attn.conv1d.weight", _conv_to_ours, _conv_to_hf),
     Rule("attention/A_log", "linear_attn.A_log", _identity, _identity),
     Rule("attention/dt_bias", "linear_attn.dt_bias", _identity, _identity),
@@ -223,7 +234,7 @@ def _layer_rules(c: MaxTextConfig, kind: LayerKind) -> list[Rule]:
   if c.routed_bias:
     rules.append(Rule("mlp/routed_bias", "mlp.gate.e_score_correction_bias", _identity, _identity))
   if c.shared_experts:
-    hf_shared = "mlp.shared_expert" if c.decoder_block == "qwen3_next" else "mlp.shared_experts"
+    hf_shared = "mlp.shared_expert" if registry.get(c.decoder_block).shared_expert_gate else "mlp.shared_experts"
     rules += _dense_mlp_rules("mlp/shared_experts", hf_shared)
     if registry.get(c.decoder_block).shared_expert_gate:
       rules.append(Rule("mlp/shared_expert_gate/kernel", "mlp.shared_expert_gate.weight", _transpose, _transpose))
@@ -277,15 +288,45 @@ def _global_rules(c: MaxTextConfig) -> list[Rule]:
   return rules
 
 
+# Families whose checkpoints keep their multi-token-prediction module under mtp.*: pre_fc_norm_embedding,
+# pre_fc_norm_hidden, fc (the projection of [embedding; hidden]), mtp.layers.<k> (full-attention layers) and norm.
+MTP_UNDER_MTP_PREFIX = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def _mtp_prefix(c: MaxTextConfig, k: int) -> str:
+  """Where MTP module k's tensors live: DeepSeek's layer num_hidden_layers + k, or Qwen's mtp.*."""
+  return "mtp." if c.decoder_block in MTP_UNDER_MTP_PREFIX else f"model.layers.{c.num_decoder_layers + k}."
+
+
 def _mtp_rules(c: MaxTextConfig) -> list[Rule]:
-  """One multi-token-prediction module (DeepSeek's layer num_hidden_layers + k): norms, projection, a MoE layer."""
+  """One multi-token-prediction module (DeepSeek's layer num_hidden_layers + k; Qwen's mtp.*): norms, projection, a layer
+  built like the model's last attention layer."""
+  layer = [dataclasses.replace(r, ours=f"layer/{r.ours}") for r in _layer_rules(c, mtp_layer_kind(c))]
+  if c.decoder_block in MTP_UNDER_MTP_PREFIX:
+    if c.mtp_num_layers > 1:
+      raise ConfigError(
+        f"{c.decoder_block} checkpoints share one MTP projection and norms across their MTP layers, maxtext's MTP modules each have their own; "
+        "set mtp_num_layers=1 (or 0)"
+      )
+    return [
+      Rule("embed_norm/scale", "pre_fc_norm_embedding.weight", _identity, _identity),
+      Rule("hidden_norm/scale", "pre_fc_norm_hidden.weight", _identity, _identity),
+      Rule("projection/kernel", "fc.weight", _transpose, _transpose),
+      Rule("out_norm/scale", "norm.weight", _identity, _identity),
+    ] + [dataclasses.replace(r, hf=f"layers.0.{r.hf}") for r in layer]
   rules = [
     Rule("embed_norm/scale", "enorm.weight", _identity, _identity),
     Rule("hidden_norm/scale", "hnorm.weight", _identity, _identity),
     Rule("projection/kernel", "eh_proj.weight", _transpose, _transpose),
     Rule("out_norm/scale", "shared_head.norm.weight", _identity, _identity),
   ]
-  return rules + [dataclasses.replace(r, ours=f"layer/{r.ours}") for r in _layer_rules(c, registry.get(c.decoder_block).kinds(c)[-1])]
+  return rules + layer
+
+
+def mtp_layer_kind(c: MaxTextConfig) -> LayerKind:
+  """The kind of the MTP modules' layer: the model's last layer with attention (a Gated DeltaNet layer keeps a state)."""
+  kinds = registry.get(c.decoder_block).kinds(c)
+  return next((k for k in reversed(kinds) if k.mixer != "gated_deltanet"), kinds[-1])
 
 
 # DeepSeek stores copies of the embedding and the output head in every MTP layer; maxtext shares the main model's.
@@ -306,7 +347,15 @@ def _layer_index(name: str) -> int:
 # Multimodal Gemma 3 checkpoints keep the text decoder under one of these prefixes (hub layout, transformers 5 layout),
 # beside the vision tower and projector that a text decoder leaves out.
 TEXT_DECODER_PREFIXES = ("language_model.model.", "model.language_model.")
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.", "vision_model.", "model.vision_model.")
+VISION_PREFIXES = (
+  "vision_tower.",
+  "multi_modal_projector.",
+  "model.vision_tower.",
+  "model.multi_modal_projector.",
+  "vision_model.",
+  "model.vision_model.",
+  "model.visual.",
+)
 VISION_PREFIXES += ("model.audio_tower.", "model.embed_vision.", "model.embed_audio.")  # Gemma 4's audio tower and modality embedders
 
 
@@ -386,7 +435,7 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   except ValueError as e:
     raise ConfigError(f"layers' tensors differ in shape ({_first_line(e)}); the safetensors files disagree with config.json") from None
   for k in range(c.mtp_num_layers):
-    prefix = f"model.layers.{c.num_decoder_layers + k}."
+    prefix = _mtp_prefix(c, k)
     for r in _mtp_rules(c):
       if r.experts:
         out[f"mtp/{k}/{r.ours}"] = np.stack([convert(r, prefix + r.hf.format(j=j)) for j in range(c.num_experts)])
@@ -399,6 +448,8 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   # DeepSeek's multi-token-prediction layers past num_hidden_layers (transformers does not run them) that
   # mtp_num_layers leaves out.
   used.update(k for k in tensors if c.num_decoder_layers + c.mtp_num_layers <= _layer_index(k) < c.num_decoder_layers + stored_mtp_layers)
+  if c.decoder_block in MTP_UNDER_MTP_PREFIX and not c.mtp_num_layers:  # Qwen's MTP module (mtp.*), left out without mtp_num_layers
+    used.update(k for k in tensors if k.startswith("mtp."))
   # Tied checkpoints may carry a copy of the embedding as lm_head.
   if c.logits_via_embedding and "lm_head.weight" in tensors and np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
     used.add("lm_head.weight")
@@ -476,14 +527,15 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
       else:
         out[prefix + r.hf] = r.to_hf(value)
   for k in range(c.mtp_num_layers):
-    prefix = f"model.layers.{c.num_decoder_layers + k}."
+    prefix = _mtp_prefix(c, k)
     for r in _mtp_rules(c):
       value = take(f"mtp/{k}/{r.ours}")
       if r.experts:
         out.update({prefix + r.hf.format(j=j): r.to_hf(value[j]) for j in range(c.num_experts)})
       else:
         out[prefix + r.hf] = r.to_hf(value)
-    out.update({prefix + copy: out[main] for copy, main in MTP_SHARED_COPIES.items() if main in out})
+    if c.decoder_block not in MTP_UNDER_MTP_PREFIX:
+      out.update({prefix + copy: out[main] for copy, main in MTP_SHARED_COPIES.items() if main in out})
   if c.use_multimodal:
     from maxtext.models import specs
 

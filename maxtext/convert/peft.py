@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from maxtext.config import MaxTextConfig
-from maxtext.convert.hf_params import _layer_rules
+from maxtext.convert.hf_params import Slot, _layer_rules, _slots
 from maxtext.errors import ConfigError
 from maxtext.layers.lora import merge as merge_kernel
 from maxtext.models import registry
+from maxtext.models.family import LayerKind
 from maxtext.train import outputs
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -32,29 +32,27 @@ LORA_A, LORA_B = "lora/lora_a", "lora/lora_b"
 MHC_MARK = "_connection/"  # mHC connector parameters live under attention_connection/ and mlp_connection/
 
 
-def adapted_modules(flat: dict[str, Any], config: MaxTextConfig) -> list[str]:
-  """Module paths inside a layer (e.g. 'attention/query') that carry adapters in flat."""
-  prefix = re.compile(r"^layers/" if config.scan_layers else r"^layers/\d+/")
-  return sorted({prefix.sub("", k)[: -len(LORA_A) - 1] for k in flat if k.endswith(LORA_A) and prefix.match(k)})
+def _hf_module_names(config: MaxTextConfig, kind: LayerKind | None = None) -> dict[str, str]:
+  """Our module path inside a layer -> the Hugging Face module under model.layers.<i> (dense projections only), of a
+  layer of `kind` (None: of every kind the model's layer pattern has)."""
+  kinds = [kind] if kind is not None else list(dict.fromkeys(registry.get(config.decoder_block).kinds(config)))
+  return {r.ours[: -len("/kernel")]: r.hf[: -len(".weight")] for k in kinds for r in _layer_rules(config, k) if not r.experts and r.ours.endswith("/kernel")}
 
 
-def _hf_module_names(config: MaxTextConfig) -> dict[str, str]:
-  """Our module path inside a layer -> the Hugging Face module under model.layers.<i> (dense projections only)."""
-  return {
-    r.ours[: -len("/kernel")]: r.hf[: -len(".weight")]
-    for r in _layer_rules(config, registry.get(config.decoder_block).kinds(config)[-1])
-    if not r.experts and r.ours.endswith("/kernel")
-  }
+def _adapted(keys: Any, slot: Slot) -> list[str]:
+  """Module paths inside the layer at `slot` that carry adapters among keys (flat '/'-paths)."""
+  head = slot.prefix + "/"
+  return sorted(k[len(head) : -len(LORA_A) - 1] for k in keys if k.startswith(head) and k.endswith(LORA_A) and not k[len(head)].isdigit())
 
 
-def _layer_value(flat: dict[str, Any], config: MaxTextConfig, name: str, i: int) -> np.ndarray:
-  if config.scan_layers:
-    return np.asarray(flat[f"layers/{name}"])[i]
-  return np.asarray(flat[f"layers/{i}/{name}"])
+def _value(flat: dict[str, Any], slot: Slot, name: str) -> np.ndarray:
+  value = np.asarray(flat[f"{slot.prefix}/{name}"])
+  return value if slot.index is None else value[slot.index]
 
 
-def _layer_shape(shapes: dict[str, tuple[int, ...]], config: MaxTextConfig, name: str, i: int) -> tuple[int, ...]:
-  return tuple(shapes[f"layers/{name}"][1:]) if config.scan_layers else tuple(shapes[f"layers/{i}/{name}"])
+def _shape(shapes: dict[str, tuple[int, ...]], slot: Slot, name: str) -> tuple[int, ...]:
+  shape = tuple(shapes[f"{slot.prefix}/{name}"])
+  return shape if slot.index is None else shape[1:]
 
 
 def _check_exportable(flat: dict[str, Any], config: MaxTextConfig) -> None:
@@ -62,39 +60,43 @@ def _check_exportable(flat: dict[str, Any], config: MaxTextConfig) -> None:
     raise ConfigError("mHC connectors have no Hugging Face or PEFT equivalent; export a model trained with mhc_expansion_rate=1")
 
 
-def _peft_modules(flat: dict[str, Any], config: MaxTextConfig) -> dict[str, str]:
-  """Adapted module -> Hugging Face module name; a one-line error for adapters PEFT cannot hold."""
-  names = _hf_module_names(config)
-  modules = adapted_modules(flat, config)
-  if not modules:
+def _peft_modules(flat: dict[str, Any], config: MaxTextConfig) -> list[tuple[Slot, dict[str, str]]]:
+  """Each decoder layer's place (hf_params.Slot; its hf_index is the PEFT layer index) and its adapted modules ->
+  Hugging Face module names; a one-line error for adapters PEFT cannot hold."""
+  out = []
+  for slot in _slots(config):
+    names, modules = _hf_module_names(config, slot.kind), _adapted(flat, slot)
+    if "mlp/gate" in modules:
+      raise ConfigError("adapters on the MoE router (mlp/gate) have no PEFT equivalent; use --merge, or a lora.lora_module_path without mlp/gate")
+    unknown = [m for m in modules if m not in names]
+    if unknown:
+      raise ConfigError(f"adapted module(s) {', '.join(unknown)} have no Hugging Face name; use mlp_activations with two entries (gated MLP)")
+    out.append((slot, {m: names[m] for m in modules}))
+  if not any(modules for _, modules in out):
     raise ConfigError("the checkpoint holds no LoRA adapters; pass the checkpoint of a run with lora.enable_lora=true")
-  if "mlp/gate" in modules:
-    raise ConfigError("adapters on the MoE router (mlp/gate) have no PEFT equivalent; use --merge, or a lora.lora_module_path without mlp/gate")
-  unknown = [m for m in modules if m not in names]
-  if unknown:
-    raise ConfigError(f"adapted module(s) {', '.join(unknown)} have no Hugging Face name; use mlp_activations with two entries (gated MLP)")
-  return {m: names[m] for m in modules}
+  return out
 
 
 def to_peft(flat: dict[str, Any], config: MaxTextConfig) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
   """Our adapters (flat '/'-paths) -> (PEFT tensors, adapter_config.json dict)."""
   _check_exportable(flat, config)
-  modules = _peft_modules(flat, config)
   r = config.lora.lora_rank
   tensors: dict[str, np.ndarray] = {}
-  for i in range(config.num_decoder_layers):
+  hf_names: set[str] = set()
+  for slot, modules in _peft_modules(flat, config):
     for ours, hf in modules.items():
-      a = _layer_value(flat, config, f"{ours}/{LORA_A}", i)
-      b = _layer_value(flat, config, f"{ours}/{LORA_B}", i)
-      tensors[f"{PEFT_PREFIX}.{i}.{hf}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
-      tensors[f"{PEFT_PREFIX}.{i}.{hf}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
+      a = _value(flat, slot, f"{ours}/{LORA_A}")
+      b = _value(flat, slot, f"{ours}/{LORA_B}")
+      tensors[f"{PEFT_PREFIX}.{slot.hf_index}.{hf}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
+      tensors[f"{PEFT_PREFIX}.{slot.hf_index}.{hf}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
+      hf_names.add(hf)
   alpha = config.lora.lora_alpha
   adapter_config = {
     "peft_type": "LORA",
     "task_type": "CAUSAL_LM",
     "r": r,
     "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
-    "target_modules": sorted({hf.rsplit(".", 1)[-1] for hf in modules.values()}),
+    "target_modules": sorted({hf.rsplit(".", 1)[-1] for hf in hf_names}),
     "lora_dropout": 0.0,
     "bias": "none",
     "fan_in_fan_out": False,
@@ -128,7 +130,6 @@ def from_peft(tensors: dict[str, np.ndarray], config: MaxTextConfig, shapes: dic
 
   Every adapter of the model must be in tensors and every tensor must be used (else a one-line ConfigError).
   """
-  modules = _peft_modules(shapes, config)
   r = config.lora.lora_rank
   used: set[str] = set()
 
@@ -141,19 +142,19 @@ def from_peft(tensors: dict[str, np.ndarray], config: MaxTextConfig, shapes: dic
       raise ConfigError(f"PEFT tensor '{name}' has shape {value.shape}, this model needs {shape}; check r and the model dimensions")
     return value
 
-  per_layer: dict[str, list[np.ndarray]] = {}
+  per_layer: dict[str, list[np.ndarray]] = {}  # stacked path -> its layers' values, in stack order
   out: dict[str, np.ndarray] = {}
-  for i in range(config.num_decoder_layers):
+  for slot, modules in _peft_modules(shapes, config):
     for ours, hf in modules.items():
-      a_shape, b_shape = (_layer_shape(shapes, config, f"{ours}/{name}", i) for name in (LORA_A, LORA_B))
-      a = take(f"{PEFT_PREFIX}.{i}.{hf}.lora_A.weight", (r, math.prod(a_shape) // r)).T.reshape(a_shape)
-      b = take(f"{PEFT_PREFIX}.{i}.{hf}.lora_B.weight", (math.prod(b_shape) // r, r)).T.reshape(b_shape)
+      a_shape, b_shape = (_shape(shapes, slot, f"{ours}/{name}") for name in (LORA_A, LORA_B))
+      a = take(f"{PEFT_PREFIX}.{slot.hf_index}.{hf}.lora_A.weight", (r, math.prod(a_shape) // r)).T.reshape(a_shape)
+      b = take(f"{PEFT_PREFIX}.{slot.hf_index}.{hf}.lora_B.weight", (math.prod(b_shape) // r, r)).T.reshape(b_shape)
       for name, value in ((f"{ours}/{LORA_A}", a), (f"{ours}/{LORA_B}", b)):
-        if config.scan_layers:
-          per_layer.setdefault(name, []).append(value)
+        if slot.index is None:
+          out[f"{slot.prefix}/{name}"] = value
         else:
-          out[f"layers/{i}/{name}"] = value
-  out.update({f"layers/{k}": np.stack(v) for k, v in per_layer.items()})
+          per_layer.setdefault(f"{slot.prefix}/{name}", []).append(value)
+  out.update({k: np.stack(v) for k, v in per_layer.items()})
   unused = sorted(set(tensors) - used)
   if unused:
     raise ConfigError(f"PEFT adapter has {len(unused)} tensor(s) this model's adapters do not use, e.g. {unused[0]}; check target_modules")
@@ -165,14 +166,15 @@ def merge(flat: dict[str, Any], config: MaxTextConfig) -> dict[str, np.ndarray]:
   _check_exportable(flat, config)
   scale = config.lora.lora_alpha / config.lora.lora_rank
   out = {k: np.asarray(v) for k, v in flat.items() if not k.endswith((LORA_A, LORA_B))}
-  lead = 1 if config.scan_layers else 0
   for key in flat:
     if key.endswith(LORA_A):
       module = key[: -len(LORA_A) - 1]
       kernel = f"{module}/kernel"
       if kernel not in out:
         raise ConfigError(f"adapter '{key}' has no base kernel '{kernel}' to merge into; pass the base parameters too")
-      out[kernel] = np.asarray(merge_kernel(out[kernel], flat[key], flat[f"{module}/{LORA_B}"], scale, lead=lead))
+      a, b = np.asarray(flat[key]), np.asarray(flat[f"{module}/{LORA_B}"])
+      lead = a.ndim + b.ndim - out[kernel].ndim - 2  # stacked layer axes: A [L.., in.., r], B [L.., r, out..], kernel [L.., in.., out..]
+      out[kernel] = np.asarray(merge_kernel(out[kernel], a, b, scale, lead=lead))
   return out
 
 

@@ -57,6 +57,7 @@ class GatedDeltaNetSpec:
   conv_kernel: int = 4  # K: taps of the causal depthwise convolution over q, k, v
   chunk_size: int = 64  # C: tokens per chunk of the chunked form
   norm_epsilon: float = 1e-6  # the gated output norm's epsilon
+  split_projections: bool = False  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (Qwen3.5) instead of in_proj_qkvz, in_proj_ba
   rules: Rules = ()  # logical_axis_rules
 
   def __post_init__(self):
@@ -234,6 +235,10 @@ class GatedDeltaNet(nnx.Module):
   in_proj_qkvz [E, H_k, 2 d_k + 2 (H_v / H_k) d_v] (per key head: q, k, then its value heads' v, then their z),
   in_proj_ba [E, H_k, 2 H_v / H_k] (per key head: its value heads' b, then their a), conv [K, channels],
   A_log and dt_bias [H_v], norm.scale [d_v] (applied as is, not 1 + w), out_proj [H_v, d_v, E].
+
+  With spec.split_projections (Qwen3_5GatedDeltaNet) four projections replace the two fused ones: in_proj_qkv
+  [E, channels] (all heads' q, then k, then v: the convolution's channel order), in_proj_z [E, H_v, d_v],
+  in_proj_b and in_proj_a [E, H_v].
   """
 
   def __init__(self, spec: GatedDeltaNetSpec, *, policy: Policy, rngs: nnx.Rngs):
@@ -242,8 +247,15 @@ class GatedDeltaNet(nnx.Module):
     e, hk, dk, r, dv = spec.emb_dim, spec.num_key_heads, spec.key_head_dim, spec.group, spec.value_head_dim
     kw = dense_kwargs(policy, rngs)
     params = policy.dtypes.params
-    self.in_proj_qkvz = DenseGeneral((e,), (hk, 2 * dk + 2 * r * dv), ("embed", "kv_heads", "head_dim"), **kw)
-    self.in_proj_ba = DenseGeneral((e,), (hk, 2 * r), ("embed", "kv_heads", None), **kw)
+    if spec.split_projections:
+      hv = spec.num_value_heads
+      self.in_proj_qkv = DenseGeneral((e,), (spec.conv_channels,), ("embed", "mlp"), **kw)
+      self.in_proj_z = DenseGeneral((e,), (hv, dv), ("embed", "heads", "head_dim"), **kw)
+      self.in_proj_b = DenseGeneral((e,), (hv,), ("embed", "heads"), **kw)
+      self.in_proj_a = DenseGeneral((e,), (hv,), ("embed", "heads"), **kw)
+    else:
+      self.in_proj_qkvz = DenseGeneral((e,), (hk, 2 * dk + 2 * r * dv), ("embed", "kv_heads", "head_dim"), **kw)
+      self.in_proj_ba = DenseGeneral((e,), (hk, 2 * r), ("embed", "kv_heads", None), **kw)
     bound = 1.0 / math.sqrt(spec.conv_kernel)  # torch's Conv1d init (fan-in K for a depthwise filter)
     conv = jax.random.uniform(rngs.params(), (spec.conv_kernel, spec.conv_channels), jnp.float32, -bound, bound)
     self.conv = nnx.Param(conv.astype(params), logical_axes=(None, None))
@@ -273,6 +285,22 @@ class GatedDeltaNet(nnx.Module):
     """Decode: x [B, S, E] (S = 1 per generated token) continuing `state` -> (output, state), token by token."""
     return self.mix(x, None, state, recurrent=True, adapter_ids=adapter_ids)
 
+  def project(self, x: jax.Array, adapter_ids: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """x [B, S, E] -> (the convolution's input [B, S, channels] in [q | k | v] order, z [B, S, H_v, d_v],
+    b and a [B, S, H_v] float32), from the fused per-key-head projections or the split ones."""
+    spec = self.spec
+    b, s, _ = x.shape
+    hk, dk, hv, dv, r = spec.num_key_heads, spec.key_head_dim, spec.num_value_heads, spec.value_head_dim, spec.group
+    if spec.split_projections:
+      mixed = checkpoint_name(self.in_proj_qkv(x, adapter_ids), "query_proj")
+      z = self.in_proj_z(x, adapter_ids)
+      return mixed, z, self.in_proj_b(x, adapter_ids).astype(jnp.float32), self.in_proj_a(x, adapter_ids).astype(jnp.float32)
+    qkvz = checkpoint_name(self.in_proj_qkvz(x, adapter_ids), "query_proj")  # [B, S, H_k, 2 d_k + 2 r d_v]
+    ba = self.in_proj_ba(x, adapter_ids).astype(jnp.float32)  # [B, S, H_k, 2 r]
+    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+    mixed = jnp.concatenate([q.reshape(b, s, hk * dk), k.reshape(b, s, hk * dk), v.reshape(b, s, hv * dv)], axis=-1)
+    return mixed, z.reshape(b, s, hv, dv), ba[..., :r].reshape(b, s, hv), ba[..., r:].reshape(b, s, hv)
+
   def mix(
     self, x: jax.Array, segment_ids: jax.Array | None, state: GatedDeltaNetState | None, *, recurrent: bool, adapter_ids: jax.Array | None = None
   ) -> tuple[jax.Array, GatedDeltaNetState]:
@@ -282,10 +310,7 @@ class GatedDeltaNet(nnx.Module):
     precision = self.policy.dtypes.precision
     b, s, _ = x.shape
     hk, dk, hv, dv, r = spec.num_key_heads, spec.key_head_dim, spec.num_value_heads, spec.value_head_dim, spec.group
-    qkvz = checkpoint_name(self.in_proj_qkvz(x, adapter_ids), "query_proj")  # [B, S, H_k, 2 d_k + 2 r d_v]
-    ba = self.in_proj_ba(x, adapter_ids).astype(jnp.float32)  # [B, S, H_k, 2 r]
-    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
-    mixed = jnp.concatenate([q.reshape(b, s, hk * dk), k.reshape(b, s, hk * dk), v.reshape(b, s, hv * dv)], axis=-1)
+    mixed, z, b_logit, a = self.project(x, adapter_ids)
     doc = document_index(segment_ids, b, s)
     real = jnp.ones((b, s), bool) if segment_ids is None else segment_ids != 0
     last = jnp.max(jnp.where(real, jnp.arange(s)[None, :], 0), axis=1)
@@ -297,8 +322,7 @@ class GatedDeltaNet(nnx.Module):
     q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
     k = constrain(k, ("activation_batch", "activation_length", "activation_heads", None), rules)
     v = constrain(v, ("activation_batch", "activation_length", "activation_heads", None), rules)
-    beta = jax.nn.sigmoid(ba[..., :r].reshape(b, s, hv))
-    a = ba[..., r:].reshape(b, s, hv)
+    beta = jax.nn.sigmoid(b_logit)
     g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
     g, beta = jnp.where(real[..., None], g, 0.0), jnp.where(real[..., None], beta, 0.0)  # padding leaves the state alone
     initial = None if state is None else state.recurrent
@@ -307,6 +331,6 @@ class GatedDeltaNet(nnx.Module):
     else:
       o, final = chunked_delta_rule(q, k, v, g, beta, doc, spec.chunk_size, initial, precision)
     o = checkpoint_name(o, "context")
-    gate = jax.nn.silu(z.reshape(b, s, hv, dv).astype(jnp.float32))
+    gate = jax.nn.silu(z.astype(jnp.float32))
     y = (self.norm(o) * gate).astype(self.policy.dtypes.compute)
     return checkpoint_name(self.out_proj(y, adapter_ids), "out_proj"), GatedDeltaNetState(window, final)

@@ -16,6 +16,8 @@ from maxtext.models.families import (
   olmo3,
   qwen2,
   qwen3,
+  qwen3_5,
+  qwen3_5_moe,
   qwen3_moe,
   qwen3_next,
 )
@@ -30,6 +32,8 @@ FAMILIES: dict[str, Family] = {
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
     qwen3_next.FAMILY,
+    qwen3_5.FAMILY,
+    qwen3_5_moe.FAMILY,
     gemma2.FAMILY,
     gemma3.FAMILY,
     gpt_oss.FAMILY,

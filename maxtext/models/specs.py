@@ -232,9 +232,10 @@ def mla_sparse(config: MaxTextConfig) -> SparseMLASpec:
   return SparseMLASpec(mla(c), indexer)
 
 
-def gated_deltanet(config: MaxTextConfig) -> GatedDeltaNetSpec:
-  """Gated DeltaNet linear attention (Qwen3-Next), from MaxText's gdn_* keys."""
+def gated_deltanet(config: MaxTextConfig, family: Family | None = None) -> GatedDeltaNetSpec:
+  """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5), from MaxText's gdn_* keys."""
   c = config
+  family = family or family_of(c)
   if context_layout(c) is not None:
     raise ConfigError(
       f"decoder_block={c.decoder_block} has Gated DeltaNet layers, whose state does not pass between context shards yet; "
@@ -251,6 +252,7 @@ def gated_deltanet(config: MaxTextConfig) -> GatedDeltaNetSpec:
     conv_kernel=c.gdn_conv_kernel_dim,
     chunk_size=c.gdn_chunk_size,
     norm_epsilon=c.normalization_layer_epsilon,
+    split_projections=family.split_linear_projections,
     rules=rules(c),
   )
 
@@ -275,7 +277,7 @@ def lora(config: MaxTextConfig) -> LoRASpec | None:
 MIXERS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
   "attention": attention,
   "mla": lambda config, family: mla(config),
-  "gated_deltanet": lambda config, family: gated_deltanet(config),
+  "gated_deltanet": lambda config, family: gated_deltanet(config, family),
   "mla_sparse": lambda config, family: mla_sparse(config),
 }
 FEED_FORWARDS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
@@ -403,8 +405,10 @@ class ModelSpecs:
 
   @property
   def layer(self) -> LayerSpec:
-    """The last decoder layer's spec: the MTP modules' layers are built like it."""
-    return self.layers[-1]
+    """The spec the MTP modules' layers are built like: the last decoder layer with attention (a Gated DeltaNet
+    layer's state has no place in an MTP module; Qwen3-Next's and Qwen3.5's MTP layers are full attention)."""
+    last = next((i for i in reversed(range(len(self.kinds))) if self.kinds[i].mixer != "gated_deltanet"), len(self.kinds) - 1)
+    return self.layers[last]
 
 
 def model(config: MaxTextConfig, family: Family | None = None) -> ModelSpecs:
