@@ -230,7 +230,7 @@ def test_dense_warmup_trains_only_the_indexer_on_the_kl():
 
 def test_671b_counts():
   """deepseek3.2-671b: 671B parameters with 37B active per token (the report's figures; active without the embedding), MTP module aside."""
-  from maxtext.models import counting
+  from maxtext import counting
 
   config = load([str(REPO / "configs" / "base.yml"), "model_name=deepseek3.2-671b", "mtp_num_layers=0", "override_model_config=true"], env={}, num_devices=1)
   total, active = counting.param_count(config), counting.param_count(config, include_embedding=False, active_only=True)

@@ -16,14 +16,14 @@ import pytest
 import torch
 import transformers
 
-from maxtext import from_hf
+from maxtext import counting, from_hf
 from maxtext.config import from_overrides, load
 from maxtext.convert import hf_config, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator, cache_layout
 from maxtext.layers import attention_ops
-from maxtext.models import counting, layer_pattern, registry
+from maxtext.models import layer_pattern, registry
 from tests.hf_fixtures import hf_logits
 from tests.test_bad_inputs import CONVERT_TO, _run_case, assert_one_line_exit_2
 

@@ -13,13 +13,13 @@ import torch
 import transformers
 from flax import nnx
 
-from maxtext import from_hf
+from maxtext import counting, from_hf
 from maxtext.convert import hf_config, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator, cache_layout
 from maxtext.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
-from maxtext.models import counting, layer_pattern, registry
+from maxtext.models import layer_pattern, registry
 from tests.hf_fixtures import hf_logits
 from tests.test_gated_deltanet import POLICY
 from tests.test_train_helpers import FAST_COMPILE
