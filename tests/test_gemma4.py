@@ -19,7 +19,7 @@ from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator, cache_layout
 from maxtext.models import layer_pattern, registry
-from tests.hf_fixtures import hf_logits
+from tests.hf_fixtures import away_from_init, hf_logits
 from tests.test_bad_inputs import CONVERT, _run_case, assert_one_line_exit_2
 
 VOCAB, WINDOW = 97, 4
@@ -56,15 +56,7 @@ def saved(tmp: str) -> transformers.PreTrainedModel:
   """A tiny random Gemma4ForCausalLM saved to tmp, norms and layer scalars away from their init."""
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="eager").float().eval()
-  with torch.no_grad():
-    for p in model.parameters():
-      if p.ndim == 1:
-        p.add_(0.1 * torch.randn_like(p))
-      else:
-        p.normal_(0.0, 0.2)
-    for name, b in model.named_buffers():
-      if name.endswith("layer_scalar"):
-        b.uniform_(0.5, 1.5)
+  away_from_init(model)
   model.save_pretrained(tmp)
   return model
 
