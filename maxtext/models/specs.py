@@ -371,7 +371,7 @@ def vision(config: MaxTextConfig) -> Gemma3VisionSpec | None:
     raise ConfigError(
       f"use_multimodal=true: decoder_block={c.decoder_block} has no vision encoder here (only {', '.join(VISION_FAMILIES)}); set use_multimodal=false"
     )
-  if Plan.of(c) is not None or context_layout(c) is not None:
+  if pipeline_plan(c) is not None or context_layout(c) is not None:
     raise ConfigError(
       "use_multimodal=true does not run under pipeline or context parallelism yet; set ici/dcn_pipeline_parallelism=1 and ici/dcn_context_parallelism=1"
     )
