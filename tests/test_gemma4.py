@@ -54,8 +54,12 @@ def tiny_config(**extra) -> transformers.Gemma4TextConfig:
 @functools.cache
 def saved(tmp: str) -> transformers.PreTrainedModel:
   """A tiny random Gemma4ForCausalLM saved to tmp, norms and layer scalars away from their init."""
+  return _save(tiny_config(), tmp)
+
+
+def _save(config: transformers.Gemma4TextConfig, tmp: str) -> transformers.PreTrainedModel:
   torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="eager").float().eval()
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
   with torch.no_grad():
     for p in model.parameters():
       if p.ndim == 1:
@@ -67,6 +71,15 @@ def saved(tmp: str) -> transformers.PreTrainedModel:
         b.uniform_(0.5, 1.5)
   model.save_pretrained(tmp)
   return model
+
+
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+
+
+@functools.cache
+def saved_moe(tmp: str) -> transformers.PreTrainedModel:
+  """saved() with the MoE block (4 experts, top 2) beside each layer's dense MLP."""
+  return _save(tiny_config(**MOE), tmp)
 
 
 @pytest.fixture(scope="module")
