@@ -46,7 +46,7 @@ def measure(
   call, so callers can measure one large model after another."""
   from compiled_step import compile_train_step
 
-  from maxtext.models import counting
+  from maxtext import counting
   from maxtext.train import perf
   from maxtext.train.loop import create_data_iterator
 

@@ -104,17 +104,25 @@ def save_tiny_model(name: str, out_dir: Path, seed: int = 0) -> transformers.Pre
   config = FAMILY_CONFIGS[name]()
   config._attn_implementation = "eager"
   model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+  away_from_init(model)
+  model.save_pretrained(out_dir)
+  return model
+
+
+def away_from_init(model: transformers.PreTrainedModel) -> None:
+  """Random weights, and every vector (norm scales, biases, A_log, dt_bias) moved off its init so a mapping mistake
+  shows; DeepSeek's routing bias nonzero (it must reach expert choice); Gemma 4's layer scalars off 1."""
   with torch.no_grad():
     for p in model.parameters():
-      if p.ndim == 1:  # norms start at 1 (or 0 for Gemma): perturb them so a mapping mistake shows
+      if p.ndim == 1:
         p.add_(0.1 * torch.randn_like(p))
       else:
         p.normal_(0.0, 0.2)
     for name, b in model.named_buffers():
-      if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias: nonzero so it must reach expert choice
+      if name.endswith("e_score_correction_bias"):
         b.copy_(0.05 * torch.randn_like(b))
-  model.save_pretrained(out_dir)
-  return model
+      elif name.endswith("layer_scalar"):
+        b.uniform_(0.5, 1.5)
 
 
 def hf_logits(model: transformers.PreTrainedModel, tokens) -> torch.Tensor:

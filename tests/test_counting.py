@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from maxtext import models
+from maxtext import counting, models
 from maxtext.config import from_overrides
-from maxtext.models import counting
 from tests.test_model_files import TINY, TINY_LAYER
 from tests.test_moe_families import DEEPSEEK, GEMMA3, GPT_OSS, QWEN3_MOE
 

@@ -23,7 +23,7 @@ from maxtext.config import ConfigError, load
 from maxtext.convert import hf_config, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from maxtext.layers.mla_sparse import indexer_kl, select_topk
-from tests.hf_fixtures import YARN, hf_logits
+from tests.hf_fixtures import YARN, away_from_init, hf_logits
 from tests.test_bad_inputs import CONVERT, REPO, _run_case, assert_one_line_exit_2
 
 TOPK = 5  # below the 12 tokens of the parity batch: the selection matters
@@ -65,15 +65,7 @@ def tiny_config(**edit) -> transformers.DeepseekV32Config:
 def save_tiny(out_dir, **edit) -> transformers.PreTrainedModel:
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(tiny_config(**edit), attn_implementation="eager").float().eval()
-  with torch.no_grad():
-    for p in model.parameters():
-      if p.ndim == 1:  # norm scales and the indexer's key-norm bias: away from their init so a mapping mistake shows
-        p.add_(0.1 * torch.randn_like(p))
-      else:
-        p.normal_(0.0, 0.2)
-    for name, b in model.named_buffers():
-      if name.endswith("e_score_correction_bias"):
-        b.copy_(0.05 * torch.randn_like(b))
+  away_from_init(model)
   model.save_pretrained(out_dir)
   return model
 
@@ -230,7 +222,7 @@ def test_dense_warmup_trains_only_the_indexer_on_the_kl():
 
 def test_671b_counts():
   """deepseek3.2-671b: 671B parameters with 37B active per token (the report's figures; active without the embedding), MTP module aside."""
-  from maxtext.models import counting
+  from maxtext import counting
 
   config = load([str(REPO / "configs" / "base.yml"), "model_name=deepseek3.2-671b", "mtp_num_layers=0", "override_model_config=true"], env={}, num_devices=1)
   total, active = counting.param_count(config), counting.param_count(config, include_embedding=False, active_only=True)

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext import models
+from maxtext import counting, models
 from maxtext.config import from_overrides
 from maxtext.inference import cache_layout, forward
 from maxtext.inference.unstack import unstack_layers
-from maxtext.models import counting, layer_pattern, registry
+from maxtext.models import layer_pattern, registry
 from maxtext.models.family import Family, LayerKind, LayerShape
 from tests.test_decode import full_logits, perturbed
 from tests.test_train_helpers import FAST_COMPILE

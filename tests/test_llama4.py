@@ -16,15 +16,15 @@ import pytest
 import torch
 import transformers
 
-from maxtext import from_hf
+from maxtext import counting, from_hf
 from maxtext.config import from_overrides, load
 from maxtext.convert import hf_config, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator, cache_layout
 from maxtext.layers import attention_ops
-from maxtext.models import counting, layer_pattern, registry
-from tests.hf_fixtures import hf_logits
+from maxtext.models import layer_pattern, registry
+from tests.hf_fixtures import away_from_init, hf_logits
 from tests.test_bad_inputs import CONVERT_TO, _run_case, assert_one_line_exit_2
 
 LAYERS = 6  # dense/MoE pairs; NoPE at layers 3 (and 7, ...): the pattern's period is 4, the structures' 2
@@ -74,12 +74,7 @@ def saved(tmp: str) -> transformers.PreTrainedModel:
   torch.manual_seed(0)
   model = transformers.Llama4ForCausalLM(tiny_config()).float().eval()
   model.config._attn_implementation = "eager"
-  with torch.no_grad():
-    for p in model.parameters():
-      if p.ndim == 1:
-        p.add_(0.1 * torch.randn_like(p))
-      else:
-        p.normal_(0.0, 0.2)
+  away_from_init(model)
   model.save_pretrained(tmp)
   return model
 

@@ -14,9 +14,9 @@ from flax import nnx
 from maxtext import models
 from maxtext.config import ConfigError
 from maxtext.convert.model_params import flat_params
+from maxtext.counting import param_count
 from maxtext.layers.lora import LoRAParam, merge
 from maxtext.layers.mhc import MHCParam
-from maxtext.models.counting import param_count
 from maxtext.train import checkpointing, initial_params
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib

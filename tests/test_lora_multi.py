@@ -14,8 +14,8 @@ from maxtext.config import ConfigError
 from maxtext.config.adapters import adapter_specs, single_adapter_config
 from maxtext.convert import peft
 from maxtext.convert.checkpoint_io import put_slot, slot_params
+from maxtext.counting import param_count
 from maxtext.layers.lora import LoRAParam
-from maxtext.models.counting import param_count
 from maxtext.train import setup as setup_lib
 from tests.test_models import tiny, tokens
 

@@ -10,10 +10,10 @@ from flax import nnx
 
 from maxtext import from_hf, models
 from maxtext.config import ConfigError, from_overrides
+from maxtext.counting import param_count
 from maxtext.layers.mhc import HyperConnection, MHCParam, sinkhorn_knopp
 from maxtext.layers.residual import Residual, collapse_streams, expand_streams
 from maxtext.models import specs
-from maxtext.models.counting import param_count
 from tests.hf_fixtures import FAMILY_CONFIGS, hf_logits, save_tiny_model
 from tests.test_models import FAMILY_OVERRIDES, tiny
 

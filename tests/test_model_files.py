@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from maxtext import counting
 from maxtext.config import from_overrides, load
-from maxtext.models import counting, registry
+from maxtext.models import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = str(ROOT / "configs" / "base.yml")

@@ -13,7 +13,7 @@ from maxtext import models
 from maxtext.config import ConfigError, from_overrides
 from maxtext.convert import hf_params
 from maxtext.convert.model_params import flat_params, model_from_flat
-from maxtext.models.counting import param_count
+from maxtext.counting import param_count
 
 TINY = dict(
   base_emb_dim=32,

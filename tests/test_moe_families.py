@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxtext import models, platform
+from maxtext import counting, models, platform
 from maxtext.config import from_overrides
 from maxtext.convert import hf_params
 from maxtext.convert.model_params import flat_params, model_from_flat
 from maxtext.errors import ConfigError
 from maxtext.layers import moe
-from maxtext.models import counting, specs
+from maxtext.models import specs
 from maxtext.train import loss as loss_lib
 
 BASE = dict(num_devices=1, vocab_size=64, base_emb_dim=16, base_num_query_heads=2, base_num_kv_heads=2, head_dim=8, base_mlp_dim=24)

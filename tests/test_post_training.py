@@ -548,7 +548,7 @@ def test_grpo_updates_reuse_the_rollouts_old_log_probabilities(grpo_runs):
 
 
 def test_step_flops_count_the_reference_and_scoring_forwards():
-  from maxtext.models import counting
+  from maxtext import counting
 
   plain = tiny_config(num_devices=1)
   train, forward = counting.training_flops_per_step(plain), counting.forward_flops_per_step(plain)

@@ -18,7 +18,7 @@ from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator
 from maxtext.models import registry
-from tests.hf_fixtures import hf_logits
+from tests.hf_fixtures import away_from_init, hf_logits
 
 LAYERS = 5  # one scanned group of 4 (3 linear + 1 full attention) and a linear remainder layer
 CHUNK = 8  # gdn_chunk_size: the test sequences span more than two chunks and end mid-chunk
@@ -49,12 +49,7 @@ def saved(variant: str, tmp: str) -> transformers.PreTrainedModel:
   """A tiny random Qwen3.5 causal LM saved to tmp, every parameter (norms, A_log, dt_bias) away from its init."""
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(tiny_config(variant), attn_implementation="eager").float().eval()
-  with torch.no_grad():
-    for p in model.parameters():
-      if p.ndim == 1:
-        p.add_(0.1 * torch.randn_like(p))
-      else:
-        p.normal_(0.0, 0.2)
+  away_from_init(model)
   model.save_pretrained(tmp)
   return model
 
@@ -90,8 +85,8 @@ def test_greedy_decode_matches_transformers_generate(hf_dir, scan):
   rng = np.random.default_rng(1)
   prompts = [rng.integers(3, 97, size=n).tolist() for n in (3, 2 * CHUNK + 3)]
   eos = torch_model.config.eos_token_id
-  model, _ = from_hf(d, scan_layers=scan, dtype="float32", matmul_precision="highest", gdn_chunk_size=CHUNK)
-  ours = Generator(model, max_target_length=32, max_prefill_length=24, eos_id=eos).generate(prompts).tokens
+  model, config = from_hf(d, scan_layers=scan, dtype="float32", matmul_precision="highest", gdn_chunk_size=CHUNK)
+  ours = Generator(model, config=config, max_target_length=32, max_prefill_length=24, eos_id=eos).generate(prompts).tokens
   for prompt, got in zip(prompts, ours):
     with torch.no_grad():
       out = torch_model.generate(torch.tensor([prompt]), max_new_tokens=32 - len(prompt), do_sample=False, eos_token_id=eos, pad_token_id=0)

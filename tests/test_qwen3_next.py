@@ -13,14 +13,14 @@ import torch
 import transformers
 from flax import nnx
 
-from maxtext import from_hf
+from maxtext import counting, from_hf
 from maxtext.convert import hf_config, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator, cache_layout
 from maxtext.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec
-from maxtext.models import counting, layer_pattern, registry
-from tests.hf_fixtures import hf_logits
+from maxtext.models import layer_pattern, registry
+from tests.hf_fixtures import away_from_init, hf_logits
 from tests.test_gated_deltanet import POLICY
 from tests.test_train_helpers import FAST_COMPILE
 
@@ -55,12 +55,7 @@ def saved(tmp: str) -> transformers.PreTrainedModel:
   """A tiny random Qwen3NextForCausalLM saved to tmp, every parameter (norms, A_log, dt_bias) away from its init."""
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="eager").float().eval()
-  with torch.no_grad():
-    for p in model.parameters():
-      if p.ndim == 1:
-        p.add_(0.1 * torch.randn_like(p))
-      else:
-        p.normal_(0.0, 0.2)
+  away_from_init(model)
   model.save_pretrained(tmp)
   return model
 

@@ -61,7 +61,7 @@ def topology_mesh(config: MaxTextConfig) -> Mesh:
 def compile_for_topology(config: MaxTextConfig, log: Callable[[str], None] | None = None) -> CompileResult:
   """Compile the train step for config's topology; remat_policy=auto and decoder_layer_input=auto are resolved first
   (the choice goes to log)."""
-  from maxtext.models.counting import step_flops
+  from maxtext.counting import step_flops
   from maxtext.train import setup as setup_lib
 
   mesh = topology_mesh(config)

@@ -82,7 +82,7 @@ class DecoderLayer(nnx.Module):
 
   def branches(self) -> tuple[tuple[nnx.Module, RMSNorm | None, nnx.Module, RMSNorm | None], ...]:
     """The layer's data flow, bottom to top: the attention branch, then the MLP (or MoE) branch, each as (its
-    residual connection, pre-norm or None, body, post-norm or None). maxtext.models.counting reads it."""
+    residual connection, pre-norm or None, body, post-norm or None). maxtext.counting reads it."""
     return (
       (self.attention_connection, self.pre_attention_norm, self.attention, self.post_attention_norm),
       (self.mlp_connection, self.pre_mlp_norm, self.mlp, self.post_mlp_norm),

@@ -72,7 +72,7 @@ class RunReport:
     log: Callable[[str], None],
     choice: remat_auto.Choice | None = None,
   ):
-    from maxtext.models import counting
+    from maxtext import counting
 
     self.config, self.mesh, self.policy, self.start, self.log = config, mesh, policy, start_step, log
     self.choice = choice  # how remat_policy=auto / decoder_layer_input=auto were resolved, if they were
@@ -87,7 +87,7 @@ class RunReport:
     self.last_eval: tuple[int, float] | None = None
 
   def banner(self) -> None:
-    from maxtext.models import counting
+    from maxtext import counting
 
     c = self.config
     model = c.model_name if c.model_name != "default" else f"{c.decoder_block} (configured in YAML)"
