@@ -1,6 +1,6 @@
 """Gemma 4 (family gemma4): sliding and global layers of different shapes (global head width and kv heads, values
 from the key projection, proportional rope), per-layer input embeddings, KV-shared last layers with a double-wide MLP,
-converted from and compared with transformers' Gemma4ForCausalLM (tiny, random, float32, eager)."""
+the MoE block beside the dense MLP (enable_moe_block), converted from and compared with transformers' Gemma4ForCausalLM (tiny, random, float32, eager)."""
 
 from __future__ import annotations
 
@@ -54,11 +54,26 @@ def tiny_config(**extra) -> transformers.Gemma4TextConfig:
 @functools.cache
 def saved(tmp: str) -> transformers.PreTrainedModel:
   """A tiny random Gemma4ForCausalLM saved to tmp, norms and layer scalars away from their init."""
+  return _save(tiny_config(), tmp)
+
+
+def _save(config: transformers.Gemma4TextConfig, tmp: str) -> transformers.PreTrainedModel:
   torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="eager").float().eval()
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
   away_from_init(model)
   model.save_pretrained(tmp)
   return model
+
+
+# The MoE block (4 experts, top 2) beside each layer's dense MLP. Without KV-shared layers: with them, this random
+# model's logits move by ~2e-4 between transformers' own float32 and float64 runs, too ill-conditioned for 1e-4.
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16, num_kv_shared_layers=0, use_double_wide_mlp=False)
+
+
+@functools.cache
+def saved_moe(tmp: str) -> transformers.PreTrainedModel:
+  """saved() with the MoE block (router scales and per-expert scales away from their init too)."""
+  return _save(tiny_config(**MOE), tmp)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +87,59 @@ def loaded(hf_dir):
   """The converted model, scanned and unscanned."""
   d, _ = hf_dir
   return {scan: from_hf(d, scan_layers=scan, dtype="float32", matmul_precision="highest") for scan in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+  d = tmp_path_factory.mktemp("gemma4_moe")
+  return d, saved_moe(str(d))
+
+
+@pytest.fixture(scope="module")
+def moe_loaded(moe_dir):
+  """The converted MoE model, scanned and unscanned."""
+  d, _ = moe_dir
+  return {scan: from_hf(d, scan_layers=scan, dtype="float32", matmul_precision="highest") for scan in (True, False)}
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_moe_logits_match_transformers(moe_dir, moe_loaded, scan):
+  """enable_moe_block: the router (its own norm and scale, softmax top-2 renormalised, per-expert scales) and experts
+  read the un-normed branch input beside the dense MLP; each output its own post-norm before they add."""
+  _, torch_model = moe_dir
+  model, config = moe_loaded[scan]
+  assert (config.num_experts, config.num_experts_per_tok, config.moe_mlp_dim, config.mlp_dim, config.shared_experts) == (4, 2, 16, 48, 1)
+  tokens = np.random.default_rng(0).integers(0, VOCAB, size=(2, 3 * WINDOW - 1)).astype(np.int32)
+  np.testing.assert_allclose(np.asarray(model(tokens)), hf_logits(torch_model, tokens), atol=1e-4, rtol=0)
+
+
+def test_moe_round_trip_is_bit_exact_and_export_loads_in_transformers(moe_dir, moe_loaded, tmp_path):
+  d, torch_model = moe_dir
+  model, config = moe_loaded[True]
+  tensors = hf_params.maxtext_to_hf({k: np.asarray(v) for k, v in flat_params(model).items()}, config)
+  original = safetensors_io.read_tensors(d)
+  assert sorted(tensors) == sorted(original)
+  for k, v in original.items():
+    assert np.array_equal(tensors[k], v), k
+  exported_config = hf_config.hf_config_from(config)
+  assert [exported_config[k] for k in ("enable_moe_block", "num_experts", "top_k_experts", "moe_intermediate_size")] == [True, 4, 2, 16]
+  safetensors_io.write(tmp_path, exported_config, tensors)
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
+  tokens = np.random.default_rng(5).integers(0, VOCAB, size=(2, 11)).astype(np.int32)
+  np.testing.assert_array_equal(hf_logits(exported, tokens), hf_logits(torch_model, tokens))
+
+
+def test_moe_greedy_decode_matches_transformers_generate(moe_dir, moe_loaded):
+  _, torch_model = moe_dir
+  model, config = moe_loaded[True]
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (3, 2 * WINDOW + 1)]
+  eos = torch_model.config.eos_token_id
+  ours = Generator(model, config=config, max_target_length=20, max_prefill_length=16, eos_id=eos).generate(prompts).tokens
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      out = torch_model.generate(torch.tensor([prompt]), max_new_tokens=20 - len(prompt), do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert got == out[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
 
 
 def test_pattern_sliding_global_and_shared_layers():
@@ -180,7 +248,8 @@ def test_layer_types_contradicting_the_layer_count_is_one_line_exit_2(tmp_path):
     (dict(num_kv_shared_layers=7), "num_kv_shared_layers=7 for num_hidden_layers=7, which leaves no layer to compute keys and values"),
     (dict(num_kv_shared_layers=5), "shares every full_attention layer"),
     (dict(layer_types=TYPES[:3] + ["full_attention"] + TYPES[4:]), "fix layer_types"),
-    (dict(enable_moe_block=True), "enable_moe_block=True in config.json: maxtext's gemma4 does not build that feature"),
+    (dict(enable_moe_block=True), "enable_moe_block=true without num_experts, top_k_experts, moe_intermediate_size"),
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=5, moe_intermediate_size=8), "top_k_experts=5 for num_experts=4"),
     (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
     (dict(per_layer_config={"2": {"head_dim": 16}}), "not the same head_dim/num_key_value_heads on every full_attention layer"),
     (dict(rope_parameters={"sliding_attention": {"rope_type": "yarn", "rope_theta": 1.0}}), "rope_parameters.sliding_attention.rope_type 'yarn'"),
@@ -197,7 +266,7 @@ def test_bad_hf_configs_are_one_line_errors(edit, message):
   [
     (dict(num_kv_shared_layers=7), "num_kv_shared_layers=7 leaves none of the 7 layers"),
     (dict(num_kv_shared_layers=5), r"layer 2 \(global\) shares the keys and values of an earlier global layer, but every global layer is shared"),
-    (dict(num_experts=4, num_experts_per_tok=2), "gemma4's MoE block"),
+    (dict(num_experts=4, num_experts_per_tok=2), "gemma4's experts run beside each layer's dense MLP of mlp_dim, its one shared expert; set shared_experts=1"),
     (dict(mhc_expansion_rate=2), "set mhc_expansion_rate=1"),
     (dict(mtp_num_layers=1), "multi-token prediction is not built for gemma4's layers"),
   ],

@@ -43,6 +43,7 @@ PUBLISHED_BILLIONS = {
   "gemma3-12b": 12.2 - 0.42,
   "gemma3-27b": 27.0,
   "gemma4-31b": 30.7,  # the model card's 30.7B (text decoder)
+  "gemma4-26b": 25.2,  # Gemma 4 26B A4B's card: 25.2B total, 3.8B active (text decoder)
   "gpt-oss-20b": 20.9,  # openai's model card (also the HF safetensors total with MXFP4 experts counted as weights)
   "gpt-oss-120b": 116.8,
   "qwen2.5-1.5b": 1.54,
@@ -70,8 +71,8 @@ PUBLISHED_BILLIONS = {
 TOLERANCE = {"llama4-17b-16e": 0.015}  # the card's total counts the vision encoder; the text decoder is 1.1% below it
 NOT_PUBLISHED = ("deepseek3-tiny", "kimi-k2-1t")  # a CPU-sized architecture file; Kimi K2's size is published only as "1T, 32B active"
 # Gemma 4 E2B/E4B are published by "effective" size (without the per-layer table) or with the vision and audio towers
-# (tests/test_gemma4.py checks E2B against transformers' own count); gemma4-26b's MoE block is not built yet.
-NOT_PUBLISHED += ("gemma4-e2b", "gemma4-e4b", "gemma4-26b")
+# (tests/test_gemma4.py checks E2B against transformers' own count).
+NOT_PUBLISHED += ("gemma4-e2b", "gemma4-e4b")
 
 # Exact parameter counts known for a few models (qwen3-0.6b: 751,632,384 on HF minus the duplicated 151936 x 1024 lm_head).
 EXACT = {
@@ -128,6 +129,7 @@ def test_model_values_reach_the_config():
 def test_active_params_of_the_largest_moe_files():
   assert counting.param_count(_model("qwen3-480b-a35b"), active_only=True) == pytest.approx(35e9, rel=0.015)
   assert counting.param_count(_model("mixtral-8x22b"), active_only=True) == pytest.approx(39.1e9, rel=0.01)
+  assert counting.param_count(_model("gemma4-26b"), active_only=True) == pytest.approx(3.8e9, rel=0.015)
 
 
 def test_deepseek3_counts_with_its_mtp_module():

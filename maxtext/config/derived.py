@@ -431,10 +431,9 @@ def _check_gemma4_fields(c: MaxTextConfig, family) -> None:
     raise ConfigError("hidden_size_per_layer_input adds per-layer inputs to one residual stream; set mhc_expansion_rate=1 (or hidden_size_per_layer_input=0)")
   if c.mtp_num_layers:
     raise ConfigError(f"mtp_num_layers={c.mtp_num_layers}: multi-token prediction is not built for gemma4's layers; set mtp_num_layers=0")
-  if c.num_experts > 1:
+  if c.num_experts > 1 and c.shared_experts != 1:
     raise ConfigError(
-      f"num_experts={c.num_experts}: gemma4's MoE block (the experts beside the dense MLP, Hugging Face enable_moe_block) is not built here yet; "
-      "use a dense gemma4 model (num_experts=1)"
+      f"shared_experts={c.shared_experts}: gemma4's experts run beside each layer's dense MLP of mlp_dim, its one shared expert; set shared_experts=1"
     )
 
 

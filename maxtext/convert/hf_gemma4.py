@@ -33,7 +33,6 @@ TEXT_DEFAULTS = {
 }
 DEFAULT_PERIOD = 6  # Gemma4TextConfig's layer_types without a config.json list: five sliding layers, one full
 NOT_BUILT = {  # config.json fields of features maxtext's gemma4 does not build, with the value that means "off"
-  "enable_moe_block": False,
   "use_bidirectional_attention": None,
   "attention_bias": False,
 }
@@ -97,6 +96,20 @@ def _layer_types(f: HFFields, layers: int) -> tuple[list[str], int]:
       "maxtext's gemma4 has that pattern: fix layer_types"
     )
   return expected, period
+
+
+def _experts(f: HFFields) -> dict[str, Any]:
+  """The MoE block's keys (enable_moe_block): routed experts beside each layer's dense MLP, MaxText's one shared expert;
+  transformers' router always renormalises the chosen experts' weights."""
+  if not f.flag("enable_moe_block", False):
+    return {"num_experts": 1}
+  missing = [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if f.values.get(k) is None]
+  if missing:
+    raise ConfigError(f"{f.source} has {f.name('enable_moe_block')}=true without {', '.join(missing)}; the MoE block needs all three: add them")
+  experts, k = f.int("num_experts", minimum=2), f.int("top_k_experts")
+  if k > experts:
+    raise ConfigError(f"{f.source} has top_k_experts={k} for num_experts={experts}; a token cannot choose more experts than there are: fix one")
+  return {"num_experts": experts, "num_experts_per_tok": k, "base_moe_mlp_dim": f.int("moe_intermediate_size"), "shared_experts": 1, "norm_topk_prob": True}
 
 
 def _rope(f: HFFields) -> dict[str, Any]:
@@ -171,6 +184,7 @@ def overrides(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]
     "num_kv_shared_layers": shared,
     "use_double_wide_mlp": f.flag("use_double_wide_mlp", False) and shared > 0,
     "global_parameter_scale": 1,
+    **_experts(f),
     **_rope(f),
   }
   dt = f.text("dtype", None) or f.text("torch_dtype", None) or hf.get("dtype") or hf.get("torch_dtype")
@@ -181,8 +195,11 @@ def overrides(hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]
 
 def export(c: Config) -> dict[str, Any]:
   """A Gemma4TextConfig config.json for a gemma4 maxtext config (transformers loads it)."""
-  if c.num_experts > 1:
-    raise ConfigError("gemma4 with experts has no Hugging Face export here; maxtext's gemma4 MoE block is not built")
+  if c.num_experts > 1 and (c.routed_score_func not in ("", "softmax") or c.routed_bias or c.routed_scaling_factor != 1.0 or c.n_routing_groups > 0):
+    raise ConfigError(
+      "Gemma4's router is a plain softmax top-k; export a gemma4 model with experts with routed_score_func=softmax, routed_bias=false, "
+      "routed_scaling_factor=1 and n_routing_groups=0"
+    )
   if c.v_norm_with_scale:
     raise ConfigError("Gemma4's value norm has no scale; export a gemma4 model with v_norm_with_scale=false")
   if c.mlp_activations[-1] != "linear" or len(c.mlp_activations) != 2 or c.mlp_activations[0] not in TO_HF_ACTIVATIONS:
@@ -219,7 +236,8 @@ def export(c: Config) -> dict[str, Any]:
     "vocab_size_per_layer_input": c.vocab_size_per_layer_input or c.vocab_size,
     "num_kv_shared_layers": c.num_kv_shared_layers,
     "use_double_wide_mlp": c.use_double_wide_mlp,
-    "enable_moe_block": False,
+    "enable_moe_block": c.num_experts > 1,
+    **({"num_experts": c.num_experts, "top_k_experts": c.num_experts_per_tok, "moe_intermediate_size": c.moe_mlp_dim} if c.num_experts > 1 else {}),
     "attention_bias": False,
     "max_position_embeddings": max(c.max_target_length, 8192),
     "dtype": c.weight_dtype,

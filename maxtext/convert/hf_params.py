@@ -570,7 +570,7 @@ def _gemma4_layer_rules(c: MaxTextConfig, kind: LayerKind) -> list:
       rules.append(Rule("attention/value/kernel", "self_attn.v_proj.weight", *_linear((e,), (kv, d))))
   for ours, hf in registry.get(c.decoder_block).hf_norm_names.items():
     rules.append(Rule(f"{ours}/scale", f"{hf}.weight", _identity, _identity))
-  rules += _dense_mlp_rules("mlp", "mlp")
+  rules += _gemma4_moe_rules() if kind.ffn != "dense" else _dense_mlp_rules("mlp", "mlp")
   if c.hidden_size_per_layer_input:
     rules += [
       Rule("per_layer_input_gate/kernel", "per_layer_input_gate.weight", _transpose, _transpose),
@@ -579,6 +579,35 @@ def _gemma4_layer_rules(c: MaxTextConfig, kind: LayerKind) -> list:
     ]
   rules.append(Rule("layer_scalar", "layer_scalar", _scalar_to_ours, _scalar_to_hf))
   return rules
+
+
+def _experts_to_ours(x: Array) -> Array:
+  """Stacked per-expert Linear weights [E, out, in] -> our [E, in, out]."""
+  return np.ascontiguousarray(np.swapaxes(x, -1, -2))
+
+
+def _gemma4_moe_rules() -> list:
+  """Gemma 4's MoE block: the dense MLP (our shared expert) with its post-norm, the router (its scale, per-expert
+  scales), the experts' pre- and post-norms, and the stacked experts (gate then up halves in gate_up_proj [E, 2 x mlp, in])."""
+
+  def gate_up_to_ours(x: Array) -> Array:
+    return _halves_to_interleaved(_experts_to_ours(x))
+
+  def gate_up_to_hf(x: Array) -> Array:
+    return _experts_to_ours(_interleaved_to_halves(x))
+
+  return [
+    *_dense_mlp_rules("mlp/shared_experts", "mlp"),
+    Rule("mlp/shared_post_norm/scale", "post_feedforward_layernorm_1.weight", _identity, _identity),
+    Rule("mlp/gate/kernel", "router.proj.weight", _transpose, _transpose),
+    Rule("mlp/router_norm/scale", "router.scale", _identity, _identity),
+    Rule("mlp/per_expert_scale", "router.per_expert_scale", _identity, _identity),
+    Rule("mlp/routed_pre_norm/scale", "pre_feedforward_layernorm_2.weight", _identity, _identity),
+    Rule("mlp/wi_0", "experts.gate_up_proj", gate_up_to_ours, gate_up_to_hf, part=(0, 2)),
+    Rule("mlp/wi_1", "experts.gate_up_proj", gate_up_to_ours, gate_up_to_hf, part=(1, 2)),
+    Rule("mlp/wo", "experts.down_proj", _experts_to_ours, _experts_to_ours),
+    Rule("mlp/routed_post_norm/scale", "post_feedforward_layernorm_2.weight", _identity, _identity),
+  ]
 
 
 def _gemma4_global_rules(c: MaxTextConfig) -> list:

@@ -9,6 +9,12 @@ with RoutingSpec.renormalize (norm_topk_prob, or a family that always renormalis
 as gpt-oss computes it), times routed_scaling_factor.
 
 With MoESpec.input_weights (Llama 4, top-1) the chosen expert's weight multiplies its input instead: E(w x).
+With MoESpec.router_norm the router reads rms_norm(x) * scale / sqrt(emb_dim) (a learned per-feature scale); with
+MoESpec.expert_scales each chosen weight is then multiplied by its expert's learned scale.
+
+With MoESpec.separate_norms the layer hands the MoE both its pre-normed branch input (the shared experts read it) and
+the un-normed one: the router reads the un-normed input, the routed experts their own pre-norm of it, and the shared
+and routed outputs each pass their own post-norm before they add (Gemma 4's experts beside its dense MLP).
 
 Experts: gated MLPs act0(x wi_0) * act1(x wi_1) -> wo, or gpt-oss's clamped SwiGLU (maxtext.layers.mlp.glu);
 with mlp_bias every projection adds a per-expert bias. With `quantization` every expert product is quantized
@@ -39,6 +45,7 @@ from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers import moe_dispatch, quantization
 from maxtext.layers.linear import DenseGeneral, dense_kwargs, variance_scaling_init
 from maxtext.layers.mlp import MLP, MLPSpec
+from maxtext.layers.norms import NormSpec, RMSNorm
 from maxtext.layers.sharding import Rules, logical_to_spec
 from maxtext.platform import Policy
 
@@ -71,6 +78,9 @@ class MoESpec:
   shared: MLPSpec | None = None  # shared experts (shared_experts x width), run on every token
   shared_gate: bool = False  # the shared experts' output is scaled per token by sigmoid(x w_gate) (Qwen3-Next's shared_expert_gate)
   input_weights: bool = False  # top-1: the routing weight scales the chosen expert's input, not its output (Llama 4)
+  router_norm: NormSpec | None = None  # the router reads rms_norm(x) * scale / sqrt(emb_dim), scale learned per feature
+  expert_scales: bool = False  # each chosen expert's weight is multiplied by a learned per-expert scale
+  separate_norms: NormSpec | None = None  # router and routed experts read the un-normed input; each output its own post-norm (see the module docstring)
   capacity_factor: float = -1.0  # > 0: each expert takes at most ceil(factor x seq_len x k / experts) pairs per sequence
   wi_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wi_0/wi_1 (MaxText's wi_tile_* keys)
   wo_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wo (wo_tile_* keys)
@@ -256,9 +266,21 @@ class MoE(nnx.Module):
     gated = spec.shared is not None and spec.shared_gate
     self.shared_expert_gate = DenseGeneral((e,), (1,), ("embed", None), **dense_kwargs(policy, rngs)) if gated else None
 
-  def __call__(self, x: jax.Array, valid: jax.Array, adapter_ids: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def norm(norm_spec: NormSpec | None) -> RMSNorm | None:
+      return None if norm_spec is None else RMSNorm.of(e, norm_spec, policy.dtypes, zero_centered=False)
+
+    self.router_norm = norm(spec.router_norm)
+    self.per_expert_scale = nnx.Param(jnp.ones((n,), wdt), logical_axes=(None,)) if spec.expert_scales else None
+    self.routed_pre_norm = norm(spec.separate_norms)
+    self.routed_post_norm = norm(spec.separate_norms)
+    self.shared_post_norm = norm(spec.separate_norms) if spec.shared is not None else None
+
+  def __call__(
+    self, x: jax.Array, valid: jax.Array, adapter_ids: jax.Array | None = None, unnormed: jax.Array | None = None
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics). adapter_ids [B] or
-    [B,S]: each row's (or token's) LoRA slot, for the adapted router and shared experts.
+    [B,S]: each row's (or token's) LoRA slot, for the adapted router and shared experts. unnormed [B,S,E]: the
+    branch's input before the layer's pre-norm, which the router and routed experts read with separate_norms.
 
     Statistics: lb_loss (load-balance loss), dropped (valid (token, expert) pairs over capacity),
     load [num_experts] (valid tokens routed to each expert, before dropping), router_probs [num_experts] and tokens (the sums
@@ -266,10 +288,19 @@ class MoE(nnx.Module):
     """
     spec = self.spec
     b, s, e = x.shape
-    tokens = x.reshape(b * s, e).astype(self.dtype)
+    routed_in = router_in = x
+    if spec.separate_norms is not None:
+      if unnormed is None:
+        raise ValueError("a MoE with separate_norms reads the branch's un-normed input; pass unnormed")
+      router_in, routed_in = unnormed, self.routed_pre_norm(unnormed)
+    if self.router_norm is not None:
+      router_in = self.router_norm(router_in).astype(jnp.float32) * (e**-0.5)
+    tokens = router_in.reshape(b * s, e).astype(self.dtype)
     valid = valid.reshape(-1)
     token_ids = None if adapter_ids is None else jnp.broadcast_to(adapter_ids.reshape(b, -1), (b, s)).reshape(-1)  # the router's rows are tokens
     r = route(self.gate(tokens, token_ids), spec.routing, self.routed_bias[...] if self.routed_bias is not None else None)
+    if self.per_expert_scale is not None:
+      r = r._replace(weights=r.weights * self.per_expert_scale[...].astype(jnp.float32)[r.experts])
     chosen = jax.nn.one_hot(r.experts, spec.routing.num_experts, dtype=jnp.float32)  # [T,k,E]
     load = jnp.einsum("tke,t->e", chosen, valid.astype(jnp.float32))
     mesh = jax.sharding.get_abstract_mesh()
@@ -279,16 +310,20 @@ class MoE(nnx.Module):
     layout = moe_dispatch.Layout() if single else dispatch_layout(b, s, spec.rules, mesh, scale_axes)
     names = moe_dispatch.ExpertWeights._fields
     weights = moe_dispatch.ExpertWeights(*(None if p is None else p[...] for p in (getattr(self, name) for name in names)))
-    routed_x, combine = x.astype(self.dtype), r.weights.reshape(b, s, -1)
+    routed_x, combine = routed_in.astype(self.dtype), r.weights.reshape(b, s, -1)
     if spec.input_weights:  # one expert per token: its weight scales the expert's input, the output is taken whole
       routed_x, combine = routed_x * combine.astype(routed_x.dtype), jnp.ones_like(combine)
     plan = dispatch_plan(spec, self.policy, s)
     y, dropped = moe_dispatch.dispatch(routed_x, combine, r.experts.reshape(b, s, -1), valid.reshape(b, s), weights, layout, plan, None if single else mesh)
     y = y.astype(self.dtype)
+    if self.routed_post_norm is not None:
+      y = self.routed_post_norm(y)
     if self.shared_experts is not None:
       shared = self.shared_experts(x, adapter_ids)
       if self.shared_expert_gate is not None:
         shared = shared * jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32)).astype(shared.dtype)
+      if self.shared_post_norm is not None:
+        shared = self.shared_post_norm(shared)
       y = y + shared
     w = valid.astype(jnp.float32)
     probs, tokens = jnp.einsum("te,t->e", r.probs, w), jnp.sum(w)

@@ -244,7 +244,7 @@ class Transformer(nnx.Module):
     if not self.spec.scan_layers or stack.period == 1:
       return self._run_layers(layers, x, positions, segment_ids, list(stack.windows), adapter_ids, per_layer=mine, kinds=stack.kinds, image_ids=image_ids)
     whole = stack.num_groups * stack.period
-    x, stats = self._run_block(stack, layers, x, positions, segment_ids, adapter_ids, None if mine is None else mine[:whole], image_ids)
+    x, stats = self._run_block(stack, layers, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=None if mine is None else mine[:whole])
     rest = self.layers_remainder
     if rest is None:
       return x, stats
@@ -341,12 +341,12 @@ class Transformer(nnx.Module):
     windows = list(main.windows)
     lb = indexer = jnp.zeros((), jnp.float32)
     for stack in prefix:
-      x, dense_stats = self._run_stack(stack, x, positions, segment_ids, adapter_ids, per_layer, image_ids)
+      x, dense_stats = self._run_stack(stack, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=per_layer)
       lb = lb + jnp.sum(dense_stats["lb_loss"])
       indexer = indexer + jnp.sum(dense_stats["indexer_loss"])
     schedule = self.specs.pipeline
     if schedule is None:
-      x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids, per_layer, image_ids)
+      x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=per_layer)
     else:
       piped = schedule.plan.layers
       x, stats = schedule(self.layers, x, positions, segment_ids, adapter_ids, windows[:piped], self.policy)

@@ -150,10 +150,11 @@ class DecoderLayer(nnx.Module):
 
     def mlp_branch(h: jax.Array) -> jax.Array:
       nonlocal aux
+      unnormed = h
       h = self.pre_mlp_norm(h) if self.pre_mlp_norm is not None else h
       if isinstance(self.mlp, MoE):
         valid = segment_ids != 0 if segment_ids is not None else jnp.ones(h.shape[:2], bool)
-        y, stats = self.mlp(h, valid, adapter_ids)
+        y, stats = self.mlp(h, valid, adapter_ids, unnormed=unnormed)
         aux = {**stats, "indexer_loss": aux["indexer_loss"]}
       else:
         y = self.mlp(h, adapter_ids)

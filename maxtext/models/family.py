@@ -178,6 +178,9 @@ class Family:
   gemma4_keys: bool = (
     False  # Gemma 4's keys apply: 'global' layers' global_head_dim, global_num_kv_heads, share_kv_projections and global_rope_*, per-layer inputs, KV sharing
   )
+  experts_beside_dense_mlp: bool = (
+    False  # Gemma 4: the experts run beside the layer's dense MLP (mlp_dim wide: the one shared expert), router and experts read the un-normed input
+  )
   split_linear_projections: bool = False  # Gated DeltaNet projects q|k|v, z, b, a apart (Qwen3.5), not fused per key head (Qwen3-Next)
 
   def kinds(self, shape: LayerShape) -> tuple[LayerKind, ...]:

@@ -110,9 +110,12 @@ def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None
     router_bias=c.routed_bias and not sigmoid,  # gpt-oss: the router's own bias; deepseek: a score correction
     score_correction=c.routed_bias and sigmoid,
     expert_bias=c.mlp_bias,
-    shared=mlp(c, c.shared_experts * c.moe_mlp_dim) if shared else None,
+    shared=(mlp(c) if family.experts_beside_dense_mlp else mlp(c, c.shared_experts * c.moe_mlp_dim)) if shared else None,
     shared_gate=shared and family.shared_expert_gate,
     input_weights=family.expert_input_weights,
+    router_norm=norm(c, family) if family.experts_beside_dense_mlp else None,
+    expert_scales=family.experts_beside_dense_mlp,
+    separate_norms=norm(c, family) if family.experts_beside_dense_mlp else None,
     capacity_factor=c.capacity_factor,
     wi_tiles=wi,
     wo_tiles=wo,
@@ -317,6 +320,8 @@ def layer(config: MaxTextConfig, family: Family, kind: LayerKind) -> LayerSpec:
     mixer = gemma4_attention(c, kind, mixer)
   if kind.kv_shared and c.use_double_wide_mlp and isinstance(ffn, MLPSpec):
     ffn = dataclasses.replace(ffn, width=2 * ffn.width)
+  elif kind.kv_shared and c.use_double_wide_mlp and isinstance(ffn, MoESpec) and ffn.shared is not None:  # the dense MLP beside the experts
+    ffn = dataclasses.replace(ffn, shared=dataclasses.replace(ffn.shared, width=2 * ffn.shared.width))
   return LayerSpec(
     emb_dim=c.emb_dim,
     attention=mixer,
