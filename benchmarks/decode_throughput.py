@@ -44,7 +44,7 @@ class Stepper:
   def __init__(self, gen, tokens: np.ndarray, lengths: np.ndarray):
     prefill, _ = gen._executables_for(tokens, lengths)
     self.gen = gen
-    self.cache, logits = prefill(gen.state, tokens, lengths, None)
+    self.cache, logits = prefill(gen.state, tokens, lengths, None, None)
     self.next_tokens = jnp.argmax(logits, -1).astype(jnp.int32)
     self.cache, logits = gen.step(gen.state, self.cache, self.next_tokens)  # compiles the step for this batch size
     logits.block_until_ready()
@@ -136,7 +136,7 @@ def measure(
     tokens, lengths = gen.pad(prompts)
     prefill, _ = gen._executables_for(tokens, lengths)
     with jax.set_mesh(mesh):
-      prefill_s = median_seconds(prefill, gen.state, tokens, lengths, None, repeats=5)
+      prefill_s = median_seconds(prefill, gen.state, tokens, lengths, None, None, repeats=5)
       runs = [Stepper(gen, tokens, lengths)] + ([Stepper(base_gen, tokens, lengths)] if base_gen else [])
       compiles = gen.step._cache_size()
       for _ in range(steps):

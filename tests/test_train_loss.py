@@ -22,7 +22,7 @@ class LinearHead:
   def hidden_states(self, tokens, positions=None, segment_ids=None):
     return self.hidden, jnp.asarray(self.aux, jnp.float32)
 
-  def forward_hidden(self, tokens, positions=None, segment_ids=None, adapter_ids=None):
+  def forward_hidden(self, tokens, positions=None, segment_ids=None, adapter_ids=None, images=None):
     zero = jnp.zeros((), jnp.float32)
     return self.hidden, self.hidden, {"lb_loss": jnp.asarray(self.aux, jnp.float32), "dropped": zero, "load": jnp.zeros((1, 1))}
 
