@@ -24,7 +24,7 @@ class LinearHead:
 
   def forward_hidden(self, tokens, positions=None, segment_ids=None, adapter_ids=None, images=None):
     zero = jnp.zeros((), jnp.float32)
-    return self.hidden, self.hidden, {"lb_loss": jnp.asarray(self.aux, jnp.float32), "dropped": zero, "load": jnp.zeros((1, 1))}
+    return self.hidden, self.hidden, {"lb_loss": jnp.asarray(self.aux, jnp.float32), "dropped": zero, "load": jnp.zeros((1, 1)), "indexer_loss": zero}
 
   def output_head(self):
     return OutputHead(self.w, jnp.float32, vocab_tiles=self.tiles)
