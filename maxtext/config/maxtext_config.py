@@ -37,6 +37,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   s.RematAndOffload,
   s.Optimizer,
   s.AdamW,
+  m.VisionTraining,
   s.TrainingLoop,
   s.DatasetGeneral,
   s.FineTuning,

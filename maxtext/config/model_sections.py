@@ -306,3 +306,15 @@ class SparseAttention(Section):
   indexer_loss_scaling_factor: float = Field(
     0.0, ge=0, description="DeepSeek Sparse Attention: weight of the indexer's KL loss in the training loss; 0 -> off."
   )
+
+
+class VisionTraining(Section):
+  """How the vision tower trains (use_multimodal); docs/vision.md."""
+
+  freeze_vision_encoder_params: bool = Field(
+    False,
+    description="The vision tower gets no gradient and no optimizer state (its projector still trains); MaxText's key (its default is true).",
+  )
+  vision_learning_rate_scale: float = Field(
+    1.0, gt=0, description="The vision tower's learning rate as a multiple of learning_rate (use_multimodal, tower not frozen); 1 -> the same."
+  )
