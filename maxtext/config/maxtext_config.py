@@ -22,6 +22,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   m.Qwen3Next,
   m.Gemma4,
   m.Llama4,
+  m.Llama4Vision,
   m.MTP,
   m.SparseAttention,
   m.ManifoldConstrainedHyperConnections,

@@ -318,3 +318,14 @@ class VisionTraining(Section):
   vision_learning_rate_scale: float = Field(
     1.0, gt=0, description="The vision tower's learning rate as a multiple of learning_rate (use_multimodal, tower not frozen); 1 -> the same."
   )
+
+
+class Llama4Vision(Section):
+  """Llama 4's vision tower and projector (use_multimodal with decoder_block=llama4; MaxText's keys; docs/vision.md)."""
+
+  tile_size_for_vit: int = Field(336, gt=0, description="llama4 vision: the tiles' side in pixels (images are cut into tiles of it).")
+  pixel_shuffle_ratio_for_vit: float = Field(0.5, gt=0, le=1, description="llama4 vision: the pixel shuffle's ratio (each tile's tokens shrink by its square).")
+  projector_input_dim_for_vit: int = Field(4096, gt=0, description="llama4 vision: the vision adapter MLP's hidden width.")
+  projector_output_dim_for_vit: int = Field(4096, gt=0, description="llama4 vision: the vision adapter MLP's output width (= projector_input_dim_for_vit).")
+  vision_output_dim_for_vit: int = Field(4096, gt=0, description="llama4 vision: the projector's input width (= projector_output_dim_for_vit).")
+  rope_theta_for_vit: float = Field(10000.0, gt=0, description="llama4 vision: the base of the tower's 2-D rope.")

@@ -27,6 +27,7 @@ from maxtext.models.remat import tied_to_carry
 from maxtext.models.specs import DecoderSpec
 from maxtext.platform import Policy
 from maxtext.vision import gemma3_encoder
+from maxtext.vision.encoders import vision_encoder
 
 LAYERS_AXIS = pipeline.LAYERS_AXIS
 OUTSIDE_AXIS = pipeline.OUTSIDE_AXIS
@@ -116,7 +117,7 @@ class Transformer(nnx.Module):
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **{**kw, "quant": None})
     mtp_policy = dataclasses.replace(policy, quantization=None)  # MaxText's quantize_mtp=false: the MTP modules stay unquantized
     self.mtp = nnx.List([MTPBlock(s.layer, c.remat_policy, policy=mtp_policy, rngs=rngs) for _ in range(c.mtp_num_layers)]) if c.mtp_num_layers else None
-    self.vision = gemma3_encoder.Gemma3VisionEncoder(s.vision, policy=policy, rngs=rngs) if s.vision is not None else None  # use_multimodal
+    self.vision = vision_encoder(s.vision, policy, rngs) if s.vision is not None else None  # use_multimodal
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """Token embeddings as the first layer sees them (scaled by sqrt(emb_dim) for Gemma)."""
@@ -155,7 +156,9 @@ class Transformer(nnx.Module):
 
   def image_ids(self, tokens: jax.Array, images: jax.Array | None) -> jax.Array | None:
     """Each token's image (1, 2, ... per row; 0 for text) when images are given, else None."""
-    return None if images is None or self.vision is None else gemma3_encoder.image_ids(tokens, self.vision.spec.image_token_id)
+    if images is None or self.vision is None or not self.vision.spec.bidirectional_images:  # Llama 4: image tokens causal as text
+      return None
+    return gemma3_encoder.image_ids(tokens, self.vision.spec.image_token_id)
 
   def hidden_states(
     self,

@@ -33,4 +33,17 @@ def cost(spec, length: int) -> VisionCost:
     t, p = spec.tower, spec.tower.num_patches
     stages = (Stage(("tower", "patch_embed"), p), Stage(("tower", "blocks"), p), Stage(("tower", "post_norm"), p), Stage(("projector",), spec.tokens_per_image))
     return VisionCost(stages, t.num_layers * 4 * p * p * t.emb_dim, max(1, length // spec.tokens_per_image))
-  return spec.cost(length)
+  from maxtext.vision.llama4_vision import Llama4VisionSpec
+
+  if isinstance(spec, Llama4VisionSpec):
+    p, t = spec.num_patches, spec.tokens_per_image
+    stages = (
+      Stage(("tower", "patch_embed"), p),
+      Stage(("tower", "pre_norm"), p + 1),
+      Stage(("tower", "blocks"), p + 1),
+      Stage(("tower", "post_norm"), p + 1),
+      Stage(("tower", "adapter"), t),
+      Stage(("projector",), t),
+    )
+    return VisionCost(stages, spec.num_layers * 4 * (p + 1) ** 2 * spec.emb_dim, max(1, length // t))
+  raise TypeError(f"no FLOP count for the vision spec {type(spec).__name__}")

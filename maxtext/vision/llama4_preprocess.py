@@ -1,0 +1,108 @@
+"""Image preprocessing for Llama 4's tile encoder, as Hugging Face's Llama4ImageProcessor does it, and the placeholder
+text of an image (Llama4Processor's).
+
+An RGB image u [h, w, 3] of uint8 becomes tiles [n, S, S, 3] (S = tile_size):
+
+    canvas = the (a S) x (b S) grid, a b <= max_tiles, that needs the least upscaling (or, when none fits, the least
+             downscaling) to hold the image undistorted; among equals the smallest area
+    r      = u resized undistorted to fit min(canvas, max(image side, S)) per side (bilinear, antialiased), padded with
+             zeros right and below to the canvas
+    tiles  = r cut into a x b tiles row-major, then, when a b > 1, u resized (distorted) to one S x S global tile
+    x      = ((tile in bfloat16) x 1/255 - 0.5) / 0.5, each step rounded to bfloat16 (the processor's arithmetic)
+
+The resize is PIL's bilinear filter on uint8, which transformers' torchvision resize on uint8 reproduces for the
+sizes tested (tests/test_vlm_llama4.py). Tiles are HWC here (the processor's are CHW).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import ml_dtypes
+import numpy as np
+from PIL import Image
+
+LLAMA4_MEAN = (0.5, 0.5, 0.5)
+LLAMA4_STD = (0.5, 0.5, 0.5)
+MAX_TILES = 16  # the processor's max_patches
+# Llama4Processor's tokens around an image's placeholders (the placeholder itself is image_token_id, <|patch|>)
+IMAGE_START, IMAGE_END, IMAGE_MARK = "<|image_start|>", "<|image_end|>", "<|image|>"
+TILE_X_SEPARATOR, TILE_Y_SEPARATOR = "<|tile_x_separator|>", "<|tile_y_separator|>"
+
+
+def supported_canvases(max_tiles: int, tile: int) -> list[tuple[int, int]]:
+  """Every (height, width) of a x b tiles with a b <= max_tiles, in the processor's order (by aspect ratio as first
+  met, counting down from max_tiles tiles)."""
+  by_ratio: dict[float, list[tuple[int, int]]] = {}
+  for count in range(max_tiles, 0, -1):
+    for a in sorted(d for d in range(1, count + 1) if count % d == 0):
+      by_ratio.setdefault(a / (count // a), []).append((a, count // a))
+  return [(a * tile, b * tile) for grids in by_ratio.values() for a, b in grids]
+
+
+def best_canvas(height: int, width: int, canvases: Sequence[tuple[int, int]]) -> tuple[int, int]:
+  """The canvas the image fits undistorted with the smallest upscale (>= 1), else the largest downscale; among equal
+  scales the smallest area (the first such)."""
+  scales = [np.float32(min(np.float32(ch) / np.float32(height), np.float32(cw) / np.float32(width))) for ch, cw in canvases]
+  up = [s for s in scales if s >= 1]
+  chosen = min(up) if up else max(scales)
+  candidates = [c for c, s in zip(canvases, scales) if s == chosen]
+  return min(candidates, key=lambda c: c[0] * c[1])
+
+
+def undistorted_size(height: int, width: int, target_height: int, target_width: int) -> tuple[int, int]:
+  """The largest size within the target keeping the aspect ratio (the processor's get_max_res_without_distortion)."""
+  scale_w, scale_h = target_width / width, target_height / height
+  if scale_w < scale_h:
+    return max(1, min(math.floor(height * scale_w), target_height)), max(1, target_width)
+  return max(1, target_height), max(1, min(math.floor(width * scale_h), target_width))
+
+
+def resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
+  return np.asarray(Image.fromarray(image).resize((width, height), resample=Image.Resampling.BILINEAR))
+
+
+def normalise_bf16(pixels: np.ndarray) -> np.ndarray:
+  """uint8 -> float32 of the processor's bfloat16 steps: x / 255 (x times the float32 1/255), - 0.5, / 0.5."""
+  bf16 = ml_dtypes.bfloat16
+  x = pixels.astype(np.float32).astype(bf16)
+  x = (x.astype(np.float32) * np.float32(1 / 255)).astype(bf16)
+  x = (x.astype(np.float32) - np.float32(LLAMA4_MEAN[0])).astype(bf16)
+  return (x.astype(np.float32) / np.float32(LLAMA4_STD[0])).astype(bf16).astype(np.float32)
+
+
+def llama4_tiles(image: np.ndarray, tile_size: int, max_tiles: int = MAX_TILES) -> tuple[np.ndarray, tuple[int, int]]:
+  """One RGB uint8 image [h, w, 3] -> (normalised tiles [n, S, S, 3] float32, (rows, columns) of the local tiles);
+  n = rows x columns, plus one global tile when that is above 1."""
+  image = np.asarray(image)
+  if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+    raise ValueError(f"expected an RGB image as uint8 [height, width, 3], got {image.dtype} {image.shape}")
+  h, w = image.shape[:2]
+  ch, cw = best_canvas(h, w, supported_canvases(max_tiles, tile_size))
+  limit_h, limit_w = min(max(h, tile_size), ch), min(max(w, tile_size), cw)
+  nh, nw = undistorted_size(h, w, limit_h, limit_w)
+  canvas = np.zeros((ch, cw, 3), np.uint8)
+  canvas[:nh, :nw] = resize(image, nh, nw)
+  rows, cols = ch // tile_size, cw // tile_size
+  tiles = canvas.reshape(rows, tile_size, cols, tile_size, 3).transpose(0, 2, 1, 3, 4).reshape(rows * cols, tile_size, tile_size, 3)
+  if rows * cols > 1:
+    tiles = np.concatenate([tiles, resize(image, tile_size, tile_size)[None]])
+  return normalise_bf16(tiles), (rows, cols)
+
+
+def llama4_pixels(images: Sequence[np.ndarray], tile_size: int, max_tiles: int = MAX_TILES) -> tuple[np.ndarray, list[tuple[int, int]]]:
+  """RGB uint8 images of any sizes -> (all their tiles [N, S, S, 3] in image order, each image's (rows, columns))."""
+  out = [llama4_tiles(image, tile_size, max_tiles) for image in images]
+  return np.concatenate([tiles for tiles, _ in out]), [grid for _, grid in out]
+
+
+def image_text(grid: tuple[int, int], tokens_per_tile: int, patch: str = "<|patch|>") -> str:
+  """The text that stands for one image of `grid` tiles in a prompt (Llama4Processor's): its local tiles' placeholders
+  with tile separators, then the global tile's (a single tile is its own global tile)."""
+  rows, cols = grid
+  text = IMAGE_START
+  if rows * cols > 1:
+    for _ in range(rows):
+      text += TILE_X_SEPARATOR.join([patch * tokens_per_tile] * cols) + TILE_Y_SEPARATOR
+  return text + IMAGE_MARK + patch * tokens_per_tile + IMAGE_END

@@ -1,0 +1,175 @@
+"""Llama 4 with images in (use_multimodal, decoder_block=llama4) against transformers' Llama4ForConditionalGeneration
+(tiny, random, float32, eager): tiles as Llama4ImageProcessor makes them, logits with images of two sizes placed,
+greedy decode with an image, conversion both ways."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from maxtext.convert import hf_params
+from maxtext.convert.model_params import flat_params
+from maxtext.hf import from_hf, params_from_hf
+from maxtext.vision import llama4_preprocess
+from tests.hf_fixtures import away_from_init
+from tests.test_llama4 import tiny_config as text_config
+
+TILE, PATCH, MAX_TILES = 16, 4, 4  # 4 x 4 patches per tile, pixel-shuffled to 4 soft tokens
+TOKENS_PER_TILE = 4
+IMAGE_ID, START, END, MARK, X_SEP, Y_SEP = 96, 90, 91, 92, 93, 94  # <|patch|> and the tokens around an image's placeholders
+
+
+def hf_config() -> transformers.Llama4Config:
+  vision = dict(
+    hidden_size=32,
+    intermediate_size=128,  # = hidden / ratio^2: the shuffled width the adapter reads
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=TILE,
+    patch_size=PATCH,
+    pixel_shuffle_ratio=0.5,
+    projector_input_dim=24,
+    projector_output_dim=24,
+    vision_output_dim=24,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+  )
+  return transformers.Llama4Config(
+    vision_config=vision, text_config=text_config().to_dict(), image_token_index=IMAGE_ID, boi_token_index=START, eoi_token_index=END
+  )
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  torch.manual_seed(0)
+  model = transformers.Llama4ForConditionalGeneration(hf_config()).eval().float()
+  away_from_init(model)
+  model.config._attn_implementation = "eager"
+  model.vision_model.config._attn_implementation = "eager"
+  model.language_model.config._attn_implementation = "eager"
+  path = tmp_path_factory.mktemp("llama4_vlm")
+  model.save_pretrained(path)
+  return path, model
+
+
+@pytest.fixture(scope="module")
+def ours(hf_dir):
+  return from_hf(hf_dir[0], dtype="float32", matmul_precision="highest")
+
+
+@pytest.fixture(scope="module")
+def images() -> list[np.ndarray]:
+  rng = np.random.default_rng(0)
+  return [rng.integers(0, 256, (20, 37, 3), dtype=np.uint8), rng.integers(0, 256, (11, 9, 3), dtype=np.uint8)]  # 2 x 2 tiles + global; one tile
+
+
+def image_ids(grid: tuple[int, int]) -> list[int]:
+  """The ids Llama4Processor's text for an image of this grid tokenizes to (llama4_preprocess.image_text)."""
+  names = {"<|image_start|>": START, "<|image_end|>": END, "<|image|>": MARK, "<|tile_x_separator|>": X_SEP, "<|tile_y_separator|>": Y_SEP, "P": IMAGE_ID}
+  text = llama4_preprocess.image_text(grid, TOKENS_PER_TILE, patch="P")
+  out, i = [], 0
+  while i < len(text):
+    name = next(n for n in names if text.startswith(n, i))
+    out.append(names[name])
+    i += len(name)
+  return out
+
+
+def prompt(grids: list[tuple[int, int]]) -> list[int]:
+  ids = [1, 10, 11]
+  for k, grid in enumerate(grids):
+    ids += image_ids(grid) + [20 + k, 30 + k]
+  return ids
+
+
+def hf_embeddings(model, ids: list[int], pixels: np.ndarray) -> torch.Tensor:
+  """Llama4ForConditionalGeneration's input embeddings, built by its own modules as its forward does (transformers
+  5.24's forward itself fails building its output object: MoeCausalLMOutputWithPast has no image_outputs)."""
+  with torch.no_grad():
+    input_ids = torch.tensor([ids])
+    embeds = model.get_input_embeddings()(input_ids)
+    features = model.vision_model(torch.from_numpy(pixels.transpose(0, 3, 1, 2).copy())).last_hidden_state
+    projected = model.multi_modal_projector(features.reshape(-1, features.shape[-1]))
+    return embeds.masked_scatter((input_ids == model.config.image_token_id).unsqueeze(-1), projected)
+
+
+def hf_logits(model, ids: list[int], pixels: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model.language_model(inputs_embeds=hf_embeddings(model, ids, pixels)).logits[0].numpy()
+
+
+def our_logits(model, ids: list[int], tiles: np.ndarray) -> np.ndarray:
+  return np.asarray(jax.jit(lambda m, t, x: m(t, images=x))(model, np.asarray([ids], np.int32), tiles[None]))[0]
+
+
+def test_tiles_and_grids_are_the_processors(images):
+  """Our tiles against transformers' Llama4ImageProcessor (torchvision; skipped without it)."""
+  pytest.importorskip("torchvision")
+  processor = transformers.Llama4ImageProcessor(size={"height": TILE, "width": TILE}, max_patches=MAX_TILES)
+  theirs = processor(images=images, return_tensors="pt")
+  tiles, grids = llama4_preprocess.llama4_pixels(images, TILE, MAX_TILES)
+  assert grids == [tuple(r) for r in theirs["aspect_ratios"].tolist()]
+  np.testing.assert_allclose(tiles, theirs["pixel_values"].float().numpy().transpose(0, 2, 3, 1), rtol=0, atol=2 / 255 + 1e-2)
+
+
+def test_grids_and_canvases():
+  assert llama4_preprocess.llama4_tiles(np.zeros((20, 37, 3), np.uint8), TILE, MAX_TILES)[0].shape == (5, TILE, TILE, 3)
+  assert llama4_preprocess.llama4_tiles(np.zeros((70, 23, 3), np.uint8), TILE, MAX_TILES)[1] == (4, 1)
+  assert llama4_preprocess.llama4_tiles(np.zeros((11, 9, 3), np.uint8), TILE, MAX_TILES)[1] == (1, 1)
+  assert image_ids((1, 1)) == [START, MARK] + [IMAGE_ID] * 4 + [END]
+
+
+def test_logits_match_transformers_with_two_images(hf_dir, ours, images):
+  hf_model = hf_dir[1]
+  tiles, grids = llama4_preprocess.llama4_pixels(images, TILE, MAX_TILES)
+  ids = prompt(grids)
+  assert ids.count(IMAGE_ID) == len(tiles) * TOKENS_PER_TILE
+  expected = hf_logits(hf_model, ids, tiles)
+  got = our_logits(ours[0], ids, tiles)
+  np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
+  blank = our_logits(ours[0], ids, np.zeros_like(tiles))
+  assert np.abs(blank - expected).max() > 1e-2
+
+
+def saved_tensors(path) -> dict[str, np.ndarray]:
+  from safetensors.numpy import load_file
+
+  return load_file(str(path / "model.safetensors"))
+
+
+def test_conversion_bit_exact_both_ways(hf_dir, ours):
+  path, _ = hf_dir
+  config = ours[1]
+  assert config.use_multimodal and config.tile_size_for_vit == TILE and config.image_token_id == IMAGE_ID
+  saved = saved_tensors(path)
+  params = params_from_hf(path, config)
+  assert "vision/tower/adapter/wa/kernel" in params and "vision/projector/projection/kernel" in params
+  back = hf_params.maxtext_to_hf(params, config)
+  assert back.keys() == saved.keys()
+  for name, value in saved.items():
+    np.testing.assert_array_equal(np.asarray(back[name]), value, err_msg=name)
+  model_params = flat_params(ours[0])
+  again = hf_params.hf_to_maxtext(back, config)
+  assert again.keys() == model_params.keys()
+  for name, value in model_params.items():
+    np.testing.assert_array_equal(np.asarray(again[name]), np.asarray(value), err_msg=name)
+
+
+def test_export_loads_in_transformers_with_the_same_weights(hf_dir, ours, tmp_path):
+  """The exported config.json and tensors build a Llama4ForConditionalGeneration whose weights are the original's."""
+  from maxtext.convert.hf_config import hf_config_from
+
+  (tmp_path / "config.json").write_text(json.dumps(hf_config_from(ours[1])))
+  loaded = transformers.AutoConfig.from_pretrained(tmp_path)
+  assert type(loaded).__name__ == "Llama4Config" and loaded.vision_config.image_size == TILE and loaded.image_token_index == IMAGE_ID
+  model = transformers.Llama4ForConditionalGeneration(loaded)
+  tensors = hf_params.maxtext_to_hf({k: np.asarray(v) for k, v in flat_params(ours[0]).items()}, ours[1])
+  state = {k: torch.from_numpy(np.array(v)) for k, v in tensors.items()}
+  missing, unexpected = model.load_state_dict(state, strict=False)
+  assert not unexpected and not [k for k in missing if "rotary" not in k]
+  for name, value in hf_dir[1].state_dict().items():
+    assert torch.equal(model.state_dict()[name], value), name
