@@ -58,7 +58,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(hf_dir):
-  return from_hf(hf_dir[0], dtype="float32", matmul_precision="highest")
+  return from_hf(hf_dir[0], dtype="float32", matmul_precision="highest", max_num_tiles_for_vit=MAX_TILES)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,38 @@ def test_logits_match_transformers_with_two_images(hf_dir, ours, images):
   np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
   blank = our_logits(ours[0], ids, np.zeros_like(tiles))
   assert np.abs(blank - expected).max() > 1e-2
+
+
+def test_greedy_decode_with_images_token_exact(hf_dir, ours, images):
+  """Two prompts (one image; two images of two sizes) decoded greedily in one batch == transformers' generate (on its
+  language model from the same input embeddings, see hf_embeddings), token for token."""
+  from maxtext.inference import Generator
+  from maxtext.inference.unstack import for_decoding
+
+  hf_model = hf_dir[1]
+  given = [images[1:], images]
+  prompts = [prompt([llama4_preprocess.llama4_tiles(im, TILE, MAX_TILES)[1] for im in row]) for row in given]
+  total = 64
+  gen = Generator(for_decoding(ours[0]), config=ours[1], max_target_length=total, max_prefill_length=48, eos_id=2)
+  got = gen.generate(prompts, images=given).tokens
+  for ids, row, tokens in zip(prompts, given, got):
+    tiles = llama4_preprocess.llama4_pixels(row, TILE, MAX_TILES)[0]
+    with torch.no_grad():
+      ref = hf_model.language_model.generate(
+        inputs_embeds=hf_embeddings(hf_model, ids, tiles), max_new_tokens=total - len(ids), do_sample=False, eos_token_id=2, pad_token_id=0
+      )[0].tolist()
+    assert tokens == ref
+  assert got[0] != gen.generate(prompts[:1], images=[[np.zeros((11, 9, 3), np.uint8)]]).tokens[0]  # the image decides the output
+
+
+def test_decode_refuses_placeholders_that_do_not_match_the_tiles(ours, images):
+  from maxtext.errors import DataError
+  from maxtext.inference import Generator
+  from maxtext.inference.unstack import for_decoding
+
+  gen = Generator(for_decoding(ours[0]), config=ours[1], max_target_length=64, max_prefill_length=48, eos_id=2)
+  with pytest.raises(DataError, match=r"prompt 0 holds 4 image placeholder ids, but its 1 image\(s\) make 5 tile\(s\) of 4"):
+    gen.generate([prompt([(1, 1)])], images=[images[:1]])
 
 
 def saved_tensors(path) -> dict[str, np.ndarray]:

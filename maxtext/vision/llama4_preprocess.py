@@ -25,7 +25,7 @@ from PIL import Image
 
 LLAMA4_MEAN = (0.5, 0.5, 0.5)
 LLAMA4_STD = (0.5, 0.5, 0.5)
-MAX_TILES = 16  # the processor's max_patches
+MAX_TILES = 16  # the processor's max_patches (max_num_tiles_for_vit)
 # Llama4Processor's tokens around an image's placeholders (the placeholder itself is image_token_id, <|patch|>)
 IMAGE_START, IMAGE_END, IMAGE_MARK = "<|image_start|>", "<|image_end|>", "<|image|>"
 TILE_X_SEPARATOR, TILE_Y_SEPARATOR = "<|tile_x_separator|>", "<|tile_y_separator|>"
@@ -106,3 +106,31 @@ def image_text(grid: tuple[int, int], tokens_per_tile: int, patch: str = "<|patc
     for _ in range(rows):
       text += TILE_X_SEPARATOR.join([patch * tokens_per_tile] * cols) + TILE_Y_SEPARATOR
   return text + IMAGE_MARK + patch * tokens_per_tile + IMAGE_END
+
+
+def prompt_tiles(config, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[np.ndarray]], rows: int) -> np.ndarray:
+  """Each prompt's RGB uint8 images -> their tiles [rows, M, S, S, 3] in image order (M the most tiles any prompt has;
+  unused slots zero). A prompt must hold tokens_per_image placeholder ids for each of its images' tiles (image_text
+  gives an image's placeholder text): else a one-line DataError. config: a llama4 MaxTextConfig with use_multimodal."""
+  from maxtext.errors import DataError
+  from maxtext.models import specs
+
+  spec, max_tiles = specs.vision(config), config.max_num_tiles_for_vit
+  per_prompt = []
+  for i, (prompt, row) in enumerate(zip(prompts, images)):
+    for image in row:
+      image = np.asarray(image)
+      if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+        raise DataError(f"prompt {i}: an image is {image.dtype} {image.shape}; images are RGB uint8 [height, width, 3]")
+    tiles = llama4_pixels(list(row), spec.tile_size, max_tiles)[0] if row else np.zeros((0, spec.tile_size, spec.tile_size, 3), np.float32)
+    placeholders = int(np.sum(np.asarray(prompt) == spec.image_token_id))
+    if placeholders != len(tiles) * spec.tokens_per_image:
+      raise DataError(
+        f"prompt {i} holds {placeholders} image placeholder ids, but its {len(row)} image(s) make {len(tiles)} tile(s) of {spec.tokens_per_image}; "
+        "put each image's placeholder text (llama4_preprocess.image_text) in the prompt"
+      )
+    per_prompt.append(tiles)
+  out = np.zeros((rows, max(1, max(len(t) for t in per_prompt)), spec.tile_size, spec.tile_size, 3), np.float32)
+  for i, tiles in enumerate(per_prompt):
+    out[i, : len(tiles)] = tiles
+  return out
