@@ -205,3 +205,52 @@ def test_export_loads_in_transformers_with_the_same_weights(hf_dir, ours, tmp_pa
   assert not unexpected and not [k for k in missing if "rotary" not in k]
   for name, value in hf_dir[1].state_dict().items():
     assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_remat_and_logical_axes_of_the_tower(ours):
+  """remat_policy_for_vit wraps the scanned block (one jax.checkpoint region); stacked weights carry vision_layers."""
+  import dataclasses
+
+  from flax import nnx
+
+  from maxtext.vision.llama4_vision import Llama4VisionEncoder
+  from tests.test_vision_siglip import remat_regions
+
+  model, config = ours
+  spec = model.vision.spec
+  tiles = np.zeros((1, 1, TILE, TILE, 3), np.float32)
+  counts = []
+  for policy in ("none", "full"):
+    encoder = nnx.eval_shape(lambda p=policy: Llama4VisionEncoder(dataclasses.replace(spec, remat_policy=p), policy=model.policy, rngs=nnx.Rngs(0)))
+    counts.append(remat_regions(jax.make_jaxpr(lambda e: e(tiles))(encoder).jaxpr))
+  assert counts == [0, 1]
+  kernel = model.vision.tower.blocks.attention.query.kernel
+  assert kernel.get_metadata()["logical_axes"] == ("vision_layers", "embed", "heads", "head_dim")
+
+
+def test_flops_count_tiles_and_leave_out_a_frozen_towers_backward(hf_dir, ours):
+  """Per tile the tower runs P + 1 tokens through its blocks and P r^2 through the adapter and projector; freezing the
+  tower removes its weight and input gradients and its backward attention scores."""
+  import math
+
+  from maxtext import counting
+  from maxtext.hf import config_from_hf
+
+  config = trained = ours[1]
+  frozen = config_from_hf(hf_dir[0], dtype="float32", matmul_precision="highest", max_num_tiles_for_vit=MAX_TILES, freeze_vision_encoder_params=True)
+  spec = ours[0].vision.spec
+  p, t, e, m, a = spec.num_patches, spec.tokens_per_image, spec.emb_dim, spec.mlp_dim, spec.adapter_dim
+  block = 2 * 2 * e + 4 * (e * e + e) + (e * m + m) + (m * e + e)
+  tower = {
+    "patch": (PATCH * PATCH * 3 * e, p),
+    "norms": (4 * e, p + 1),
+    "blocks": (spec.num_layers * block, p + 1),
+    "adapter": (spec.shuffled_dim * a + a * a, t),
+  }
+  projector = a * config.emb_dim
+  tiles = config.global_batch_size_to_train_on * (config.max_target_length // t)
+  scores = spec.num_layers * 4 * (p + 1) ** 2 * e
+  weight_grads = sum(2 * size * tokens for size, tokens in tower.values())
+  input_grads = sum(2 * size * tokens for name, (size, tokens) in tower.items() if name != "patch") + 2 * projector * t
+  difference = counting.training_flops_per_step(trained) - counting.training_flops_per_step(frozen)
+  assert math.isclose(difference, tiles * (weight_grads + input_grads + 2 * scores), rel_tol=1e-12)

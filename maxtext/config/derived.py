@@ -481,8 +481,14 @@ def _check_llama4_fields(c: MaxTextConfig) -> None:
 
 
 def _check_vision_training(c: MaxTextConfig) -> None:
-  """vision_learning_rate_scale needs a vision tower that trains (freeze_vision_encoder_params alone is MaxText's key,
-  true in its base.yml, and does nothing without use_multimodal)."""
+  """The llama4 *_for_vit keys mean something only to llama4; vision_learning_rate_scale needs a vision tower that trains
+  (freeze_vision_encoder_params is MaxText's key, true in its base.yml, and does nothing without use_multimodal)."""
+  from maxtext.config.model_sections import Llama4Vision
+
+  if c.decoder_block != "llama4":
+    for key, field in Llama4Vision.model_fields.items():
+      if getattr(c, key) != field.default:
+        raise ConfigError(f"{key}={getattr(c, key)} shapes llama4's vision tower, not decoder_block={c.decoder_block}'s; set it to {field.default}")
   if c.vision_learning_rate_scale == 1.0:
     return
   scale = f"vision_learning_rate_scale={c.vision_learning_rate_scale}"

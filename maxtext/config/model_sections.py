@@ -329,4 +329,6 @@ class Llama4Vision(Section):
   projector_output_dim_for_vit: int = Field(4096, gt=0, description="llama4 vision: the vision adapter MLP's output width (= projector_input_dim_for_vit).")
   vision_output_dim_for_vit: int = Field(4096, gt=0, description="llama4 vision: the projector's input width (= projector_output_dim_for_vit).")
   rope_theta_for_vit: float = Field(10000.0, gt=0, description="llama4 vision: the base of the tower's 2-D rope.")
-  max_num_tiles_for_vit: int = Field(16, gt=0, description="llama4 vision: the most tiles an image is cut into, global tile aside (the processor's max_patches).")
+  max_num_tiles_for_vit: int = Field(
+    16, gt=0, description="llama4 vision: the most tiles an image is cut into, global tile aside (the processor's max_patches)."
+  )
