@@ -106,14 +106,34 @@ def our_logits(model, ids: list[int], tiles: np.ndarray) -> np.ndarray:
   return np.asarray(jax.jit(lambda m, t, x: m(t, images=x))(model, np.asarray([ids], np.int32), tiles[None]))[0]
 
 
+def processor_tiles(images) -> np.ndarray | None:
+  """transformers' Llama4ImageProcessor's tiles, HWC float32 (None without torchvision, which it needs)."""
+  try:
+    import torchvision  # noqa: F401
+  except ImportError:
+    return None
+  processor = transformers.Llama4ImageProcessor(size={"height": TILE, "width": TILE}, max_patches=MAX_TILES)
+  return processor(images=images, return_tensors="pt")["pixel_values"].float().numpy().transpose(0, 2, 3, 1)
+
+
 def test_tiles_and_grids_are_the_processors(images):
-  """Our tiles against transformers' Llama4ImageProcessor (torchvision; skipped without it)."""
+  """Our tiles against transformers' Llama4ImageProcessor, bit for bit (needs torchvision; skipped without it)."""
   pytest.importorskip("torchvision")
   processor = transformers.Llama4ImageProcessor(size={"height": TILE, "width": TILE}, max_patches=MAX_TILES)
-  theirs = processor(images=images, return_tensors="pt")
-  tiles, grids = llama4_preprocess.llama4_pixels(images, TILE, MAX_TILES)
+  rng = np.random.default_rng(1)
+  more = [rng.integers(0, 256, shape, dtype=np.uint8) for shape in ((70, 23, 3), (33, 17, 3), (45, 61, 3))]
+  theirs = processor(images=images + more, return_tensors="pt")
+  tiles, grids = llama4_preprocess.llama4_pixels(images + more, TILE, MAX_TILES)
   assert grids == [tuple(r) for r in theirs["aspect_ratios"].tolist()]
-  np.testing.assert_allclose(tiles, theirs["pixel_values"].float().numpy().transpose(0, 2, 3, 1), rtol=0, atol=2 / 255 + 1e-2)
+  np.testing.assert_array_equal(tiles, theirs["pixel_values"].float().numpy().transpose(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("size, to", [((20, 37), (17, 32)), ((45, 61), (16, 16)), ((11, 9), (16, 13)), ((300, 200), (37, 90))])
+def test_resize_is_torchs_antialiased_uint8_bilinear(size, to):
+  """The resize the processor runs (torchvision on uint8 calls torch's interpolate), bit for bit, down and up."""
+  image = np.random.default_rng(2).integers(0, 256, (*size, 3), dtype=np.uint8)
+  ref = torch.nn.functional.interpolate(torch.from_numpy(image.transpose(2, 0, 1).copy())[None], size=to, mode="bilinear", align_corners=False, antialias=True)
+  np.testing.assert_array_equal(llama4_preprocess.resize(image, *to), ref[0].numpy().transpose(1, 2, 0))
 
 
 def test_grids_and_canvases():
@@ -128,7 +148,8 @@ def test_logits_match_transformers_with_two_images(hf_dir, ours, images):
   tiles, grids = llama4_preprocess.llama4_pixels(images, TILE, MAX_TILES)
   ids = prompt(grids)
   assert ids.count(IMAGE_ID) == len(tiles) * TOKENS_PER_TILE
-  expected = hf_logits(hf_model, ids, tiles)
+  theirs = processor_tiles(images)  # transformers' own preprocessing where torchvision is installed
+  expected = hf_logits(hf_model, ids, tiles if theirs is None else theirs)
   got = our_logits(ours[0], ids, tiles)
   np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
   blank = our_logits(ours[0], ids, np.zeros_like(tiles))

@@ -10,8 +10,8 @@ An RGB image u [h, w, 3] of uint8 becomes tiles [n, S, S, 3] (S = tile_size):
     tiles  = r cut into a x b tiles row-major, then, when a b > 1, u resized (distorted) to one S x S global tile
     x      = ((tile in bfloat16) x 1/255 - 0.5) / 0.5, each step rounded to bfloat16 (the processor's arithmetic)
 
-The resize is PIL's bilinear filter on uint8, which transformers' torchvision resize on uint8 reproduces for the
-sizes tested (tests/test_vlm_llama4.py). Tiles are HWC here (the processor's are CHW).
+The resize is the antialiased bilinear filter in fixed point, as torch's uint8 interpolation computes it (what the
+processor's torchvision resize runs on CPUs with AVX2): bit-exact with it. Tiles are HWC here (the processor's are CHW).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
-from PIL import Image
 
 LLAMA4_MEAN = (0.5, 0.5, 0.5)
 LLAMA4_STD = (0.5, 0.5, 0.5)
@@ -59,8 +58,40 @@ def undistorted_size(height: int, width: int, target_height: int, target_width: 
   return max(1, target_height), max(1, min(math.floor(width * scale_h), target_width))
 
 
+def _resample_matrix(in_size: int, out_size: int) -> tuple[np.ndarray, int]:
+  """(integer weights [out, in], their fixed-point bits) of the antialiased bilinear filter along one axis.
+
+  Output i is centred at s (i + 1/2), s = in / out, and weighs the inputs within max(s, 1) of it by the triangle
+  1 - |d| / max(s, 1), normalised to sum 1; the weights are then rounded to integers of the most bits (< 22) that keep
+  the largest one below 2^15, as torch's uint8 path (what transformers' torchvision resize runs) does."""
+  scale = in_size / out_size
+  support = max(scale, 1.0)
+  dense = np.zeros((out_size, in_size))
+  for i in range(out_size):
+    center = scale * (i + 0.5)
+    first = max(int(center - support + 0.5), 0)
+    last = min(int(center + support + 0.5), in_size)
+    taps = np.maximum(0.0, 1.0 - np.abs((np.arange(first, last) - center + 0.5) / support))
+    dense[i, first:last] = taps / taps.sum() if taps.sum() else taps
+  bits = 0
+  while bits < 22 and int(0.5 + dense.max() * (1 << (bits + 1))) < (1 << 15):
+    bits += 1
+  return np.floor(dense * (1 << bits) + 0.5).astype(np.int64), bits
+
+
+def _resample(image: np.ndarray, axis: int, size: int) -> np.ndarray:
+  weights, bits = _resample_matrix(image.shape[axis], size)
+  summed = np.tensordot(weights, np.moveaxis(image.astype(np.int64), axis, 0), axes=(1, 0)) + (1 << (bits - 1))
+  return np.moveaxis(np.clip(summed >> bits, 0, 255).astype(np.uint8), 0, axis)
+
+
 def resize(image: np.ndarray, height: int, width: int) -> np.ndarray:
-  return np.asarray(Image.fromarray(image).resize((width, height), resample=Image.Resampling.BILINEAR))
+  """uint8 [h, w, C] -> uint8 [height, width, C]: antialiased bilinear, the width first, each pass rounded to uint8."""
+  if width != image.shape[1]:
+    image = _resample(image, 1, width)
+  if height != image.shape[0]:
+    image = _resample(image, 0, height)
+  return image
 
 
 def normalise_bf16(pixels: np.ndarray) -> np.ndarray:
