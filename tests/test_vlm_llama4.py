@@ -5,6 +5,7 @@ greedy decode with an image, conversion both ways."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -187,6 +188,27 @@ def test_decode_refuses_placeholders_that_do_not_match_the_tiles(ours, images):
   gen = Generator(for_decoding(ours[0]), config=ours[1], max_target_length=64, max_prefill_length=48, eos_id=2)
   with pytest.raises(DataError, match=r"prompt 0 holds 4 image placeholder ids, but its 1 image\(s\) make 5 tile\(s\) of 4"):
     gen.generate([prompt([(1, 1)])], images=[images[:1]])
+
+
+class MarkerTokenizer:
+  """A stand-in tokenizer: Llama 4's image markers one id each (the test's ids), other text one id per character."""
+
+  MARKERS = {"<|image_start|>": START, "<|image_end|>": END, "<|image|>": MARK, "<|tile_x_separator|>": X_SEP, "<|tile_y_separator|>": Y_SEP}
+
+  def encode(self, text: str) -> list[int]:
+    return [self.MARKERS[text]] if text in self.MARKERS else [40 + ord(ch) % 40 for ch in text]
+
+
+def test_decode_prompt_places_each_images_tiles(ours, images):
+  """python -m maxtext.decode's prompt: each <|image|> place becomes its image's placeholder text, tiles by its grid."""
+  from maxtext.errors import DataError
+
+  config = ours[1]
+  ids = llama4_preprocess.encode_prompt(config, MarkerTokenizer(), "ab<|image|>c<|image|>", images)
+  grids = [llama4_preprocess.llama4_tiles(im, TILE, MAX_TILES)[1] for im in images]
+  assert ids == MarkerTokenizer().encode("a") + MarkerTokenizer().encode("b") + image_ids(grids[0]) + MarkerTokenizer().encode("c") + image_ids(grids[1])
+  with pytest.raises(DataError, match=re.escape("the prompt has 1 '<|image|>' place(s) but image_path gives 2 image(s)")):
+    llama4_preprocess.encode_prompt(config, MarkerTokenizer(), "<|image|>", images)
 
 
 def saved_tensors(path) -> dict[str, np.ndarray]:

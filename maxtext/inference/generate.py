@@ -232,7 +232,7 @@ class Generator:
     pass adapter_ids; images: for prompts with up to this many images each) ahead of time; returns seconds."""
     start = time.perf_counter()
     tokens, lengths = self.pad([[0] * prompt_length] * batch)
-    size = self.config.image_size_for_vit
+    size = self.config.tile_size_for_vit if self.config.decoder_block == "llama4" else self.config.image_size_for_vit  # llama4: images counts tiles
     pixels = np.zeros((tokens.shape[0], images, size, size, 3), np.float32) if images else None
     self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None, pixels)
     return time.perf_counter() - start

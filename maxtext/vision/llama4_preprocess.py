@@ -165,3 +165,38 @@ def prompt_tiles(config, prompts: Sequence[Sequence[int]], images: Sequence[Sequ
   for i, tiles in enumerate(per_prompt):
     out[i, : len(tiles)] = tiles
   return out
+
+
+def encode_prompt(config, tokenizer, text: str, images: Sequence[np.ndarray]) -> list[int]:
+  """A decode prompt's ids with each image_placeholder replaced by its image's placeholder text (image_text, for the
+  image's tile grid under max_num_tiles_for_vit): the marker tokens by the tokenizer's ids for them, each placeholder
+  image_token_id. As many places as images, and a tokenizer that knows the markers: else a one-line DataError."""
+  from maxtext.errors import DataError
+  from maxtext.models import specs
+
+  parts = text.split(config.image_placeholder)
+  if len(parts) - 1 != len(images):
+    raise DataError(
+      f"the prompt has {len(parts) - 1} '{config.image_placeholder}' place(s) but image_path gives {len(images)} image(s); give one image per place"
+    )
+  markers = {}
+  for marker in (IMAGE_START, IMAGE_END, IMAGE_MARK, TILE_X_SEPARATOR, TILE_Y_SEPARATOR):
+    ids = tokenizer.encode(marker)
+    if len(ids) != 1:
+      raise DataError(f"the tokenizer encodes Llama 4's image marker {marker} as {len(ids)} ids, not one; use the model's own tokenizer")
+    markers[marker] = ids[0]
+  spec, patch = specs.vision(config), "\0"
+  out = tokenizer.encode(parts[0]) if parts[0] else []
+  for image, part in zip(images, parts[1:]):
+    pieces = image_text(llama4_tiles(np.asarray(image), spec.tile_size, config.max_num_tiles_for_vit)[1], spec.tokens_per_image, patch=patch)
+    i = 0
+    while i < len(pieces):
+      if pieces[i] == patch:
+        out.append(spec.image_token_id)
+        i += 1
+        continue
+      marker = next(m for m in markers if pieces.startswith(m, i))
+      out.append(markers[marker])
+      i += len(marker)
+    out += tokenizer.encode(part) if part else []
+  return out
