@@ -49,7 +49,7 @@ def random_model(config: transformers.Qwen3VLConfig, seed: int = 0) -> transform
   model = transformers.Qwen3VLForConditionalGeneration(config).eval().float()
   with torch.no_grad():  # non-trivial norms, biases and tower (HF initialises some of them to 0 or 1)
     for name, p in model.named_parameters():
-      if "visual" in name or "norm" in name:
+      if "visual" in name or "norm" in name or "lm_head" in name:
         layer_norm_scale = "visual" in name and "norm" in name and name.endswith("weight")
         p.copy_(torch.randn_like(p) * (0.5 if p.ndim > 1 else 0.2) + (1.0 if layer_norm_scale else 0.0))
   model.config._attn_implementation = "eager"
@@ -128,7 +128,7 @@ def test_logits_match_transformers_with_two_images(hf_dir, ours, images):
 
 
 def test_mrope_and_deepstack_each_matter(ours, images):
-  """Plain 1-D rope positions, or no DeepStack features, give other logits (each part is exercised)."""
+  """Plain 1-D rope positions for the image tokens give other logits (MRoPE is exercised)."""
   model = ours[0]
   ids = with_images([2, 10, 11, 12, 13], grids_of(model, images[:1]))
   rows = np.asarray([ids], np.int32)
