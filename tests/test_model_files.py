@@ -67,6 +67,7 @@ PUBLISHED_BILLIONS = {
   "qwen3.5-27b": 27.0,  # Qwen3.5 model cards' sizes; the text decoders (the cards' totals also hold a 0.4B vision tower)
   "qwen3.5-35b-a3b": 35.0,
   "qwen3.5-397b-a17b": 397.0,
+  "qwen3-vl-30b-a3b": 31.1,  # Qwen3-VL-30B-A3B's card: 31.1B with its vision tower (MaxText's model file, unchanged)
 }
 TOLERANCE = {"llama4-17b-16e": 0.015}  # the card's total counts the vision encoder; the text decoder is 1.1% below it
 NOT_PUBLISHED = ("deepseek3-tiny", "kimi-k2-1t")  # a CPU-sized architecture file; Kimi K2's size is published only as "1T, 32B active"

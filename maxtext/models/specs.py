@@ -369,6 +369,7 @@ def pipeline(config: MaxTextConfig) -> Schedule | None:
 
 VISION_FAMILIES = ("gemma3",)  # decoder_blocks whose vision component use_multimodal builds
 QWEN3_VL_FAMILIES = ("qwen3", "qwen3_moe")  # decoder_blocks under vision_encoder_block=qwen3_vl
+QWEN3_VL_IMAGE_PAD = 151655  # Qwen's <|image_pad|> token id
 
 
 def qwen3_vl_vision(config: MaxTextConfig) -> Qwen3VLEncoderSpec:
@@ -400,7 +401,10 @@ def qwen3_vl_vision(config: MaxTextConfig) -> Qwen3VLEncoderSpec:
     raise ConfigError(f"use_multimodal=true: {e}; fix the *_for_vit keys") from None
   if tower.grid_side**2 != tower.num_position_embeddings:
     raise ConfigError(f"num_position_embeddings_for_vit={c.num_position_embeddings_for_vit} is not a square number; make it one (Qwen3-VL: 2304)")
-  return Qwen3VLEncoderSpec(tower, c.image_token_id, c.min_pixels_for_vit, c.image_size_for_vit**2, c.remat_policy_for_vit)
+  # An image_token_id past the vocabulary (base.yml's default is Gemma 3's 262144) means Qwen's <|image_pad|>: MaxText's
+  # model files leave it to the processor, and Qwen3-VL embeds its placeholder rows.
+  image_token_id = c.image_token_id if c.image_token_id < c.vocab_size else QWEN3_VL_IMAGE_PAD
+  return Qwen3VLEncoderSpec(tower, image_token_id, c.min_pixels_for_vit, c.image_size_for_vit**2, c.remat_policy_for_vit)
 
 
 def vision(config: MaxTextConfig) -> Gemma3VisionSpec | Qwen3VLEncoderSpec | None:
