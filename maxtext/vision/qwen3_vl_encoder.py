@@ -31,6 +31,10 @@ from maxtext.vision.gemma3_encoder import merge
 from maxtext.vision.qwen3_vl import GridLayout, Qwen3VLVisionSpec, Qwen3VLVisionTower, grid_layout
 from maxtext.vision.siglip import Remat
 
+TRAINING_NOT_BUILT = (
+  "vision_encoder_block=qwen3_vl: training on image-text records is not built yet (the model, conversion and decoding from Python take images); "
+  "set dataset_type=synthetic, or use_multimodal=false to train the text decoder"
+)
 PATCH_MULTIPLE = 64  # patch rows per batch row are padded to a multiple of this, so few lengths compile
 
 
