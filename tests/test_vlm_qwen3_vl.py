@@ -210,3 +210,37 @@ def test_export_config_loads_in_transformers(ours, tmp_path):
   loaded = transformers.AutoConfig.from_pretrained(tmp_path)
   assert type(loaded).__name__ == "Qwen3VLConfig" and loaded.image_token_id == IMAGE_ID
   assert loaded.vision_config.deepstack_visual_indexes == [0, 1] and loaded.text_config.rope_parameters["mrope_section"] == [2, 2, 2]
+
+
+def test_greedy_decode_with_images_token_exact(hf_dir, ours, images):
+  """Two prompts (one image; two images) decoded greedily in one batch == transformers' generate, token for token
+  (the prefill encodes the images once; decode steps continue from each row's rope delta)."""
+  from maxtext.inference import Generator
+  from maxtext.inference.unstack import for_decoding
+
+  model, config = ours
+  hf_model = hf_dir[1]
+  spec = model.vision.spec
+  assert [qwen3_vl_encoder.image_tokens(im, spec) for im in images] == [48, 4]
+  given = [images[1:], images]
+  prompts = [with_images([2, 10, 11, 12, 13], grids_of(model, given[0])), with_images([2, 30, 31, 32, 33, 34, 35, 36], grids_of(model, given[1]))]
+  total = 96
+  gen = Generator(for_decoding(model), config=config, max_target_length=total, max_prefill_length=80, eos_id=1)
+  got = gen.generate(prompts, images=given).tokens
+  for prompt, row, tokens in zip(prompts, given, got):
+    ids = torch.tensor([prompt])
+    out = processor()(images=row, return_tensors="pt")
+    with torch.no_grad():
+      ref = hf_model.generate(
+        input_ids=ids,
+        pixel_values=out["pixel_values"],
+        image_grid_thw=out["image_grid_thw"],
+        mm_token_type_ids=(ids == IMAGE_ID).int(),
+        max_new_tokens=total - len(prompt),
+        do_sample=False,
+        eos_token_id=1,
+        pad_token_id=0,
+      )[0, len(prompt) :].tolist()
+    assert tokens == ref
+  blank = gen.generate(prompts[:1], images=[[np.zeros_like(images[1])]]).tokens[0]
+  assert got[0] != blank  # the image decides the output

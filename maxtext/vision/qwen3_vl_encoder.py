@@ -121,6 +121,14 @@ def tokens_per_image(grid: tuple[int, int, int], merge_size: int) -> int:
   return t * h * w // merge_size**2
 
 
+def image_tokens(image: np.ndarray, spec: Qwen3VLEncoderSpec) -> int:
+  """The placeholder ids an RGB image [h, w, 3] takes in the text: its merged tokens after Qwen's resize."""
+  t = spec.tower
+  factor = t.patch_size * t.spatial_merge_size
+  h, w = preprocess.smart_resize(int(image.shape[0]), int(image.shape[1]), factor, spec.min_pixels, spec.max_pixels)
+  return (h // t.patch_size) * (w // t.patch_size) // t.spatial_merge_size**2
+
+
 def rope_index(
   ids: Sequence[int], grids: Sequence[tuple[int, int, int]], image_token_id: int, merge_size: int, starts: Sequence[int] = (0,)
 ) -> tuple[np.ndarray, int]:
