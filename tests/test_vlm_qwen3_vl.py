@@ -244,3 +244,42 @@ def test_greedy_decode_with_images_token_exact(hf_dir, ours, images):
     assert tokens == ref
   blank = gen.generate(prompts[:1], images=[[np.zeros_like(images[1])]]).tokens[0]
   assert got[0] != blank  # the image decides the output
+
+
+def test_decode_command_with_an_image_token_exact(hf_dir, images, tmp_path, capsys):
+  """`python -m maxtext.decode hf_model_path=... image_path=...`: the image's placeholders sized from the image, its
+  greedy completion == transformers' generate on the same ids and pixels."""
+  from PIL import Image
+
+  from maxtext.decode import main
+  from maxtext.tokenizer import load_tokenizer
+  from tests.test_decode_cli import word_tokenizer
+
+  tokenizer_path = word_tokenizer(tmp_path / "tokenizer.json", 297)  # <unk> <s> </s> w0 .. w296: the model's 300 ids
+  Image.fromarray(images[0]).save(tmp_path / "a.png")
+  total = 80
+  args = [f"{k}={v}" for k, v in OVERRIDES.items()] + ["tokenizer_type=huggingface", f"tokenizer_path={tokenizer_path}", f"hf_model_path={hf_dir[0]}"]
+  args += ["prompt=w1 <image> w2 w3", "image_placeholder=<image>", f"image_path={tmp_path / 'a.png'}", "add_bos=false"]
+  main(["configs/base.yml", *args, f"max_target_length={total}", "max_prefill_predict_length=64"])
+  out = capsys.readouterr().out
+  completion = next(line for line in out.splitlines() if "completion: " in line).split("completion: ", 1)[1]
+  prompt = [4] + [IMAGE_ID] * 48 + [5, 6]
+  pixels = processor()(images=images[:1], return_tensors="pt")
+  ids = torch.tensor([prompt])
+  with torch.no_grad():
+    ref = (
+      hf_dir[1]
+      .generate(
+        input_ids=ids,
+        pixel_values=pixels["pixel_values"],
+        image_grid_thw=pixels["image_grid_thw"],
+        mm_token_type_ids=(ids == IMAGE_ID).int(),
+        max_new_tokens=total - len(prompt),
+        do_sample=False,
+        eos_token_id=2,
+        pad_token_id=0,
+      )[0, len(prompt) :]
+      .tolist()
+    )
+  tokenizer = load_tokenizer("huggingface", tokenizer_path)
+  assert len(ref) > 3 and completion == tokenizer.decode([t for t in ref if t != 2])

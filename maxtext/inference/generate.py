@@ -231,14 +231,22 @@ class Generator:
       lengths[i] = len(p)
     return tokens, lengths
 
-  def compile(self, batch: int, prompt_length: int, adapters: bool = False, images: int = 0) -> float:
+  def compile(self, batch: int, prompt_length: int, adapters: bool = False, images: int = 0, sample_images: Sequence[np.ndarray] = ()) -> float:
     """Compile prefill and the decode loop for this batch and the bucket of prompt_length (adapters: for calls that
-    pass adapter_ids; images: for prompts with up to this many images each) ahead of time; returns seconds."""
+    pass adapter_ids; images: for prompts with up to this many images each; Qwen3-VL, whose input shapes follow the
+    images' sizes: sample_images, each prompt's images) ahead of time; returns seconds."""
     start = time.perf_counter()
     tokens, lengths = self.pad([[0] * prompt_length] * batch)
     size = self.config.image_size_for_vit
     pixels = np.zeros((tokens.shape[0], images, size, size, 3), np.float32) if images else None
-    self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None, pixels)
+    deltas = None
+    if images and self.config.vision_encoder_block == "qwen3_vl":
+      from maxtext.models import specs
+      from maxtext.vision import qwen3_vl_encoder
+
+      pixels = qwen3_vl_encoder.empty_batch(tokens.shape[0], tokens.shape[1], sample_images, specs.vision(self.config))
+      deltas = np.zeros(tokens.shape[:1], np.int32)
+    self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None, pixels, deltas)
     return time.perf_counter() - start
 
   def _executables_for(

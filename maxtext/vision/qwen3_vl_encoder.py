@@ -218,3 +218,15 @@ def prepare(
     deltas.append(delta)
   layout = GridLayout(*(np.stack([getattr(lay, f.name) for lay in layouts]) for f in dataclasses.fields(GridLayout)))
   return Qwen3VLImages(np.stack(patches), layout, np.stack(positions)), deltas
+
+
+def empty_batch(rows: int, width: int, images: Sequence[np.ndarray], spec: Qwen3VLEncoderSpec) -> Qwen3VLImages:
+  """Zero-filled Qwen3VLImages of the shapes `prepare` gives rows of `width` tokens, each with these images (what a
+  compile ahead of the real call takes)."""
+  t = spec.tower
+  patches = sum(image_tokens(im, spec) * t.spatial_merge_size**2 for im in images)
+  length = max(PATCH_MULTIPLE, -(-patches // PATCH_MULTIPLE) * PATCH_MULTIPLE)
+  layout = layout_padded([], t, length)
+  layout = GridLayout(*(np.stack([getattr(layout, f.name)] * rows) for f in dataclasses.fields(GridLayout)))
+  depth = t.num_channels * t.temporal_patch_size * t.patch_size**2
+  return Qwen3VLImages(np.zeros((rows, length, depth), np.float32), layout, np.zeros((rows, width, 3), np.int32))
