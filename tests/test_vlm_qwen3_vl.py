@@ -283,3 +283,40 @@ def test_decode_command_with_an_image_token_exact(hf_dir, images, tmp_path, caps
     )
   tokenizer = load_tokenizer("huggingface", tokenizer_path)
   assert len(ref) > 3 and completion == tokenizer.decode([t for t in ref if t != 2])
+
+
+def test_moe_variant_logits_match_transformers(tmp_path, images):
+  """Qwen3VLMoeForConditionalGeneration (qwen3_vl_moe: the qwen3_moe decoder, experts renormalised) with an image;
+  its fused expert tensors convert both ways bit-exact."""
+  text = dict(
+    hidden_size=48,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    vocab_size=300,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2], "mrope_interleaved": True},
+  )
+  vision = {**hf_config().vision_config.to_dict(), "deepstack_visual_indexes": [1]}
+  config = transformers.Qwen3VLMoeConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_ID, vision_start_token_id=START, vision_end_token_id=END)
+  torch.manual_seed(1)
+  hf_model = transformers.Qwen3VLMoeForConditionalGeneration(config).eval().float()
+  with torch.no_grad():
+    for name, p in hf_model.named_parameters():
+      if "visual" in name or "norm" in name or "lm_head" in name or "experts" in name:
+        p.copy_(torch.randn_like(p) * (0.5 if p.ndim > 1 else 0.2) + (1.0 if "visual" in name and "norm" in name and name.endswith("weight") else 0.0))
+  hf_model.config._attn_implementation = "eager"
+  hf_model.model.visual.config._attn_implementation = "eager"
+  hf_model.model.language_model.config._attn_implementation = "eager"
+  hf_model.save_pretrained(tmp_path)
+  model, ours_config = from_hf(tmp_path, **OVERRIDES)
+  assert ours_config.decoder_block == "qwen3_moe" and ours_config.num_experts == 4 and ours_config.norm_topk_prob
+  ids = with_images([2, 10, 11, 12, 13], grids_of(model, images[1:]))
+  np.testing.assert_allclose(our_logits(model, [ids], [images[1:]])[0], hf_logits(hf_model, ids, images[1:]), rtol=0, atol=1e-4)
+  saved = saved_tensors(tmp_path)
+  back = hf_params.maxtext_to_hf(params_from_hf(tmp_path, ours_config), ours_config)  # the fused experts split and joined again
+  assert back.keys() == saved.keys() and all(np.array_equal(back[k], v) for k, v in saved.items())

@@ -395,7 +395,7 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   if c.use_multimodal:  # Gemma 3's tower and projector; without use_multimodal a multimodal checkpoint loads its text decoder
     vision, names = _vision_from_hf(tensors, c)
     tensors = {k: v for k, v in tensors.items() if k not in names}
-  tensors = mxfp4.dense_experts(text_decoder_tensors(tensors))
+  tensors = mxfp4.dense_experts(text_decoder_tensors(hf_qwen3_vl.split_experts(tensors)))
   used: set[str] = set()
 
   def take(name: str) -> Array:
@@ -550,7 +550,7 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
     vision = {k: v for k, v in params.items() if k.startswith("vision/")}
     used.update(vision)
     if c.vision_encoder_block == "qwen3_vl":
-      out = hf_qwen3_vl.text_names_to_hf(out) | hf_qwen3_vl.vision_to_hf(vision, specs.vision(c))
+      out = hf_qwen3_vl.text_names_to_hf(out, fuse_experts=c.num_experts > 1) | hf_qwen3_vl.vision_to_hf(vision, specs.vision(c))
     else:
       out = {MULTIMODAL_TEXT_PREFIX + k: v for k, v in out.items()} | vision_convert.gemma3_vision_to_hf(vision, specs.vision(c))
   unexpected = sorted(set(params) - used)

@@ -40,7 +40,9 @@ VISION_DEFAULTS = {  # Qwen3VLVisionConfig's defaults
 def text_config(hf: dict[str, Any], source: str) -> dict[str, Any]:
   """The decoder's config.json fields, read as a qwen3 / qwen3_moe config."""
   text = {**HFFields(hf, source).section("text_config").values, "model_type": MODEL_TYPES[hf["model_type"]]}
-  text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+  text["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)  # the top level's decides (a text_config may say otherwise)
+  if hf["model_type"] == "qwen3_vl_moe":
+    text["norm_topk_prob"] = True  # Qwen3VLMoe's router always renormalises the chosen experts' weights
   if "dtype" not in text and "torch_dtype" not in text:
     text["dtype"] = hf.get("dtype") or hf.get("torch_dtype")
   return text
@@ -116,9 +118,50 @@ def vision_to_hf(params: Mapping[str, np.ndarray], spec) -> dict[str, np.ndarray
   return vision_convert.qwen3_vl_to_hf(tower, spec.tower, HF_TOWER_PREFIX)
 
 
-def text_names_to_hf(text: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """A causal LM's tensor names (model.*, lm_head.weight) -> Qwen3VLForConditionalGeneration's."""
-  return {(HF_TEXT_PREFIX + k[len("model.") :] if k.startswith("model.") else k): v for k, v in text.items()}
+def text_names_to_hf(text: Mapping[str, np.ndarray], fuse_experts: bool = False) -> dict[str, np.ndarray]:
+  """A causal LM's tensor names (model.*, lm_head.weight) -> Qwen3VLForConditionalGeneration's; fuse_experts
+  (qwen3_vl_moe): each layer's per-expert projections joined as Qwen3VLMoe stores them (fused_experts' inverse)."""
+  out = {(HF_TEXT_PREFIX + k[len("model.") :] if k.startswith("model.") else k): v for k, v in text.items()}
+  return _fuse_experts(out) if fuse_experts else out
+
+
+FUSED = ".mlp.experts.gate_up_proj"  # [E, 2 I, H]: each expert's gate rows then its up rows
+FUSED_DOWN = ".mlp.experts.down_proj"  # [E, H, I]
+
+
+def split_experts(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Qwen3VLMoe's fused expert tensors -> the per-expert names of a Qwen3-MoE checkpoint (slices: bit-exact); other
+  tensors unchanged."""
+  out = {}
+  for name, value in tensors.items():
+    if name.endswith(FUSED):
+      base, half = name[: -len(FUSED)], value.shape[1] // 2
+      for j in range(value.shape[0]):
+        out[f"{base}.mlp.experts.{j}.gate_proj.weight"] = np.ascontiguousarray(value[j, :half])
+        out[f"{base}.mlp.experts.{j}.up_proj.weight"] = np.ascontiguousarray(value[j, half:])
+    elif name.endswith(FUSED_DOWN):
+      base = name[: -len(FUSED_DOWN)]
+      for j in range(value.shape[0]):
+        out[f"{base}.mlp.experts.{j}.down_proj.weight"] = np.ascontiguousarray(value[j])
+    else:
+      out[name] = value
+  return out
+
+
+def _fuse_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  out, experts = {}, {}
+  for name, value in tensors.items():
+    head, sep, tail = name.partition(".mlp.experts.")
+    if not sep:
+      out[name] = value
+      continue
+    j, _, proj = tail.partition(".")
+    experts.setdefault(head, {}).setdefault(proj, {})[int(j)] = value
+  for head, projs in experts.items():
+    n = len(projs["gate_proj.weight"])
+    out[head + FUSED] = np.stack([np.concatenate([projs["gate_proj.weight"][j], projs["up_proj.weight"][j]]) for j in range(n)])
+    out[head + FUSED_DOWN] = np.stack([projs["down_proj.weight"][j] for j in range(n)])
+  return out
 
 
 def export(c, text: dict[str, Any]) -> dict[str, Any]:
