@@ -253,7 +253,8 @@ class Generator:
     self, tokens: np.ndarray, lengths: np.ndarray, adapter_ids: np.ndarray | None = None, images=None, rope_deltas: np.ndarray | None = None
   ) -> tuple:
     shapes_of_images = tuple(np.shape(a) for a in jax.tree.leaves(images))  # pixels, or Qwen3-VL's patches, layout and rope positions
-    key = (*tokens.shape, adapter_ids is not None, rope_deltas is not None) + shapes_of_images  # (batch, bucket, with adapter ids[, images])
+    rope = ("rope_deltas",) if rope_deltas is not None else ()  # Qwen3-VL's decode steps take them
+    key = (*tokens.shape, adapter_ids is not None) + rope + shapes_of_images  # (batch, bucket, with adapter ids[, images])
     if key not in self._executables:
       with self._mesh_context():
         prefill = self.prefill.lower(self.state, tokens, lengths, adapter_ids, images).compile()
