@@ -87,4 +87,7 @@ def test_splits_that_cut_the_blocks_are_config_errors(keys, message):
 def test_blocks_that_do_not_divide_over_the_stages_are_a_config_error():
   """3 blocks (12 layers) per stage visit do not divide the 16 pipelined layers over 2 stages."""
   with pytest.raises(ConfigError, match="pipeline_parallel_layers 16 do not split into 2 stages .* x num_layers_per_pipeline_stage 12 x whole repeats"):
-    from_overrides(num_devices=8, **{**helpers.SMALL, **helpers.MODELS[HYBRID], "ici_pipeline_parallelism": 2, "num_layers_per_pipeline_stage": 12, "pipeline_parallel_layers": 16})
+    from_overrides(
+      num_devices=8,
+      **{**helpers.SMALL, **helpers.MODELS[HYBRID], "ici_pipeline_parallelism": 2, "num_layers_per_pipeline_stage": 12, "pipeline_parallel_layers": 16},
+    )
