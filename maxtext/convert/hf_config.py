@@ -658,7 +658,9 @@ def hf_config_from(config: Config) -> dict[str, Any]:
   if c.decoder_block in ("mistral", "mixtral", "qwen3", "qwen3_moe"):
     hf["sliding_window"] = c.sliding_window_size or None
     hf["use_sliding_window"] = bool(c.sliding_window_size)
-  if c.decoder_block == "gemma" and (c.sliding_window_size or c.attn_logits_soft_cap or c.final_logits_soft_cap or c.query_pre_attn_scalar not in (0, c.head_dim)):
+  if c.decoder_block == "gemma" and (
+    c.sliding_window_size or c.attn_logits_soft_cap or c.final_logits_soft_cap or c.query_pre_attn_scalar not in (0, c.head_dim)
+  ):
     raise ConfigError(
       "GemmaForCausalLM attends in full, without soft caps, scaled by 1/sqrt(head_dim); export a gemma model with sliding_window_size=0, "
       "no attn_logits_soft_cap or final_logits_soft_cap and query_pre_attn_scalar=0"
