@@ -32,6 +32,7 @@ REFUSED = {
   "qwen3-custom-30b-a3b": ("'decoder_block'", "'qwen3_custom_moe'", FAMILIES_BUILT),
   "qwen3.5-35b-a3b-fp8": ("weight_dtype 'float8_e4m3fn'", "use model_name=qwen3.5-35b-a3b", "quantization=fp8"),
   "qwen3.5-397b-a17b-fp8": ("weight_dtype 'float8_e4m3fn'", "use model_name=qwen3.5-397b-a17b", "quantization=fp8"),
+  "qwen3-omni-30b-a3b": ("use_audio: true", "builds no audio encoder"),
   "deepseek-custom": ("'engram_layers'", "does not implement"),
   "deepseek3-671b-2dfsdp": ("'override_logical_axis_rules'", "does not implement"),
   "deepseek3-671b-batchsplit": ("'use_batch_split_schedule'", "does not implement"),

@@ -384,9 +384,13 @@ def _check_family(values: Mapping[str, Any], sources: Sources) -> None:
     )
 
 
-def _check_weight_dtype(model: Mapping[str, Any], model_path: Path) -> None:
-  """MaxText's -fp8 model files describe block-scaled float8 checkpoints (weight_dtype float8_e4m3fn, weight_block_size),
-  which this project does not load: one line naming what works, before any other key of the file is read."""
+def _check_model_file(model: Mapping[str, Any], model_path: Path) -> None:
+  """What MaxText's model files describe that is not built here, named before any other key of the file is read:
+  block-scaled float8 checkpoints (the -fp8 files' weight_dtype float8_e4m3fn) and audio input (Qwen3-Omni)."""
+  if model.get("use_audio") is True:
+    raise ConfigError(
+      f"use_audio: true (in models/{model_path.name}): this project builds no audio encoder; its decoders take text, and images (docs/vision.md)"
+    )
   dtype = model.get("weight_dtype")
   if isinstance(dtype, str) and dtype.startswith("float8"):
     plain = model_path.stem.removesuffix("-fp8")
@@ -437,7 +441,7 @@ def load_with_sources(
     model_path = _model_file(str(model_name), config_path)
     model_raw = _read_yaml(model_path)
     _check_family(model_raw, {"decoder_block": f"models/{model_path.name}"})
-    _check_weight_dtype(model_raw, model_path)
+    _check_model_file(model_raw, model_path)
     model_values = _flatten(model_raw, f"in models/{model_path.name}")
     override = env_values.get("override_model_config", cli.get("override_model_config", values.get("override_model_config", False)))
     if override not in (True, "true", "True"):
