@@ -403,7 +403,9 @@ def qwen3_vl_vision(config: MaxTextConfig) -> Qwen3VLEncoderSpec:
   if c.out_hidden_size_for_vit != c.emb_dim:
     raise ConfigError(f"out_hidden_size_for_vit={c.out_hidden_size_for_vit} must equal the text width emb_dim={c.emb_dim}; set it so")
   if c.mhc_expansion_rate > 1:
-    raise ConfigError(f"vision_encoder_block=qwen3_vl adds its DeepStack features to a single residual stream; set mhc_expansion_rate=1 (not {c.mhc_expansion_rate})")
+    raise ConfigError(
+      f"vision_encoder_block=qwen3_vl adds its DeepStack features to a single residual stream; set mhc_expansion_rate=1 (not {c.mhc_expansion_rate})"
+    )
   if len(c.deepstack_visual_indexes_for_vit) > c.num_decoder_layers:
     raise ConfigError(f"{len(c.deepstack_visual_indexes_for_vit)} DeepStack indexes for {c.num_decoder_layers} decoder layers; give at most one per layer")
   try:
