@@ -67,6 +67,7 @@ PUBLISHED_BILLIONS = {
   "qwen3.5-27b": 27.0,  # Qwen3.5 model cards' sizes; the text decoders (the cards' totals also hold a 0.4B vision tower)
   "qwen3.5-35b-a3b": 35.0,
   "qwen3.5-397b-a17b": 397.0,
+  "qwen3-vl-30b-a3b": 31.1,  # Qwen3-VL-30B-A3B's card: 31.1B with its vision tower (MaxText's model file, unchanged)
   "gemma-2b": 2.51,  # the HF safetensors totals (google/gemma-2b, google/gemma-7b)
   "gemma-7b": 8.54,
   "llama3-70b": 70.55,

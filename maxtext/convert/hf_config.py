@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from maxtext.convert import hf_gemma4, safetensors_io
+from maxtext.convert import hf_gemma4, hf_qwen3_vl, safetensors_io
 from maxtext.convert.hf_fields import HFFields
 from maxtext.errors import ConfigError, shorten
 from maxtext.layers.rope import yarn_mscale
@@ -233,6 +233,8 @@ def text_config(hf: dict[str, Any], source: str = "config.json") -> dict[str, An
     if "dtype" not in text and "torch_dtype" not in text:
       text["dtype"] = hf.get("dtype") or hf.get("torch_dtype")
     return text
+  if hf.get("model_type") in hf_qwen3_vl.MODEL_TYPES:
+    return hf_qwen3_vl.text_config(hf, source)
   if hf.get("model_type") in QWEN3_5_MULTIMODAL:
     text = {**HFFields(hf, source).section("text_config").values}
     text.setdefault("model_type", hf["model_type"] + "_text")
@@ -471,7 +473,7 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
   Every field read is checked for its type and range (maxtext.convert.hf_fields)."""
   if hf.get("model_type") in hf_gemma4.MODEL_TYPES:
     return hf_gemma4.overrides(hf, source)
-  prefix = "text_config." if hf.get("model_type") in ("gemma3", "llama4", *QWEN3_5_MULTIMODAL) else ""
+  prefix = "text_config." if hf.get("model_type") in ("gemma3", "llama4", *QWEN3_5_MULTIMODAL, *hf_qwen3_vl.MODEL_TYPES) else ""
   f = HFFields(text_config(hf, source), source, prefix)
   model_type = f.text("model_type", "")
   family = registry.by_hf_model_type(model_type)
@@ -546,6 +548,8 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
     out["dtype"] = dt
   if hf.get("model_type") == "gemma3" and "vision_config" in hf:
     out.update(_gemma3_vision(HFFields(hf, source)))
+  if hf.get("model_type") in hf_qwen3_vl.MODEL_TYPES:
+    out.update(hf_qwen3_vl.vision_overrides(HFFields(hf, source)))
   return out
 
 
@@ -736,6 +740,8 @@ def hf_config_from(config: Config) -> dict[str, Any]:
     hf.pop("intermediate_size")  # Qwen3_5MoeTextConfig has none
   if c.decoder_block == "llama4":
     hf.update(_llama4_export(c, rope))
+  if c.use_multimodal and c.vision_encoder_block == "qwen3_vl":
+    return hf_qwen3_vl.export(c, hf)
   if c.use_multimodal:
     return _gemma3_vision_export(c, hf)
   return hf

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtext.config import MaxTextConfig
-from maxtext.convert import mxfp4
+from maxtext.convert import hf_qwen3_vl, mxfp4
 from maxtext.errors import ConfigError, shorten
 from maxtext.models import layer_pattern, registry
 from maxtext.models.family import LayerKind
@@ -395,7 +395,7 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   if c.use_multimodal:  # Gemma 3's tower and projector; without use_multimodal a multimodal checkpoint loads its text decoder
     vision, names = _vision_from_hf(tensors, c)
     tensors = {k: v for k, v in tensors.items() if k not in names}
-  tensors = mxfp4.dense_experts(text_decoder_tensors(tensors))
+  tensors = mxfp4.dense_experts(text_decoder_tensors(hf_qwen3_vl.split_experts(tensors)))
   used: set[str] = set()
 
   def take(name: str) -> Array:
@@ -461,6 +461,14 @@ def _vision_from_hf(tensors: dict[str, Array], c: MaxTextConfig) -> tuple[dict[s
   """use_multimodal: the checkpoint's vision tower and projector as flat maxtext params, and the names consumed."""
   from maxtext.models import specs
 
+  if c.vision_encoder_block == "qwen3_vl":
+    try:
+      out, names = hf_qwen3_vl.vision_from_hf(tensors, specs.vision(c))
+    except ValueError as e:
+      raise ConfigError(f"use_multimodal=true: {e}; convert a Qwen3VLForConditionalGeneration checkpoint whose config.json matches it") from None
+    for name in sorted(names):
+      check_weight(name, tensors[name])
+    return out, names
   try:
     out, names = vision_convert.gemma3_vision_from_hf(tensors, specs.vision(c))
   except ValueError as e:
@@ -541,7 +549,10 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
 
     vision = {k: v for k, v in params.items() if k.startswith("vision/")}
     used.update(vision)
-    out = {MULTIMODAL_TEXT_PREFIX + k: v for k, v in out.items()} | vision_convert.gemma3_vision_to_hf(vision, specs.vision(c))
+    if c.vision_encoder_block == "qwen3_vl":
+      out = hf_qwen3_vl.text_names_to_hf(out, fuse_experts=c.num_experts > 1) | hf_qwen3_vl.vision_to_hf(vision, specs.vision(c))
+    else:
+      out = {MULTIMODAL_TEXT_PREFIX + k: v for k, v in out.items()} | vision_convert.gemma3_vision_to_hf(vision, specs.vision(c))
   unexpected = sorted(set(params) - used)
   if unexpected:
     raise ConfigError(f"parameters with no Hugging Face name: {shorten(unexpected)}; merge or drop adapters/connectors before exporting")
