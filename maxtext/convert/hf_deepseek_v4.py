@@ -1,0 +1,61 @@
+"""DeepSeek V4 checkpoint tensors <-> this project's parameters, both ways, bit-exact (pure reindexing).
+
+mHC (`attn_hc`, `ffn_hc`): `fn` [(2 + n) n, nE] holds the pre, post and combination rows, `base` [(2 + n) n] their
+biases, `scale` [3] the three gains. Our HyperConnection holds them as columns (pre_proj, post_proj, res_proj), with
+H_res the transpose of V4's combination matrix C, so res column m n + k is V4's row 2n + k n + m. The RMSNorm has
+no scale in V4: norm_scale is all ones (and a trained one that is not cannot be exported).
+The final `hc_head` (hc_fn [n, nE], hc_base [n], hc_scale [1]) maps onto HyperHead (proj, bias, scale).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maxtext.errors import ConfigError
+
+
+def _res_order(n: int) -> np.ndarray:
+  """Our res column m n + k -> V4's combination index k n + m."""
+  m, k = np.divmod(np.arange(n * n), n)
+  return k * n + m
+
+
+def connection_from_hf(fn: np.ndarray, base: np.ndarray, scale: np.ndarray, n: int) -> dict[str, np.ndarray]:
+  """V4's (fn, base, scale) of one connection -> HyperConnection's parameters."""
+  if fn.shape[0] != (2 + n) * n or fn.shape[1] % n:
+    raise ConfigError(f"an mHC fn of shape {tuple(fn.shape)} does not fit hc_mult={n} (expected ((2 + n) n, n hidden) rows); set hc_mult to the checkpoint's")
+  order = _res_order(n)
+  return {
+    "norm_scale": np.ones((fn.shape[1],), fn.dtype),
+    "pre_proj": fn[:n].T,
+    "post_proj": fn[n : 2 * n].T,
+    "res_proj": fn[2 * n :][order].T,
+    "pre_bias": base[:n],
+    "post_bias": base[n : 2 * n],
+    "res_bias": base[2 * n :][order],
+    "pre_scale": scale[0],
+    "post_scale": scale[1],
+    "res_scale": scale[2],
+  }
+
+
+def connection_to_hf(params: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """HyperConnection's parameters -> V4's (fn, base, scale)."""
+  if not np.all(np.asarray(params["norm_scale"]) == 1):
+    raise ConfigError("this mHC connection has a learned norm scale, which DeepSeek V4's checkpoints cannot hold; export a model whose norm_scale stayed 1")
+  n = params["pre_bias"].shape[0]
+  inverse = np.argsort(_res_order(n))
+  fn = np.concatenate([params["pre_proj"].T, params["post_proj"].T, params["res_proj"].T[inverse]], axis=0)
+  base = np.concatenate([params["pre_bias"], params["post_bias"], params["res_bias"][inverse]])
+  scale = np.stack([params["pre_scale"], params["post_scale"], params["res_scale"]]).reshape(3)
+  return fn, base, scale
+
+
+def head_from_hf(hc_fn: np.ndarray, hc_base: np.ndarray, hc_scale: np.ndarray) -> dict[str, np.ndarray]:
+  """V4's hc_head -> HyperHead's parameters."""
+  return {"proj": hc_fn.T, "bias": hc_base, "scale": hc_scale.reshape(())}
+
+
+def head_to_hf(params: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """HyperHead's parameters -> V4's (hc_fn, hc_base, hc_scale)."""
+  return params["proj"].T, params["bias"], np.asarray(params["scale"]).reshape(1)

@@ -1,0 +1,146 @@
+"""DeepSeek V4's layers against transformers' DeepseekV4 modules on one tiny random model (float32, eager).
+
+mHC as V4 stores it (attn_hc, ffn_hc, hc_head): its checkpoint tensors mapped onto HyperConnection / HyperHead
+reproduce V4's connections exactly; this project's own form with the same tensors does not (the maths differs, see
+maxtext.layers.mhc); the mapping round-trips bit-exact and refuses an hc_mult that contradicts the tensors.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from maxtext.config import ConfigError
+from maxtext.convert import hf_deepseek_v4 as v4
+from maxtext.layers.mhc import HyperConnection, HyperHead
+from tests.hf_fixtures import away_from_init
+
+SEQ = 11  # not a multiple of the CSA rate 2 nor the HCA rate 4 (the parity tests add 12: both divide)
+
+
+def tiny_config(**edit) -> transformers.DeepseekV4Config:
+  """A hash-MoE first layer, then sliding, CSA and HCA layers; hc_mult 4; compression rates 2 (CSA) and 4 (HCA)."""
+  fields = dict(
+    vocab_size=97,
+    hidden_size=32,
+    moe_intermediate_size=16,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    head_dim=16,
+    q_lora_rank=12,
+    num_experts_per_tok=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    partial_rotary_factor=0.5,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    hc_mult=4,
+    hc_sinkhorn_iters=5,
+    sliding_window=4,
+    o_groups=2,
+    o_lora_rank=8,
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=2,
+    swiglu_limit=1.0,  # low enough that the clamps act
+    max_position_embeddings=64,
+    attn_implementation="eager",
+  )
+  return transformers.DeepseekV4Config(**{**fields, **edit})
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> transformers.DeepseekV4ForCausalLM:
+  torch.manual_seed(0)
+  model = transformers.DeepseekV4ForCausalLM(tiny_config()).eval()
+  away_from_init(model)
+  with torch.no_grad():
+    for layer in model.model.layers:
+      if layer.mlp.is_hash:
+        layer.mlp.gate.tid2eid.copy_(torch.stack([torch.randperm(4)[:2] for _ in range(97)]))
+  return model
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+  return t.detach().float().numpy()
+
+
+def _streams(seed: int = 0) -> torch.Tensor:
+  return torch.randn((2, SEQ, 4, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def _connection(hc: torch.nn.Module, config, hc_eps: float | None) -> HyperConnection:
+  conn = HyperConnection(4, 32, config.hc_sinkhorn_iters, weight_dtype=jnp.float32, hc_eps=hc_eps, norm_eps=config.rms_norm_eps)
+  for name, value in v4.connection_from_hf(_np(hc.fn), _np(hc.base), _np(hc.scale), 4).items():
+    getattr(conn, name)[...] = jnp.asarray(value)
+  return conn
+
+
+@pytest.mark.parametrize("which", ["attn_hc", "ffn_hc"])
+def test_mhc_as_v4_stores_it_matches_v4(hf_model, which):
+  """Every layer's connection: H_post, H_res (= C^T), the branch input, and the whole update x' = C^T x + H_post F(.)."""
+  config = hf_model.config
+  x = _streams()
+  for layer in hf_model.model.layers:
+    hc = getattr(layer, which)
+    with torch.no_grad():
+      post, comb, collapsed = hc(x)
+    conn = _connection(hc, config, config.hc_eps)
+    h_pre, h_post, h_res = (np.asarray(a) for a in conn.mixing(jnp.asarray(x.numpy())))
+    np.testing.assert_allclose(h_post, _np(post), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h_res, np.swapaxes(_np(comb), -1, -2), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose((h_pre[..., None] * x.numpy()).sum(-2), _np(collapsed), rtol=1e-5, atol=1e-5)
+    branch = torch.nn.Linear(32, 32)
+    with torch.no_grad():
+      expected = post.unsqueeze(-1) * branch(collapsed).unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x)
+    w, b = jnp.asarray(_np(branch.weight)), jnp.asarray(_np(branch.bias))
+    ours = conn(jnp.asarray(x.numpy()), lambda h, w=w, b=b: h @ w.T + b)
+    np.testing.assert_allclose(np.asarray(ours), _np(expected), rtol=1e-4, atol=1e-5)
+
+
+def test_our_mhc_form_differs_from_v4s(hf_model):
+  """The same tensors in this project's form (no hc_eps, rows-first log-domain Sinkhorn) give other H_pre and H_res."""
+  hc = hf_model.model.layers[1].attn_hc
+  x = _streams()
+  with torch.no_grad():
+    _, comb, _ = hc(x)
+  h_pre, _, h_res = _connection(hc, hf_model.config, None).mixing(jnp.asarray(x.numpy()))
+  v4_pre, _, _ = _connection(hc, hf_model.config, hf_model.config.hc_eps).mixing(jnp.asarray(x.numpy()))
+  np.testing.assert_allclose(np.asarray(v4_pre - h_pre), hf_model.config.hc_eps, atol=5e-8)
+  assert np.abs(np.asarray(h_res) - np.swapaxes(_np(comb), -1, -2)).max() > 1e-3
+
+
+def test_hyper_head_matches_v4(hf_model):
+  head_hf = hf_model.model.hc_head
+  config = hf_model.config
+  head = HyperHead(4, 32, weight_dtype=jnp.float32, hc_eps=config.hc_eps, norm_eps=config.rms_norm_eps)
+  for name, value in v4.head_from_hf(_np(head_hf.hc_fn), _np(head_hf.hc_base), _np(head_hf.hc_scale)).items():
+    getattr(head, name)[...] = jnp.asarray(value)
+  x = _streams(1)
+  with torch.no_grad():
+    expected = head_hf(x)
+  np.testing.assert_allclose(np.asarray(head(jnp.asarray(x.numpy()))), _np(expected), rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(head(jnp.asarray(x.numpy()))) - x.numpy().mean(-2)).max() > 1e-2  # not the mean collapse
+
+
+def test_mhc_mapping_round_trips_bit_exact(hf_model):
+  for layer in hf_model.model.layers:
+    for hc in (layer.attn_hc, layer.ffn_hc):
+      fn, base, scale = _np(hc.fn), _np(hc.base), _np(hc.scale)
+      back = v4.connection_to_hf(v4.connection_from_hf(fn, base, scale, 4))
+      for got, want in zip(back, (fn, base, scale)):
+        np.testing.assert_array_equal(got, want)
+  head = hf_model.model.hc_head
+  tensors = (_np(head.hc_fn), _np(head.hc_base), _np(head.hc_scale))
+  for got, want in zip(v4.head_to_hf(v4.head_from_hf(*tensors)), tensors):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_hc_mult_contradicting_the_checkpoint_is_refused(hf_model):
+  hc = hf_model.model.layers[0].attn_hc
+  with pytest.raises(ConfigError, match="hc_mult=2"):
+    v4.connection_from_hf(_np(hc.fn), _np(hc.base), _np(hc.scale), 2)
