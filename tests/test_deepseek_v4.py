@@ -7,17 +7,23 @@ maxtext.layers.mhc); the mapping round-trips bit-exact and refuses an hc_mult th
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from maxtext.config import ConfigError
 from maxtext.convert import hf_deepseek_v4 as v4
+from maxtext.layers.compressed_attention import CompressedAttention, CompressedAttentionSpec
 from maxtext.layers.mhc import HyperConnection, HyperHead
+from maxtext.layers.rope import RopeSpec
+from maxtext.platform import Dtypes, Policy
 from tests.hf_fixtures import away_from_init
 
+POLICY = Policy("cpu", dtypes=Dtypes(params=jnp.float32, compute=jnp.float32, precision=jax.lax.Precision.HIGHEST))
 SEQ = 11  # not a multiple of the CSA rate 2 nor the HCA rate 4 (the parity tests add 12: both divide)
 
 
@@ -43,7 +49,7 @@ def tiny_config(**edit) -> transformers.DeepseekV4Config:
     sliding_window=4,
     o_groups=2,
     o_lora_rank=8,
-    index_n_heads=2,
+    index_n_heads=8,  # ties in the ReLU scores (which top-k breaks its own way) are then rare
     index_head_dim=8,
     index_topk=2,
     swiglu_limit=1.0,  # low enough that the clamps act
@@ -144,3 +150,77 @@ def test_hc_mult_contradicting_the_checkpoint_is_refused(hf_model):
   hc = hf_model.model.layers[0].attn_hc
   with pytest.raises(ConfigError, match="hc_mult=2"):
     v4.connection_from_hf(_np(hc.fn), _np(hc.base), _np(hc.scale), 2)
+
+
+def _set(module, path: str, value: np.ndarray) -> None:
+  *parents, leaf = path.split(".")
+  for name in parents:
+    module = getattr(module, name)
+  param = getattr(module, leaf)
+  assert param[...].shape == value.shape, (path, param[...].shape, value.shape)
+  param[...] = jnp.asarray(value, param[...].dtype)
+
+
+def attention_spec(config, layer: int) -> CompressedAttentionSpec:
+  layer_type = config.layer_types[layer]
+  return CompressedAttentionSpec(
+    emb_dim=config.hidden_size,
+    num_heads=config.num_attention_heads,
+    head_dim=config.head_dim,
+    rope_dim=config.qk_rope_head_dim,
+    q_lora_rank=config.q_lora_rank,
+    o_groups=config.o_groups,
+    o_lora_rank=config.o_lora_rank,
+    window=config.sliding_window,
+    layer_type=layer_type,
+    compress_rate=config.compress_rates.get(layer_type, 0),
+    index_heads=config.index_n_heads,
+    index_head_dim=config.index_head_dim,
+    index_topk=config.index_topk,
+    rope=RopeSpec(theta=config.rope_parameters["main"]["rope_theta"]),
+    compress_rope=RopeSpec(theta=config.rope_parameters["compress"]["rope_theta"]),
+    epsilon=config.rms_norm_eps,
+  )
+
+
+def _captured_attention(model, tokens: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+  """Each layer's self_attn input and output in a forward pass of the whole model."""
+  seen, hooks = {}, []
+  for i, layer in enumerate(model.model.layers):
+
+    def hook(module, args, kwargs, output, i=i):
+      seen[i] = (_np(args[0] if args else kwargs["hidden_states"]), _np(output[0]))
+
+    hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+  try:
+    with torch.no_grad():
+      model(torch.as_tensor(tokens))
+  finally:
+    for h in hooks:
+      h.remove()
+  return seen
+
+
+@pytest.mark.parametrize("seq", [SEQ, SEQ + 1])
+def test_attention_layers_match_v4(hf_model, seq):
+  """Sliding, CSA (indexer top-2 of up to 6 entries) and HCA layers, the sequence a multiple of both rates or neither."""
+  tokens = np.random.default_rng(seq).integers(0, 97, (2, seq))
+  seen = _captured_attention(hf_model, tokens)
+  positions = jnp.broadcast_to(jnp.arange(seq), (2, seq))
+  for i, layer in enumerate(hf_model.model.layers):
+    spec = attention_spec(hf_model.config, i)
+    ours = CompressedAttention(spec, policy=POLICY, rngs=nnx.Rngs(0))
+    weights = {k: _np(v) for k, v in layer.self_attn.state_dict().items()}
+    for path, name, (to_ours, _) in v4.attention_mapping(spec):
+      _set(ours, path, to_ours(weights[name]))
+    x, expected = seen[i]
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x), positions)), expected, rtol=1e-4, atol=1e-5, err_msg=spec.layer_type)
+
+
+def test_attention_mapping_round_trips_bit_exact(hf_model):
+  for i, layer in enumerate(hf_model.model.layers):
+    weights = {k: _np(v) for k, v in layer.self_attn.state_dict().items()}
+    rows = v4.attention_mapping(attention_spec(hf_model.config, i))
+    assert {name for _, name, _ in rows} == set(weights)
+    for _, name, (to_ours, to_hf) in rows:
+      np.testing.assert_array_equal(to_hf(to_ours(weights[name])), weights[name])

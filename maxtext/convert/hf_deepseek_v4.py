@@ -59,3 +59,65 @@ def head_from_hf(hc_fn: np.ndarray, hc_base: np.ndarray, hc_scale: np.ndarray) -
 def head_to_hf(params: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """HyperHead's parameters -> V4's (hc_fn, hc_base, hc_scale)."""
   return params["proj"].T, params["bias"], np.asarray(params["scale"]).reshape(1)
+
+
+def _linear(shape_after: tuple[int, ...] = ()) -> tuple:
+  """A torch Linear weight [out, in] <-> our kernel [in, *out] (out reshaped to shape_after when given)."""
+
+  def forward(w: np.ndarray) -> np.ndarray:
+    k = w.T
+    return k.reshape(k.shape[0], *shape_after) if shape_after else k
+
+  def back(k: np.ndarray) -> np.ndarray:
+    return k.reshape(k.shape[0], -1).T
+
+  return forward, back
+
+
+_SAME = (lambda a: a, lambda a: a)
+
+
+def attention_mapping(spec) -> list[tuple[str, str, tuple]]:
+  """(our path under the attention module, V4's name under self_attn, (to ours, to V4)) for one CompressedAttentionSpec."""
+  h, d, g, r = spec.num_heads, spec.head_dim, spec.o_groups, spec.o_lora_rank
+
+  def oa_forward(w: np.ndarray) -> np.ndarray:  # [G r, H D / G] -> [G, H D / G, r]
+    return w.reshape(g, r, -1).transpose(0, 2, 1)
+
+  def oa_back(k: np.ndarray) -> np.ndarray:
+    return k.transpose(0, 2, 1).reshape(g * r, -1)
+
+  def ob_forward(w: np.ndarray) -> np.ndarray:  # [E, G r] -> [G, r, E]
+    return w.T.reshape(g, r, -1)
+
+  def ob_back(k: np.ndarray) -> np.ndarray:
+    return k.reshape(g * r, -1).T
+
+  rows = [
+    ("wq_a.kernel", "q_a_proj.weight", _linear()),
+    ("q_norm.scale", "q_a_norm.weight", _SAME),
+    ("wq_b.kernel", "q_b_proj.weight", _linear((h, d))),
+    ("wkv.kernel", "kv_proj.weight", _linear()),
+    ("kv_norm.scale", "kv_norm.weight", _SAME),
+    ("wo_a.kernel", "o_a_proj.weight", (oa_forward, oa_back)),
+    ("wo_b.kernel", "o_b_proj.weight", (ob_forward, ob_back)),
+    ("sinks", "sinks", _SAME),
+  ]
+
+  def compressor(ours: str, theirs: str) -> list:
+    return [
+      (f"{ours}.wkv.kernel", f"{theirs}.kv_proj.weight", _linear()),
+      (f"{ours}.wgate.kernel", f"{theirs}.gate_proj.weight", _linear()),
+      (f"{ours}.position_bias", f"{theirs}.position_bias", _SAME),
+      (f"{ours}.norm.scale", f"{theirs}.kv_norm.weight", _SAME),
+    ]
+
+  if spec.compress_rate:
+    rows += compressor("compressor", "compressor")
+  if spec.overlapping:
+    rows += compressor("indexer.compressor", "compressor.indexer")
+    rows += [
+      ("indexer.wq_b.kernel", "compressor.indexer.q_b_proj.weight", _linear((spec.index_heads, spec.index_head_dim))),
+      ("indexer.weights_proj.kernel", "compressor.indexer.scorer.weights_proj.weight", _linear()),
+    ]
+  return rows
