@@ -19,6 +19,8 @@ from maxtext.config import ConfigError
 from maxtext.convert import hf_deepseek_v4 as v4
 from maxtext.layers.compressed_attention import CompressedAttention, CompressedAttentionSpec
 from maxtext.layers.mhc import HyperConnection, HyperHead
+from maxtext.layers.mlp import MLPSpec
+from maxtext.layers.moe import MoE, MoESpec, RoutingSpec
 from maxtext.layers.rope import RopeSpec
 from maxtext.platform import Dtypes, Policy
 from tests.hf_fixtures import away_from_init
@@ -224,3 +226,61 @@ def test_attention_mapping_round_trips_bit_exact(hf_model):
     assert {name for _, name, _ in rows} == set(weights)
     for _, name, (to_ours, to_hf) in rows:
       np.testing.assert_array_equal(to_hf(to_ours(weights[name])), weights[name])
+
+
+def moe_spec(config, layer: int) -> MoESpec:
+  hashed = config.mlp_layer_types[layer] == "hash_moe"
+  glu = dict(glu_limit=config.swiglu_limit, glu_clamp_only=True)
+  return MoESpec(
+    emb_dim=config.hidden_size,
+    width=config.moe_intermediate_size,
+    routing=RoutingSpec(
+      config.n_routed_experts, config.num_experts_per_tok, config.scoring_func, renormalize=True, scaling_factor=config.routed_scaling_factor
+    ),
+    activations=("silu", "linear"),
+    score_correction=not hashed,
+    shared=MLPSpec(config.hidden_size, config.n_shared_experts * config.moe_intermediate_size, ("silu", "linear"), **glu),
+    hash_vocab=config.vocab_size if hashed else 0,
+    **glu,
+  )
+
+
+def test_moe_layers_match_v4(hf_model):
+  """sqrtsoftplus scores, the score correction, hash routing by tid2eid, the clamped SwiGLU of experts and shared expert."""
+  tokens = np.random.default_rng(3).integers(0, 97, (2, SEQ))
+  seen, hooks = {}, []
+  for i, layer in enumerate(hf_model.model.layers):
+
+    def hook(module, args, kwargs, output, i=i):
+      seen[i] = (_np(args[0]), _np(output))
+
+    hooks.append(layer.mlp.register_forward_hook(hook, with_kwargs=True))
+  with torch.no_grad():
+    hf_model(torch.as_tensor(tokens))
+  for h in hooks:
+    h.remove()
+  clamped = False
+  for i, layer in enumerate(hf_model.model.layers):
+    spec = moe_spec(hf_model.config, i)
+    ours = MoE(spec, policy=POLICY, rngs=nnx.Rngs(0))
+    weights = {k: v.detach().numpy() for k, v in layer.mlp.state_dict().items()}
+    for path, name, (to_ours, _) in v4.moe_mapping(bool(spec.hash_vocab)):
+      _set(ours, path, to_ours(weights[name]))
+    wi_0, wi_1 = v4.experts_from_hf(weights["experts.gate_up_proj"])
+    _set(ours, "wi_0", wi_0)
+    _set(ours, "wi_1", wi_1)
+    x, expected = seen[i]
+    y, _ = ours(jnp.asarray(x), jnp.ones((2, SEQ), bool), token_ids=jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-5, err_msg=f"layer {i}")
+    clamped |= bool(np.abs(np.einsum("bse,nei->bsni", x, wi_0)).max() > hf_model.config.swiglu_limit)
+  assert clamped  # the limit acts on these activations
+
+
+def test_moe_mapping_round_trips_bit_exact(hf_model):
+  for layer in hf_model.model.layers:
+    weights = {k: v.detach().numpy() for k, v in layer.mlp.state_dict().items()}
+    rows = v4.moe_mapping(layer.mlp.is_hash)
+    assert {name for _, name, _ in rows} | {"experts.gate_up_proj"} == set(weights)
+    for _, name, (to_ours, to_hf) in rows:
+      np.testing.assert_array_equal(to_hf(to_ours(weights[name])), weights[name])
+    np.testing.assert_array_equal(v4.experts_to_hf(*v4.experts_from_hf(weights["experts.gate_up_proj"])), weights["experts.gate_up_proj"])

@@ -121,3 +121,31 @@ def attention_mapping(spec) -> list[tuple[str, str, tuple]]:
       ("indexer.weights_proj.kernel", "compressor.indexer.scorer.weights_proj.weight", _linear()),
     ]
   return rows
+
+
+def moe_mapping(hashed: bool) -> list[tuple[str, str, tuple]]:
+  """(our path under the MoE module, V4's name under mlp, (to ours, to V4)); gate_up_proj [N, 2I, E] splits into
+  wi_0 and wi_1 [N, E, I] (see moe_from_hf), so it is not a row here."""
+  rows = [
+    ("gate.kernel", "gate.weight", _linear()),
+    ("wo", "experts.down_proj", (lambda w: w.transpose(0, 2, 1), lambda k: k.transpose(0, 2, 1))),
+    ("shared_experts.wi_0.kernel", "shared_experts.gate_proj.weight", _linear()),
+    ("shared_experts.wi_1.kernel", "shared_experts.up_proj.weight", _linear()),
+    ("shared_experts.wo.kernel", "shared_experts.down_proj.weight", _linear()),
+  ]
+  if hashed:
+    rows.append(("tid2eid", "gate.tid2eid", (lambda t: t.astype(np.int32), lambda t: t.astype(np.int64))))
+  else:
+    rows.append(("routed_bias", "gate.e_score_correction_bias", _SAME))
+  return rows
+
+
+def experts_from_hf(gate_up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """V4's experts.gate_up_proj [N, 2I, E] -> (wi_0, wi_1) [N, E, I]."""
+  width = gate_up.shape[1] // 2
+  return gate_up[:, :width].transpose(0, 2, 1), gate_up[:, width:].transpose(0, 2, 1)
+
+
+def experts_to_hf(wi_0: np.ndarray, wi_1: np.ndarray) -> np.ndarray:
+  """(wi_0, wi_1) [N, E, I] -> V4's experts.gate_up_proj [N, 2I, E]."""
+  return np.concatenate([wi_0.transpose(0, 2, 1), wi_1.transpose(0, 2, 1)], axis=1)
