@@ -21,6 +21,7 @@ from maxtext.layers.compressed_attention import CompressedAttention, CompressedA
 from maxtext.layers.mhc import HyperConnection, HyperHead
 from maxtext.layers.mlp import MLPSpec
 from maxtext.layers.moe import MoE, MoESpec, RoutingSpec
+from maxtext.layers.norms import RMSNorm
 from maxtext.layers.rope import RopeSpec
 from maxtext.platform import Dtypes, Policy
 from tests.hf_fixtures import away_from_init
@@ -284,3 +285,40 @@ def test_moe_mapping_round_trips_bit_exact(hf_model):
     for _, name, (to_ours, to_hf) in rows:
       np.testing.assert_array_equal(to_hf(to_ours(weights[name])), weights[name])
     np.testing.assert_array_equal(v4.experts_to_hf(*v4.experts_from_hf(weights["experts.gate_up_proj"])), weights["experts.gate_up_proj"])
+
+
+def test_decoder_layers_compose_as_v4s(hf_model):
+  """Each whole V4 layer (both connections around the normed attention and MoE) from our modules, on V4's streams."""
+  config = hf_model.config
+  tokens = np.random.default_rng(5).integers(0, 97, (2, SEQ))
+  seen, hooks = {}, []
+  for i, layer in enumerate(hf_model.model.layers):
+
+    def hook(module, args, kwargs, output, i=i):
+      seen[i] = (_np(args[0] if args else kwargs["hidden_states"]), _np(output))
+
+    hooks.append(layer.register_forward_hook(hook, with_kwargs=True))
+  with torch.no_grad():
+    hf_model(torch.as_tensor(tokens))
+  for h in hooks:
+    h.remove()
+  positions = jnp.broadcast_to(jnp.arange(SEQ), (2, SEQ))
+  for i, layer in enumerate(hf_model.model.layers):
+    attention = CompressedAttention(attention_spec(config, i), policy=POLICY, rngs=nnx.Rngs(0))
+    weights = {k: _np(v) for k, v in layer.self_attn.state_dict().items()}
+    for path, name, (to_ours, _) in v4.attention_mapping(attention.spec):
+      _set(attention, path, to_ours(weights[name]))
+    moe = MoE(moe_spec(config, i), policy=POLICY, rngs=nnx.Rngs(0))
+    weights = {k: v.detach().numpy() for k, v in layer.mlp.state_dict().items()}
+    for path, name, (to_ours, _) in v4.moe_mapping(layer.mlp.is_hash):
+      _set(moe, path, to_ours(weights[name]))
+    for path, value in zip(("wi_0", "wi_1"), v4.experts_from_hf(weights["experts.gate_up_proj"])):
+      _set(moe, path, value)
+    norms = [RMSNorm(32, config.rms_norm_eps, dtype=jnp.float32, weight_dtype=jnp.float32) for _ in range(2)]
+    norms[0].scale[...] = jnp.asarray(_np(layer.input_layernorm.weight))
+    norms[1].scale[...] = jnp.asarray(_np(layer.post_attention_layernorm.weight))
+    attn_hc, ffn_hc = (_connection(hc, config, config.hc_eps) for hc in (layer.attn_hc, layer.ffn_hc))
+    x, expected = seen[i]
+    x = attn_hc(jnp.asarray(x), lambda h, a=attention, n=norms[0]: a(n(h), positions))
+    x = ffn_hc(x, lambda h, m=moe, n=norms[1]: m(n(h), jnp.ones((2, SEQ), bool), token_ids=jnp.asarray(tokens))[0])
+    np.testing.assert_allclose(np.asarray(x), expected, rtol=1e-4, atol=1e-4, err_msg=f"layer {i}")
