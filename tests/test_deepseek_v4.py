@@ -204,9 +204,10 @@ def _captured_attention(model, tokens: np.ndarray) -> dict[int, tuple[np.ndarray
   return seen
 
 
-@pytest.mark.parametrize("seq", [SEQ, SEQ + 1])
+@pytest.mark.parametrize("seq", [SEQ + 1])
 def test_attention_layers_match_v4(hf_model, seq):
-  """Sliding, CSA (indexer top-2 of up to 6 entries) and HCA layers, the sequence a multiple of both rates or neither."""
+  """Sliding, CSA (indexer top-2 of 6 entries) and HCA layers, the sequence a multiple of both rates (the layer test
+  below takes one of neither)."""
   tokens = np.random.default_rng(seq).integers(0, 97, (2, seq))
   seen = _captured_attention(hf_model, tokens)
   positions = jnp.broadcast_to(jnp.arange(seq), (2, seq))
@@ -246,37 +247,6 @@ def moe_spec(config, layer: int) -> MoESpec:
   )
 
 
-def test_moe_layers_match_v4(hf_model):
-  """sqrtsoftplus scores, the score correction, hash routing by tid2eid, the clamped SwiGLU of experts and shared expert."""
-  tokens = np.random.default_rng(3).integers(0, 97, (2, SEQ))
-  seen, hooks = {}, []
-  for i, layer in enumerate(hf_model.model.layers):
-
-    def hook(module, args, kwargs, output, i=i):
-      seen[i] = (_np(args[0]), _np(output))
-
-    hooks.append(layer.mlp.register_forward_hook(hook, with_kwargs=True))
-  with torch.no_grad():
-    hf_model(torch.as_tensor(tokens))
-  for h in hooks:
-    h.remove()
-  clamped = False
-  for i, layer in enumerate(hf_model.model.layers):
-    spec = moe_spec(hf_model.config, i)
-    ours = MoE(spec, policy=POLICY, rngs=nnx.Rngs(0))
-    weights = {k: v.detach().numpy() for k, v in layer.mlp.state_dict().items()}
-    for path, name, (to_ours, _) in v4.moe_mapping(bool(spec.hash_vocab)):
-      _set(ours, path, to_ours(weights[name]))
-    wi_0, wi_1 = v4.experts_from_hf(weights["experts.gate_up_proj"])
-    _set(ours, "wi_0", wi_0)
-    _set(ours, "wi_1", wi_1)
-    x, expected = seen[i]
-    y, _ = ours(jnp.asarray(x), jnp.ones((2, SEQ), bool), token_ids=jnp.asarray(tokens))
-    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-5, err_msg=f"layer {i}")
-    clamped |= bool(np.abs(np.einsum("bse,nei->bsni", x, wi_0)).max() > hf_model.config.swiglu_limit)
-  assert clamped  # the limit acts on these activations
-
-
 def test_moe_mapping_round_trips_bit_exact(hf_model):
   for layer in hf_model.model.layers:
     weights = {k: v.detach().numpy() for k, v in layer.mlp.state_dict().items()}
@@ -288,7 +258,9 @@ def test_moe_mapping_round_trips_bit_exact(hf_model):
 
 
 def test_decoder_layers_compose_as_v4s(hf_model):
-  """Each whole V4 layer (both connections around the normed attention and MoE) from our modules, on V4's streams."""
+  """Each whole V4 layer (both connections around the normed attention and MoE) from our modules, on V4's streams: the
+  attention with the sequence a multiple of neither rate; the MoE's sqrtsoftplus scores, score correction, hash
+  routing by tid2eid and clamped SwiGLU (experts and shared expert)."""
   config = hf_model.config
   tokens = np.random.default_rng(5).integers(0, 97, (2, SEQ))
   seen, hooks = {}, []
@@ -298,11 +270,14 @@ def test_decoder_layers_compose_as_v4s(hf_model):
       seen[i] = (_np(args[0] if args else kwargs["hidden_states"]), _np(output))
 
     hooks.append(layer.register_forward_hook(hook, with_kwargs=True))
+    hooks.append(layer.mlp.register_forward_hook(lambda module, args, output, i=i: moe_inputs.__setitem__(i, _np(args[0]))))
+  moe_inputs = {}
   with torch.no_grad():
     hf_model(torch.as_tensor(tokens))
   for h in hooks:
     h.remove()
   positions = jnp.broadcast_to(jnp.arange(SEQ), (2, SEQ))
+  clamped = False
   for i, layer in enumerate(hf_model.model.layers):
     attention = CompressedAttention(attention_spec(config, i), policy=POLICY, rngs=nnx.Rngs(0))
     weights = {k: _np(v) for k, v in layer.self_attn.state_dict().items()}
@@ -322,3 +297,31 @@ def test_decoder_layers_compose_as_v4s(hf_model):
     x = attn_hc(jnp.asarray(x), lambda h, a=attention, n=norms[0]: a(n(h), positions))
     x = ffn_hc(x, lambda h, m=moe, n=norms[1]: m(n(h), jnp.ones((2, SEQ), bool), token_ids=jnp.asarray(tokens))[0])
     np.testing.assert_allclose(np.asarray(x), expected, rtol=1e-4, atol=1e-4, err_msg=f"layer {i}")
+    clamped |= bool(np.abs(np.einsum("bse,nei->bsni", moe_inputs[i], np.asarray(moe.wi_0[...]))).max() > config.swiglu_limit)
+  assert clamped  # the SwiGLU limit acts on these activations
+
+
+def _param_count(build) -> int:
+  return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(nnx.state(nnx.eval_shape(build), nnx.Param)))
+
+
+def test_deepseek4_284b_layers_count_284b_parameters():
+  """DeepSeek-V4-Flash from MaxText's deepseek4-284b.yml (43 layers: 2 sliding, then CSA and HCA alternating from a CSA
+  layer; 256 experts of 2048 and one shared; mHC n = 4; MTP aside): the published 284B within 1.5%."""
+  emb, vocab, ratios = 4096, 129280, [0, 0, 4] + [128, 4] * 20
+  kinds = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+  def attention(rate: int) -> int:
+    spec = CompressedAttentionSpec(emb, 64, 512, 64, 1024, 8, 1024, 128, kinds[rate], rate, 64, 128, 512)
+    return _param_count(lambda: CompressedAttention(spec, policy=POLICY, rngs=nnx.Rngs(0)))
+
+  routing = RoutingSpec(256, 6, "sqrtsoftplus", renormalize=True, scaling_factor=1.5)
+  moe = _param_count(
+    lambda: MoE(MoESpec(emb, 2048, routing, ("silu", "linear"), shared=MLPSpec(emb, 2048, ("silu", "linear"))), policy=POLICY, rngs=nnx.Rngs(0))
+  )
+  connection = _param_count(lambda: HyperConnection(4, emb, 20, weight_dtype=jnp.float32))
+  head = _param_count(lambda: HyperHead(4, emb, weight_dtype=jnp.float32, hc_eps=1e-6, norm_eps=1e-6))
+  per_rate = {rate: attention(rate) for rate in kinds}
+  total = 2 * vocab * emb + sum(per_rate[r] for r in ratios) + len(ratios) * (moe + 2 * connection + 2 * emb) + head + emb
+  assert per_rate[4] > per_rate[128] > per_rate[0]  # the indexer and the overlapping compressor cost most
+  assert abs(total / 284e9 - 1) < 0.015, total
