@@ -204,10 +204,10 @@ def _captured_attention(model, tokens: np.ndarray) -> dict[int, tuple[np.ndarray
   return seen
 
 
-@pytest.mark.parametrize("seq", [SEQ + 1])
+@pytest.mark.parametrize("seq", [3, SEQ + 1])
 def test_attention_layers_match_v4(hf_model, seq):
   """Sliding, CSA (indexer top-2 of 6 entries) and HCA layers, the sequence a multiple of both rates (the layer test
-  below takes one of neither)."""
+  below takes one of neither), or shorter than the HCA window (no entry yet)."""
   tokens = np.random.default_rng(seq).integers(0, 97, (2, seq))
   seen = _captured_attention(hf_model, tokens)
   positions = jnp.broadcast_to(jnp.arange(seq), (2, seq))

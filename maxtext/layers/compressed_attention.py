@@ -114,8 +114,11 @@ class Compressor(nnx.Module):
     """x [B, S, E] -> entries [B, S // rate, dim]."""
     b, s, _ = x.shape
     n, m, d = s // self.rate, self.rate, self.dim
-    kv = self.wkv(x[:, : n * m]).reshape(b, n, m, -1)
-    gate = self.wgate(x[:, : n * m]).astype(jnp.float32).reshape(b, n, m, -1) + self.position_bias[...]
+    if n == 0:  # no full window yet
+      return jnp.zeros((b, 0, d), x.dtype)
+    width = self.position_bias[...].shape[-1]
+    kv = self.wkv(x[:, : n * m]).reshape(b, n, m, width)
+    gate = self.wgate(x[:, : n * m]).astype(jnp.float32).reshape(b, n, m, width) + self.position_bias[...]
     if self.overlapping:  # slots: window w-1's first half-features (none for w = 0), then window w's second half
       previous_kv = jnp.pad(kv[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)))
       previous_gate = jnp.pad(gate[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)

@@ -98,7 +98,7 @@ def sinkhorn_knopp(logits: jax.Array, iterations: int) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _projections(x: jax.Array, norm_scale: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def _projections(x: jax.Array, norm_scale: jax.Array, w: jax.Array, eps: float = NORM_EPS) -> jax.Array:
   """RMSNorm(flatten(x)) W in float32: [..., n, E] -> [..., n (n + 2)], as one matmul.
 
   The norm's scale is folded into W and its per-token 1/rms applied to the n (n + 2) outputs, so the
