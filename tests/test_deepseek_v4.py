@@ -20,7 +20,7 @@ from maxtext.convert import hf_deepseek_v4 as v4
 from maxtext.layers.compressed_attention import CompressedAttention, CompressedAttentionSpec
 from maxtext.layers.mhc import HyperConnection, HyperHead
 from maxtext.layers.mlp import MLPSpec
-from maxtext.layers.moe import MoE, MoESpec, RoutingSpec
+from maxtext.layers.moe import MoE, MoESpec, RoutingSpec, route
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.rope import RopeSpec
 from maxtext.platform import Dtypes, Policy
@@ -325,3 +325,12 @@ def test_deepseek4_284b_layers_count_284b_parameters():
   total = 2 * vocab * emb + sum(per_rate[r] for r in ratios) + len(ratios) * (moe + 2 * connection + 2 * emb) + head + emb
   assert per_rate[4] > per_rate[128] > per_rate[0]  # the indexer and the overlapping compressor cost most
   assert abs(total / 284e9 - 1) < 0.015, total
+
+
+def test_unknown_layer_and_router_types_are_refused():
+  with pytest.raises(ValueError, match="unknown DeepSeek V4 layer type 'full_attention'"):
+    CompressedAttentionSpec(32, 4, 16, 8, 12, 2, 8, 4, "full_attention", 4)
+  with pytest.raises(ValueError, match="needs a compress rate above 0"):
+    CompressedAttentionSpec(32, 4, 16, 8, 12, 2, 8, 4, "heavily_compressed_attention", 0)
+  with pytest.raises(ValueError, match="unknown routed_score_func 'sqrt'"):
+    route(jnp.zeros((2, 4)), RoutingSpec(4, 2, "sqrt"))

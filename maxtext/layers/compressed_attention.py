@@ -67,7 +67,8 @@ class CompressedAttentionSpec:
     if self.layer_type not in LAYER_TYPES:
       raise ValueError(f"unknown DeepSeek V4 layer type {self.layer_type!r}; one of {', '.join(LAYER_TYPES)}")
     if (self.layer_type == "sliding_attention") != (self.compress_rate == 0):
-      raise ValueError(f"a {self.layer_type} layer needs a compress rate {'of 0' if self.compress_rate == 0 else 'above 0'}")
+      needed = "of 0" if self.layer_type == "sliding_attention" else "above 0"
+      raise ValueError(f"a {self.layer_type} layer needs a compress rate {needed} (got {self.compress_rate})")
     if (self.num_heads * self.head_dim) % self.o_groups:
       raise ValueError(f"o_groups={self.o_groups} does not divide the heads' {self.num_heads * self.head_dim} output features")
 
