@@ -155,6 +155,12 @@ def test_hc_mult_contradicting_the_checkpoint_is_refused(hf_model):
     v4.connection_from_hf(_np(hc.fn), _np(hc.base), _np(hc.scale), 2)
 
 
+def _jit_call(module, *args, **kwargs):
+  """module(*args, **kwargs) compiled whole (much faster on CPU than the first eager call's op-by-op compiles)."""
+  graphdef, state = nnx.split(module)
+  return jax.jit(lambda st, a, kw: nnx.merge(graphdef, st)(*a, **kw))(state, args, kwargs)
+
+
 def _set(module, path: str, value: np.ndarray) -> None:
   *parents, leaf = path.split(".")
   for name in parents:
@@ -218,7 +224,7 @@ def test_attention_layers_match_v4(hf_model, seq):
     for path, name, (to_ours, _) in v4.attention_mapping(spec):
       _set(ours, path, to_ours(weights[name]))
     x, expected = seen[i]
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x), positions)), expected, rtol=1e-4, atol=1e-5, err_msg=spec.layer_type)
+    np.testing.assert_allclose(np.asarray(_jit_call(ours, jnp.asarray(x), positions)), expected, rtol=1e-4, atol=1e-5, err_msg=spec.layer_type)
 
 
 def test_attention_mapping_round_trips_bit_exact(hf_model):
@@ -294,8 +300,15 @@ def test_decoder_layers_compose_as_v4s(hf_model):
     norms[1].scale[...] = jnp.asarray(_np(layer.post_attention_layernorm.weight))
     attn_hc, ffn_hc = (_connection(hc, config, config.hc_eps) for hc in (layer.attn_hc, layer.ffn_hc))
     x, expected = seen[i]
-    x = attn_hc(jnp.asarray(x), lambda h, a=attention, n=norms[0]: a(n(h), positions))
-    x = ffn_hc(x, lambda h, m=moe, n=norms[1]: m(n(h), jnp.ones((2, SEQ), bool), token_ids=jnp.asarray(tokens))[0])
+    layer_modules = nnx.List([attn_hc, norms[0], attention, ffn_hc, norms[1], moe])
+
+    def whole_layer(modules, x):
+      attn_hc, attn_norm, attention, ffn_hc, ffn_norm, moe = modules
+      x = attn_hc(x, lambda h: attention(attn_norm(h), positions))
+      return ffn_hc(x, lambda h: moe(ffn_norm(h), jnp.ones((2, SEQ), bool), token_ids=jnp.asarray(tokens))[0])
+
+    graphdef, state = nnx.split(layer_modules)
+    x = jax.jit(lambda st, x, g=graphdef: whole_layer(nnx.merge(g, st), x))(state, jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(x), expected, rtol=1e-4, atol=1e-4, err_msg=f"layer {i}")
     clamped |= bool(np.abs(np.einsum("bse,nei->bsni", moe_inputs[i], np.asarray(moe.wi_0[...]))).max() > config.swiglu_limit)
   assert clamped  # the SwiGLU limit acts on these activations
