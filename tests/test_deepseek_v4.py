@@ -27,6 +27,7 @@ from maxtext.platform import Dtypes, Policy
 from tests.hf_fixtures import away_from_init
 
 POLICY = Policy("cpu", dtypes=Dtypes(params=jnp.float32, compute=jnp.float32, precision=jax.lax.Precision.HIGHEST))
+COMPRESS_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1}
 SEQ = 11  # not a multiple of the CSA rate 2 nor the HCA rate 4 (the parity tests add 12: both divide)
 
 
@@ -57,6 +58,7 @@ def tiny_config(**edit) -> transformers.DeepseekV4Config:
     index_topk=2,
     swiglu_limit=1.0,  # low enough that the clamps act
     max_position_embeddings=64,
+    rope_parameters=COMPRESS_YARN,  # V4's compressed layers rotate with YaRN (no cos/sin scaling), the sliding ones plainly
     attn_implementation="eager",
   )
   return transformers.DeepseekV4Config(**{**fields, **edit})
@@ -187,7 +189,14 @@ def attention_spec(config, layer: int) -> CompressedAttentionSpec:
     index_head_dim=config.index_head_dim,
     index_topk=config.index_topk,
     rope=RopeSpec(theta=config.rope_parameters["main"]["rope_theta"]),
-    compress_rope=RopeSpec(theta=config.rope_parameters["compress"]["rope_theta"]),
+    compress_rope=RopeSpec(
+      kind="yarn",
+      theta=config.rope_parameters["compress"]["rope_theta"],
+      yarn_factor=COMPRESS_YARN["factor"],
+      yarn_original_max_position=COMPRESS_YARN["original_max_position_embeddings"],
+      beta_fast=COMPRESS_YARN["beta_fast"],
+      beta_slow=COMPRESS_YARN["beta_slow"],
+    ),
     epsilon=config.rms_norm_eps,
   )
 
