@@ -162,7 +162,9 @@ class DeepSeekMoE(Section):
   first_num_dense_layers: int = Field(0, ge=0, description="The first this many layers use a dense MLP (base_mlp_dim) instead of experts.")
   shared_experts: int = Field(0, ge=0, description="Always-on experts per MoE layer, fused into one MLP of width shared_experts x moe_mlp_dim.")
   routed_scaling_factor: float = Field(1.0, description="Routed experts' weights are multiplied by this.")
-  routed_score_func: Literal["", "softmax", "sigmoid"] = Field("", description="Router scores: softmax (''), or sigmoid (deepseek).")
+  routed_score_func: Literal["", "softmax", "sigmoid", "sqrtsoftplus"] = Field(
+    "", description="Router scores: softmax (''), sigmoid (deepseek), or sqrtsoftplus, sqrt(softplus(logit)) (deepseek4)."
+  )
   routed_bias: bool = Field(
     False,
     description="Per-expert router bias: with sigmoid scores a score-correction bias on the scores that choose experts (not the weights; deepseek), "

@@ -94,6 +94,7 @@ def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None
       f"decoder_block={c.decoder_block} weights each expert's input, which is built for top-1 routing only; set num_experts_per_tok=1 (was {c.num_experts_per_tok})"
     )
   sigmoid = c.routed_score_func == "sigmoid" or family.expert_input_weights  # Llama 4's router: sigmoid of the top-1 logit
+  per_expert = sigmoid or c.routed_score_func == "sqrtsoftplus"  # per-expert scores: routed_bias is a score correction
   routing = RoutingSpec(
     num_experts=c.num_experts,
     k=c.num_experts_per_tok,
@@ -110,8 +111,8 @@ def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None
     routing=routing,
     activations=tuple(c.mlp_activations),
     glu_limit=float(c.mlp_activations_limit) if family.clamped_glu else 0.0,
-    router_bias=c.routed_bias and not sigmoid,  # gpt-oss: the router's own bias; deepseek: a score correction
-    score_correction=c.routed_bias and sigmoid,
+    router_bias=c.routed_bias and not per_expert,  # gpt-oss: the router's own bias; deepseek: a score correction
+    score_correction=c.routed_bias and per_expert,
     expert_bias=c.mlp_bias,
     shared=(mlp(c) if family.experts_beside_dense_mlp else mlp(c, c.shared_experts * c.moe_mlp_dim)) if shared else None,
     shared_gate=shared and family.shared_expert_gate,
