@@ -365,6 +365,8 @@ def _vision_flops(config: MaxTextConfig, training: bool) -> float:
     return 0.0
   c = config
   cost = vision_flops.cost(vision.spec, c.max_target_length)
+  if cost is None:
+    return 0.0
   trains = nnx.filterlib.to_predicate(trainable_filter(c))
   total, below = 0, False
   for stage in cost.stages:

@@ -30,6 +30,7 @@ FAMILY_CONFIGS = {
   "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=4, attention_bias=True),  # MistralAttention ignores attention_bias
   "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
   "qwen3": lambda: transformers.Qwen3Config(**SMALL, tie_word_embeddings=True, attention_bias=True),
+  "gemma": lambda: transformers.GemmaConfig(**{**SMALL, "num_key_value_heads": 1}, hidden_act="gelu"),  # MQA and the releases' legacy "gelu"
   "gemma2": lambda: transformers.Gemma2Config(**SMALL, sliding_window=4, query_pre_attn_scalar=16),
   "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
     **SMALL, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]

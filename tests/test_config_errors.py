@@ -74,7 +74,7 @@ CASES = [
     "unknown_model",
     [BASE, "model_name=llama9"],
     {},
-    "unknown model_name 'llama9'; available: deepseek2-{16b,236b}, deepseek3-{671b,tiny}, deepseek3.2-671b, gemma2-{27b,2b,9b}",
+    "unknown model_name 'llama9'; available: deepseek2-{16b,236b}, deepseek3-{671b,671b-2dfsdp,671b-batchsplit,test,tiny}, deepseek3.2-671b",
   ),
   ("model_name_path", [BASE, "model_name=../base"], {}, "invalid value for 'model_name': '../base'"),
   (

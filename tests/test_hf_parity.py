@@ -50,7 +50,7 @@ def test_round_trip_is_bit_identical(saved, name):
     assert back[k].dtype == v.dtype and np.array_equal(back[k], v), k
 
 
-@pytest.mark.parametrize("name", ["llama3.1", "qwen3_moe", "gemma3", "gpt_oss", "deepseek", "deepseek_plain", "qwen2", "olmo3"])
+@pytest.mark.parametrize("name", ["llama3.1", "qwen3_moe", "gemma", "gemma3", "gpt_oss", "deepseek", "deepseek_plain", "qwen2", "olmo3"])
 def test_export_loads_in_transformers_with_the_same_logits(saved, tokens, tmp_path, name):
   """maxtext -> config.json + safetensors (hf_config_from, maxtext_to_hf) -> transformers gives the original logits."""
   import transformers

@@ -42,6 +42,10 @@ def test_maxtext_model_files_load_unchanged(model):
     expected = {k: getattr(reference, k) for k in DIMS}
     if config.decoder_block == "gemma2":  # MaxText counts gemma2 layers in (local, global) pairs and pads the vocabulary
       expected.update(num_decoder_layers=reference.num_decoder_layers // 2, vocab_size=256128)
+    if config.decoder_block == "gemma":  # MaxText pads Gemma's vocabulary to 256128 too
+      expected.update(vocab_size=256128)
+    if config.decoder_block in ("qwen3_moe", "qwen3_next") and config.num_experts > 1:  # no dense layers: MaxText sets mlp_dim to the experts' width, unused
+      expected.update(mlp_dim=config.mlp_dim)
     if config.decoder_block == "deepseek":  # MLA's widths are qk_nope/qk_rope/v_head_dim; head_dim does nothing (MaxText leaves it at 128)
       expected.update(head_dim=config.head_dim)
     assert {k: getattr(config, k) for k in DIMS} == expected

@@ -67,12 +67,22 @@ PUBLISHED_BILLIONS = {
   "qwen3.5-27b": 27.0,  # Qwen3.5 model cards' sizes; the text decoders (the cards' totals also hold a 0.4B vision tower)
   "qwen3.5-35b-a3b": 35.0,
   "qwen3.5-397b-a17b": 397.0,
+  "qwen3-vl-30b-a3b": 31.1,  # Qwen3-VL-30B-A3B's card: 31.1B with its vision tower (MaxText's model file, unchanged)
+  "gemma-2b": 2.51,  # the HF safetensors totals (google/gemma-2b, google/gemma-7b)
+  "gemma-7b": 8.54,
+  "llama3-70b": 70.55,
+  "llama3-405b": 405.85,  # MaxText's name for the 405B architecture (published as Llama 3.1 405B)
+  "olmo3-7b-pt": 7.30,
+  "qwen3-4b-thinking-2507": 4.02,
+  "deepseek3-671b-2dfsdp": 671.03,  # deepseek3-671b with MaxText's layouts (mesh and sharding keys)
+  "deepseek3-671b-batchsplit": 671.03,
 }
 TOLERANCE = {"llama4-17b-16e": 0.015}  # the card's total counts the vision encoder; the text decoder is 1.1% below it
 NOT_PUBLISHED = ("deepseek3-tiny", "kimi-k2-1t")  # a CPU-sized architecture file; Kimi K2's size is published only as "1T, 32B active"
 # Gemma 4 E2B/E4B are published by "effective" size (without the per-layer table) or with the vision and audio towers
 # (tests/test_gemma4.py checks E2B against transformers' own count).
 NOT_PUBLISHED += ("gemma4-e2b", "gemma4-e4b")
+NOT_PUBLISHED += ("deepseek3-test",)  # MaxText's test architecture: DeepSeek V3's layers and experts at width 512
 
 # Exact parameter counts known for a few models (qwen3-0.6b: 751,632,384 on HF minus the duplicated 151936 x 1024 lm_head).
 EXACT = {
@@ -86,6 +96,8 @@ EXACT = {
   "qwen3-235b-a22b": 235_093_634_560,
   "gemma3-1b": 999_885_952,
   "qwen2.5-7b": 7_615_616_512,
+  "gemma-2b": 2_506_172_416,
+  "gemma-7b": 8_537_680_896,
 }
 
 

@@ -303,9 +303,9 @@ def _check_moe_fields(c: MaxTextConfig) -> None:
     raise ConfigError(f"{', '.join(k for k, v in moe_only.items() if v)} need experts, but num_experts is 1; set num_experts > 1")
   if c.first_num_dense_layers >= c.base_num_decoder_layers * scale_dims(c.global_parameter_scale)["layers"]:
     raise ConfigError(f"first_num_dense_layers {c.first_num_dense_layers} leaves no MoE layer; lower it below the number of decoder layers")
-  if c.routed_bias_update_rate > 0 and c.routed_score_func != "sigmoid":
+  if c.routed_bias_update_rate > 0 and c.routed_score_func not in ("sigmoid", "sqrtsoftplus"):
     raise ConfigError(
-      "routed_bias_update_rate > 0 moves a score-correction bias, which needs routed_score_func=sigmoid (with softmax scores routed_bias is a trained router bias)"
+      "routed_bias_update_rate > 0 moves a score-correction bias, which needs routed_score_func=sigmoid or sqrtsoftplus (with softmax scores routed_bias is a trained router bias)"
     )
   if c.mlp_bias and c.num_experts == 1:
     raise ConfigError("mlp_bias adds biases to routed experts, but num_experts is 1 (dense MLPs have none here); set num_experts > 1 or mlp_bias=false")

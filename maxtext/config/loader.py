@@ -371,6 +371,35 @@ def _validate(values: dict[str, Any], sources: Sources) -> MaxTextConfig:
         raise _format_validation_error(e, sources) from None
 
 
+def _check_family(values: Mapping[str, Any], sources: Sources) -> None:
+  """An unbuilt decoder_block is the cause, named before any key of its family that this schema lacks (MaxText's gpt3
+  files' trainable_position_size): one line naming the families built here."""
+  from maxtext.models import registry  # the config loads before any model code otherwise
+
+  block = values.get("decoder_block")
+  if isinstance(block, str) and block not in registry.FAMILIES:
+    raise ConfigError(
+      f"invalid value for 'decoder_block' ({sources.get('decoder_block', 'default')}): {echo(block)}; this project does not build that family; "
+      f"the families built here: {', '.join(registry.FAMILIES)}"
+    )
+
+
+def _check_model_file(model: Mapping[str, Any], model_path: Path) -> None:
+  """What MaxText's model files describe that is not built here, named before any other key of the file is read:
+  block-scaled float8 checkpoints (the -fp8 files' weight_dtype float8_e4m3fn) and audio input (Qwen3-Omni)."""
+  if model.get("use_audio") is True:
+    raise ConfigError(
+      f"use_audio: true (in models/{model_path.name}): this project builds no audio encoder; its decoders take text, and images (docs/vision.md)"
+    )
+  dtype = model.get("weight_dtype")
+  if isinstance(dtype, str) and dtype.startswith("float8"):
+    plain = model_path.stem.removesuffix("-fp8")
+    raise ConfigError(
+      f"weight_dtype '{dtype}' (in models/{model_path.name}): this project keeps weights in float32 or bfloat16 and does not load block-scaled "
+      f"float8 checkpoints; use model_name={plain} (its bfloat16 weights) with quantization=fp8 for fp8 matmuls"
+    )
+
+
 DeviceCounts = Callable[[MaxTextConfig], tuple[int, int]]  # the user config -> (num_devices, num_slices)
 
 
@@ -410,7 +439,10 @@ def load_with_sources(
   model_name = env_values.get("model_name", cli.get("model_name", values.get("model_name", "default")))
   if model_name is not None and str(model_name) != "default":
     model_path = _model_file(str(model_name), config_path)
-    model_values = _flatten(_read_yaml(model_path), f"in models/{model_path.name}")
+    model_raw = _read_yaml(model_path)
+    _check_family(model_raw, {"decoder_block": f"models/{model_path.name}"})
+    _check_model_file(model_raw, model_path)
+    model_values = _flatten(model_raw, f"in models/{model_path.name}")
     override = env_values.get("override_model_config", cli.get("override_model_config", values.get("override_model_config", False)))
     if override not in (True, "true", "True"):
       for key, value in {**cli, **env_values}.items():
@@ -432,6 +464,7 @@ def load_with_sources(
   if is_hf_dir(values.get("load_parameters_path")):
     apply_architecture(str(values["load_parameters_path"]), values, sources, "base.yml")
   sources = SourceMap(sources)
+  _check_family(values, sources)
   known = set(all_keys())
   for key in [k for k in values if k not in known]:  # MaxText keys without effect: listed, then dropped
     value = values.pop(key)

@@ -162,7 +162,9 @@ class DeepSeekMoE(Section):
   first_num_dense_layers: int = Field(0, ge=0, description="The first this many layers use a dense MLP (base_mlp_dim) instead of experts.")
   shared_experts: int = Field(0, ge=0, description="Always-on experts per MoE layer, fused into one MLP of width shared_experts x moe_mlp_dim.")
   routed_scaling_factor: float = Field(1.0, description="Routed experts' weights are multiplied by this.")
-  routed_score_func: Literal["", "softmax", "sigmoid"] = Field("", description="Router scores: softmax (''), or sigmoid (deepseek).")
+  routed_score_func: Literal["", "softmax", "sigmoid", "sqrtsoftplus"] = Field(
+    "", description="Router scores: softmax (''), sigmoid (deepseek), or sqrtsoftplus, sqrt(softplus(logit)) (deepseek4)."
+  )
   routed_bias: bool = Field(
     False,
     description="Per-expert router bias: with sigmoid scores a score-correction bias on the scores that choose experts (not the weights; deepseek), "
@@ -287,6 +289,22 @@ class VisionEncoder(Section):
   )
   image_path: str = Field("", description="decode: image files (comma-separated) for the prompt's image_placeholder places, in order (use_multimodal).")
   eval_image_column: str = Field("image", description="use_multimodal: the eval records' column of images, as train_image_column.")
+  # Qwen3-VL (vision_encoder_block=qwen3_vl; docs/vision.md)
+  vision_encoder_block: Literal["", "qwen3_vl"] = Field(
+    "", description="use_multimodal: the vision tower; '' the family's own (gemma3: SigLIP), qwen3_vl: Qwen3-VL's (decoder_block qwen3 or qwen3_moe)."
+  )
+  temporal_patch_size_for_vit: int = Field(2, gt=0, description="qwen3_vl tower: frames per patch (an image fills them all).")
+  spatial_merge_size_for_vit: int = Field(2, gt=0, description="qwen3_vl tower: m x m neighbouring patches merge into one text token.")
+  out_hidden_size_for_vit: int = Field(512, gt=0, description="qwen3_vl tower: the merged tokens' width (the text model's emb_dim).")
+  num_position_embeddings_for_vit: int = Field(1024, gt=0, description="qwen3_vl tower: learned positions, a square G x G table resampled per image.")
+  deepstack_visual_indexes_for_vit: list[int] = Field(
+    default_factory=list, description="qwen3_vl tower: blocks whose merged features are added after decoder layers 0, 1, ... (DeepStack)."
+  )
+  min_pixels_for_vit: int = Field(
+    65536, gt=0, description="qwen3_vl: images smaller in area are resized up (aspect kept); image_size_for_vit^2 bounds them above."
+  )
+  use_mrope: bool = Field(False, description="Multimodal rope (Qwen3-VL): image tokens rotate by (time, row, column) positions, interleaved per mrope_section.")
+  mrope_section: list[int] = Field(default_factory=lambda: [24, 20, 20], description="use_mrope: rotary frequency pairs of the time, height and width axes.")
 
 
 class SparseAttention(Section):

@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from maxtext.convert import hf_gemma4, safetensors_io
+from maxtext.convert import hf_gemma4, hf_qwen3_vl, safetensors_io
 from maxtext.convert.hf_fields import HFFields
 from maxtext.errors import ConfigError, shorten
 from maxtext.layers.rope import yarn_mscale
@@ -27,6 +27,7 @@ HF_ARCHITECTURES = {
   "qwen3_next": "Qwen3NextForCausalLM",
   "qwen3_5": "Qwen3_5ForCausalLM",
   "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+  "gemma": "GemmaForCausalLM",
   "gemma2": "Gemma2ForCausalLM",
   "gemma3": "Gemma3ForCausalLM",
   "gpt_oss": "GptOssForCausalLM",
@@ -45,6 +46,7 @@ HF_MODEL_TYPES = {
   "qwen3_next": "qwen3_next",
   "qwen3_5": "qwen3_5_text",
   "qwen3_5_moe": "qwen3_5_moe_text",
+  "gemma": "gemma",
   "gemma2": "gemma2",
   "gemma3": "gemma3_text",
   "gpt_oss": "gpt_oss",
@@ -61,7 +63,7 @@ QWEN3_5_MULTIMODAL = ("qwen3_5", "qwen3_5_moe")  # config.json of the vision-lan
 WINDOWED_TYPES = ("gemma2", "gemma3_text", "gpt_oss", "olmo3")  # model types whose layer_types alternate sliding and full attention
 # Model types whose transformers attention puts a bias on q, k, v and o exactly when attention_bias is true (maxtext's
 # attention_bias); MistralAttention and MixtralAttention have no biases whatever the key says.
-BIASED_ATTENTION_TYPES = ("llama", "qwen3", "qwen3_moe", *HYBRID_TYPES, "gemma2", "gemma3_text", "gpt_oss", "olmo3", "llama4_text")
+BIASED_ATTENTION_TYPES = ("llama", "qwen3", "qwen3_moe", *HYBRID_TYPES, "gemma", "gemma2", "gemma3_text", "gpt_oss", "olmo3", "llama4_text")
 UNBIASED_ATTENTION_TYPES = ("mistral", "mixtral")
 # Gemma3TextConfig defaults for the fields a multimodal Gemma 3 config.json may leave out of its text_config.
 GEMMA3_TEXT_DEFAULTS = {
@@ -231,6 +233,8 @@ def text_config(hf: dict[str, Any], source: str = "config.json") -> dict[str, An
     if "dtype" not in text and "torch_dtype" not in text:
       text["dtype"] = hf.get("dtype") or hf.get("torch_dtype")
     return text
+  if hf.get("model_type") in hf_qwen3_vl.MODEL_TYPES:
+    return hf_qwen3_vl.text_config(hf, source)
   if hf.get("model_type") in QWEN3_5_MULTIMODAL:
     text = {**HFFields(hf, source).section("text_config").values}
     text.setdefault("model_type", hf["model_type"] + "_text")
@@ -469,7 +473,7 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
   Every field read is checked for its type and range (maxtext.convert.hf_fields)."""
   if hf.get("model_type") in hf_gemma4.MODEL_TYPES:
     return hf_gemma4.overrides(hf, source)
-  prefix = "text_config." if hf.get("model_type") in ("gemma3", "llama4", *QWEN3_5_MULTIMODAL) else ""
+  prefix = "text_config." if hf.get("model_type") in ("gemma3", "llama4", *QWEN3_5_MULTIMODAL, *hf_qwen3_vl.MODEL_TYPES) else ""
   f = HFFields(text_config(hf, source), source, prefix)
   model_type = f.text("model_type", "")
   family = registry.by_hf_model_type(model_type)
@@ -479,6 +483,8 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
   _check_consistent(f)
   heads, hidden = f.int("num_attention_heads"), f.int("hidden_size")
   act = f.text("hidden_activation", None) or f.text("hidden_act", "silu")
+  if model_type == "gemma" and act == "gelu":  # GemmaConfig reads the releases' legacy "gelu" as the tanh approximation
+    act = "gelu_pytorch_tanh"
   if act not in HF_ACTIVATIONS:
     raise ConfigError(f"activation '{act}' in config.json is not supported; supported: {', '.join(HF_ACTIVATIONS)}")
   layers = f.int("num_hidden_layers")
@@ -542,6 +548,8 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
     out["dtype"] = dt
   if hf.get("model_type") == "gemma3" and "vision_config" in hf:
     out.update(_gemma3_vision(HFFields(hf, source)))
+  if hf.get("model_type") in hf_qwen3_vl.MODEL_TYPES:
+    out.update(hf_qwen3_vl.vision_overrides(HFFields(hf, source)))
   if hf.get("model_type") == "llama4" and "vision_config" in hf:
     from maxtext.vision.llama4_hf_config import llama4_vision_keys
 
@@ -658,6 +666,13 @@ def hf_config_from(config: Config) -> dict[str, Any]:
   if c.decoder_block in ("mistral", "mixtral", "qwen3", "qwen3_moe"):
     hf["sliding_window"] = c.sliding_window_size or None
     hf["use_sliding_window"] = bool(c.sliding_window_size)
+  if c.decoder_block == "gemma" and (
+    c.sliding_window_size or c.attn_logits_soft_cap or c.final_logits_soft_cap or c.query_pre_attn_scalar not in (0, c.head_dim)
+  ):
+    raise ConfigError(
+      "GemmaForCausalLM attends in full, without soft caps, scaled by 1/sqrt(head_dim); export a gemma model with sliding_window_size=0, "
+      "no attn_logits_soft_cap or final_logits_soft_cap and query_pre_attn_scalar=0"
+    )
   if c.decoder_block in ("gemma2", "gemma3"):
     hf.update(
       hidden_activation=TO_HF_ACTIVATIONS[c.mlp_activations[0]],
@@ -729,6 +744,8 @@ def hf_config_from(config: Config) -> dict[str, Any]:
     hf.pop("intermediate_size")  # Qwen3_5MoeTextConfig has none
   if c.decoder_block == "llama4":
     hf.update(_llama4_export(c, rope))
+  if c.use_multimodal and c.vision_encoder_block == "qwen3_vl":
+    return hf_qwen3_vl.export(c, hf)
   if c.use_multimodal and c.decoder_block == "llama4":
     from maxtext.vision.llama4_hf_config import llama4_vision_export
 

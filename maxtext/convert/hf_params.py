@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtext.config import MaxTextConfig
-from maxtext.convert import mxfp4
+from maxtext.convert import hf_qwen3_vl, mxfp4
 from maxtext.errors import ConfigError, shorten
 from maxtext.models import layer_pattern, registry
 from maxtext.models.family import LayerKind
@@ -395,7 +395,7 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   if c.use_multimodal:  # Gemma 3's tower and projector; without use_multimodal a multimodal checkpoint loads its text decoder
     vision, names = _vision_from_hf(tensors, c)
     tensors = {k: v for k, v in tensors.items() if k not in names}
-  tensors = mxfp4.dense_experts(text_decoder_tensors(tensors))
+  tensors = mxfp4.dense_experts(text_decoder_tensors(hf_qwen3_vl.split_experts(tensors)))
   used: set[str] = set()
 
   def take(name: str) -> Array:
@@ -462,6 +462,14 @@ def _vision_from_hf(tensors: dict[str, Array], c: MaxTextConfig) -> tuple[dict[s
   from maxtext.models import specs
   from maxtext.vision import llama4_convert
 
+  if c.vision_encoder_block == "qwen3_vl":
+    try:
+      out, names = hf_qwen3_vl.vision_from_hf(tensors, specs.vision(c))
+    except ValueError as e:
+      raise ConfigError(f"use_multimodal=true: {e}; convert a Qwen3VLForConditionalGeneration checkpoint whose config.json matches it") from None
+    for name in sorted(names):
+      check_weight(name, tensors[name])
+    return out, names
   llama4 = c.decoder_block == "llama4"
   read = llama4_convert.llama4_vision_from_hf if llama4 else vision_convert.gemma3_vision_from_hf
   try:
@@ -545,10 +553,13 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
 
     vision = {k: v for k, v in params.items() if k.startswith("vision/")}
     used.update(vision)
-    from maxtext.vision import llama4_convert
+    if c.vision_encoder_block == "qwen3_vl":
+      out = hf_qwen3_vl.text_names_to_hf(out, fuse_experts=c.num_experts > 1) | hf_qwen3_vl.vision_to_hf(vision, specs.vision(c))
+    else:
+      from maxtext.vision import llama4_convert
 
-    write = llama4_convert.llama4_vision_to_hf if c.decoder_block == "llama4" else vision_convert.gemma3_vision_to_hf
-    out = {MULTIMODAL_TEXT_PREFIX + k: v for k, v in out.items()} | write(vision, specs.vision(c))
+      write = llama4_convert.llama4_vision_to_hf if c.decoder_block == "llama4" else vision_convert.gemma3_vision_to_hf
+      out = {MULTIMODAL_TEXT_PREFIX + k: v for k, v in out.items()} | write(vision, specs.vision(c))
   unexpected = sorted(set(params) - used)
   if unexpected:
     raise ConfigError(f"parameters with no Hugging Face name: {shorten(unexpected)}; merge or drop adapters/connectors before exporting")

@@ -50,6 +50,10 @@ def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str = "trai
     return preference.PairEncoder(tokenizer, config.train_data_columns, max_length=config.max_target_length, **kwargs)
   if config.use_grpo:
     return prompts.PromptEncoder(tokenizer, config.train_data_columns, max_length=config.max_prefill_predict_length, **kwargs)
+  if config.use_multimodal and config.vision_encoder_block == "qwen3_vl":
+    from maxtext.vision.qwen3_vl_encoder import TRAINING_NOT_BUILT
+
+    raise ConfigError(TRAINING_NOT_BUILT)
   if config.use_multimodal:
     return image_text_encoder(config, tokenizer, split, kwargs)
   return features.DocumentEncoder(tokenizer, config.train_data_columns, **kwargs)

@@ -45,17 +45,31 @@ def prompt_images(config: MaxTextConfig) -> list:
   return [read_image(p, None, f"image_path '{p}'") for p in paths]
 
 
-def encode_with_images(config: MaxTextConfig, tokenizer, text: str, images: int) -> list[int]:
-  """The prompt's tokens with each image_placeholder replaced by mm_tokens_per_image image ids; as many places as images."""
+def encode_with_images(config: MaxTextConfig, tokenizer, text: str, images: int, per_image: Sequence[int] | None = None) -> list[int]:
+  """The prompt's tokens with each image_placeholder replaced by mm_tokens_per_image image ids (per_image: each
+  image's own count, Qwen3-VL's); as many places as images."""
   from maxtext.errors import DataError
 
   parts = text.split(config.image_placeholder)
   if len(parts) - 1 != images:
     raise DataError(f"the prompt has {len(parts) - 1} '{config.image_placeholder}' place(s) but image_path gives {images} image(s); give one image per place")
   ids = tokenizer.encode(parts[0]) if parts[0] else []
-  for part in parts[1:]:
-    ids += [config.image_token_id] * config.mm_tokens_per_image + (tokenizer.encode(part) if part else [])
+  for k, part in enumerate(parts[1:]):
+    count = config.mm_tokens_per_image if per_image is None else per_image[k]
+    ids += [config.image_token_id] * count + (tokenizer.encode(part) if part else [])
   return ids
+
+
+def qwen3_vl_image_tokens(config: MaxTextConfig, images: list) -> list[int] | None:
+  """Qwen3-VL (vision_encoder_block=qwen3_vl): each image's placeholder count, from its size; None for other models.
+  The image ids go where the prompt's image_placeholder is (write <|vision_start|> and <|vision_end|> around it)."""
+  if not (config.use_multimodal and config.vision_encoder_block == "qwen3_vl"):
+    return None
+  from maxtext.models import specs
+  from maxtext.vision.qwen3_vl_encoder import image_tokens
+
+  spec = specs.vision(config)
+  return [image_tokens(image, spec) for image in images]
 
 
 def check_training_only_axes(config: MaxTextConfig) -> None:
@@ -100,8 +114,9 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
     prompt = encode_prompt(config, tokenizer, text, images)
     slots = prompt.count(config.image_token_id) // specs.vision(config).tokens_per_image  # the tower's inputs are tiles
   else:
+    per_image = qwen3_vl_image_tokens(config, images)
+    prompt = encode_with_images(config, tokenizer, text, len(images), per_image) if config.use_multimodal else tokenizer.encode(text)
     slots = len(images)
-    prompt = encode_with_images(config, tokenizer, text, len(images)) if config.use_multimodal else tokenizer.encode(text)
   prompt = prompt if config.use_chat_template and bos and prompt[:1] == bos else bos + prompt  # a template may write BOS itself
   mesh = mesh_lib.create(config)
   generator_args = dict(
@@ -119,7 +134,7 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
   with memory_limit.one_line("loading the model and compiling decode", remedy):
     model = unstack.for_decoding(load_model(config, mesh, log))
     generator = Generator(model, sampling, config=config, mesh=mesh, **generator_args)
-    seconds = generator.compile(batch=1, prompt_length=len(prompt), adapters=adapter_ids is not None, images=slots)
+    seconds = generator.compile(batch=1, prompt_length=len(prompt), adapters=adapter_ids is not None, images=slots, sample_images=images)
   log(f"compiled prefill and decode in {seconds:.1f}s")
   log(cache_layout.describe(config, 1, generator.layout))
   with memory_limit.one_line("while decoding", remedy):

@@ -12,6 +12,7 @@ from maxtext.inference.cache_layout import DecodeCache, Layout, Stack
 from maxtext.inference.kv_cache import LayerCache
 from maxtext.layers.residual import collapse_streams
 from maxtext.models.decoder import Transformer
+from maxtext.vision.qwen3_vl_encoder import deepstack_add
 
 
 def group_layers(state: Any, p: int, n: int) -> Any:
@@ -30,16 +31,24 @@ def hidden_states(
   cache: DecodeCache,
   lay: Layout,
   adapter_ids: jax.Array | None = None,
-  images: jax.Array | None = None,
+  images: Any = None,
+  rope_deltas: jax.Array | None = None,
 ) -> tuple[jax.Array, DecodeCache]:
   """tokens [B, S] (row b's first new_lengths[b] are real) at positions cache.lengths + 0.. -> (final hidden [B, S, E], cache).
 
   adapter_ids [B]: each row's LoRA slot when lora.max_lora_adapters > 1 (-1: the base model; None: slot 0 for all),
   handed to every layer. images [B, M, S_img, S_img, 3] (a prefill of a use_multimodal model): each row's images,
-  placed at its placeholders (Transformer.input_stream). Each layer stack runs in turn (see _run_stack).
+  placed at its placeholders (Transformer.input_stream); Qwen3-VL's (a Qwen3VLImages) bring their rope positions and
+  DeepStack features. rope_deltas [B] (Qwen3-VL, decode steps after a prefill with images): each row's rope position
+  minus its cache position. Each layer stack runs in turn (see _run_stack).
   """
   positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-  x = model.input_stream(tokens, images)
+  x, extras = model.multimodal_inputs(tokens, images)
+  rope = extras.get("rope_positions")
+  if rope is None and rope_deltas is not None:
+    rope = jnp.repeat((positions + rope_deltas[:, None])[..., None], 3, axis=-1)
+  rot = {} if rope is None else {"rope_positions": rope}
+  deep = extras.get("deepstack")
   image_ids = model.image_ids(tokens, images)
   per_layer = model.per_layer_inputs(tokens)  # [layers, B, S, P] (Gemma 4) or None
 
@@ -50,14 +59,22 @@ def hidden_states(
     if kind is not None and kind.kv_shared:
       source_buffers, kv = shared[window]
       h, _, _ = layer(
-        h, positions, None, window, cache=LayerCache(source_buffers, cache.lengths, new_lengths, image_ids), adapter_ids=adapter_ids, shared_kv=kv, **extra
+        h,
+        positions,
+        None,
+        window,
+        cache=LayerCache(source_buffers, cache.lengths, new_lengths, image_ids),
+        adapter_ids=adapter_ids,
+        shared_kv=kv,
+        **extra,
+        **rot,
       )
       return h, {}
     layer_cache = LayerCache(buffers, cache.lengths, new_lengths, image_ids)
     if shared is None:
-      h, _, out = layer(h, positions, None, window, cache=layer_cache, adapter_ids=adapter_ids, **extra)
+      h, _, out = layer(h, positions, None, window, cache=layer_cache, adapter_ids=adapter_ids, **extra, **rot)
     else:
-      h, _, out, kv = layer(h, positions, None, window, cache=layer_cache, adapter_ids=adapter_ids, return_kv=True, **extra)
+      h, _, out, kv = layer(h, positions, None, window, cache=layer_cache, adapter_ids=adapter_ids, return_kv=True, **extra, **rot)
       shared[window] = (buffers, kv)
     return h, out.arrays
 
@@ -65,7 +82,8 @@ def hidden_states(
   for stack, scan_cache, tail_cache in zip(lay.stacks, cache.scan, cache.tail):
     start = stack.pattern.start if stack.pattern is not None else 0
     mine = None if per_layer is None else per_layer[start : start + len(stack.windows)]
-    x, s, t = _run_stack(model, stack, x, scan_cache, tail_cache, run, mine)
+    after = None if deep is None else (lambda i, h, start=start: deepstack_add(h, start + i, deep))
+    x, s, t = _run_stack(model, stack, x, scan_cache, tail_cache, run, mine, after)
     scanned.append(s)
     tails.append(t)
   hidden = model.final_norm(collapse_streams(x, model.specs.residual))
@@ -73,11 +91,12 @@ def hidden_states(
 
 
 def _run_stack(
-  model: Transformer, stack: Stack, x: jax.Array, scan_cache: tuple, tail_cache: tuple, run, per_layer: jax.Array | None = None
+  model: Transformer, stack: Stack, x: jax.Array, scan_cache: tuple, tail_cache: tuple, run, per_layer: jax.Array | None = None, after=None
 ) -> tuple[jax.Array, tuple, tuple]:
   """One layer stack: scanned models scan over groups of `stack.period` layers, the stacked caches riding along as scan
   inputs and outputs; the rest of the layers run one by one. A stack with KV-shared layers never repeats, so its
-  shared layers find their sources' caches within one group (or among the unscanned layers)."""
+  shared layers find their sources' caches within one group (or among the unscanned layers). after(i, h): what
+  follows the stack's layer i (Qwen3-VL's DeepStack addition), or None."""
   source = _LayerSource(model, stack)
   kinds = stack.pattern.kinds if stack.pattern is not None else (None,) * len(stack.windows)
   sharing = any(k is not None and k.kv_shared for k in kinds)
@@ -86,18 +105,23 @@ def _run_stack(
     p = stack.period
 
     def body(h, xs):
-      group_states, buffers, inputs = xs
+      group_states, buffers, inputs, group = xs
       new, shared = [], {} if sharing else None
       for j in range(p):
         h, out = run(source.in_group(group_states, j), h, stack.windows[j], buffers[j], kinds[j], shared, None if inputs is None else inputs[j])
+        if after is not None:
+          h = after(group * p + j, h)
         new.append(out)
       return h, tuple(new)
 
     grouped = None if per_layer is None else per_layer[: p * stack.num_groups].reshape(stack.num_groups, p, *per_layer.shape[1:])
-    x, scanned = jax.lax.scan(body, x, (source.groups(p, stack.num_groups), scan_cache, grouped))
+    groups = jnp.arange(stack.num_groups, dtype=jnp.int32)
+    x, scanned = jax.lax.scan(body, x, (source.groups(p, stack.num_groups), scan_cache, grouped, groups))
   tail, shared = [], {} if sharing else None
   for t, i in enumerate(stack.tail_layers):
     x, out = run(source.layer(i), x, stack.windows[i], tail_cache[t], kinds[i], shared, None if per_layer is None else per_layer[i])
+    if after is not None:
+      x = after(i, x)
     tail.append(out)
   return x, scanned, tuple(tail)
 

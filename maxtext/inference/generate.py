@@ -158,10 +158,13 @@ class Generator:
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return cache, model.logits(last)
 
-  def _step(self, state: nnx.State, cache: DecodeCache, tokens: jax.Array, adapter_ids: jax.Array | None = None) -> tuple[DecodeCache, jax.Array]:
-    """One token per row [B] at each row's next position -> (cache, logits [B, V])."""
+  def _step(
+    self, state: nnx.State, cache: DecodeCache, tokens: jax.Array, adapter_ids: jax.Array | None = None, rope_deltas: jax.Array | None = None
+  ) -> tuple[DecodeCache, jax.Array]:
+    """One token per row [B] at each row's next position -> (cache, logits [B, V]). rope_deltas [B]: Qwen3-VL's, after
+    a prefill with images (forward.hidden_states)."""
     model = self._model(state)
-    hidden, cache = forward.hidden_states(model, tokens[:, None], jnp.ones_like(tokens), cache, self.layout, adapter_ids)
+    hidden, cache = forward.hidden_states(model, tokens[:, None], jnp.ones_like(tokens), cache, self.layout, adapter_ids, rope_deltas=rope_deltas)
     return cache, model.logits(hidden[:, 0])
 
   def _loop(
@@ -173,6 +176,7 @@ class Generator:
     key: jax.Array,
     eos_id: jax.Array,
     adapter_ids: jax.Array | None = None,
+    rope_deltas: jax.Array | None = None,
   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Sample from the prefill logits, then decode until every row is done -> (tokens [B, max_target_length], counts [B], steps)."""
     b = logits.shape[0]
@@ -196,7 +200,7 @@ class Generator:
 
     def body(carry):
       cache, out, counts, done, tok, i = carry
-      cache, logits = self._step(state, cache, tok, adapter_ids)
+      cache, logits = self._step(state, cache, tok, adapter_ids, rope_deltas)
       out, counts, done, tok = emit(out, counts, done, logits, i)
       return cache, out, counts, done, tok, i + 1
 
@@ -227,24 +231,36 @@ class Generator:
       lengths[i] = len(p)
     return tokens, lengths
 
-  def compile(self, batch: int, prompt_length: int, adapters: bool = False, images: int = 0) -> float:
+  def compile(self, batch: int, prompt_length: int, adapters: bool = False, images: int = 0, sample_images: Sequence[np.ndarray] = ()) -> float:
     """Compile prefill and the decode loop for this batch and the bucket of prompt_length (adapters: for calls that
-    pass adapter_ids; images: for prompts with up to this many images each) ahead of time; returns seconds."""
+    pass adapter_ids; images: for prompts with up to this many images each; Qwen3-VL, whose input shapes follow the
+    images' sizes: sample_images, each prompt's images) ahead of time; returns seconds."""
     start = time.perf_counter()
     tokens, lengths = self.pad([[0] * prompt_length] * batch)
     size = self.config.tile_size_for_vit if self.config.decoder_block == "llama4" else self.config.image_size_for_vit  # llama4: images counts tiles
     pixels = np.zeros((tokens.shape[0], images, size, size, 3), np.float32) if images else None
-    self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None, pixels)
+    deltas = None
+    if images and self.config.vision_encoder_block == "qwen3_vl":
+      from maxtext.models import specs
+      from maxtext.vision import qwen3_vl_encoder
+
+      pixels = qwen3_vl_encoder.empty_batch(tokens.shape[0], tokens.shape[1], sample_images, specs.vision(self.config))
+      deltas = np.zeros(tokens.shape[:1], np.int32)
+    self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None, pixels, deltas)
     return time.perf_counter() - start
 
-  def _executables_for(self, tokens: np.ndarray, lengths: np.ndarray, adapter_ids: np.ndarray | None = None, images: np.ndarray | None = None) -> tuple:
-    key = (*tokens.shape, adapter_ids is not None) + (() if images is None else (images.shape,))  # (batch, bucket, with adapter ids[, images])
+  def _executables_for(
+    self, tokens: np.ndarray, lengths: np.ndarray, adapter_ids: np.ndarray | None = None, images=None, rope_deltas: np.ndarray | None = None
+  ) -> tuple:
+    shapes_of_images = tuple(np.shape(a) for a in jax.tree.leaves(images))  # pixels, or Qwen3-VL's patches, layout and rope positions
+    rope = ("rope_deltas",) if rope_deltas is not None else ()  # Qwen3-VL's decode steps take them
+    key = (*tokens.shape, adapter_ids is not None) + rope + shapes_of_images  # (batch, bucket, with adapter ids[, images])
     if key not in self._executables:
       with self._mesh_context():
         prefill = self.prefill.lower(self.state, tokens, lengths, adapter_ids, images).compile()
         shapes = jax.eval_shape(self._prefill, self.state, tokens, lengths, adapter_ids, images)
         cache, logits = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, prefill.output_shardings)
-        loop = self.loop.lower(self.state, cache, logits, lengths, jax.random.key(0), jnp.int32(0), adapter_ids).compile()
+        loop = self.loop.lower(self.state, cache, logits, lengths, jax.random.key(0), jnp.int32(0), adapter_ids, rope_deltas).compile()
       self._executables[key] = (prefill, loop)
     return self._executables[key]
 
@@ -273,15 +289,19 @@ class Generator:
     key = jax.random.key(seed) if key is None else key
     tokens, lengths = self.pad(prompts)
     slots = self.adapter_slots(adapter_ids, len(prompts), tokens.shape[0])
-    pixels = None if images is None else prompt_images(self.config, prompts, images, tokens.shape[0])
-    prefill, loop = self._executables_for(tokens, lengths, slots, pixels)
+    deltas = None
+    if images is not None and self.config.use_multimodal and self.config.vision_encoder_block == "qwen3_vl":
+      pixels, deltas = qwen3_vl_prompt_images(self.config, prompts, images, tokens)
+    else:
+      pixels = None if images is None else prompt_images(self.config, prompts, images, tokens.shape[0])
+    prefill, loop = self._executables_for(tokens, lengths, slots, pixels, deltas)
     with self._mesh_context():
       start = time.perf_counter()
       cache, logits = prefill(state, tokens, lengths, slots, pixels)
       logits.block_until_ready()
       prefill_seconds = time.perf_counter() - start
       start = time.perf_counter()
-      out, counts, _ = jax.device_get(loop(state, cache, logits, lengths, key, jnp.int32(self.eos_id), slots))
+      out, counts, _ = jax.device_get(loop(state, cache, logits, lengths, key, jnp.int32(self.eos_id), slots, deltas))
       decode_seconds = time.perf_counter() - start
     generated = [out[i, : counts[i]].tolist() for i in range(len(prompts))]
     return Result(generated, int(lengths[: len(prompts)].sum()), prefill_seconds, int(counts[: len(prompts)].sum()), decode_seconds)
@@ -351,6 +371,24 @@ def prompt_images(config: MaxTextConfig, prompts: Sequence[Sequence[int]], image
     if row:
       out[i, : len(row)] = pixels_of(list(row), size, f"prompt {i}")
   return out
+
+
+def qwen3_vl_prompt_images(config: MaxTextConfig, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[np.ndarray]], tokens: np.ndarray) -> tuple:
+  """Qwen3-VL: each prompt's images -> (Qwen3VLImages for the padded prompt rows, each row's rope delta [rows] int32).
+  Each prompt's placeholders must hold its images' merged tokens, in order: else a one-line DataError."""
+  from maxtext.models import specs
+  from maxtext.vision import qwen3_vl_encoder
+
+  if len(images) != len(prompts):
+    raise DataError(f"{len(images)} image lists for {len(prompts)} prompts; give one list (possibly empty) per prompt")
+  rows = [list(row) for row in images] + [[]] * (tokens.shape[0] - len(prompts))
+  try:
+    batch, deltas = qwen3_vl_encoder.prepare(tokens.tolist(), rows, specs.vision(config))
+  except ValueError as e:
+    raise DataError(
+      f"the prompts' image placeholders do not fit their images: {e}; put each image's tokens (qwen3_vl_encoder.image_tokens) at its place"
+    ) from None
+  return batch, np.asarray(deltas, np.int32)
 
 
 def check_tokenizer(tokenizer, vocab_size: int) -> None:

@@ -122,13 +122,16 @@ class Attention(nnx.Module):
     image_ids: jax.Array | None = None,
     shared_kv: tuple[jax.Array, jax.Array] | None = None,
     return_kv: bool = False,
+    rope_positions: jax.Array | None = None,
   ):
     """-> output [B, S, E]; with a KV cache (decoding), -> (output, updated cache). adapter_ids: each row's (or
-    token's) LoRA slot, for adapted projections. shared_kv: the (rotated, normed) keys and values a KV-shared layer
+    token's) LoRA slot, for adapted projections. rope_positions [B, S, 3]: multimodal rope positions (use_mrope), which
+    rotate q and k in place of positions (positions still order the mask). shared_kv: the (rotated, normed) keys and values a KV-shared layer
     attends with; return_kv: -> (output, (keys, values)), for the layers that share them. image_ids [B, S]: each
     token's image (0: text), whose tokens see each other both ways (a cache carries its own)."""
     spec = self.spec
     rules = spec.rules
+    rotary = positions if rope_positions is None else rope_positions
     q = checkpoint_name(self.query(x, adapter_ids), "query_proj")
     gate = None
     if spec.output_gate:
@@ -139,7 +142,7 @@ class Attention(nnx.Module):
       k, v = shared_kv
       if self.query_norm is not None:
         q = self.query_norm(q)
-      q = self._position(q, q, positions, window)[0]  # keys come rotated from the source layer
+      q = self._position(q, q, rotary, window)[0]  # keys come rotated from the source layer
     else:
       k = checkpoint_name(self.key(x, adapter_ids), "key_proj")
       v = k if self.value is None else checkpoint_name(self.value(x, adapter_ids), "value_proj")
@@ -150,7 +153,7 @@ class Attention(nnx.Module):
         k = self.key_norm(k.reshape(*k.shape[:-2], -1)).reshape(k.shape)
       if self.value_norm is not None:
         v = self.value_norm(v)
-      q, k = self._position(q, k, positions, window)
+      q, k = self._position(q, k, rotary, window)
     q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
     k = constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
     v = constrain(v, ("activation_batch", "activation_length", "activation_kv_heads", None), rules)
@@ -204,7 +207,7 @@ class Attention(nnx.Module):
     spec = self.spec
     dim = spec.rotary_dim
     inv_freq, rope_scale = rotary(spec.rope, dim, window)
-    rotated = rope.apply_rope(x[..., :dim], positions, inv_freq, interleave=spec.rope.interleave, scale=rope_scale)
+    rotated = rope.apply_rope(x[..., :dim], positions, inv_freq, interleave=spec.rope.interleave, scale=rope_scale, mrope_section=spec.rope.mrope_section)
     return rotated if dim == spec.head_dim else jnp.concatenate([rotated, x[..., dim:]], axis=-1)
 
   @staticmethod

@@ -11,6 +11,16 @@ The residual stream is widened to n copies, state [B, S, n, E]. Around each sub-
 All of it is computed in float32. At init W = 0, b_pre = logit(1/n), b_post symmetric around 0
 and b_res = c I, so the mean of the streams evolves exactly like the plain residual stream, and
 the decoder's final collapse (sum / n) hands the plain stream to the final norm.
+
+DeepSeek V4's checkpoints (attn_hc, ffn_hc: fn, base, scale) use the same projections, H_post and
+stream mixes, and differ in three places (`HyperConnection(hc_eps=...)` computes their form):
+  - H_pre = sigmoid(...) + hc_eps;
+  - H_res: V4 mixes x'_m = sum_k C[k, m] x_k, so H_res = C^T, and C = softmax over C's rows + hc_eps,
+    then a column division, then hc_sinkhorn_iters - 1 rounds of row and column divisions, each
+    dividing by (sum + hc_eps). In H_res's orientation that is columns first (ours: rows first, in the
+    log domain, no eps): after finitely many rounds the two are different matrices;
+  - the RMSNorm has no scale (norm_scale = 1) and its epsilon is the model's rms_norm_eps.
+And the decoder's final collapse is learned (`HyperHead`, V4's hc_head), not the mean of the streams.
 """
 
 from __future__ import annotations
@@ -87,8 +97,8 @@ def sinkhorn_knopp(logits: jax.Array, iterations: int) -> jax.Array:
   return jnp.moveaxis(jnp.exp(_sinkhorn_log(log_p, iterations)), (0, 1), (-2, -1))
 
 
-@jax.custom_vjp
-def _projections(x: jax.Array, norm_scale: jax.Array, w: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _projections(x: jax.Array, norm_scale: jax.Array, w: jax.Array, eps: float = NORM_EPS) -> jax.Array:
   """RMSNorm(flatten(x)) W in float32: [..., n, E] -> [..., n (n + 2)], as one matmul.
 
   The norm's scale is folded into W and its per-token 1/rms applied to the n (n + 2) outputs, so the
@@ -96,23 +106,24 @@ def _projections(x: jax.Array, norm_scale: jax.Array, w: jax.Array) -> jax.Array
   The backward pass keeps x itself (which the stream mixes keep too), not a flattened float32 copy,
   so the layer stores the stream once.
   """
-  return _projections_fwd(x, norm_scale, w)[0]
+  return _projections_fwd(x, norm_scale, w, eps)[0]
 
 
 def _flat(x: jax.Array) -> jax.Array:
   return x.astype(jnp.float32).reshape(*x.shape[:-2], -1)
 
 
-def _projections_fwd(x, norm_scale, w):
+def _projections_fwd(x, norm_scale, w, eps):
   flat = _flat(x)
-  inv_rms = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + NORM_EPS)
+  inv_rms = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + eps)
   raw = jnp.einsum("...i,ij->...j", flat, norm_scale[:, None] * w, precision=jax.lax.Precision.HIGHEST)
   return inv_rms * raw, (x, norm_scale, w, inv_rms, raw)
 
 
-def _projections_bwd(residuals, d_proj):
+def _projections_bwd(eps, residuals, d_proj):
   """With raw = x (s W) and proj = r raw, r = (mean(x^2) + eps)^-1/2: d raw = r d_proj, dr = <d_proj, raw>,
   dx = d raw (s W)^T - r^3 dr x / nE, d(s W) = x^T d raw (summed over tokens), dW = s d(s W), ds = rowsum(d(s W) W)."""
+  del eps  # inside inv_rms
   x, norm_scale, w, inv_rms, raw = residuals
   highest = jax.lax.Precision.HIGHEST
   flat = _flat(x)
@@ -129,11 +140,14 @@ _projections.defvjp(_projections_fwd, _projections_bwd)
 class HyperConnection(nnx.Module):
   """The mHC update around one sub-block; called as connection(x [B, S, n, E], branch) -> x'."""
 
-  def __init__(self, n: int, emb_dim: int, sinkhorn_iterations: int, *, weight_dtype: jnp.dtype):
+  def __init__(self, n: int, emb_dim: int, sinkhorn_iterations: int, *, weight_dtype: jnp.dtype, hc_eps: float | None = None, norm_eps: float = NORM_EPS):
+    """hc_eps: None for this project's form; a number for DeepSeek V4's (module docstring). norm_eps: the RMSNorm's."""
     if n < 2:
       raise ValueError("HyperConnection needs n >= 2 streams; n = 1 is the plain residual")
     self.n = n
     self.sinkhorn_iterations = sinkhorn_iterations
+    self.hc_eps = hc_eps
+    self.norm_eps = norm_eps
     wide = n * emb_dim
 
     def param(value, axes: tuple[str, ...]) -> MHCParam:
@@ -155,18 +169,50 @@ class HyperConnection(nnx.Module):
     n = self.n
     f32 = jnp.float32
     w = jnp.concatenate([self.pre_proj[...], self.post_proj[...], self.res_proj[...]], axis=-1).astype(f32)
-    proj = _projections(x, self.norm_scale[...].astype(f32), w)
+    proj = _projections(x, self.norm_scale[...].astype(f32), w, self.norm_eps)
     pre, post, res = proj[..., :n], proj[..., n : 2 * n], proj[..., 2 * n :]
     h_pre = jax.nn.sigmoid(self.pre_scale[...].astype(f32) * pre + self.pre_bias[...].astype(f32))
     h_post = 2.0 * jax.nn.sigmoid(self.post_scale[...].astype(f32) * post + self.post_bias[...].astype(f32))
-    res_logits = self.res_scale[...].astype(f32) * res + self.res_bias[...].astype(f32)
-    h_res = sinkhorn_knopp(res_logits.reshape(*res.shape[:-1], n, n), self.sinkhorn_iterations)
-    return h_pre, h_post, h_res
+    res_logits = (self.res_scale[...].astype(f32) * res + self.res_bias[...].astype(f32)).reshape(*res.shape[:-1], n, n)
+    if self.hc_eps is None:
+      return h_pre, h_post, sinkhorn_knopp(res_logits, self.sinkhorn_iterations)
+    return h_pre + self.hc_eps, h_post, sinkhorn_deepseek_v4(res_logits, self.sinkhorn_iterations, self.hc_eps)
 
   def __call__(self, x: jax.Array, branch: Branch) -> jax.Array:
     h_pre, h_post, h_res = self.mixing(x)
     y = branch(_mix_in(h_pre, x))
     return _mix_out(h_res, h_post, x, y)
+
+
+def sinkhorn_deepseek_v4(logits: jax.Array, iterations: int, eps: float) -> jax.Array:
+  """DeepSeek V4's H_res from logits [..., m, k] in H_res's orientation (V4's C = H_res^T): with L = logits^T,
+  C = softmax(L, rows) + eps, C /= (column sums + eps), then iterations - 1 rounds of the row then the column
+  division, each by (sum + eps); returns C^T. In float32, differentiated by autodiff."""
+  c = jax.nn.softmax(jnp.swapaxes(logits.astype(jnp.float32), -1, -2), axis=-1) + eps
+  c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+  for _ in range(iterations - 1):
+    c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+  return jnp.swapaxes(c, -1, -2)
+
+
+class HyperHead(nnx.Module):
+  """DeepSeek V4's final collapse (hc_head): sum_k (sigmoid(a x_hat w_k + b_k) + eps) x_k, x_hat = the streams
+  flattened and RMS-normalised without a scale; [B, S, n, E] -> [B, S, E]. (This project's collapse is the mean.)"""
+
+  def __init__(self, n: int, emb_dim: int, *, weight_dtype: jnp.dtype, hc_eps: float, norm_eps: float):
+    self.hc_eps = hc_eps
+    self.norm_eps = norm_eps
+    self.proj = MHCParam(jnp.zeros((n * emb_dim, n), weight_dtype), logical_axes=("embed", "mhc"))
+    self.bias = MHCParam(jnp.full((n,), math.log(1.0 / (n - 1)), weight_dtype), logical_axes=("mhc",))  # 1/n each
+    self.scale = MHCParam(jnp.asarray(GATE_INIT, weight_dtype), logical_axes=())
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    f32 = jnp.float32
+    ones = jnp.ones((x.shape[-2] * x.shape[-1],), f32)
+    proj = _projections(x, ones, self.proj[...].astype(f32), self.norm_eps)
+    weights = jax.nn.sigmoid(self.scale[...].astype(f32) * proj + self.bias[...].astype(f32)) + self.hc_eps
+    return _mix_in(weights, x)
 
 
 # The stream mixes have hand-written backward passes. Their autodiff forms turn the per-token n x n

@@ -37,13 +37,16 @@ class MLPSpec:
   width: int  # hidden width: mlp_dim (DeepSeek's shared experts: shared_experts x moe_mlp_dim)
   activations: tuple[str, ...]  # mlp_activations: two names gate wi_0 and wi_1, one name a single wi
   rules: Rules = ()  # logical_axis_rules
+  glu_limit: float = 0.0  # > 0: the gate's inputs clamped (glu; DeepSeek V4's shared experts, with glu_clamp_only)
+  glu_clamp_only: bool = False  # glu's DeepSeek V4 form: act0(min(h0, L)) * act1(clip(h1, -L, L))
 
 
-def glu(activations: tuple[str, ...], limit: float = 0.0) -> Callable[[jax.Array, jax.Array], jax.Array]:
+def glu(activations: tuple[str, ...], limit: float = 0.0, clamp_only: bool = False) -> Callable[[jax.Array, jax.Array], jax.Array]:
   """The experts' gate: (h0, h1) = (x wi_0, x wi_1) -> the hidden activation before wo.
 
-  act0(h0) * act1(h1); with gpt-oss's clamped SwiGLU (limit L > 0, MoESpec.glu_limit): g = min(h0, L), u = clip(h1, -L, L),
-  (u + 1) * g * act0(1.702 g), as Hugging Face's GptOssExperts computes it.
+  act0(h0) * act1(h1); with a clamped SwiGLU (limit L > 0, MoESpec.glu_limit) g = min(h0, L), u = clip(h1, -L, L), then
+  gpt-oss's (u + 1) * g * act0(1.702 g), as Hugging Face's GptOssExperts computes it, or with clamp_only DeepSeek V4's
+  act0(g) * act1(u) (its swiglu_limit).
   """
   act0, act1 = activation(activations[0]), activation(activations[-1])
   if limit <= 0:
@@ -52,6 +55,8 @@ def glu(activations: tuple[str, ...], limit: float = 0.0) -> Callable[[jax.Array
   def clamped(h0: jax.Array, h1: jax.Array) -> jax.Array:
     g = jnp.minimum(h0, jnp.asarray(limit, h0.dtype))
     u = jnp.clip(h1, -limit, limit)
+    if clamp_only:
+      return act0(g) * act1(u)
     return (u + 1) * g * act0(CLAMPED_GLU_ALPHA * g)
 
   return clamped
@@ -80,6 +85,6 @@ class MLP(nnx.Module):
     else:
       h0 = checkpoint_name(self.wi_0(x, adapter_ids), "mlpwi_0")
       h1 = checkpoint_name(self.wi_1(x, adapter_ids), "mlpwi_1")
-      h = activation(self.acts[0])(h0) * activation(self.acts[1])(h1)
+      h = glu(self.acts, self.spec.glu_limit, self.spec.glu_clamp_only)(h0, h1)
     h = constrain(h.astype(jnp.dtype(h.dtype)), ("activation_batch", "activation_length", "activation_mlp"), rules)
     return checkpoint_name(self.wo(h, adapter_ids), "mlpwo")

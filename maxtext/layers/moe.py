@@ -56,7 +56,7 @@ class RoutingSpec:
 
   num_experts: int
   k: int  # num_experts_per_tok
-  score_func: str = "softmax"  # routed_score_func: softmax | sigmoid
+  score_func: str = "softmax"  # routed_score_func: softmax | sigmoid | sqrtsoftplus (DeepSeek V4: sqrt(softplus(logit)))
   groups: int = 0  # n_routing_groups (0: no group limit)
   topk_groups: int = 0  # topk_routing_group: groups each token may choose from
   renormalize: bool = False  # chosen weights renormalised to sum to one (norm_topk_prob; always for Mixtral)
@@ -72,6 +72,8 @@ class MoESpec:
   routing: RoutingSpec
   activations: tuple[str, ...]  # mlp_activations of the experts' gate
   glu_limit: float = 0.0  # > 0: the family's clamped SwiGLU with mlp_activations_limit (gpt-oss), maxtext.layers.mlp.glu
+  glu_clamp_only: bool = False  # the clamped SwiGLU in DeepSeek V4's form act0(min(h0, L)) * act1(clip(h1, -L, L))
+  hash_vocab: int = 0  # > 0: hash routing (DeepSeek V4's first layers): each token id's experts fixed by a tid2eid table [hash_vocab, k]
   router_bias: bool = False  # the router has a trained bias on its logits (routed_bias with softmax scores: gpt-oss)
   score_correction: bool = False  # a per-expert score-correction bias moved by the aux-loss-free update (routed_bias with sigmoid: DeepSeek)
   expert_bias: bool = False  # mlp_bias: every expert projection adds a per-expert bias
@@ -91,17 +93,32 @@ class RoutingBias(nnx.Variable):
   """DeepSeek's per-expert score-correction bias: not trained by gradients, moved by the aux-loss-free update."""
 
 
+class HashRouting(nnx.Variable):
+  """DeepSeek V4's tid2eid: the experts of each token id [vocab, k], fixed (from the checkpoint; never trained)."""
+
+
 class Routing(NamedTuple):
   weights: jax.Array  # [T, k] float32 combine weights of the chosen experts
   experts: jax.Array  # [T, k] int32 chosen experts
   probs: jax.Array  # [T, E] float32 routing probabilities (for the load-balance loss)
 
 
-def route(logits: jax.Array, spec: RoutingSpec, bias: jax.Array | None = None) -> Routing:
-  """Choose spec.k experts per token from router logits [T, E] (see the module docstring)."""
+SCORE_FUNCS = ("", "softmax", "sigmoid", "sqrtsoftplus")  # "": softmax
+
+
+def route(logits: jax.Array, spec: RoutingSpec, bias: jax.Array | None = None, fixed: jax.Array | None = None) -> Routing:
+  """Choose spec.k experts per token from router logits [T, E] (see the module docstring); fixed [T, k]: the experts
+  are given (hash routing: DeepSeek V4's tid2eid of each token), the scores only weight them."""
+  if spec.score_func not in SCORE_FUNCS:
+    raise ValueError(f"unknown routed_score_func {spec.score_func!r}; one of {', '.join(SCORE_FUNCS)}")
   logits = logits.astype(jnp.float32)
-  sigmoid = spec.score_func == "sigmoid"
-  scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
+  sigmoid = spec.score_func in ("sigmoid", "sqrtsoftplus")  # per-expert scores (not a distribution): sigmoid, or sqrt(softplus)
+  if spec.score_func == "sqrtsoftplus":
+    scores = jnp.sqrt(jax.nn.softplus(logits))
+  else:
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
+  if fixed is not None:
+    return _weighted(scores, fixed.astype(jnp.int32), spec, sigmoid)
   choice = scores if bias is None else scores + bias.astype(jnp.float32)
   if spec.groups > 0:
     t, e = choice.shape
@@ -111,6 +128,11 @@ def route(logits: jax.Array, spec: RoutingSpec, bias: jax.Array | None = None) -
     keep = jnp.sum(jax.nn.one_hot(best_groups, spec.groups, dtype=jnp.bool_), axis=1)  # [T, G]
     choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
   _, experts = jax.lax.top_k(choice, spec.k)
+  return _weighted(scores, experts, spec, sigmoid)
+
+
+def _weighted(scores: jax.Array, experts: jax.Array, spec: RoutingSpec, sigmoid: bool) -> Routing:
+  """The Routing of the chosen experts [T, k]: their unbiased scores, renormalised as spec says, times its factor."""
   weights = jnp.take_along_axis(scores, experts, axis=-1)
   if spec.renormalize:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
@@ -184,6 +206,7 @@ def dispatch_plan(spec: MoESpec, policy: Policy, seq_len: int) -> moe_dispatch.P
     capacity=expert_capacity(seq_len, spec) if spec.capacity_factor > 0 else 0,
     activations=spec.activations,
     glu_limit=spec.glu_limit,
+    glu_clamp_only=spec.glu_clamp_only,
     quantization=policy.quantization,
     dtype=policy.dtypes.compute,
     integer_rounding=policy.integer_bf16_rounding,
@@ -262,6 +285,8 @@ class MoE(nnx.Module):
     else:
       self.wi_0_bias = self.wi_1_bias = self.wo_bias = None
     self.routed_bias = RoutingBias(jnp.zeros((n,), jnp.float32), logical_axes=(None,)) if spec.score_correction else None
+    hashed = jnp.arange(spec.hash_vocab * spec.routing.k, dtype=jnp.int32).reshape(-1, spec.routing.k) % n  # spread until loaded
+    self.tid2eid = HashRouting(hashed, logical_axes=(None, None)) if spec.hash_vocab else None
     self.shared_experts = MLP(spec.shared, policy=policy, rngs=rngs) if spec.shared is not None else None
     gated = spec.shared is not None and spec.shared_gate
     self.shared_expert_gate = DenseGeneral((e,), (1,), ("embed", None), **dense_kwargs(policy, rngs)) if gated else None
@@ -276,11 +301,17 @@ class MoE(nnx.Module):
     self.shared_post_norm = norm(spec.separate_norms) if spec.shared is not None else None
 
   def __call__(
-    self, x: jax.Array, valid: jax.Array, adapter_ids: jax.Array | None = None, unnormed: jax.Array | None = None
+    self,
+    x: jax.Array,
+    valid: jax.Array,
+    adapter_ids: jax.Array | None = None,
+    unnormed: jax.Array | None = None,
+    token_ids: jax.Array | None = None,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """x [B,S,E], valid [B,S] bool (tokens counted in the statistics) -> (y [B,S,E], statistics). adapter_ids [B] or
     [B,S]: each row's (or token's) LoRA slot, for the adapted router and shared experts. unnormed [B,S,E]: the
     branch's input before the layer's pre-norm, which the router and routed experts read with separate_norms.
+    token_ids [B,S]: the input tokens, which pick a hash-routed layer's experts (hash_vocab).
 
     Statistics: lb_loss (load-balance loss), dropped (valid (token, expert) pairs over capacity),
     load [num_experts] (valid tokens routed to each expert, before dropping), router_probs [num_experts] and tokens (the sums
@@ -297,8 +328,13 @@ class MoE(nnx.Module):
       router_in = self.router_norm(router_in).astype(jnp.float32) * (e**-0.5)
     tokens = router_in.reshape(b * s, e).astype(self.dtype)
     valid = valid.reshape(-1)
-    token_ids = None if adapter_ids is None else jnp.broadcast_to(adapter_ids.reshape(b, -1), (b, s)).reshape(-1)  # the router's rows are tokens
-    r = route(self.gate(tokens, token_ids), spec.routing, self.routed_bias[...] if self.routed_bias is not None else None)
+    adapter_rows = None if adapter_ids is None else jnp.broadcast_to(adapter_ids.reshape(b, -1), (b, s)).reshape(-1)  # the router's rows are tokens
+    fixed = None
+    if self.tid2eid is not None:
+      if token_ids is None:
+        raise ValueError("a hash-routed MoE picks experts by token id; pass token_ids")
+      fixed = self.tid2eid[...][token_ids.reshape(-1)]
+    r = route(self.gate(tokens, adapter_rows), spec.routing, self.routed_bias[...] if self.routed_bias is not None else None, fixed)
     if self.per_expert_scale is not None:
       r = r._replace(weights=r.weights * self.per_expert_scale[...].astype(jnp.float32)[r.experts])
     chosen = jax.nn.one_hot(r.experts, spec.routing.num_experts, dtype=jnp.float32)  # [T,k,E]

@@ -87,7 +87,8 @@ class Plan:
   capacity: int  # slots per expert per sequence; 0: dropless
   activations: tuple[str, ...]  # mlp_activations: act0(x wi_0) * act1(x wi_1)
   dtype: Any  # compute dtype
-  glu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU (maxtext.layers.mlp.glu)
+  glu_limit: float = 0.0  # > 0: a clamped SwiGLU (maxtext.layers.mlp.glu): gpt-oss's, or with glu_clamp_only DeepSeek V4's
+  glu_clamp_only: bool = False
   integer_rounding: bool = False  # float32 -> bfloat16 by integer ops (CPU policy)
   ragged_all_to_all: bool = True  # False: the exchange runs as a padded all_to_all (XLA:CPU)
   quantization: quantization.Recipe | None = None  # quantized expert products (the platform policy's recipe)
@@ -248,7 +249,7 @@ def expert_mlp(x: jax.Array, w: ExpertWeights, matmul: Matmul, bias_rows: BiasRo
 
   h0 = checkpoint_name(project(x, "wi_0", "wi"), "mlpwi_0")
   h1 = checkpoint_name(project(x, "wi_1", "wi"), "mlpwi_1")
-  return project(glu(plan.activations, plan.glu_limit)(h0, h1), "wo", "wo")
+  return project(glu(plan.activations, plan.glu_limit, plan.glu_clamp_only)(h0, h1), "wo", "wo")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ class RopeSpec:
   local_theta: float = 0.0  # local_rope_max_timescale: > 0, sliding-window layers rotate with this base, unscaled
   interleave: bool = False  # rotary pairs interleaved (x[2i], x[2i+1]) instead of split halves
   proportion: float = 1.0  # proportional rope (Gemma 4): only the first proportion x dim / 2 frequency pairs rotate, the rest keep frequency 0
+  mrope_section: tuple[int, ...] = ()  # use_mrope (Qwen3-VL): (t, h, w) frequency counts; 3-D positions rotate pair i by the axis mrope_axes gives
 
 
 def inverse_frequencies(
@@ -106,14 +107,34 @@ def _frequencies(spec: RopeSpec, dim: int, local: bool = False) -> tuple[np.ndar
   return inv / s.linear_scaling, 1.0
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array, interleave: bool = False, scale: float = 1.0) -> jax.Array:
-  """x [B, S, heads, head_dim], positions [B, S] -> rotated x (computed in float32).
+def mrope_axes(section: tuple[int, ...], pairs: int) -> np.ndarray:
+  """Qwen3-VL's interleaved multimodal rope: the position axis (0 temporal, 1 height, 2 width) of each of `pairs`
+  frequency pairs. Pair i takes height when i % 3 == 1 and i < 3 section[1], width when i % 3 == 2 and i < 3 section[2],
+  else temporal (HF apply_interleaved_mrope)."""
+  i = np.arange(pairs)
+  axes = np.zeros(pairs, np.int32)
+  for axis in (1, 2):
+    axes[(i % 3 == axis) & (i < 3 * section[axis])] = axis
+  return axes
+
+
+def apply_rope(
+  x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array, interleave: bool = False, scale: float = 1.0, mrope_section: tuple[int, ...] = ()
+) -> jax.Array:
+  """x [B, S, heads, head_dim], positions [B, S] (or [B, S, 3] temporal/height/width positions with mrope_section:
+  pair i rotates by the position of axis mrope_axes(i)) -> rotated x (computed in float32).
 
   Pairs are (x[i], x[i + D/2]), or with interleave (x[2i], x[2i+1]); the interleaved result comes back
   in half-split order (as Hugging Face DeepSeek does), which leaves every query-key dot product unchanged.
   cos and sin are multiplied by scale (YaRN's attention scaling).
   """
-  angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inv_freq, jnp.float32)  # [B,S,1,D/2]
+  if positions.ndim == 3:
+    if not mrope_section:
+      raise ValueError("3-D (multimodal rope) positions need an mrope_section")
+    per_pair = positions[:, :, mrope_axes(mrope_section, x.shape[-1] // 2)]  # [B, S, D/2]
+    angles = per_pair.astype(jnp.float32)[:, :, None, :] * jnp.asarray(inv_freq, jnp.float32)
+  else:
+    angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(inv_freq, jnp.float32)  # [B,S,1,D/2]
   sin, cos = jnp.sin(angles) * scale, jnp.cos(angles) * scale
   x32 = x.astype(jnp.float32)
   x1, x2 = (x32[..., 0::2], x32[..., 1::2]) if interleave else jnp.split(x32, 2, axis=-1)

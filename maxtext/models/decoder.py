@@ -26,8 +26,7 @@ from maxtext.models.mtp import MTPBlock
 from maxtext.models.remat import tied_to_carry
 from maxtext.models.specs import DecoderSpec
 from maxtext.platform import Policy
-from maxtext.vision import gemma3_encoder
-from maxtext.vision.encoders import vision_encoder
+from maxtext.vision import gemma3_encoder, llama4_vision, qwen3_vl_encoder
 
 LAYERS_AXIS = pipeline.LAYERS_AXIS
 OUTSIDE_AXIS = pipeline.OUTSIDE_AXIS
@@ -62,12 +61,16 @@ def main_stacks(plan: pipeline.Plan | None, spec: LayerSpec, policy: Policy, rng
   return pipelined, stacked_layers(spec, policy, keys[plan.layers :], OUTSIDE_AXIS) if plan.outside else None
 
 
-def block_stacks(stack: layer_pattern.Stack, layer_specs: tuple[LayerSpec, ...], policy: Policy, rngs: nnx.Rngs) -> tuple[nnx.List, nnx.List | None]:
+def block_stacks(
+  stack: layer_pattern.Stack, layer_specs: tuple[LayerSpec, ...], policy: Policy, rngs: nnx.Rngs, plan: pipeline.Plan | None = None
+) -> tuple[nnx.List, nnx.List | None]:
   """A stack whose structures repeat with period p > 1, scanned: (p stacked layers on axis stack.name, position j
-  holding layers j, j + p, ...; the remainder's layers one by one, or None). Layer i gets the i-th random key."""
+  holding layers j, j + p, ...; the remainder's layers one by one, or None). Layer i gets the i-th random key. With
+  a pipeline (whose units are the whole groups) the groups stand in its train-state order (plan.order())."""
   p, g = stack.period, stack.num_groups
   keys = jax.random.split(rngs.params(), len(stack.kinds))
-  block = nnx.List([stacked_layers(layer_specs[j], policy, keys[j : g * p : p], stack.name) for j in range(p)])
+  groups = np.arange(g) if plan is None else plan.order()
+  block = nnx.List([stacked_layers(layer_specs[j], policy, keys[groups * p + j], stack.name) for j in range(p)])
   rest = [DecoderLayer(layer_specs[i], policy=policy, rngs=nnx.Rngs(keys[i])) for i in range(g * p, len(stack.kinds))]
   return block, nnx.List(rest) if rest else None
 
@@ -99,11 +102,8 @@ class Transformer(nnx.Module):
       if not c.scan_layers:
         built[stack.name] = nnx.List([DecoderLayer(spec, policy=policy, rngs=rngs) for spec in stack_specs])
       elif stack.period > 1:
-        if stack.name == layer_pattern.MAIN_STACK and s.pipeline is not None:
-          raise ConfigError(
-            f"decoder_block={c.decoder_block} repeats a block of {stack.period} different layers, which the pipeline does not run; set ici/dcn_pipeline_parallelism=1"
-          )
-        built[stack.name], built[layer_pattern.REMAINDER] = block_stacks(stack, stack_specs, policy, rngs)
+        plan = s.pipeline.plan if stack.name == layer_pattern.MAIN_STACK and s.pipeline is not None else None  # units: whole groups
+        built[stack.name], built[layer_pattern.REMAINDER] = block_stacks(stack, stack_specs, policy, rngs, plan)
       elif stack.name == layer_pattern.MAIN_STACK:
         built[stack.name], built["layers_outside_pipeline"] = main_stacks(s.pipeline and s.pipeline.plan, stack_specs[0], policy, rngs, len(stack.kinds))
       else:
@@ -117,7 +117,7 @@ class Transformer(nnx.Module):
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **{**kw, "quant": None})
     mtp_policy = dataclasses.replace(policy, quantization=None)  # MaxText's quantize_mtp=false: the MTP modules stay unquantized
     self.mtp = nnx.List([MTPBlock(s.layer, c.remat_policy, policy=mtp_policy, rngs=rngs) for _ in range(c.mtp_num_layers)]) if c.mtp_num_layers else None
-    self.vision = vision_encoder(s.vision, policy, rngs) if s.vision is not None else None  # use_multimodal
+    self.vision = vision_encoder(s.vision, policy, rngs)  # use_multimodal
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """Token embeddings as the first layer sees them (scaled by sqrt(emb_dim) for Gemma)."""
@@ -140,9 +140,16 @@ class Transformer(nnx.Module):
     combined = (context_part + token_part) * jnp.asarray(2.0**-0.5, table.dtype)
     return jnp.moveaxis(combined, 2, 0)
 
-  def input_stream(self, tokens: jax.Array, images: jax.Array | None = None) -> jax.Array:
+  def input_stream(self, tokens: jax.Array, images: Any = None) -> jax.Array:
     """tokens [B, S] -> the residual stream state entering the first layer ([B, S, E], or [B, S, n, E] with mHC).
-    images [B, M, S_img, S_img, 3] (use_multimodal): each row's images, whose soft tokens replace its placeholders."""
+    images [B, M, S_img, S_img, 3] (use_multimodal): each row's images, whose soft tokens replace its placeholders;
+    Qwen3-VL takes a qwen3_vl_encoder.Qwen3VLImages (see multimodal_inputs)."""
+    return self.multimodal_inputs(tokens, images)[0]
+
+  def multimodal_inputs(self, tokens: jax.Array, images: Any = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """-> (input_stream's state, what the layers also take: Qwen3-VL's rope_positions [B, S, 3] and its placed
+    DeepStack features `deepstack` [n, B, S, E], added after the first n layers; empty otherwise)."""
+    extras: dict[str, jax.Array] = {}
     if images is None:
       x = self.embed_tokens(tokens)
     else:
@@ -150,13 +157,18 @@ class Transformer(nnx.Module):
         raise ConfigError(f"images were given to a text-only model (decoder_block={self.spec.decoder_block}, use_multimodal=false); give token ids alone")
       placeholder = self.vision.spec.image_token_id
       text = self.embed_tokens(jnp.where(tokens == placeholder, 0, tokens))  # the placeholder may lie past the vocabulary
-      x = gemma3_encoder.merge(text, self.vision(images), tokens, placeholder)
+      if isinstance(self.vision, qwen3_vl_encoder.Qwen3VLVisionEncoder):
+        x, extras["deepstack"] = self.vision.embed(text, tokens, images)
+        extras["rope_positions"] = jnp.asarray(images.rope_positions)
+      else:
+        x = gemma3_encoder.merge(text, self.vision(images), tokens, placeholder)
     x = constrain(x, ("activation_batch", "activation_length", "activation_embed"), self.spec.rules)
-    return expand_streams(x, self.specs.residual)
+    return expand_streams(x, self.specs.residual), extras
 
-  def image_ids(self, tokens: jax.Array, images: jax.Array | None) -> jax.Array | None:
-    """Each token's image (1, 2, ... per row; 0 for text) when images are given, else None."""
-    if images is None or self.vision is None or not self.vision.spec.bidirectional_images:  # Llama 4: image tokens causal as text
+  def image_ids(self, tokens: jax.Array, images: Any) -> jax.Array | None:
+    """Each token's image (1, 2, ... per row; 0 for text) when images are given to Gemma 3 (whose image tokens see
+    each other both ways), else None (Qwen3-VL's image tokens stay causal)."""
+    if images is None or not isinstance(self.vision, gemma3_encoder.Gemma3VisionEncoder):
       return None
     return gemma3_encoder.image_ids(tokens, self.vision.spec.image_token_id)
 
@@ -184,6 +196,8 @@ class Transformer(nnx.Module):
     image_ids: jax.Array | None = None,
     per_layer: jax.Array | None = None,
     kinds: tuple | None = None,
+    extras: dict[str, jax.Array] | None = None,
+    start: int = 0,
   ):
     """A stack (scanned; stacked defaults to scan_layers) or list of layers over x -> (x, per-layer MoE statistics
     stacked on a leading axis).
@@ -192,11 +206,17 @@ class Transformer(nnx.Module):
     switches between one kernel per window (attention_ops.attend). Scanning over groups of the windows' period
     instead (decoding does, for its per-layer caches) measured far more TPU memory in training: XLA copied each
     group position's slice of every stacked weight out of the loop (benchmarks/README.md).
+    extras: multimodal_inputs' (Qwen3-VL); its DeepStack features are added after the model's layers 0, 1, ...
+    (the stack's layer i is model layer start + i).
     """
     c = self.spec
     stacked = c.scan_layers if stacked is None else stacked
     offload = self.policy.offload_layer_inputs
+    extras = extras or {}
     images = {} if image_ids is None else {"image_ids": image_ids}
+    if "rope_positions" in extras:
+      images["rope_positions"] = extras["rope_positions"]
+    deep = extras.get("deepstack")
 
     def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int | jax.Array, extra: dict, return_kv: bool = False):
       h = checkpoint_name(h, remat.LAYER_INPUT)  # before any other use of h, so an offloaded input is the only copy kept
@@ -208,12 +228,16 @@ class Transformer(nnx.Module):
       static_window = windows[0] if len(set(windows)) == 1 else None
 
       def body(h, xs):
-        layer_state, window, ple = xs
+        layer_state, window, ple, index = xs
         extra = {} if ple is None else {"per_layer_input": ple}
-        return layer_fn(graphdef, layer_state, h, static_window if static_window is not None else window, extra)
+        out = layer_fn(graphdef, layer_state, h, static_window if static_window is not None else window, extra)
+        if deep is None:
+          return out
+        return (qwen3_vl_encoder.deepstack_add(out[0], index, deep), *out[1:])
 
       body = remat.wrap(body, c.remat_policy, prevent_cse=False, offload_input=offload)
-      return jax.lax.scan(body, x, (state, jnp.asarray(windows, jnp.int32), per_layer))
+      indices = jnp.arange(start, start + len(windows), dtype=jnp.int32)
+      return jax.lax.scan(body, x, (state, jnp.asarray(windows, jnp.int32), per_layer, indices))
     stats_per_layer, shared = [], {}  # shared: window -> the keys and values of the last unshared layer with it (KV sharing)
     for i, (layer, window) in enumerate(zip(layers, windows)):
       graphdef, state = nnx.split(layer)
@@ -225,6 +249,8 @@ class Transformer(nnx.Module):
       step = remat.wrap(lambda h, st, ex, w=window, g=graphdef, e=emit: layer_fn(g, st, h, w, ex, e), c.remat_policy, prevent_cse=True, offload_input=offload)
       out = step(x, state, extra)
       x, stats = out[0], out[1]
+      if deep is not None:
+        x = qwen3_vl_encoder.deepstack_add(x, start + i, deep)
       if emit:
         shared[window] = out[2]
       stats_per_layer.append(stats)
@@ -239,13 +265,30 @@ class Transformer(nnx.Module):
     adapter_ids: jax.Array | None,
     image_ids: jax.Array | None = None,
     per_layer: jax.Array | None = None,
+    extras: dict[str, jax.Array] | None = None,
   ):
     """One of the pattern's stacks over x -> (x, per-layer MoE statistics, bottom to top). per_layer: every model
-    layer's per-layer input [layers, B, S, P] (Gemma 4) or None."""
+    layer's per-layer input [layers, B, S, P] (Gemma 4) or None. extras: multimodal_inputs' (Qwen3-VL)."""
     layers = getattr(self, stack.name)
     mine = None if per_layer is None else per_layer[stack.start : stack.start + len(stack.kinds)]
     if not self.spec.scan_layers or stack.period == 1:
-      return self._run_layers(layers, x, positions, segment_ids, list(stack.windows), adapter_ids, per_layer=mine, kinds=stack.kinds, image_ids=image_ids)
+      return self._run_layers(
+        layers,
+        x,
+        positions,
+        segment_ids,
+        list(stack.windows),
+        adapter_ids,
+        per_layer=mine,
+        kinds=stack.kinds,
+        image_ids=image_ids,
+        extras=extras,
+        start=stack.start,
+      )
+    if extras:
+      raise ConfigError(
+        f"decoder_block={self.spec.decoder_block} repeats a block of different layers, which Qwen3-VL's images do not run through; use qwen3 or qwen3_moe"
+      )
     whole = stack.num_groups * stack.period
     x, stats = self._run_block(stack, layers, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=None if mine is None else mine[:whole])
     rest = self.layers_remainder
@@ -337,22 +380,25 @@ class Transformer(nnx.Module):
     c = self.spec
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    x = self.input_stream(tokens, images)
+    x, extras = self.multimodal_inputs(tokens, images)
     image_ids = self.image_ids(tokens, images)
     per_layer = self.per_layer_inputs(tokens)
     *prefix, main = self.stacks
     windows = list(main.windows)
     lb = indexer = jnp.zeros((), jnp.float32)
     for stack in prefix:
-      x, dense_stats = self._run_stack(stack, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=per_layer)
+      x, dense_stats = self._run_stack(stack, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=per_layer, extras=extras)
       lb = lb + jnp.sum(dense_stats["lb_loss"])
       indexer = indexer + jnp.sum(dense_stats["indexer_loss"])
     schedule = self.specs.pipeline
     if schedule is None:
-      x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=per_layer)
+      x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=per_layer, extras=extras)
     else:
-      piped = schedule.plan.layers
+      piped = schedule.plan.layers * schedule.plan.period
       x, stats = schedule(self.layers, x, positions, segment_ids, adapter_ids, windows[:piped], self.policy)
+      if self.layers_remainder is not None:  # a hybrid stack's layers after its last whole block
+        x, after = self._run_layers(self.layers_remainder, x, positions, segment_ids, windows[piped:], adapter_ids, stacked=False)
+        stats = {k: jnp.concatenate([stats[k], after[k]]) for k in ("lb_loss", "dropped", "load", "indexer_loss")}
       if self.layers_outside_pipeline is not None:
         x, after = self._run_layers(self.layers_outside_pipeline, x, positions, segment_ids, windows[piped:], adapter_ids)
         stats = {k: jnp.concatenate([stats[k], after[k]]) for k in ("lb_loss", "dropped", "load", "indexer_loss")}
@@ -407,3 +453,15 @@ class Transformer(nnx.Module):
   ) -> jax.Array:
     hidden, _ = self.hidden_states(tokens, positions, segment_ids, adapter_ids, images)
     return self.logits(hidden)
+
+
+def vision_encoder(spec: Any, policy: Policy, rngs: nnx.Rngs) -> nnx.Module | None:
+  """The image encoder its spec describes (Gemma 3's SigLIP and projector, Qwen3-VL's tower, or Llama 4's tile encoder
+  and projector), or None without one."""
+  if spec is None:
+    return None
+  if isinstance(spec, qwen3_vl_encoder.Qwen3VLEncoderSpec):
+    return qwen3_vl_encoder.Qwen3VLVisionEncoder(spec, policy=policy, rngs=rngs)
+  if isinstance(spec, llama4_vision.Llama4VisionSpec):
+    return llama4_vision.Llama4VisionEncoder(spec, policy=policy, rngs=rngs)
+  return gemma3_encoder.Gemma3VisionEncoder(spec, policy=policy, rngs=rngs)

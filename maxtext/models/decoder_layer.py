@@ -111,6 +111,7 @@ class DecoderLayer(nnx.Module):
     per_layer_input: jax.Array | None = None,
     shared_kv: tuple[jax.Array, jax.Array] | None = None,
     return_kv: bool = False,
+    rope_positions: jax.Array | None = None,
   ) -> tuple:
     """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense;
     indexer_loss: a sparse MLA's weighted indexer KL summed over its query tokens, else 0);
@@ -118,7 +119,8 @@ class DecoderLayer(nnx.Module):
     when the layer holds several adapters (None: slot 0). per_layer_input [B, S, P]: this layer's per-layer input
     (Gemma 4). shared_kv: the keys and values a KV-shared layer attends with; return_kv: (..., (keys, values)) of
     this layer, for the layers that share them. image_ids [B, S]: each token's image, 0 for text (Gemma 3's images
-    attend within themselves both ways)."""
+    attend within themselves both ways). rope_positions [B, S, 3]: Qwen3-VL's multimodal rope positions (use_mrope)."""
+    rot = {} if rope_positions is None else {"rope_positions": rope_positions}
     aux = {**empty_stats(self.spec.num_experts), "indexer_loss": jnp.zeros((), jnp.float32)}
     kv = None
 
@@ -134,7 +136,7 @@ class DecoderLayer(nnx.Module):
         y, aux["indexer_loss"] = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids)
       elif shared_kv is not None or return_kv:
         images = {} if image_ids is None or cache is not None else {"image_ids": image_ids}
-        y = self.attention(h, positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids, shared_kv=shared_kv, return_kv=return_kv, **images)
+        y = self.attention(h, positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids, shared_kv=shared_kv, return_kv=return_kv, **images, **rot)
         if return_kv:
           *y, kv = y
         if cache is not None:
@@ -143,9 +145,9 @@ class DecoderLayer(nnx.Module):
           (y,) = y
       elif cache is None:
         images = {} if image_ids is None else {"image_ids": image_ids}
-        y = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids, **images)
+        y = self.attention(h, positions, segment_ids, window, adapter_ids=adapter_ids, **images, **rot)
       else:
-        y, cache = self.attention(h, positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids)
+        y, cache = self.attention(h, positions, segment_ids, window, cache=cache, adapter_ids=adapter_ids, **rot)
       return self.post_attention_norm(y) if self.post_attention_norm is not None else y
 
     def mlp_branch(h: jax.Array) -> jax.Array:

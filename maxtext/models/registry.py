@@ -5,6 +5,7 @@ from __future__ import annotations
 from maxtext.models.families import (
   deepseek,
   deepseek_v32,
+  gemma,
   gemma2,
   gemma3,
   gemma4,
@@ -34,6 +35,7 @@ FAMILIES: dict[str, Family] = {
     qwen3_next.FAMILY,
     qwen3_5.FAMILY,
     qwen3_5_moe.FAMILY,
+    gemma.FAMILY,
     gemma2.FAMILY,
     gemma3.FAMILY,
     gpt_oss.FAMILY,

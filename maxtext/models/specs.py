@@ -34,12 +34,15 @@ from maxtext.layers.norms import NormSpec
 from maxtext.layers.residual import ResidualSpec
 from maxtext.layers.rope import RopeSpec
 from maxtext.layers.sharding import Rules
+from maxtext.models import layer_pattern
 from maxtext.models.decoder_layer import LayerSpec
 from maxtext.models.family import Family, LayerKind
 from maxtext.models.pipeline import STAGE_AXIS, Plan, Schedule
 from maxtext.vision.gemma3_encoder import Gemma3VisionSpec
 from maxtext.vision.gemma3_projector import Gemma3ProjectorSpec
 from maxtext.vision.llama4_vision import Llama4VisionSpec
+from maxtext.vision.qwen3_vl import Qwen3VLVisionSpec
+from maxtext.vision.qwen3_vl_encoder import Qwen3VLEncoderSpec
 from maxtext.vision.siglip import SiglipSpec
 
 
@@ -92,6 +95,7 @@ def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None
       f"decoder_block={c.decoder_block} weights each expert's input, which is built for top-1 routing only; set num_experts_per_tok=1 (was {c.num_experts_per_tok})"
     )
   sigmoid = c.routed_score_func == "sigmoid" or family.expert_input_weights  # Llama 4's router: sigmoid of the top-1 logit
+  per_expert = sigmoid or c.routed_score_func == "sqrtsoftplus"  # per-expert scores: routed_bias is a score correction
   routing = RoutingSpec(
     num_experts=c.num_experts,
     k=c.num_experts_per_tok,
@@ -108,8 +112,8 @@ def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None
     routing=routing,
     activations=tuple(c.mlp_activations),
     glu_limit=float(c.mlp_activations_limit) if family.clamped_glu else 0.0,
-    router_bias=c.routed_bias and not sigmoid,  # gpt-oss: the router's own bias; deepseek: a score correction
-    score_correction=c.routed_bias and sigmoid,
+    router_bias=c.routed_bias and not per_expert,  # gpt-oss: the router's own bias; deepseek: a score correction
+    score_correction=c.routed_bias and per_expert,
     expert_bias=c.mlp_bias,
     shared=(mlp(c) if family.experts_beside_dense_mlp else mlp(c, c.shared_experts * c.moe_mlp_dim)) if shared else None,
     shared_gate=shared and family.shared_expert_gate,
@@ -144,6 +148,7 @@ def rope(config: MaxTextConfig, mla: bool = False, family: Family | None = None)
     attention_scaling=c.rope_attention_scaling,
     local_theta=c.local_rope_max_timescale,
     interleave=(c.rope_interleave and (mla or c.rope_type == "yarn")) or (family is not None and family.interleaved_rope),  # else split halves
+    mrope_section=tuple(c.mrope_section) if c.use_mrope else (),
   )
 
 
@@ -340,19 +345,39 @@ def layer(config: MaxTextConfig, family: Family, kind: LayerKind) -> LayerSpec:
 
 
 def pipeline_plan(config: MaxTextConfig) -> Plan | None:
-  """The config's pipeline plan, or None without pipeline parallelism."""
+  """The config's pipeline plan, or None without pipeline parallelism. A main stack that repeats a block of p > 1
+  different layers (qwen3_next: 3 Gated DeltaNet layers + 1 attention layer) is pipelined block by block: each stage
+  runs num_layers_per_pipeline_stage / p whole blocks per visit, and the layers after the last whole block run after
+  the pipeline on every stage."""
   c = config
   stages = axis_size(c.ici_parallelism, c.dcn_parallelism, c.mesh_axes, STAGE_AXIS)
   if stages == 1:
     return None
+  main = layer_pattern.stacks(family_of(c).kinds(c))[-1]
+  p, lps, piped = main.period, c.num_layers_per_pipeline_stage, c.pipeline_parallel_layers
+  if p > 1:
+    if lps % p:
+      raise ConfigError(
+        f"decoder_block={c.decoder_block} repeats a block of {p} different layers, which each stage runs whole: num_layers_per_pipeline_stage "
+        f"{lps} is not a multiple of {p}; set it to a multiple of {p}"
+      )
+    if piped != main.num_groups * p:
+      raise ConfigError(
+        f"decoder_block={c.decoder_block} pipelines its whole blocks of {p} layers: pipeline_parallel_layers {piped} is not their "
+        f"{main.num_groups} x {p} = {main.num_groups * p} layers; set pipeline_parallel_layers={main.num_groups * p}, or -1 when that is all layers"
+      )
+    if any(k.kv_shared for k in main.kinds) or c.hidden_size_per_layer_input:
+      raise ConfigError(f"decoder_block={c.decoder_block}'s KV sharing or per-layer inputs do not run under the pipeline; set ici/dcn_pipeline_parallelism=1")
   return Plan(
     stages,
     c.num_pipeline_repeats,
-    c.num_layers_per_pipeline_stage,
+    lps // p,
     c.num_pipeline_microbatches,
     2 if c.pipeline_delay_activation_forwarding else 1,
     c.pipeline_fsdp_ag_once,
-    c.num_decoder_layers - c.first_num_dense_layers - c.pipeline_parallel_layers,
+    0 if p > 1 else c.num_decoder_layers - c.first_num_dense_layers - piped,
+    p,
+    len(main.remainder),
   )
 
 
@@ -366,17 +391,64 @@ def pipeline(config: MaxTextConfig) -> Schedule | None:
 
 
 VISION_FAMILIES = ("gemma3", "llama4")  # decoder_blocks whose vision component use_multimodal builds
+QWEN3_VL_FAMILIES = ("qwen3", "qwen3_moe")  # decoder_blocks under vision_encoder_block=qwen3_vl
+QWEN3_VL_IMAGE_PAD = 151655  # Qwen's <|image_pad|> token id
 
 
-def vision(config: MaxTextConfig) -> Gemma3VisionSpec | Llama4VisionSpec | None:
-  """The family's vision component from the *_for_vit keys (Gemma 3's SigLIP tower and projector, Llama 4's tile
-  encoder and projector), or None without use_multimodal."""
+def qwen3_vl_vision(config: MaxTextConfig) -> Qwen3VLEncoderSpec:
+  """Qwen3-VL's tower from the *_for_vit keys (vision_encoder_block=qwen3_vl)."""
+  c = config
+  if c.decoder_block not in QWEN3_VL_FAMILIES:
+    raise ConfigError(f"vision_encoder_block=qwen3_vl needs decoder_block qwen3 or qwen3_moe, not {c.decoder_block}; fix decoder_block or vision_encoder_block")
+  if not c.use_mrope:
+    raise ConfigError("vision_encoder_block=qwen3_vl places image tokens by multimodal rope; set use_mrope=true")
+  if c.out_hidden_size_for_vit != c.emb_dim:
+    raise ConfigError(f"out_hidden_size_for_vit={c.out_hidden_size_for_vit} must equal the text width emb_dim={c.emb_dim}; set it so")
+  if c.mhc_expansion_rate > 1:
+    raise ConfigError(
+      f"vision_encoder_block=qwen3_vl adds its DeepStack features to a single residual stream; set mhc_expansion_rate=1 (not {c.mhc_expansion_rate})"
+    )
+  if len(c.deepstack_visual_indexes_for_vit) > c.num_decoder_layers:
+    raise ConfigError(f"{len(c.deepstack_visual_indexes_for_vit)} DeepStack indexes for {c.num_decoder_layers} decoder layers; give at most one per layer")
+  try:
+    tower = Qwen3VLVisionSpec(
+      emb_dim=c.hidden_size_for_vit,
+      mlp_dim=c.intermediate_size_for_vit,
+      num_layers=c.num_hidden_layers_for_vit,
+      num_heads=c.num_attention_heads_for_vit,
+      out_dim=c.out_hidden_size_for_vit,
+      patch_size=c.patch_size_for_vit,
+      temporal_patch_size=c.temporal_patch_size_for_vit,
+      spatial_merge_size=c.spatial_merge_size_for_vit,
+      num_position_embeddings=c.num_position_embeddings_for_vit,
+      deepstack_indexes=tuple(c.deepstack_visual_indexes_for_vit),
+      rules=rules(c),
+    )
+  except ValueError as e:
+    raise ConfigError(f"use_multimodal=true: {e}; fix the *_for_vit keys") from None
+  if tower.grid_side**2 != tower.num_position_embeddings:
+    raise ConfigError(f"num_position_embeddings_for_vit={c.num_position_embeddings_for_vit} is not a square number; make it one (Qwen3-VL: 2304)")
+  # An image_token_id past the vocabulary (base.yml's default is Gemma 3's 262144) means Qwen's <|image_pad|>: MaxText's
+  # model files leave it to the processor, and Qwen3-VL embeds its placeholder rows.
+  image_token_id = c.image_token_id if c.image_token_id < c.vocab_size else QWEN3_VL_IMAGE_PAD
+  return Qwen3VLEncoderSpec(tower, image_token_id, c.min_pixels_for_vit, c.image_size_for_vit**2, c.remat_policy_for_vit)
+
+
+def vision(config: MaxTextConfig) -> Gemma3VisionSpec | Qwen3VLEncoderSpec | Llama4VisionSpec | None:
+  """The vision component from the *_for_vit keys (Gemma 3's SigLIP and projector, Qwen3-VL's tower with
+  vision_encoder_block=qwen3_vl, or Llama 4's tile encoder and projector), or None without use_multimodal."""
   c = config
   if not c.use_multimodal:
     return None
+  if c.vision_encoder_block == "qwen3_vl":
+    if pipeline_plan(c) is not None or context_layout(c) is not None:
+      raise ConfigError(
+        "use_multimodal=true does not run under pipeline or context parallelism yet; set ici/dcn_pipeline_parallelism=1 and ici/dcn_context_parallelism=1"
+      )
+    return qwen3_vl_vision(c)
   if c.decoder_block not in VISION_FAMILIES:
     raise ConfigError(
-      f"use_multimodal=true: decoder_block={c.decoder_block} has no vision encoder here (only {', '.join(VISION_FAMILIES)}); set use_multimodal=false"
+      f"use_multimodal=true: decoder_block={c.decoder_block} has no vision encoder here (only {', '.join(VISION_FAMILIES)}, or qwen3/qwen3_moe with vision_encoder_block=qwen3_vl); set use_multimodal=false"
     )
   if pipeline_plan(c) is not None or context_layout(c) is not None:
     raise ConfigError(
@@ -438,7 +510,7 @@ class ModelSpecs:
   residual: ResidualSpec
   context: context_parallel.Layout | None  # context parallelism's sequence layout (its wrapper goes around the model call)
   pipeline: Schedule | None = None  # the pipeline schedule wrapped around the main layer stack
-  vision: Gemma3VisionSpec | Llama4VisionSpec | None = None  # the image encoder (use_multimodal), or None
+  vision: Gemma3VisionSpec | Qwen3VLEncoderSpec | Llama4VisionSpec | None = None  # the image encoder (use_multimodal), or None
 
   @property
   def layer(self) -> LayerSpec:

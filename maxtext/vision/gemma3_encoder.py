@@ -37,8 +37,6 @@ class Gemma3VisionSpec:
   image_token_id: int  # the placeholder id each soft token replaces
   remat_policy: str = "none"  # remat_policy_for_vit: what each tower block saves for the backward pass
 
-  bidirectional_images = True  # the decoder lets the tokens of one image attend to each other both ways
-
   @property
   def tokens_per_image(self) -> int:
     return self.projector.mm_tokens_per_image

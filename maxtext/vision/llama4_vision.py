@@ -59,8 +59,6 @@ class Llama4VisionSpec:
   remat_policy: str = "none"  # remat_policy_for_vit
   rules: Rules = ()  # logical_axis_rules
 
-  bidirectional_images = False  # the decoder attends to image tokens causally, as to text
-
   def __post_init__(self):
     if self.tile_size % self.patch_size:
       raise ValueError(f"tile_size {self.tile_size} is not a multiple of patch_size {self.patch_size}")
