@@ -298,6 +298,7 @@ def _count_model_flops(config: MaxTextConfig, tree: _Tree) -> _ModelFlops:
   embeds = _modules_of(model, Embed)
   below = any(trains(v) for _, m in embeds for v in _params(m))  # a trainable embedding: the lowest layer passes gradients down
   skip = [p for p, _ in _modules_of(model, (DecoderLayer, MTPBlock))] + ([] if c.logits_via_embedding else [p for p, _ in embeds])
+  skip += [("vision",)]  # counted per image (_vision_flops)
   head = _params(model, skip)  # final norm and the output matmul (the tied table: the embedding lookup itself is free)
   head_flops = sum(_matmul(_size(v, c), trains(v), True) for v in head)
   per_structure: dict[tuple[LayerKind, bool], _LayerFlops] = {}
@@ -333,7 +334,7 @@ def training_flops_per_step(config: MaxTextConfig) -> float:
   tokens = c.global_batch_size_to_train_on * c.max_target_length
   flops = _model_flops(c)
   scores = sum((3 if backward else 1) * _scores(c, tokens, k, w) for k, w, backward in zip(flops.keys, flops.widths, flops.backward))
-  return float(tokens * flops.weights + scores)
+  return float(tokens * flops.weights + scores + _vision_flops(c, training=True))
 
 
 def _scores(c: MaxTextConfig, tokens: int, keys: int, width: float) -> float:
@@ -348,7 +349,41 @@ def forward_flops_per_step(config: MaxTextConfig) -> float:
   c = config
   tokens = c.global_batch_size_to_train_on * c.max_target_length
   flops = _model_flops(c)
-  return float(tokens * flops.forward + sum(_scores(c, tokens, k, w) for k, w in list(zip(flops.keys, flops.widths))[: flops.forward_layers]))
+  scores = sum(_scores(c, tokens, k, w) for k, w in list(zip(flops.keys, flops.widths))[: flops.forward_layers])
+  return float(tokens * flops.forward + scores + _vision_flops(c, training=False))
+
+
+def _vision_flops(config: MaxTextConfig, training: bool) -> float:
+  """use_multimodal: the vision component's FLOPs per step over the images the compiled step encodes (every image
+  slot of every row; maxtext.vision.flops). A frozen tower (freeze_vision_encoder_params, or LoRA) runs forward
+  only: no weight gradients, no input gradients below the lowest trainable stage, no backward attention scores."""
+  from maxtext.train.trainable import trainable_filter
+  from maxtext.vision import flops as vision_flops
+
+  vision = getattr(_tree(config).model, "vision", None)
+  if vision is None:
+    return 0.0
+  c = config
+  cost = vision_flops.cost(vision.spec, c.max_target_length)
+  if cost is None:
+    return 0.0
+  trains = nnx.filterlib.to_predicate(trainable_filter(c))
+  total, below = 0, False
+  for stage in cost.stages:
+    module = vision
+    for name in stage.path:
+      module = getattr(module, name)
+    prefix = ("vision", *stage.path)
+    flat = [(prefix + tuple(path), v) for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]
+    stage_trains = any(trains(path, v) for path, v in flat)
+    if training:
+      total += stage.tokens * sum(_matmul(_size(v, c), trains(path, v), below) for path, v in flat)
+    else:
+      total += stage.tokens * 2 * sum(_size(v, c) for _, v in flat)
+    below = below or stage_trains
+  tower_trains = any(trains(("vision", "tower", *path), v) for path, v in nnx.to_flat_state(nnx.state(vision.tower, nnx.Param)))
+  total += cost.score_flops * (3 if training and tower_trains else 1)
+  return float(c.global_batch_size_to_train_on * cost.images_per_row * total)
 
 
 def step_flops(config: MaxTextConfig) -> float:

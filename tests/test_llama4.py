@@ -162,12 +162,15 @@ def test_round_trip_and_export_load_in_transformers(hf_dir, converted, tmp_path)
 
 
 def test_multimodal_checkpoint_loads_its_text_decoder(hf_dir):
-  """A Llama4ForConditionalGeneration directory: config.json's text_config and the language_model.* tensors (the
-  vision tower's left out) convert to the same parameters as the text model's own."""
+  """A Llama4ForConditionalGeneration directory with use_multimodal=false: config.json's text_config and the
+  language_model.* tensors (the vision tower's left out) convert to the same parameters as the text model's own.
+  (Its vision_config sets use_multimodal and the llama4 *_for_vit keys: tests/test_vlm_llama4.py.)"""
   d, _ = hf_dir
   text = tiny_config().to_dict()
   composite = {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"], "text_config": text, "vision_config": {"hidden_size": 8}}
   overrides = hf_config.overrides_from_hf(composite)
+  assert overrides["use_multimodal"] and overrides["hidden_size_for_vit"] == 8
+  overrides = {k: v for k, v in overrides.items() if not k.endswith("_for_vit") and k not in ("use_multimodal", "image_token_id")}
   assert overrides == hf_config.overrides_from_hf(text)
   original = safetensors_io.read_tensors(d)
   renamed = {("language_model." + k if k.startswith("model.") else "language_model.lm_head.weight"): v for k, v in original.items()}

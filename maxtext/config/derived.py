@@ -160,6 +160,7 @@ def _check_cross_fields(c: MaxTextConfig, heads: int, kv_heads: int) -> None:
   _check_family_fields(c)
   _check_indexer(c)
   _check_llama4_fields(c)
+  _check_vision_training(c)
   if c.load_parameters_path and c.load_full_state_path and not c.lora.enable_lora:  # LoRA: the frozen base under the state's adapters
     raise ConfigError("load_parameters_path and load_full_state_path are both set; set only one (load_parameters_path= clears it)")
   if c.learning_rate_schedule_steps != -1 and c.learning_rate_schedule_steps < 1:
@@ -477,6 +478,26 @@ def _check_llama4_fields(c: MaxTextConfig) -> None:
       f"inhomogeneous_layer_cycle_interval={c.inhomogeneous_layer_cycle_interval}, but llama4's pattern of interleave_moe_layer_step="
       f"{c.interleave_moe_layer_step} and nope_layer_interval={c.nope_layer_interval} repeats every {period} layers; set it to {period}"
     )
+
+
+def _check_vision_training(c: MaxTextConfig) -> None:
+  """The llama4 *_for_vit keys mean something only to llama4; vision_learning_rate_scale needs a vision tower that trains
+  (freeze_vision_encoder_params is MaxText's key, true in its base.yml, and does nothing without use_multimodal)."""
+  from maxtext.config.model_sections import Llama4Vision
+
+  if c.decoder_block != "llama4":
+    for key, field in Llama4Vision.model_fields.items():
+      if getattr(c, key) != field.default:
+        raise ConfigError(f"{key}={getattr(c, key)} shapes llama4's vision tower, not decoder_block={c.decoder_block}'s; set it to {field.default}")
+  if c.vision_learning_rate_scale == 1.0:
+    return
+  scale = f"vision_learning_rate_scale={c.vision_learning_rate_scale}"
+  if not c.use_multimodal:
+    raise ConfigError(f"{scale} scales the vision tower's learning rate, but use_multimodal=false builds none; drop it or set use_multimodal=true")
+  if c.freeze_vision_encoder_params:
+    raise ConfigError(f"{scale} scales the vision tower's learning rate, but freeze_vision_encoder_params=true freezes it; drop one of the two")
+  if c.lora.enable_lora:
+    raise ConfigError(f"{scale} scales the vision tower's learning rate, but with lora.enable_lora only the adapters train; drop it")
 
 
 def compute(c: MaxTextConfig, num_devices: int | None = None, num_slices: int | None = None) -> dict[str, Any]:

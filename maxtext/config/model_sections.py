@@ -324,3 +324,29 @@ class SparseAttention(Section):
   indexer_loss_scaling_factor: float = Field(
     0.0, ge=0, description="DeepSeek Sparse Attention: weight of the indexer's KL loss in the training loss; 0 -> off."
   )
+
+
+class VisionTraining(Section):
+  """How the vision tower trains (use_multimodal); docs/vision.md."""
+
+  freeze_vision_encoder_params: bool = Field(
+    False,
+    description="The vision tower gets no gradient and no optimizer state (its projector still trains); MaxText's key (its default is true).",
+  )
+  vision_learning_rate_scale: float = Field(
+    1.0, gt=0, description="The vision tower's learning rate as a multiple of learning_rate (use_multimodal, tower not frozen); 1 -> the same."
+  )
+
+
+class Llama4Vision(Section):
+  """Llama 4's vision tower and projector (use_multimodal with decoder_block=llama4; MaxText's keys; docs/vision.md)."""
+
+  tile_size_for_vit: int = Field(336, gt=0, description="llama4 vision: the tiles' side in pixels (images are cut into tiles of it).")
+  pixel_shuffle_ratio_for_vit: float = Field(0.5, gt=0, le=1, description="llama4 vision: the pixel shuffle's ratio (each tile's tokens shrink by its square).")
+  projector_input_dim_for_vit: int = Field(4096, gt=0, description="llama4 vision: the vision adapter MLP's hidden width.")
+  projector_output_dim_for_vit: int = Field(4096, gt=0, description="llama4 vision: the vision adapter MLP's output width (= projector_input_dim_for_vit).")
+  vision_output_dim_for_vit: int = Field(4096, gt=0, description="llama4 vision: the projector's input width (= projector_output_dim_for_vit).")
+  rope_theta_for_vit: float = Field(10000.0, gt=0, description="llama4 vision: the base of the tower's 2-D rope.")
+  max_num_tiles_for_vit: int = Field(
+    16, gt=0, description="llama4 vision: the most tiles an image is cut into, global tile aside (the processor's max_patches)."
+  )

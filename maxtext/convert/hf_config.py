@@ -550,6 +550,10 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
     out.update(_gemma3_vision(HFFields(hf, source)))
   if hf.get("model_type") in hf_qwen3_vl.MODEL_TYPES:
     out.update(hf_qwen3_vl.vision_overrides(HFFields(hf, source)))
+  if hf.get("model_type") == "llama4" and "vision_config" in hf:
+    from maxtext.vision.llama4_hf_config import llama4_vision_keys
+
+    out.update(llama4_vision_keys(HFFields(hf, source)))
   return out
 
 
@@ -742,6 +746,10 @@ def hf_config_from(config: Config) -> dict[str, Any]:
     hf.update(_llama4_export(c, rope))
   if c.use_multimodal and c.vision_encoder_block == "qwen3_vl":
     return hf_qwen3_vl.export(c, hf)
+  if c.use_multimodal and c.decoder_block == "llama4":
+    from maxtext.vision.llama4_hf_config import llama4_vision_export
+
+    return llama4_vision_export(c, hf)
   if c.use_multimodal:
     return _gemma3_vision_export(c, hf)
   return hf

@@ -460,6 +460,7 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
 def _vision_from_hf(tensors: dict[str, Array], c: MaxTextConfig) -> tuple[dict[str, Array], set[str]]:
   """use_multimodal: the checkpoint's vision tower and projector as flat maxtext params, and the names consumed."""
   from maxtext.models import specs
+  from maxtext.vision import llama4_convert
 
   if c.vision_encoder_block == "qwen3_vl":
     try:
@@ -469,10 +470,13 @@ def _vision_from_hf(tensors: dict[str, Array], c: MaxTextConfig) -> tuple[dict[s
     for name in sorted(names):
       check_weight(name, tensors[name])
     return out, names
+  llama4 = c.decoder_block == "llama4"
+  read = llama4_convert.llama4_vision_from_hf if llama4 else vision_convert.gemma3_vision_from_hf
   try:
-    out, names = vision_convert.gemma3_vision_from_hf(tensors, specs.vision(c))
+    out, names = read(tensors, specs.vision(c))
   except ValueError as e:
-    raise ConfigError(f"use_multimodal=true: {e}; convert a Gemma3ForConditionalGeneration checkpoint whose config.json matches it") from None
+    kind = "Llama4ForConditionalGeneration" if llama4 else "Gemma3ForConditionalGeneration"
+    raise ConfigError(f"use_multimodal=true: {e}; convert a {kind} checkpoint whose config.json matches it") from None
   for name in sorted(names):
     check_weight(name, tensors[name])
   return out, names
@@ -552,7 +556,10 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
     if c.vision_encoder_block == "qwen3_vl":
       out = hf_qwen3_vl.text_names_to_hf(out, fuse_experts=c.num_experts > 1) | hf_qwen3_vl.vision_to_hf(vision, specs.vision(c))
     else:
-      out = {MULTIMODAL_TEXT_PREFIX + k: v for k, v in out.items()} | vision_convert.gemma3_vision_to_hf(vision, specs.vision(c))
+      from maxtext.vision import llama4_convert
+
+      write = llama4_convert.llama4_vision_to_hf if c.decoder_block == "llama4" else vision_convert.gemma3_vision_to_hf
+      out = {MULTIMODAL_TEXT_PREFIX + k: v for k, v in out.items()} | write(vision, specs.vision(c))
   unexpected = sorted(set(params) - used)
   if unexpected:
     raise ConfigError(f"parameters with no Hugging Face name: {shorten(unexpected)}; merge or drop adapters/connectors before exporting")

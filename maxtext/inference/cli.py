@@ -107,8 +107,16 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
     eos_id = end_id if end_id is not None else eos_id  # a reply ends with the template's end-of-turn token
   bos = [tokenizer.bos_id] if config.add_bos and tokenizer.bos_id is not None else []
   images = prompt_images(config)  # read and checked before the model loads
-  per_image = qwen3_vl_image_tokens(config, images)
-  prompt = encode_with_images(config, tokenizer, text, len(images), per_image) if config.use_multimodal else tokenizer.encode(text)
+  if config.use_multimodal and config.decoder_block == "llama4":  # each image's tiles and markers (maxtext.vision.llama4_preprocess)
+    from maxtext.models import specs
+    from maxtext.vision.llama4_preprocess import encode_prompt
+
+    prompt = encode_prompt(config, tokenizer, text, images)
+    slots = prompt.count(config.image_token_id) // specs.vision(config).tokens_per_image  # the tower's inputs are tiles
+  else:
+    per_image = qwen3_vl_image_tokens(config, images)
+    prompt = encode_with_images(config, tokenizer, text, len(images), per_image) if config.use_multimodal else tokenizer.encode(text)
+    slots = len(images)
   prompt = prompt if config.use_chat_template and bos and prompt[:1] == bos else bos + prompt  # a template may write BOS itself
   mesh = mesh_lib.create(config)
   generator_args = dict(
@@ -126,7 +134,7 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
   with memory_limit.one_line("loading the model and compiling decode", remedy):
     model = unstack.for_decoding(load_model(config, mesh, log))
     generator = Generator(model, sampling, config=config, mesh=mesh, **generator_args)
-    seconds = generator.compile(batch=1, prompt_length=len(prompt), adapters=adapter_ids is not None, images=len(images), sample_images=images)
+    seconds = generator.compile(batch=1, prompt_length=len(prompt), adapters=adapter_ids is not None, images=slots, sample_images=images)
   log(f"compiled prefill and decode in {seconds:.1f}s")
   log(cache_layout.describe(config, 1, generator.layout))
   with memory_limit.one_line("while decoding", remedy):

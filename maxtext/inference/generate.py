@@ -237,7 +237,7 @@ class Generator:
     images' sizes: sample_images, each prompt's images) ahead of time; returns seconds."""
     start = time.perf_counter()
     tokens, lengths = self.pad([[0] * prompt_length] * batch)
-    size = self.config.image_size_for_vit
+    size = self.config.tile_size_for_vit if self.config.decoder_block == "llama4" else self.config.image_size_for_vit  # llama4: images counts tiles
     pixels = np.zeros((tokens.shape[0], images, size, size, 3), np.float32) if images else None
     deltas = None
     if images and self.config.vision_encoder_block == "qwen3_vl":
@@ -360,6 +360,10 @@ def prompt_images(config: MaxTextConfig, prompts: Sequence[Sequence[int]], image
     raise ConfigError(f"images were given to a text-only model (decoder_block={config.decoder_block}, use_multimodal=false); give prompts alone")
   if len(images) != len(prompts):
     raise DataError(f"{len(images)} image lists for {len(prompts)} prompts; give one list (possibly empty) per prompt")
+  if config.decoder_block == "llama4":  # each image cut into tiles (maxtext.vision.llama4_preprocess)
+    from maxtext.vision.llama4_preprocess import prompt_tiles
+
+    return prompt_tiles(config, prompts, images, rows)
   size, most = config.image_size_for_vit, max(1, max(len(row) for row in images))
   out = np.zeros((rows, most, size, size, 3), np.float32)
   for i, (prompt, row) in enumerate(zip(prompts, images)):

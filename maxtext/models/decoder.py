@@ -26,7 +26,7 @@ from maxtext.models.mtp import MTPBlock
 from maxtext.models.remat import tied_to_carry
 from maxtext.models.specs import DecoderSpec
 from maxtext.platform import Policy
-from maxtext.vision import gemma3_encoder, qwen3_vl_encoder
+from maxtext.vision import gemma3_encoder, llama4_vision, qwen3_vl_encoder
 
 LAYERS_AXIS = pipeline.LAYERS_AXIS
 OUTSIDE_AXIS = pipeline.OUTSIDE_AXIS
@@ -456,9 +456,12 @@ class Transformer(nnx.Module):
 
 
 def vision_encoder(spec: Any, policy: Policy, rngs: nnx.Rngs) -> nnx.Module | None:
-  """The image encoder its spec describes (Gemma 3's SigLIP and projector, or Qwen3-VL's tower), or None without one."""
+  """The image encoder its spec describes (Gemma 3's SigLIP and projector, Qwen3-VL's tower, or Llama 4's tile encoder
+  and projector), or None without one."""
   if spec is None:
     return None
   if isinstance(spec, qwen3_vl_encoder.Qwen3VLEncoderSpec):
     return qwen3_vl_encoder.Qwen3VLVisionEncoder(spec, policy=policy, rngs=rngs)
+  if isinstance(spec, llama4_vision.Llama4VisionSpec):
+    return llama4_vision.Llama4VisionEncoder(spec, policy=policy, rngs=rngs)
   return gemma3_encoder.Gemma3VisionEncoder(spec, policy=policy, rngs=rngs)

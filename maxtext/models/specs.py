@@ -40,6 +40,7 @@ from maxtext.models.family import Family, LayerKind
 from maxtext.models.pipeline import STAGE_AXIS, Plan, Schedule
 from maxtext.vision.gemma3_encoder import Gemma3VisionSpec
 from maxtext.vision.gemma3_projector import Gemma3ProjectorSpec
+from maxtext.vision.llama4_vision import Llama4VisionSpec
 from maxtext.vision.qwen3_vl import Qwen3VLVisionSpec
 from maxtext.vision.qwen3_vl_encoder import Qwen3VLEncoderSpec
 from maxtext.vision.siglip import SiglipSpec
@@ -389,7 +390,7 @@ def pipeline(config: MaxTextConfig) -> Schedule | None:
   return Schedule(plan, rules(config), fsdp_axes, config.remat_policy, config.num_experts_per_tok)
 
 
-VISION_FAMILIES = ("gemma3",)  # decoder_blocks whose vision component use_multimodal builds
+VISION_FAMILIES = ("gemma3", "llama4")  # decoder_blocks whose vision component use_multimodal builds
 QWEN3_VL_FAMILIES = ("qwen3", "qwen3_moe")  # decoder_blocks under vision_encoder_block=qwen3_vl
 QWEN3_VL_IMAGE_PAD = 151655  # Qwen's <|image_pad|> token id
 
@@ -433,9 +434,9 @@ def qwen3_vl_vision(config: MaxTextConfig) -> Qwen3VLEncoderSpec:
   return Qwen3VLEncoderSpec(tower, image_token_id, c.min_pixels_for_vit, c.image_size_for_vit**2, c.remat_policy_for_vit)
 
 
-def vision(config: MaxTextConfig) -> Gemma3VisionSpec | Qwen3VLEncoderSpec | None:
-  """The vision component from the *_for_vit keys (Gemma 3's SigLIP and projector, or Qwen3-VL's tower with
-  vision_encoder_block=qwen3_vl), or None without use_multimodal."""
+def vision(config: MaxTextConfig) -> Gemma3VisionSpec | Qwen3VLEncoderSpec | Llama4VisionSpec | None:
+  """The vision component from the *_for_vit keys (Gemma 3's SigLIP and projector, Qwen3-VL's tower with
+  vision_encoder_block=qwen3_vl, or Llama 4's tile encoder and projector), or None without use_multimodal."""
   c = config
   if not c.use_multimodal:
     return None
@@ -453,6 +454,8 @@ def vision(config: MaxTextConfig) -> Gemma3VisionSpec | Qwen3VLEncoderSpec | Non
     raise ConfigError(
       "use_multimodal=true does not run under pipeline or context parallelism yet; set ici/dcn_pipeline_parallelism=1 and ici/dcn_context_parallelism=1"
     )
+  if c.decoder_block == "llama4":
+    return llama4_vision(c)
   try:
     tower = SiglipSpec(
       c.image_size_for_vit,
@@ -469,6 +472,34 @@ def vision(config: MaxTextConfig) -> Gemma3VisionSpec | Qwen3VLEncoderSpec | Non
   return Gemma3VisionSpec(tower, projector, c.image_token_id, c.remat_policy_for_vit)
 
 
+def llama4_vision(config: MaxTextConfig) -> Llama4VisionSpec:
+  """Llama 4's tile encoder and projector from MaxText's llama4 *_for_vit keys."""
+  c = config
+  if not c.projector_input_dim_for_vit == c.projector_output_dim_for_vit == c.vision_output_dim_for_vit:
+    raise ConfigError(
+      f"use_multimodal=true: llama4's vision adapter maps projector_input_dim_for_vit={c.projector_input_dim_for_vit} to projector_output_dim_for_vit="
+      f"{c.projector_output_dim_for_vit} and the projector reads vision_output_dim_for_vit={c.vision_output_dim_for_vit}; set all three equal"
+    )
+  try:
+    return Llama4VisionSpec(
+      tile_size=c.tile_size_for_vit,
+      patch_size=c.patch_size_for_vit,
+      emb_dim=c.hidden_size_for_vit,
+      mlp_dim=c.intermediate_size_for_vit,
+      num_layers=c.num_hidden_layers_for_vit,
+      num_heads=c.num_attention_heads_for_vit,
+      adapter_dim=c.projector_input_dim_for_vit,
+      text_dim=c.emb_dim,
+      image_token_id=c.image_token_id,
+      pixel_shuffle_ratio=c.pixel_shuffle_ratio_for_vit,
+      rope_theta=c.rope_theta_for_vit,
+      remat_policy=c.remat_policy_for_vit,
+      rules=rules(c),
+    )
+  except ValueError as e:
+    raise ConfigError(f"use_multimodal=true: {e}; fix the llama4 *_for_vit keys") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpecs:
   """What the decoder around the layers builds from (maxtext.models.decoder)."""
@@ -479,7 +510,7 @@ class ModelSpecs:
   residual: ResidualSpec
   context: context_parallel.Layout | None  # context parallelism's sequence layout (its wrapper goes around the model call)
   pipeline: Schedule | None = None  # the pipeline schedule wrapped around the main layer stack
-  vision: Gemma3VisionSpec | Qwen3VLEncoderSpec | None = None  # the image encoder (use_multimodal), or None
+  vision: Gemma3VisionSpec | Qwen3VLEncoderSpec | Llama4VisionSpec | None = None  # the image encoder (use_multimodal), or None
 
   @property
   def layer(self) -> LayerSpec:

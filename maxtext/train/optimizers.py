@@ -6,6 +6,8 @@ schedule position (a skipped step does not desynchronise it).
 With several LoRA adapters (lora.max_lora_adapters > 1) the optimizer leaves an adapter slot that got no
 gradient this step exactly as it was, parameters and moments (`keep_unused_adapter_slots`): weight decay
 and momentum do not move an adapter that no document in the batch trains.
+
+vision_learning_rate_scale multiplies the vision tower's updates (weight decay included) after the optimizer.
 """
 
 from __future__ import annotations
@@ -144,6 +146,19 @@ def _muon_dims_tree(params: Any, slot_axis: int | None = None) -> Any:
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_variable)
 
 
+def scale_vision_tower(scale: float) -> optax.GradientTransformation:
+  """Multiplies the vision tower's updates (paths vision/tower/...) by scale: its learning rate is scale x the schedule's."""
+
+  def update(updates, state, params=None):
+    del params
+    scaled = jax.tree_util.tree_map_with_path(
+      lambda path, u: u * jnp.asarray(scale, u.dtype) if _joined(_path_names(path)).startswith("vision/tower/") else u, updates
+    )
+    return scaled, state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def mu_dtype(config: MaxTextConfig) -> jnp.dtype:
   """Storage dtype of the first moment (AdamW's and Muon's mu, SGD's momentum trace): mu_dtype, or weight_dtype when
   unset (MaxText's rule). optax computes each moment update in the gradients' dtype and stores it in this one."""
@@ -186,4 +201,6 @@ def build(config: MaxTextConfig) -> optax.GradientTransformation:
     opt = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), opt)
   if slot_axis is not None:
     opt = keep_unused_adapter_slots(opt, slot_axis)
+  if config.vision_learning_rate_scale != 1.0:
+    opt = optax.chain(opt, scale_vision_tower(config.vision_learning_rate_scale))
   return opt
