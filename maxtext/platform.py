@@ -39,7 +39,7 @@ _HARDWARE_PLATFORM = {"cpu": "cpu", "gpu": "gpu", "gpu_multiprocess": "gpu", "tp
 # DeepSeek Sparse Attention in training, per block of 128 queries (maxtext.layers.mla_sparse): gather (each query's
 # top-k latent keys, attended in MLA's absorbed form) or masked (XLA attention over every key, masked to the top-k).
 # TPU AOT, deepseek3.2-671b's attention shapes on v5p-256 at 4096 tokens (docs/tpu.md): gather 9.67 GiB of temporaries
-# per device, the dense masked form 34.00 GiB. GPU and CPU: gather too (indexer_topk keys per query, not S).
+# per device, masked 10.91 GiB, the dense masked form 34.00 GiB. GPU and CPU: gather too (indexer_topk keys per query, not S).
 SPARSE_ATTENTION = {"tpu": "gather", "gpu": "gather", "cpu": "gather"}
 FUSED_ATTENTION = {"tpu": "splash", "gpu": "cudnn", "cpu": "chunked"}  # each platform's fused attention kernel
 
