@@ -36,6 +36,11 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 _TPU_NODES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")  # v2-v4 expose /dev/accel*, v5e/v5p/v6e /dev/vfio/<n>
 _GPU_NODES = ("/dev/nvidia[0-9]*",)
 _HARDWARE_PLATFORM = {"cpu": "cpu", "gpu": "gpu", "gpu_multiprocess": "gpu", "tpu": "tpu"}  # config.hardware -> platform
+# DeepSeek Sparse Attention in training, per block of 128 queries (maxtext.layers.mla_sparse): gather (each query's
+# top-k latent keys, attended in MLA's absorbed form) or masked (XLA attention over every key, masked to the top-k).
+# TPU AOT, deepseek3.2-671b's attention shapes on v5p-256 at 4096 tokens (docs/tpu.md): gather 9.67 GiB of temporaries
+# per device, masked 10.91 GiB, the dense masked form 34.00 GiB. GPU and CPU: gather too (indexer_topk keys per query, not S).
+SPARSE_ATTENTION = {"tpu": "gather", "gpu": "gather", "cpu": "gather"}
 FUSED_ATTENTION = {"tpu": "splash", "gpu": "cudnn", "cpu": "chunked"}  # each platform's fused attention kernel
 
 # CPU: sequences at least this long take the chunked O(S)-memory attention under attention=autoselected.
@@ -146,6 +151,7 @@ class Policy:
   tokamax_implementation: str | None = None  # use_tokamax_gmm: tokamax's ragged_dot implementation; None lets tokamax choose
   ragged_all_to_all: bool = True  # expert-parallel dropless exchange by ragged_all_to_all (XLA:CPU lacks it: a padded all_to_all)
   dtypes: Dtypes = Dtypes()  # the model's parameter, compute, accumulation and output dtypes and matmul precision
+  sparse_attention: str = "gather"  # DeepSeek Sparse Attention's training path (SPARSE_ATTENTION): gather | masked
 
 
 def splash_blocks(config: PolicyKeys) -> SplashBlocks:
@@ -177,6 +183,7 @@ def for_platform(config: PolicyKeys, platform: str, interpret: bool = False) -> 
     tokamax_implementation=TOKAMAX_IMPLEMENTATION[platform],
     ragged_all_to_all=not cpu,
     dtypes=resolve_dtypes(config),
+    sparse_attention=SPARSE_ATTENTION[platform],
   )
 
 

@@ -7,6 +7,7 @@ computation and where its gradients go in the dense warm-up; the 671B model file
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -273,3 +274,42 @@ def test_unknown_layer_type_is_one_line_exit_2(tmp_path):
   proc, before, after = _run_case([*CONVERT, "--hf-dir", "{tmp}/hf"], tmp_path, run, "")
   assert_one_line_exit_2(proc, "layer_types must be 3 x 'indexed_attention'")
   assert before == after and not (tmp_path / "converted").exists()
+
+
+@pytest.mark.parametrize("sparse_training", [True, False])
+def test_blockwise_paths_equal_the_dense_masked_form(monkeypatch, sparse_training):
+  """By blocks of 5 queries over 12 tokens (the last block padded), the gather and masked training paths give the
+  output, the indexer KL and every gradient of the masked form in one block (the dense masked attention), float32,
+  with two documents and padding; in the dense warm-up (sparse_training=False), the blockwise KL."""
+  from maxtext import platform
+  from maxtext.layers import mla_sparse
+  from maxtext.models import specs
+
+  config = _tiny_train_config(indexer_sparse_training=str(sparse_training).lower(), max_target_length=SEQ)
+  spec = specs.mla_sparse(config)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, SEQ, config.emb_dim)), jnp.float32)
+  weights = jnp.asarray(rng.normal(size=(2, SEQ, config.emb_dim)), jnp.float32)
+  positions = jnp.asarray(np.stack([np.r_[np.arange(7), np.arange(5)], np.arange(SEQ)]), jnp.int32)
+  segments = jnp.asarray(np.stack([np.r_[np.ones(7), 2 * np.ones(5)], np.r_[np.ones(9), np.zeros(3)]]), jnp.int32)
+
+  def run(path: str, block: int):
+    monkeypatch.setattr(mla_sparse, "QUERY_BLOCK", block)
+    policy = dataclasses.replace(platform.for_platform(config, "cpu"), sparse_attention=path)
+    graphdef, state = nnx.split(mla_sparse.SparseMLA(spec, policy=policy, rngs=nnx.Rngs(0)))
+
+    def objective(state, x):
+      out, kl = nnx.merge(graphdef, state)(x, positions, segments, 0)
+      return jnp.sum(out * weights) + kl, (out, kl)
+
+    (_, (out, kl)), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(state, x)
+    return out, kl, jax.tree.leaves(grads)
+
+  out, kl, grads = run("masked", SEQ)
+  assert float(kl) > 0
+  for path in ("gather", "masked") if sparse_training else ("gather",):  # the warm-up's paths differ only in the KL's blocks
+    got_out, got_kl, got_grads = run(path, 5)
+    np.testing.assert_allclose(np.asarray(got_out), np.asarray(out), atol=1e-5, rtol=0, err_msg=path)
+    np.testing.assert_allclose(float(got_kl), float(kl), rtol=1e-5, err_msg=path)
+    for got, want in zip(got_grads, grads, strict=True):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-4, err_msg=path)

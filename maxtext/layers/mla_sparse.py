@@ -28,7 +28,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.errors import ConfigError
-from maxtext.layers import matmul, rope
+from maxtext.layers import attention_ops, matmul, rope
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.mla import MLA, MLASpec
 from maxtext.layers.sharding import constrain
@@ -59,6 +59,62 @@ class SparseMLASpec:
 
   mla: MLASpec
   indexer: IndexerSpec
+
+
+QUERY_BLOCK = 128  # queries per step of the training path: its index scores are [B, 128, T] and no [S, T] array is live
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QueryBlocks:
+  """The per-query arrays of a sparse attention call, [B, S, ...] (or one block of them, [B, Bq, ...]); None: unused."""
+
+  positions: jax.Array
+  segment_ids: jax.Array | None
+  real: jax.Array  # [B, S] the query tokens the KL counts (not padding)
+  index_queries: jax.Array  # the indexer's queries [B, S, heads, head_dim]
+  index_weights: jax.Array  # the indexer's head weights [B, S, heads]
+  q: jax.Array | None = None  # the main queries [B, S, H, nope + rope] (masked form and warm-up)
+  q_nope: jax.Array | None = None  # the gather form's query parts [B, S, H, nope], [B, S, H, rope]
+  q_rope: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySide:
+  """What every query block reads of the keys: positions, segment ids [B, T], the indexer keys [B, T, D], the window."""
+
+  positions: jax.Array
+  segment_ids: jax.Array | None
+  index_keys: jax.Array
+  window: int | jax.Array
+
+
+def map_query_blocks(fn, queries: QueryBlocks, block: int) -> tuple[jax.Array | None, jax.Array]:
+  """fn(one block of queries) -> (per-query output [B, Bq, ...] or None, a float32 scalar), run block by block (a
+  scan with a rematerialised body: the backward pass too holds one block's intermediates) -> (the outputs [B, S, ...],
+  the scalars' sum). The last block is padded with segment id 0, position 0 and real=False queries, cut afterwards."""
+  s = queries.real.shape[1]
+  block = min(block, s)
+  if block == s:
+    return fn(queries)
+  n = -(-s // block)
+  pad = n * block - s
+
+  def split(x: jax.Array) -> jax.Array:  # [B, S, ...] -> [n, B, block, ...]
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
+
+  body = jax.checkpoint(fn, prevent_cse=False)
+
+  def step(total: jax.Array, blk: QueryBlocks):
+    out, part = body(blk)
+    return total + part, out
+
+  total, outs = jax.lax.scan(step, jnp.zeros((), jnp.float32), jax.tree.map(split, queries))
+  if outs is None:
+    return None, total
+  merged = jnp.moveaxis(outs, 0, 1)
+  return merged.reshape(merged.shape[0], n * block, *merged.shape[3:])[:, :s], total
 
 
 class LayerNorm(nnx.Module):
@@ -184,26 +240,103 @@ class SparseMLA(MLA):
     ik = self.indexer.keys(x_ix, positions)
     if cache is not None:
       return self._decode(q[..., :nope], q_rope, latent, k_rope, iq, iw, ik, window, cache, adapter_ids)
-    kv = checkpoint_name(self.wkv_b(latent, adapter_ids), "key_proj")
-    k_nope, v = kv[..., :nope], kv[..., nope:]
-    q = jnp.concatenate([q[..., :nope], q_rope], axis=-1)
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + (rope_dim,))], axis=-1)
-    rules = spec.rules
-    q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
-    k = constrain(k, ("activation_batch", "activation_length", "activation_heads", None), rules)
-    v = constrain(v, ("activation_batch", "activation_length", "activation_heads", None), rules)
-    allowed = position_mask(positions, positions, segment_ids, segment_ids, window)  # [B, S, T]
-    scores = self.indexer.scores(iq, iw, ik)
-    selected = jax.lax.stop_gradient(select_topk(scores, allowed, ix.topk))
-    mask = allowed if ix.dense_warmup else selected
-    prec = self.policy.dtypes.precision
-    ctx = xla_attention(q, k, v, mask[:, None, None], spec.scale, spec.soft_cap, prec, self.policy.integer_bf16_rounding)
+    real = segment_ids != 0 if segment_ids is not None else jnp.ones(positions.shape, bool)
+    queries = QueryBlocks(positions=positions, segment_ids=segment_ids, real=real, index_queries=iq, index_weights=iw)
+    keys = KeySide(positions=positions, segment_ids=segment_ids, index_keys=ik, window=window)
+    if self.policy.sparse_attention == "gather" and not ix.dense_warmup and self.wkv_b.lora is None:
+      # The absorbed form: no per-head keys or values at all, only the latent and the shared rotary key.
+      slots = jnp.concatenate([latent, k_rope[:, :, 0, :].astype(latent.dtype)], axis=-1)
+      ctx, kl = self._gathered(dataclasses.replace(queries, q_nope=q[..., :nope], q_rope=q_rope), keys, slots)
+    else:
+      kv = checkpoint_name(self.wkv_b(latent, adapter_ids), "key_proj")
+      k_nope, v = kv[..., :nope], kv[..., nope:]
+      q = jnp.concatenate([q[..., :nope], q_rope], axis=-1)
+      k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + (rope_dim,))], axis=-1)
+      rules = spec.rules
+      q = constrain(q, ("activation_batch", "activation_length", "activation_heads", None), rules)
+      k = constrain(k, ("activation_batch", "activation_length", "activation_heads", None), rules)
+      v = constrain(v, ("activation_batch", "activation_length", "activation_heads", None), rules)
+      if ix.dense_warmup:  # dense MLA (the platform's attention kernel); the KL over every allowed key, per query block
+        ctx = attention_ops.attend(
+          q,
+          k,
+          v,
+          q_positions=positions,
+          kv_positions=positions,
+          segment_ids=segment_ids,
+          window=window,
+          soft_cap=spec.soft_cap,
+          scale=spec.scale,
+          policy=self.policy,
+          precision=self.policy.dtypes.precision,
+          rules=rules,
+        )
+        kl = self._warmup_kl(dataclasses.replace(queries, q=jax.lax.stop_gradient(q)), keys, jax.lax.stop_gradient(k)) if ix.loss_scale else None
+      else:
+        ctx, kl = self._masked(dataclasses.replace(queries, q=q), keys, k, v)
     out = checkpoint_name(self.out(checkpoint_name(ctx, "context"), adapter_ids), "out_proj")
     if ix.loss_scale == 0:
       return out, jnp.zeros((), jnp.float32)
-    probs = self._attention_probs(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), mask)
-    real = segment_ids != 0 if segment_ids is not None else jnp.ones(positions.shape, bool)
-    return out, ix.loss_scale * indexer_kl(scores, probs, mask, real)
+    return out, ix.loss_scale * kl
+
+  def _select(self, blk: QueryBlocks, keys: KeySide) -> tuple[jax.Array, jax.Array]:
+    """One query block's (index scores [B, Bq, T], allowed keys [B, Bq, T])."""
+    allowed = position_mask(blk.positions, keys.positions, blk.segment_ids, keys.segment_ids, keys.window)
+    return self.indexer.scores(blk.index_queries, blk.index_weights, keys.index_keys), allowed
+
+  def _masked(self, queries: QueryBlocks, keys: KeySide, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per query block: XLA attention over every key, masked to the top-k (the dense masked form, one block at a time)."""
+    spec, ix, prec = self.spec, self.sparse.indexer, self.policy.dtypes.precision
+
+    def block(blk: QueryBlocks) -> tuple[jax.Array, jax.Array]:
+      scores, allowed = self._select(blk, keys)
+      mask = jax.lax.stop_gradient(select_topk(scores, allowed, ix.topk))
+      ctx = xla_attention(blk.q, k, v, mask[:, None, None], spec.scale, spec.soft_cap, prec, self.policy.integer_bf16_rounding)
+      if ix.loss_scale == 0:
+        return ctx, jnp.zeros((), jnp.float32)
+      probs = self._attention_probs(jax.lax.stop_gradient(blk.q), jax.lax.stop_gradient(k), mask)
+      return ctx, indexer_kl(scores, probs, mask, blk.real)
+
+    return map_query_blocks(block, queries, QUERY_BLOCK)
+
+  def _warmup_kl(self, queries: QueryBlocks, keys: KeySide, k: jax.Array) -> jax.Array:
+    """The dense warm-up's KL over every allowed key, per query block (queries and keys detached)."""
+
+    def block(blk: QueryBlocks) -> tuple[None, jax.Array]:
+      scores, allowed = self._select(blk, keys)
+      return None, indexer_kl(scores, self._attention_probs(blk.q, k, allowed), allowed, blk.real)
+
+    return map_query_blocks(block, queries, QUERY_BLOCK)[1]
+
+  def _gathered(self, queries: QueryBlocks, keys: KeySide, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per query block: gather each query's top-k latent slots [latent | rotary key] (slots [B, T, R + rope]) and
+    attend in the latent space (the absorbed form of the module docstring of maxtext.layers.mla)."""
+    spec, ix = self.spec, self.sparse.indexer
+    prec, dt = self.policy.dtypes.precision, self.policy.dtypes.compute
+    nope, rank = spec.qk_nope_head_dim, spec.kv_lora_rank
+    kernel = self.wkv_b.kernel[...]  # [R, H, nope + v]
+    slots = slots.astype(dt)
+    topk = min(ix.topk, slots.shape[1])
+
+    def block(blk: QueryBlocks) -> tuple[jax.Array, jax.Array]:
+      scores, allowed = self._select(blk, keys)
+      best, picked = jax.lax.top_k(jax.lax.stop_gradient(jnp.where(allowed, scores, -jnp.inf)), topk)  # ties: the earlier key
+      valid = best > -jnp.inf  # fewer allowed keys than k: the rest are padding
+      gathered = jax.vmap(lambda s, i: s[i])(slots, picked)  # [B, Bq, k, R + rope]
+      q_lat = matmul.einsum("bshn,rhn->bshr", blk.q_nope, kernel[..., :nope], dtype=dt, precision=prec)
+      query = jnp.concatenate([q_lat, blk.q_rope.astype(dt)], axis=-1)
+      logits = matmul.einsum("bshc,bskc->bhsk", query, gathered, dtype=dt, precision=prec, out_dtype=jnp.float32) * spec.scale
+      if spec.soft_cap is not None:
+        logits = spec.soft_cap * jnp.tanh(logits / spec.soft_cap)
+      probs = jax.nn.softmax(jnp.where(valid[:, None], logits, NEG_INF), axis=-1)
+      out_latent = matmul.einsum("bhsk,bskr->bshr", probs.astype(dt), gathered[..., :rank], dtype=dt, precision=prec)
+      ctx = matmul.einsum("bshr,rhv->bshv", out_latent, kernel[..., nope:], dtype=dt, precision=prec)
+      if ix.loss_scale == 0:
+        return ctx, jnp.zeros((), jnp.float32)
+      picked_scores = jnp.take_along_axis(scores, picked, axis=-1)
+      return ctx, indexer_kl(picked_scores, jax.lax.stop_gradient(probs), valid, blk.real)
+
+    return map_query_blocks(block, queries, QUERY_BLOCK)
 
   def _attention_probs(self, q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
     """The main attention's probabilities [B, H, S, T] (float32) under mask [B, S, T]."""
