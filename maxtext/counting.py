@@ -52,14 +52,21 @@ def _tree(config: MaxTextConfig) -> _Tree:
   return _MODELS[key]
 
 
+def _build_policy(config: MaxTextConfig) -> Any:
+  """The platform policy the counts assume (quantization left out, see _build)."""
+  from maxtext import platform
+
+  return dataclasses.replace(platform.resolve(config), quantization=None)
+
+
 def _build(config: MaxTextConfig) -> _Tree:
   """Counting's abstract model: the architecture's weights in weight_dtype (quantization, a storage and matmul
   format, is left out: a stored-quantized kernel packs its values and adds scales)."""
-  from maxtext import models, platform
+  from maxtext import models
   from maxtext.models import specs
   from maxtext.models.decoder_layer import DecoderLayer
 
-  policy = dataclasses.replace(platform.resolve(config), quantization=None)
+  policy = _build_policy(config)
   family = registry.get(config.decoder_block)
 
   def layer(kind: LayerKind) -> Any:
@@ -155,9 +162,23 @@ def _keys(config: MaxTextConfig) -> list[int]:
   for kind in registry.get(config.decoder_block).kinds(config):
     if kind.mixer == "gated_deltanet":
       out.append(min(seq, config.gdn_chunk_size))
+    elif kind.mixer == "mla_sparse" and _sparse_gather(config):
+      out.append(min(seq, config.indexer_topk))
     else:
       out.append(min(seq, kind.window or kind.chunk) if kind.window or kind.chunk else seq)  # a chunk bounds the keys as a window does
   return out
+
+
+def _sparse_gather(config: MaxTextConfig) -> bool:
+  """Does DeepSeek Sparse Attention train through its gather path (only each query's indexer_topk keys, in MLA's
+  absorbed form)? The platform policy picks gather; the dense warm-up and a LoRA adapter on wkv_b take the masked
+  form, which scores every visible key (maxtext.layers.mla_sparse). The indexer's own scores are not counted."""
+  from maxtext.models.specs import indexer_warmup
+
+  if _build_policy(config).sparse_attention != "gather" or indexer_warmup(config):
+    return False
+  layers = [m for _, m in _tree(config).layers.items() if hasattr(getattr(m, "attention", None), "wkv_b")]
+  return all(m.attention.wkv_b.lora is None for m in layers)
 
 
 def attention_width(c: MaxTextConfig, mixer: str = "attention") -> float:
@@ -165,7 +186,9 @@ def attention_width(c: MaxTextConfig, mixer: str = "attention") -> float:
   Gated DeltaNet (d_k + d_v) / 2 scaled by its value heads per query head (the scores count num_query_heads heads)."""
   if mixer == "gated_deltanet":
     return (c.gdn_key_head_dim + c.gdn_value_head_dim) / 2 * c.gdn_num_value_heads / c.num_query_heads
-  if mixer in ("mla", "mla_sparse"):  # mla_sparse: its mask-based attention scores every visible key (indexer scores not counted)
+  if mixer == "mla_sparse" and _sparse_gather(c):  # the absorbed form: scores over the latent + rope key, values the latent
+    return (2 * c.kv_lora_rank + c.qk_rope_head_dim) / 2
+  if mixer in ("mla", "mla_sparse"):  # mla_sparse's masked form and dense warm-up score every visible key
     return (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2
   return c.head_dim
 

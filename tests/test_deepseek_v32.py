@@ -313,3 +313,18 @@ def test_blockwise_paths_equal_the_dense_masked_form(monkeypatch, sparse_trainin
     np.testing.assert_allclose(float(got_kl), float(kl), rtol=1e-5, err_msg=path)
     for got, want in zip(got_grads, grads, strict=True):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-4, err_msg=path)
+
+
+def test_flops_count_the_top_k_keys_the_gather_path_scores():
+  """Sparse training through the gather path scores each query's indexer_topk latent keys; the dense warm-up scores
+  every visible key at MLA's width. The step's FLOPs follow the path that runs."""
+  from maxtext import counting
+
+  sparse = _tiny_train_config(indexer_sparse_training="true")
+  warmup = _tiny_train_config()
+  c = sparse
+  assert counting._keys(sparse) == [c.indexer_topk] * 2 and counting._keys(warmup) == [c.max_target_length] * 2
+  assert counting.attention_width(sparse, "mla_sparse") == (2 * c.kv_lora_rank + c.qk_rope_head_dim) / 2
+  assert counting.attention_width(warmup, "mla_sparse") == (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2
+  wide = _tiny_train_config(indexer_sparse_training="true", indexer_topk=64)  # every visible key selected
+  assert counting._keys(wide) == [c.max_target_length] * 2
