@@ -154,5 +154,5 @@ def test_a_block_of_different_layers_refuses_the_pipeline(bad):
   from maxtext.errors import ConfigError
 
   config = from_overrides(**{**TINY, **bad})
-  with pytest.raises(ConfigError, match="pipeline does not run"):
+  with pytest.raises(ConfigError, match="num_layers_per_pipeline_stage 1 is not a multiple of 2"):
     models.abstract_model(config)

@@ -61,12 +61,16 @@ def main_stacks(plan: pipeline.Plan | None, spec: LayerSpec, policy: Policy, rng
   return pipelined, stacked_layers(spec, policy, keys[plan.layers :], OUTSIDE_AXIS) if plan.outside else None
 
 
-def block_stacks(stack: layer_pattern.Stack, layer_specs: tuple[LayerSpec, ...], policy: Policy, rngs: nnx.Rngs) -> tuple[nnx.List, nnx.List | None]:
+def block_stacks(
+  stack: layer_pattern.Stack, layer_specs: tuple[LayerSpec, ...], policy: Policy, rngs: nnx.Rngs, plan: pipeline.Plan | None = None
+) -> tuple[nnx.List, nnx.List | None]:
   """A stack whose structures repeat with period p > 1, scanned: (p stacked layers on axis stack.name, position j
-  holding layers j, j + p, ...; the remainder's layers one by one, or None). Layer i gets the i-th random key."""
+  holding layers j, j + p, ...; the remainder's layers one by one, or None). Layer i gets the i-th random key. With
+  a pipeline (whose units are the whole groups) the groups stand in its train-state order (plan.order())."""
   p, g = stack.period, stack.num_groups
   keys = jax.random.split(rngs.params(), len(stack.kinds))
-  block = nnx.List([stacked_layers(layer_specs[j], policy, keys[j : g * p : p], stack.name) for j in range(p)])
+  groups = np.arange(g) if plan is None else plan.order()
+  block = nnx.List([stacked_layers(layer_specs[j], policy, keys[groups * p + j], stack.name) for j in range(p)])
   rest = [DecoderLayer(layer_specs[i], policy=policy, rngs=nnx.Rngs(keys[i])) for i in range(g * p, len(stack.kinds))]
   return block, nnx.List(rest) if rest else None
 
@@ -98,11 +102,8 @@ class Transformer(nnx.Module):
       if not c.scan_layers:
         built[stack.name] = nnx.List([DecoderLayer(spec, policy=policy, rngs=rngs) for spec in stack_specs])
       elif stack.period > 1:
-        if stack.name == layer_pattern.MAIN_STACK and s.pipeline is not None:
-          raise ConfigError(
-            f"decoder_block={c.decoder_block} repeats a block of {stack.period} different layers, which the pipeline does not run; set ici/dcn_pipeline_parallelism=1"
-          )
-        built[stack.name], built[layer_pattern.REMAINDER] = block_stacks(stack, stack_specs, policy, rngs)
+        plan = s.pipeline.plan if stack.name == layer_pattern.MAIN_STACK and s.pipeline is not None else None  # units: whole groups
+        built[stack.name], built[layer_pattern.REMAINDER] = block_stacks(stack, stack_specs, policy, rngs, plan)
       elif stack.name == layer_pattern.MAIN_STACK:
         built[stack.name], built["layers_outside_pipeline"] = main_stacks(s.pipeline and s.pipeline.plan, stack_specs[0], policy, rngs, len(stack.kinds))
       else:
@@ -348,8 +349,11 @@ class Transformer(nnx.Module):
     if schedule is None:
       x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=per_layer)
     else:
-      piped = schedule.plan.layers
+      piped = schedule.plan.layers * schedule.plan.period
       x, stats = schedule(self.layers, x, positions, segment_ids, adapter_ids, windows[:piped], self.policy)
+      if self.layers_remainder is not None:  # a hybrid stack's layers after its last whole block
+        x, after = self._run_layers(self.layers_remainder, x, positions, segment_ids, windows[piped:], adapter_ids, stacked=False)
+        stats = {k: jnp.concatenate([stats[k], after[k]]) for k in ("lb_loss", "dropped", "load", "indexer_loss")}
       if self.layers_outside_pipeline is not None:
         x, after = self._run_layers(self.layers_outside_pipeline, x, positions, segment_ids, windows[piped:], adapter_ids)
         stats = {k: jnp.concatenate([stats[k], after[k]]) for k in ("lb_loss", "dropped", "load", "indexer_loss")}

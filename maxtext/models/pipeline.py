@@ -58,9 +58,12 @@ class Plan:
   delay: int  # iterations between a stage's output and the next stage's use of it (1, or 2 with delayed forwarding)
   fsdp_ag_once: bool
   outside: int = 0  # main-stack layers after the pipelined ones (pipeline_parallel_layers), run unpipelined
+  period: int = 1  # decoder layers per pipelined unit: a hybrid stack's block of different layers (layer_pattern.Stack.period)
+  remainder: int = 0  # a hybrid stack's layers after its last whole block, run after the pipeline on every stage
 
   @property
   def layers(self) -> int:
+    """Pipelined units (layers, or blocks of `period` layers): the length of the stacked layer axis."""
     return self.stages * self.repeats * self.layers_per_stage
 
   @property
@@ -74,11 +77,8 @@ class Plan:
 
   @property
   def schedule(self) -> str:
-    kind = (
-      f"circular ({self.repeats} repeats of {self.layers_per_stage} layers per stage)"
-      if self.repeats > 1
-      else f"GPipe ({self.layers_per_stage} layers per stage)"
-    )
+    unit = f"{self.layers_per_stage} layers" if self.period == 1 else f"{self.layers_per_stage} blocks of {self.period} layers"
+    kind = f"circular ({self.repeats} repeats of {unit} per stage)" if self.repeats > 1 else f"GPipe ({unit} per stage)"
     return kind + (", delayed forwarding" if self.delay == 2 else "")
 
   def order(self) -> np.ndarray:
@@ -91,9 +91,11 @@ def banner(plan: Plan | None) -> str | None:
   """One line naming the schedule, stages, microbatches and bubble fraction (None without a pipeline)."""
   if plan is None:
     return None
-  outside = f" ({plan.outside} after them run on every stage)" if plan.outside else ""
+  after = plan.outside + plan.remainder
+  outside = f" ({after} after them run on every stage)" if after else ""
+  piped = plan.layers * plan.period
   return (
-    f"pipeline: {plan.layers} of {plan.layers + plan.outside} layers pipelined{outside}, {plan.schedule}, {plan.stages} stages, {plan.microbatches} microbatches, "
+    f"pipeline: {piped} of {piped + after} layers pipelined{outside}, {plan.schedule}, {plan.stages} stages, {plan.microbatches} microbatches, "
     f"{plan.iterations} iterations, "
     f"bubble {plan.bubble:.1%} = {plan.delay}x({plan.stages}-1)/({plan.microbatches}x{plan.repeats}+{plan.delay}x({plan.stages}-1))"
   )
@@ -300,7 +302,7 @@ def run(
   feed = _constrain(jnp.broadcast_to(micro(x)[None], (p, m, batch // m, *x.shape[1:])), feed_spec)
   state = _constrain(jnp.zeros((p, batch // m, *x.shape[1:]), x.dtype), state_spec)
   w = stage_weights(plan, weights, rules, fsdp_axes)
-  win = jnp.asarray(np.asarray(windows, np.int32).reshape(p, v * lps))
+  win = jnp.asarray(np.asarray(windows, np.int32).reshape(p, v * lps, *np.shape(windows)[1:]))
   stage_ids = jnp.arange(p)
   vmap = jax.vmap if not staged else lambda f: jax.vmap(f, spmd_axis_name=STAGE_AXIS)
 
@@ -374,27 +376,44 @@ class Schedule:
     policy: Policy,
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The stacked layers (train-state order) over x [B, ...] -> (y, per-layer MoE statistics in train-state order,
-    lb_loss the full batch's). windows: each pipelined layer's attention window in plain order."""
+    lb_loss the full batch's). layers: one stacked layer, or (a hybrid stack, plan.period > 1) a list of one stacked
+    layer per block position, each unit of the pipeline then a block of `period` layers run in order as the
+    unpipelined decoder's _run_block does. windows: each pipelined layer's attention window in plain order."""
     plan = self.plan
-    graphdef, state = nnx.split(layers)
-    static_window = windows[0] if len(set(windows)) == 1 else None
+    blocks = list(layers) if isinstance(layers, nnx.List) else [layers]
+    graphdefs, states = zip(*(nnx.split(m) for m in blocks))
+    q = len(blocks)
+    win = np.asarray(windows, np.int32).reshape(-1, q)  # [units, block position]
+    static = [int(win[0, j]) if len(set(win[:, j].tolist())) == 1 else None for j in range(q)]
     lps = plan.layers_per_stage
 
     def stage_fn(w_s: Any, r: jax.Array, h: jax.Array, win_s: jax.Array, rows: tuple):
       positions_k, segments_k, adapters_k = rows
 
-      def body(h, i):
-        h = checkpoint_name(h, remat.LAYER_INPUT)
-        w = jax.tree.map(lambda a: checkpoint_name(a[r * lps + i], remat.SLICED_WEIGHTS), w_s)  # sliced inside the remat region
-        layer = nnx.merge(graphdef, remat.tied_to_carry(w, h, policy.dtypes.compute))
-        window = static_window if static_window is not None else win_s[r * lps + i]
-        return layer(h, positions_k, segments_k, window, adapter_ids=adapters_k)
+      def position(j: int):
+        def step(h, i):
+          h = checkpoint_name(h, remat.LAYER_INPUT)
+          w = jax.tree.map(lambda a: checkpoint_name(a[r * lps + i], remat.SLICED_WEIGHTS), w_s[j])  # sliced inside the remat region
+          layer = nnx.merge(graphdefs[j], remat.tied_to_carry(w, h, policy.dtypes.compute))
+          window = static[j] if static[j] is not None else win_s[r * lps + i, j]
+          return layer(h, positions_k, segments_k, window, adapter_ids=adapters_k)
 
-      body = remat.wrap(body, self.remat_policy, prevent_cse=False, offload_input=policy.offload_layer_inputs, sliced_weights=True)
+        return remat.wrap(step, self.remat_policy, prevent_cse=False, offload_input=policy.offload_layer_inputs, sliced_weights=True)
+
+      steps = [position(j) for j in range(q)]
+
+      def body(h, i):
+        out = []
+        for step in steps:
+          h, stats = step(h, i)
+          out.append(stats)
+        return h, jax.tree.map(lambda *a: jnp.stack(a), *out)
+
       return jax.lax.scan(body, h, jnp.arange(lps))
 
     rows = (positions, segment_ids, adapter_ids)
-    y, stats = run(plan, stage_fn, state, x, rows, np.asarray(windows)[plan.order()], self.rules, set(self.fsdp_axes))
+    y, stats = run(plan, stage_fn, tuple(states), x, rows, win[plan.order()], self.rules, set(self.fsdp_axes))
+    stats = jax.tree.map(lambda a: a.reshape(a.shape[0] * q, *a.shape[2:]), stats)  # [units, q, ...] -> per layer
     # Loads, router probabilities and token counts were summed over microbatches: the full batch's load-balance loss.
     stats["lb_loss"] = load_balance_from_sums(stats["load"], stats["router_probs"], stats["tokens"], self.experts_per_token)
     return y, stats

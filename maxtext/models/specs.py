@@ -34,6 +34,7 @@ from maxtext.layers.norms import NormSpec
 from maxtext.layers.residual import ResidualSpec
 from maxtext.layers.rope import RopeSpec
 from maxtext.layers.sharding import Rules
+from maxtext.models import layer_pattern
 from maxtext.models.decoder_layer import LayerSpec
 from maxtext.models.family import Family, LayerKind
 from maxtext.models.pipeline import STAGE_AXIS, Plan, Schedule
@@ -339,19 +340,39 @@ def layer(config: MaxTextConfig, family: Family, kind: LayerKind) -> LayerSpec:
 
 
 def pipeline_plan(config: MaxTextConfig) -> Plan | None:
-  """The config's pipeline plan, or None without pipeline parallelism."""
+  """The config's pipeline plan, or None without pipeline parallelism. A main stack that repeats a block of p > 1
+  different layers (qwen3_next: 3 Gated DeltaNet layers + 1 attention layer) is pipelined block by block: each stage
+  runs num_layers_per_pipeline_stage / p whole blocks per visit, and the layers after the last whole block run after
+  the pipeline on every stage."""
   c = config
   stages = axis_size(c.ici_parallelism, c.dcn_parallelism, c.mesh_axes, STAGE_AXIS)
   if stages == 1:
     return None
+  main = layer_pattern.stacks(family_of(c).kinds(c))[-1]
+  p, lps, piped = main.period, c.num_layers_per_pipeline_stage, c.pipeline_parallel_layers
+  if p > 1:
+    if lps % p:
+      raise ConfigError(
+        f"decoder_block={c.decoder_block} repeats a block of {p} different layers, which each stage runs whole: num_layers_per_pipeline_stage "
+        f"{lps} is not a multiple of {p}; set it to a multiple of {p}"
+      )
+    if piped != main.num_groups * p:
+      raise ConfigError(
+        f"decoder_block={c.decoder_block} pipelines its whole blocks of {p} layers: pipeline_parallel_layers {piped} is not their "
+        f"{main.num_groups} x {p} = {main.num_groups * p} layers; set pipeline_parallel_layers={main.num_groups * p}, or -1 when that is all layers"
+      )
+    if any(k.kv_shared for k in main.kinds) or c.hidden_size_per_layer_input:
+      raise ConfigError(f"decoder_block={c.decoder_block}'s KV sharing or per-layer inputs do not run under the pipeline; set ici/dcn_pipeline_parallelism=1")
   return Plan(
     stages,
     c.num_pipeline_repeats,
-    c.num_layers_per_pipeline_stage,
+    lps // p,
     c.num_pipeline_microbatches,
     2 if c.pipeline_delay_activation_forwarding else 1,
     c.pipeline_fsdp_ag_once,
-    c.num_decoder_layers - c.first_num_dense_layers - c.pipeline_parallel_layers,
+    0 if p > 1 else c.num_decoder_layers - c.first_num_dense_layers - piped,
+    p,
+    len(main.remainder),
   )
 
 
