@@ -48,10 +48,6 @@ CIRCULAR = dict(
 )
 
 
-@pytest.mark.skip(
-  reason="the UNPIPELINED qwen3_next reference (tests/test_pipeline.py loss_and_grads on a 2- or 8-device CPU mesh) deadlocks in execution, on main too; "
-  "unskip once that hang is fixed"
-)
 def test_pipelined_blocks_give_the_unpipelined_loss_and_gradients():
   config = helpers.config_for(HYBRID, **CIRCULAR)
   plan = specs.pipeline_plan(config)
