@@ -160,11 +160,30 @@ def test_kimi_k2_is_1t_with_32b_active():
   assert counting.param_count(config, active_only=True) == pytest.approx(32e9, rel=0.03)
 
 
-def test_qwen3_next_active_params():
-  """Qwen3-Next-80B-A3B: 10 of 512 experts and the shared expert per token, without the embedding tables: 3.25B
-  (the model card rounds it to 3B)."""
-  config = _model("qwen3-next-80b-a3b")
-  assert counting.param_count(config, active_only=True) - 2 * config.vocab_size * config.emb_dim == pytest.approx(3.25e9, rel=0.01)
+def _hybrid_active_without_embeddings(c) -> int:
+  """Qwen3-Next / Qwen3.5-MoE active parameters per token without the embedding table and output head, from the
+  architecture's matrices alone (Hugging Face's modeling code; norms, convolution and decay vectors left out)."""
+  e, period = c.emb_dim, c.inhomogeneous_layer_cycle_interval
+  full = c.num_decoder_layers // period
+  gdn = e * (2 * c.gdn_num_key_heads * c.gdn_key_head_dim + 2 * c.gdn_num_value_heads * c.gdn_value_head_dim + 2 * c.gdn_num_value_heads)
+  gdn += c.gdn_num_value_heads * c.gdn_value_head_dim * e
+  attention = e * (2 * c.num_query_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_query_heads * c.head_dim * e  # q and its gate, k, v; o
+  experts = (c.num_experts_per_tok + c.shared_experts) * 3 * e * c.moe_mlp_dim + e * c.num_experts + e  # routed and shared; router, shared gate
+  return (c.num_decoder_layers - full) * gdn + full * attention + c.num_decoder_layers * experts
+
+
+@pytest.mark.parametrize(
+  "name, billions",
+  [("qwen3-next-80b-a3b", 3.25), ("qwen3.5-35b-a3b", 2.44), ("qwen3.5-397b-a17b", 15.31)],
+)
+def test_hybrid_active_params(name, billions):
+  """Active parameters per token without the embedding table and output head equal the architecture's count (within
+  0.5%: the vectors it leaves out). The names' A3B / A17B round these: Qwen3-Next's 3.25B; Qwen3.5's 3.46B and
+  17.35B with both vocab x E tables (docs/linear_attention.md)."""
+  config = _model(name)
+  active = counting.param_count(config, active_only=True) - 2 * config.vocab_size * config.emb_dim
+  assert active == pytest.approx(_hybrid_active_without_embeddings(config), rel=0.005)
+  assert active == pytest.approx(billions * 1e9, rel=0.005)
 
 
 def test_tied_embeddings_are_counted_once():

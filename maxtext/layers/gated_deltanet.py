@@ -15,7 +15,7 @@ Two forms compute the delta rule. `recurrent_delta_rule` runs the recurrence tok
 form (`chunked_delta_rule`, training and prefill) cuts the sequence into chunks of C tokens: inside a chunk the
 writes u_j obey a unit lower-triangular system (I + A) U = beta V - diag(beta Gamma) K S_0 with
 A_jl = beta_j (Gamma_j / Gamma_l) k_j . k_l (l < j) and Gamma_j the decay from the chunk's start (the WY/UT
-transform), solved for all chunks at once; a jax.lax.scan over chunks then carries S from chunk to chunk:
+transform), solved for all chunks at once by the inverse of I + A (`unit_lower_inverse`, matmuls only); a jax.lax.scan over chunks then carries S from chunk to chunk:
 
     o_i = Gamma_i q_i^T S_0 + sum_{j <= i} (Gamma_i / Gamma_j) (q_i . k_j) u_j
     S_C = Gamma_C S_0 + sum_j (Gamma_C / Gamma_j) k_j u_j^T
@@ -134,6 +134,31 @@ def _dot(spec: str, a: jax.Array, b: jax.Array, precision: jax.lax.Precision | N
   return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
+def unit_lower_inverse(a: jax.Array, precision: jax.lax.Precision | None = None) -> jax.Array:
+  """(I + a)^-1 for a strictly lower-triangular a [..., C, C], in float32, by matmuls alone.
+
+  The inverses of the diagonal blocks double in size each round (1, 2, 4, ... up to C padded to a power of two):
+  [[T11, 0], [A21, T22]]^-1 has T11, T22 on its diagonal and -T22 A21 T11 below it. Batched matmuls on every
+  platform, and none of the CPU LAPACK triangular solver's nested thread-pool work, which deadlocks the executions
+  of simulated multi-device CPU meshes (`--xla_force_host_platform_device_count`) whose collectives wait on it.
+  """
+  c = a.shape[-1]
+  size = 1 << max(c - 1, 0).bit_length()
+  a = jnp.pad(a.astype(jnp.float32), [(0, 0)] * (a.ndim - 2) + [(0, size - c), (0, size - c)])
+  lead = a.shape[:-2]
+  inverse = jnp.ones((*lead, size, 1, 1), jnp.float32)  # the diagonal blocks' inverses, [..., blocks, m, m]
+  m = 1
+  while m < size:
+    blocks = a.reshape(*lead, size // m, m, size // m, m)
+    below = jnp.moveaxis(jnp.diagonal(blocks, offset=-1, axis1=-4, axis2=-2), -1, -3)[..., ::2, :, :]  # A21 of each pair
+    t11, t22 = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+    t21 = -_dot("...ij,...jk->...ik", _dot("...ij,...jk->...ik", t22, below, precision), t11, precision)
+    top = jnp.concatenate([t11, jnp.zeros_like(t11)], axis=-1)
+    inverse = jnp.concatenate([top, jnp.concatenate([t21, t22], axis=-1)], axis=-2)
+    m *= 2
+  return inverse[..., 0, :c, :c]
+
+
 def chunked_delta_rule(
   q: jax.Array,
   k: jax.Array,
@@ -174,9 +199,9 @@ def chunked_delta_rule(
   gamma = jnp.where(carried, jnp.exp(cum), 0.0)  # [B, N, H, C]
   k_beta = k * beta[..., None]
   strict = ratio * (1.0 - jnp.eye(chunk, dtype=f32))
-  system = jnp.eye(chunk, dtype=f32) + _dot("...id,...jd->...ij", k_beta, k, precision) * strict
+  inverse = unit_lower_inverse(_dot("...id,...jd->...ij", k_beta, k, precision) * strict, precision)  # (I + A)^-1
   rhs = jnp.concatenate([v * beta[..., None], k_beta * gamma[..., None]], axis=-1)
-  solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+  solved = _dot("...ij,...jd->...id", inverse, rhs, precision)
   u, w = solved[..., :dv], solved[..., dv:]  # writes before the incoming state's share, and that share's keys
   intra = _dot("...id,...jd->...ij", q, k, precision) * ratio
   q_state = q * gamma[..., None]

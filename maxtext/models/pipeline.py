@@ -380,7 +380,8 @@ class Schedule:
     layer per block position, each unit of the pipeline then a block of `period` layers run in order as the
     unpipelined decoder's _run_block does. windows: each pipelined layer's attention window in plain order."""
     plan = self.plan
-    blocks = list(layers) if isinstance(layers, nnx.List) else [layers]
+    hybrid = isinstance(layers, nnx.List)  # a block of different layers per unit; an ordinary stack runs as before
+    blocks = list(layers) if hybrid else [layers]
     graphdefs, states = zip(*(nnx.split(m) for m in blocks))
     q = len(blocks)
     win = np.asarray(windows, np.int32).reshape(-1, q)  # [units, block position]
@@ -391,29 +392,33 @@ class Schedule:
       positions_k, segments_k, adapters_k = rows
 
       def position(j: int):
-        def step(h, i):
+        def body(h, i):
           h = checkpoint_name(h, remat.LAYER_INPUT)
-          w = jax.tree.map(lambda a: checkpoint_name(a[r * lps + i], remat.SLICED_WEIGHTS), w_s[j])  # sliced inside the remat region
+          w = jax.tree.map(lambda a: checkpoint_name(a[r * lps + i], remat.SLICED_WEIGHTS), w_s[j] if hybrid else w_s)  # sliced inside the remat region
           layer = nnx.merge(graphdefs[j], remat.tied_to_carry(w, h, policy.dtypes.compute))
-          window = static[j] if static[j] is not None else win_s[r * lps + i, j]
+          window = static[j] if static[j] is not None else (win_s[r * lps + i, j] if hybrid else win_s[r * lps + i])
           return layer(h, positions_k, segments_k, window, adapter_ids=adapters_k)
 
-        return remat.wrap(step, self.remat_policy, prevent_cse=False, offload_input=policy.offload_layer_inputs, sliced_weights=True)
+        return remat.wrap(body, self.remat_policy, prevent_cse=False, offload_input=policy.offload_layer_inputs, sliced_weights=True)
 
+      if not hybrid:
+        return jax.lax.scan(position(0), h, jnp.arange(lps))
       steps = [position(j) for j in range(q)]
 
-      def body(h, i):
+      def block(h, i):
         out = []
         for step in steps:
           h, stats = step(h, i)
           out.append(stats)
         return h, jax.tree.map(lambda *a: jnp.stack(a), *out)
 
-      return jax.lax.scan(body, h, jnp.arange(lps))
+      return jax.lax.scan(block, h, jnp.arange(lps))
 
     rows = (positions, segment_ids, adapter_ids)
-    y, stats = run(plan, stage_fn, tuple(states), x, rows, win[plan.order()], self.rules, set(self.fsdp_axes))
-    stats = jax.tree.map(lambda a: a.reshape(a.shape[0] * q, *a.shape[2:]), stats)  # [units, q, ...] -> per layer
+    weights, unit_windows = (tuple(states), win) if hybrid else (states[0], np.asarray(windows))
+    y, stats = run(plan, stage_fn, weights, x, rows, unit_windows[plan.order()], self.rules, set(self.fsdp_axes))
+    if hybrid:
+      stats = jax.tree.map(lambda a: a.reshape(a.shape[0] * q, *a.shape[2:]), stats)  # [units, q, ...] -> per layer
     # Loads, router probabilities and token counts were summed over microbatches: the full batch's load-balance loss.
     stats["lb_loss"] = load_balance_from_sums(stats["load"], stats["router_probs"], stats["tokens"], self.experts_per_token)
     return y, stats
