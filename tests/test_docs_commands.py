@@ -11,7 +11,10 @@ Convention for doc writers:
   any other command in an unmarked block fails this test. Fences indented inside list items count; indented
   (4-space) code without a fence is not executed.
 - JAX_PLATFORMS and XLA_FLAGS are removed from the environment, as on a new user's machine: the entry points must
-  pick the platform themselves and print no libtpu/TPU-runtime message.
+  pick the platform themselves and print no libtpu/TPU-runtime message. XLA_FLAGS is then set to the tests' fast-compile
+  flags only (tests/xla_env.py, no forced device count): maxtext reads nothing from XLA_FLAGS but the forced CPU
+  device count (maxtext.platform.predicted_device_counts), so the commands still see one CPU device, as a user's
+  machine has, and the flags change only how long XLA's code generation takes.
 
 What is checked: exit code 0 and some output; training commands run with `steps` set small (replaced, or appended)
 and must report an existing checkpoint directory; the first training command is run again with one more step and
@@ -32,6 +35,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.xla_env import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_MARKER = re.compile(r"<!--\s*docs-test:\s*skip\b")
@@ -75,6 +80,7 @@ TIMES: list[tuple[float, float, str]] = []  # (wall s, CPU s, command): printed 
 
 def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
   full_env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS") and not k.startswith("M_")}
+  full_env.update(XLA_FLAGS=xla_flags(None))
   full_env.update(env, PYTHONPATH=str(ROOT))
   command = [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
   before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
