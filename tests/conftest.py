@@ -1,11 +1,14 @@
-"""Test environment: CPU only, 8 simulated devices, no network, one JAX compilation cache per test session."""
+"""Test environment: CPU only, 8 simulated devices, fast compiles (tests/xla_env.py), no network, one JAX compilation
+cache per test session."""
 
 import os
 import shutil
 import tempfile
 
+from tests.xla_env import xla_flags
+
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

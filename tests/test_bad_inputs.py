@@ -21,6 +21,7 @@ import pytest
 from tests import cli_server
 from tests.test_data_common import sp_model
 from tests.test_train_helpers import TINY_MODEL
+from tests.xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 CASE_TIMEOUT_SECONDS = 180  # far above any case's run time on a busy 2-core machine: reaching it means the process hung
@@ -202,7 +203,7 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def _env() -> dict[str, str]:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=str(REPO))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1), PYTHONPATH=str(REPO))
   env.pop("PYTHONWARNINGS", None)
   return env
 

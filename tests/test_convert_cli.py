@@ -12,11 +12,12 @@ from safetensors.numpy import load_file
 
 from tests import cli_server
 from tests.hf_fixtures import save_tiny_model
+from tests.xla_env import xla_flags
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
   """The command as a process of its own, forked from a server that imported maxtext once (tests/cli_server.py)."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
   return cli_server.run([sys.executable, "-m", "maxtext.convert", *args], env=env, timeout=300)
 
 

@@ -190,14 +190,15 @@ def _gradient_norms(config, batch, which: str) -> tuple[list[str], float, float]
   from maxtext.train.step import LanguageModel
   from maxtext.train.trainable import split_params
 
-  graphdef, params, rest = nnx.split(models.build(config, nnx.Rngs(0)), nnx.Param, ...)
+  model = nnx.merge(nnx.graphdef(models.abstract_model(config)), jax.jit(lambda: nnx.state(models.build(config, nnx.Rngs(0))))())
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   trainable, frozen = split_params(params, config)
 
   def term(trainable):
     sums = loss_lib.loss_sums(nnx.merge(graphdef, trainable, frozen, rest), batch, config)
     return {"all": LanguageModel(config).loss(sums, 1.0), "kl": sums.indexer, "lm": sums.xent}[which]
 
-  norms = {".".join(map(str, p)): float(jnp.linalg.norm(v[...])) for p, v in nnx.to_flat_state(jax.grad(term)(trainable))}
+  norms = {".".join(map(str, p)): float(jnp.linalg.norm(v[...])) for p, v in nnx.to_flat_state(jax.jit(jax.grad(term))(trainable))}  # compiled, not op by op
   paths = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)]
   return paths, sum(v for k, v in norms.items() if "indexer" in k), sum(v for k, v in norms.items() if "indexer" not in k)
 

@@ -15,6 +15,7 @@ from maxtext.train import setup as setup_lib
 from maxtext.train.loop import create_data_iterator
 from tests.test_bad_inputs import _env, _train, assert_one_line_exit_2
 from tests.test_train_helpers import FAST_COMPILE, mesh_for, tiny_config
+from tests.xla_env import xla_flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from hlo_cross_group import cross_group_bytes  # noqa: E402
@@ -86,7 +87,7 @@ def test_groups_exchange_bytes_only_at_the_sync(runs):
 )
 def test_bad_diloco_keys_are_one_line_exit_2(keys, expected, tmp_path):
   argv = [a.replace("{tmp}", str(tmp_path)) for a in _train(*keys)]
-  env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = dict(_env(), XLA_FLAGS=xla_flags(4))
   proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
   assert_one_line_exit_2(proc, expected)
   assert list(tmp_path.iterdir()) == []  # nothing written

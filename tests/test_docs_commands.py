@@ -11,7 +11,11 @@ Convention for doc writers:
   any other command in an unmarked block fails this test. Fences indented inside list items count; indented
   (4-space) code without a fence is not executed.
 - JAX_PLATFORMS and XLA_FLAGS are removed from the environment, as on a new user's machine: the entry points must
-  pick the platform themselves and print no libtpu/TPU-runtime message.
+  pick the platform themselves and print no libtpu/TPU-runtime message. XLA_FLAGS is then the command's own (a
+  leading XLA_FLAGS=... word) followed by the tests' fast-compile flags (tests/xla_env.py), never a forced device
+  count: maxtext reads nothing from XLA_FLAGS but that count (maxtext.platform.predicted_device_counts), so a command
+  sees the devices a user's machine has, and the flags change only XLA's code generation (the quickstart's 2-step
+  train: 32 -> 20 CPU s; its decode: 17 -> 11 CPU s).
 
 What is checked: exit code 0 and some output; training commands run with `steps` set small (replaced, or appended)
 and must report an existing checkpoint directory; the first training command is run again with one more step and
@@ -32,6 +36,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.xla_env import FAST_COMPILE_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_MARKER = re.compile(r"<!--\s*docs-test:\s*skip\b")
@@ -76,6 +82,7 @@ TIMES: list[tuple[float, float, str]] = []  # (wall s, CPU s, command): printed 
 def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
   full_env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS") and not k.startswith("M_")}
   full_env.update(env, PYTHONPATH=str(ROOT))
+  full_env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()  # a command's own XLA_FLAGS, then the fast ones
   command = [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
   before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
   result = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600)

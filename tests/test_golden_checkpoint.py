@@ -23,6 +23,7 @@ from maxtext import models
 from maxtext.config import MaxTextConfig, from_overrides
 from maxtext.convert import checkpoint_io
 from maxtext.train import checkpointing
+from tests.xla_env import OPTIMISED_COMPILE
 
 DATA = Path(__file__).parent / "data" / "golden"
 BASE = dict(num_devices=1, vocab_size=64, base_emb_dim=16, base_num_query_heads=2, base_num_kv_heads=2, head_dim=8, base_mlp_dim=24)
@@ -95,7 +96,8 @@ def _config(name: str) -> MaxTextConfig:
 
 def _logits(model: models.Transformer) -> np.ndarray:
   graphdef, state = nnx.split(model)
-  return np.asarray(jax.jit(lambda s: nnx.merge(graphdef, s)(jnp.asarray(TOKENS)))(state))
+  forward = jax.jit(lambda s: nnx.merge(graphdef, s)(jnp.asarray(TOKENS))).lower(state).compile(OPTIMISED_COMPILE)
+  return np.asarray(forward(state))
 
 
 def _build(config: MaxTextConfig, seed: int) -> models.Transformer:

@@ -15,17 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.xla_env import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_suite  # noqa: E402
 
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-
 
 def test_smoke_run_reports_every_section(tmp_path):
   out = tmp_path / "report.md"
-  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_XLA + " --xla_cpu_enable_xprof_traceme=true"}
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(None, "--xla_cpu_enable_xprof_traceme=true")}
   suite = [str(ROOT / "benchmarks/gpu_suite.py"), "--smoke", "--out", str(out), "--workdir", str(tmp_path / "work")]
   argv = [sys.executable, *suite, "--rows", "1B-class, default", "--profile", "1B-class", "--profile_decode", "1", "--profile_steps", "1"]
   proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

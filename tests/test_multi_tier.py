@@ -18,6 +18,7 @@ import pytest
 
 from tests.test_bad_inputs import _run_case, _train, assert_one_line_exit_2
 from tests.test_multihost import free_port, train_args
+from tests.xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 900
@@ -49,7 +50,7 @@ def start(
   env = {k: v for k, v in os.environ.items() if not k.startswith("M_")}
   env.update(
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    XLA_FLAGS=xla_flags(4),
     JAX_COMPILATION_CACHE_DIR=str(out / "jax_cache"),
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",

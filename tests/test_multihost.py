@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.xla_env import xla_flags
+
 TIMEOUT_S = 240
 MODEL = [
   "base_emb_dim=32",
@@ -49,7 +51,7 @@ def start(out: Path, run_name: str, processes: int, steps: int, data: tuple[str,
   env = {k: v for k, v in os.environ.items() if not k.startswith("M_")}
   env.update(
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}",
+    XLA_FLAGS=xla_flags(8 // processes),
     JAX_COMPILATION_CACHE_DIR=str(out / "jax_cache"),
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",

@@ -17,6 +17,7 @@ from maxtext import platform
 from maxtext.config import from_overrides, load
 from maxtext.layers import attention_ops
 from maxtext.train import perf
+from tests.xla_env import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +45,7 @@ def test_loading_a_config_starts_no_backend_and_imports_no_layers():
   no backend has started and maxtext.layers was not imported. Then JAX starts on the platform `import maxtext`
   chose, and an installed libtpu prints nothing."""
   env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_STDERR_LOG_LEVEL", "TPU_MIN_LOG_LEVEL")}
-  env.update(PYTHONPATH=REPO, XLA_FLAGS="--xla_force_host_platform_device_count=3")
+  env.update(PYTHONPATH=REPO, XLA_FLAGS=xla_flags(3))
   proc = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
   assert proc.returncode == 0, proc.stderr
   got = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.test_train_helpers import TINY_MODEL
+from tests.xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 24
@@ -43,7 +44,7 @@ def _command(out: Path, **extra) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=str(REPO))
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1), PYTHONPATH=str(REPO))
 
 
 class Run:

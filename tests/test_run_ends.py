@@ -26,6 +26,7 @@ import pytest
 from tests.cli_processes import hashes
 from tests.test_data_common import sp_model
 from tests.test_train_helpers import TINY_MODEL
+from tests.xla_env import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 # Every job trains the same model on batches of the same shape with the same schedule: one compiled step, cached.
@@ -99,7 +100,7 @@ def _jobs(tmp: Path) -> dict[str, dict]:
 def ends(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("ends")
   jobs = _jobs(tmp)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=str(REPO))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(1), PYTHONPATH=str(REPO))
   env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   env.pop("PYTHONWARNINGS", None)
   proc = subprocess.run(
