@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.sharding import Rules, constrain
 from maxtext.platform import Policy
-from maxtext.vision.siglip import ACTIVATION, VISION_LAYERS_AXIS, LayerNorm, Remat, _prepend_axis, patchify
+from maxtext.vision.siglip import ACTIVATION, LayerNorm, Remat, SiglipAttention, SiglipBlock, SiglipMLP, patchify
+from maxtext.vision.siglip import stacked_blocks as siglip_stacked_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Llama4VisionSpec:
   image_token_id: int  # image_token_index: the placeholder id (<|patch|>) each soft token replaces
   pixel_shuffle_ratio: float = 0.5  # pixel_shuffle_ratio
   rope_theta: float = 10000.0  # rope_parameters["rope_theta"]
-  norm_eps: float = 1e-5  # torch LayerNorm's default (the modules ignore norm_eps)
+  layer_norm_eps: float = 1e-5  # torch LayerNorm's default (the modules ignore norm_eps)
   num_channels: int = 3  # num_channels
   remat_policy: str = "none"  # remat_policy_for_vit
   rules: Rules = ()  # logical_axis_rules
@@ -125,33 +125,13 @@ def pixel_shuffle(x: jax.Array, ratio: float) -> jax.Array:
   return y.transpose(0, 2, 1, 3).reshape(b, folded * folded, -1)
 
 
-class Llama4VisionAttention(nnx.Module):
-  """Bidirectional multi-head self-attention with biases, q and k rotated by the 2-D rope."""
+class Llama4VisionAttention(SiglipAttention):
+  """SigLIP's bidirectional attention with biases, q and k rotated by the 2-D rope."""
 
-  def __init__(self, spec: Llama4VisionSpec, *, policy: Policy, rngs: nnx.Rngs):
-    self.spec = spec
-    self.policy = policy
-    e, h, d = spec.emb_dim, spec.num_heads, spec.head_dim
-    kw = dict(dense_kwargs(policy, rngs), use_bias=True, quant=None)
-    self.query = DenseGeneral((e,), (h, d), ("embed", "heads", "head_dim"), **kw)
-    self.key = DenseGeneral((e,), (h, d), ("embed", "heads", "head_dim"), **kw)
-    self.value = DenseGeneral((e,), (h, d), ("embed", "heads", "head_dim"), **kw)
-    self.out = DenseGeneral((h, d), (e,), ("heads", "head_dim", "embed"), **kw)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """x [B, P + 1, E] -> [B, P + 1, E]."""
-    rules, angles = self.spec.rules, jnp.asarray(rope_angles(self.spec))
+  def rotate(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    angles = jnp.asarray(rope_angles(self.spec))
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    heads = ("activation_batch", "activation_length", "activation_heads", None)
-    q = constrain(rotate_pairs(checkpoint_name(self.query(x), "query_proj"), cos, sin), heads, rules)
-    k = constrain(rotate_pairs(checkpoint_name(self.key(x), "key_proj"), cos, sin), heads, rules)
-    v = constrain(checkpoint_name(self.value(x), "value_proj"), heads, rules)
-    precision = self.policy.dtypes.precision
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=jnp.float32) * self.spec.head_dim**-0.5
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=precision, preferred_element_type=jnp.float32).astype(q.dtype)
-    ctx = checkpoint_name(constrain(ctx, heads, rules), "context")
-    return checkpoint_name(self.out(ctx), "out_proj")
+    return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
 
 
 def gelu(x: jax.Array) -> jax.Array:
@@ -159,44 +139,22 @@ def gelu(x: jax.Array) -> jax.Array:
   return jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(x.dtype)
 
 
-class Llama4VisionMLP(nnx.Module):
-  """fc2(gelu(fc1(x))), both with biases."""
+class Llama4VisionMLP(SiglipMLP):
+  """fc2(gelu(fc1(x))), both with biases, gelu exact."""
 
-  def __init__(self, spec: Llama4VisionSpec, *, policy: Policy, rngs: nnx.Rngs):
-    self.spec = spec
-    kw = dict(dense_kwargs(policy, rngs), use_bias=True, quant=None)
-    self.wi = DenseGeneral((spec.emb_dim,), (spec.mlp_dim,), ("embed", "mlp"), **kw)
-    self.wo = DenseGeneral((spec.mlp_dim,), (spec.emb_dim,), ("mlp", "embed"), **kw)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    h = gelu(checkpoint_name(self.wi(x), "mlpwi"))
-    h = constrain(h, ("activation_batch", "activation_length", "activation_mlp"), self.spec.rules)
-    return checkpoint_name(self.wo(h), "mlpwo")
+  approximate_gelu = False
 
 
-class Llama4VisionBlock(nnx.Module):
-  """One pre-LN encoder block: h + Attn(LN_1 h), then h + MLP(LN_2 h)."""
+class Llama4VisionBlock(SiglipBlock):
+  """SigLIP's pre-LN block with Llama 4's attention and MLP."""
 
-  def __init__(self, spec: Llama4VisionSpec, *, policy: Policy, rngs: nnx.Rngs):
-    norm = dict(dtype=policy.dtypes.compute, weight_dtype=policy.dtypes.params)
-    self.spec = spec
-    self.pre_attention_norm = LayerNorm(spec.emb_dim, spec.norm_eps, **norm)
-    self.attention = Llama4VisionAttention(spec, policy=policy, rngs=rngs)
-    self.pre_mlp_norm = LayerNorm(spec.emb_dim, spec.norm_eps, **norm)
-    self.mlp = Llama4VisionMLP(spec, policy=policy, rngs=rngs)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.attention(self.pre_attention_norm(x))
-    x = x + self.mlp(self.pre_mlp_norm(x))
-    return constrain(x, ACTIVATION, self.spec.rules)
+  Attention = Llama4VisionAttention
+  MLP = Llama4VisionMLP
 
 
 def stacked_blocks(spec: Llama4VisionSpec, policy: Policy, keys: jax.Array) -> Llama4VisionBlock:
   """One Llama4VisionBlock whose parameters have a leading axis `vision_layers`, one block per random key."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: Llama4VisionBlock(spec, policy=policy, rngs=nnx.Rngs(0))))
-  state = jax.vmap(lambda k: nnx.state(Llama4VisionBlock(spec, policy=policy, rngs=nnx.Rngs(k))))(keys)
-  state = jax.tree.map(lambda v: _prepend_axis(v, VISION_LAYERS_AXIS), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-  return nnx.merge(graphdef, state)
+  return siglip_stacked_blocks(spec, policy, keys, Llama4VisionBlock)
 
 
 class Llama4VisionAdapter(nnx.Module):
@@ -227,9 +185,9 @@ class Llama4VisionTower(nnx.Module):
       (scale * jax.random.normal(rngs.params(), (spec.num_patches + 1, e), jnp.float32)).astype(policy.dtypes.params), logical_axes=(None, "embed")
     )
     norm = dict(dtype=policy.dtypes.compute, weight_dtype=policy.dtypes.params)
-    self.pre_norm = LayerNorm(e, spec.norm_eps, **norm)
+    self.pre_norm = LayerNorm(e, spec.layer_norm_eps, **norm)
     self.blocks = stacked_blocks(spec, policy, jax.random.split(rngs.params(), spec.num_layers))
-    self.post_norm = LayerNorm(e, spec.norm_eps, **norm)
+    self.post_norm = LayerNorm(e, spec.layer_norm_eps, **norm)
     self.adapter = Llama4VisionAdapter(spec, policy=policy, rngs=rngs)
 
   def embed_patches(self, tiles: jax.Array) -> jax.Array:

@@ -107,8 +107,8 @@ class SiglipAttention(nnx.Module):
     """x [B, P, E] -> [B, P, E]."""
     rules = self.spec.rules
     heads = ("activation_batch", "activation_length", "activation_heads", None)
-    q = constrain(checkpoint_name(self.query(x), "query_proj"), heads, rules)
-    k = constrain(checkpoint_name(self.key(x), "key_proj"), heads, rules)
+    q, k = self.rotate(checkpoint_name(self.query(x), "query_proj"), checkpoint_name(self.key(x), "key_proj"))
+    q, k = constrain(q, heads, rules), constrain(k, heads, rules)
     v = constrain(checkpoint_name(self.value(x), "value_proj"), heads, rules)
     precision = self.policy.dtypes.precision
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision, preferred_element_type=jnp.float32) * self.spec.head_dim**-0.5
@@ -117,9 +117,15 @@ class SiglipAttention(nnx.Module):
     ctx = checkpoint_name(constrain(ctx, heads, rules), "context")
     return checkpoint_name(self.out(ctx), "out_proj")
 
+  def rotate(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q, k [B, P, H, D] before the scores: unrotated here (a tower with a positional rotation overrides this)."""
+    return q, k
+
 
 class SiglipMLP(nnx.Module):
-  """fc2(gelu_tanh(fc1(x))), both with biases."""
+  """fc2(gelu(fc1(x))), both with biases; gelu's tanh approximation unless `approximate_gelu` is False."""
+
+  approximate_gelu = True
 
   def __init__(self, spec: SiglipSpec, *, policy: Policy, rngs: nnx.Rngs):
     self.spec = spec
@@ -129,21 +135,24 @@ class SiglipMLP(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     h = checkpoint_name(self.wi(x), "mlpwi")
-    h = jax.nn.gelu(h.astype(jnp.float32), approximate=True).astype(h.dtype)
+    h = jax.nn.gelu(h.astype(jnp.float32), approximate=self.approximate_gelu).astype(h.dtype)
     h = constrain(h, ("activation_batch", "activation_length", "activation_mlp"), self.spec.rules)
     return checkpoint_name(self.wo(h), "mlpwo")
 
 
 class SiglipBlock(nnx.Module):
-  """One pre-LN encoder block: h + Attn(LN_1 h), then h + MLP(LN_2 h)."""
+  """One pre-LN encoder block: h + Attn(LN_1 h), then h + MLP(LN_2 h); a tower's own block names its Attention and MLP."""
+
+  Attention: type[SiglipAttention] = SiglipAttention
+  MLP: type[SiglipMLP] = SiglipMLP
 
   def __init__(self, spec: SiglipSpec, *, policy: Policy, rngs: nnx.Rngs):
     norm = dict(dtype=policy.dtypes.compute, weight_dtype=policy.dtypes.params)
     self.spec = spec
     self.pre_attention_norm = LayerNorm(spec.emb_dim, spec.layer_norm_eps, **norm)
-    self.attention = SiglipAttention(spec, policy=policy, rngs=rngs)
+    self.attention = self.Attention(spec, policy=policy, rngs=rngs)
     self.pre_mlp_norm = LayerNorm(spec.emb_dim, spec.layer_norm_eps, **norm)
-    self.mlp = SiglipMLP(spec, policy=policy, rngs=rngs)
+    self.mlp = self.MLP(spec, policy=policy, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x = x + self.attention(self.pre_attention_norm(x))
@@ -156,10 +165,10 @@ def _prepend_axis(variable: nnx.Variable, name: str) -> nnx.Variable:
   return variable.replace(logical_axes=(name,) + tuple(axes))
 
 
-def stacked_blocks(spec: SiglipSpec, policy: Policy, keys: jax.Array) -> SiglipBlock:
-  """One SiglipBlock whose parameters have a leading axis `vision_layers`, one block per random key."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: SiglipBlock(spec, policy=policy, rngs=nnx.Rngs(0))))
-  state = jax.vmap(lambda k: nnx.state(SiglipBlock(spec, policy=policy, rngs=nnx.Rngs(k))))(keys)
+def stacked_blocks(spec: SiglipSpec, policy: Policy, keys: jax.Array, block: type[SiglipBlock] = SiglipBlock) -> SiglipBlock:
+  """One `block` whose parameters have a leading axis `vision_layers`, one block per random key."""
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: block(spec, policy=policy, rngs=nnx.Rngs(0))))
+  state = jax.vmap(lambda k: nnx.state(block(spec, policy=policy, rngs=nnx.Rngs(k))))(keys)
   state = jax.tree.map(lambda v: _prepend_axis(v, VISION_LAYERS_AXIS), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
   return nnx.merge(graphdef, state)
 
