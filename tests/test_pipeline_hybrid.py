@@ -16,9 +16,10 @@ from maxtext.models import pipeline, specs
 from tests import test_pipeline as helpers
 
 HYBRID = "qwen3_next_17"
-helpers.MODELS[HYBRID] = dict(
+# A tiny qwen3_next: blocks of 3 Gated DeltaNet + 1 attention layer, every MLP a MoE with a shared expert
+# (tests/test_qwen3_next_mesh.py builds it with 4 layers).
+TINY_QWEN3_NEXT = dict(
   decoder_block="qwen3_next",
-  base_num_decoder_layers=17,  # 4 blocks of 3 Gated DeltaNet + 1 attention layer, and one Gated DeltaNet layer after them
   inhomogeneous_layer_cycle_interval=4,
   base_mlp_dim=48,
   use_qk_norm=True,
@@ -36,6 +37,7 @@ helpers.MODELS[HYBRID] = dict(
   load_balance_loss_weight=0.1,
   logits_via_embedding=False,
 )
+helpers.MODELS[HYBRID] = dict(TINY_QWEN3_NEXT, base_num_decoder_layers=17)  # 4 blocks and one Gated DeltaNet layer after them
 # 2 stages running one block (4 layers) per visit: the circular schedule, 2 repeats over the 4 blocks; the 17th layer
 # runs after the pipeline on every stage.
 CIRCULAR = dict(

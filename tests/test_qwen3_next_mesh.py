@@ -14,28 +14,10 @@ import pytest
 
 from maxtext.config import from_overrides
 from tests import test_pipeline as helpers
+from tests.test_pipeline_hybrid import TINY_QWEN3_NEXT
 
 MODEL = "qwen3_next_4"
-helpers.MODELS[MODEL] = dict(
-  decoder_block="qwen3_next",
-  base_num_decoder_layers=4,
-  inhomogeneous_layer_cycle_interval=4,
-  base_mlp_dim=48,
-  use_qk_norm=True,
-  partial_rotary_factor=0.25,
-  gdn_conv_kernel_dim=4,
-  gdn_key_head_dim=8,
-  gdn_value_head_dim=6,
-  gdn_num_key_heads=2,
-  gdn_num_value_heads=4,
-  num_experts=4,
-  num_experts_per_tok=2,
-  base_moe_mlp_dim=16,
-  shared_experts=1,
-  norm_topk_prob=True,
-  load_balance_loss_weight=0.1,
-  logits_via_embedding=False,
-)
+helpers.MODELS[MODEL] = dict(TINY_QWEN3_NEXT, base_num_decoder_layers=4)
 WATCHDOG_S = 480  # both programs compile and run in about a minute on 2 cores; a hang ends the process instead
 
 
