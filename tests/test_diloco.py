@@ -56,9 +56,12 @@ def test_sync_every_step_with_outer_lr_1_is_plain_data_parallelism(runs):
   _, _, plain, plain_losses = runs["plain"]
   config, _, grouped, losses = runs["diloco"]
   assert diloco.groups(config) == 2 and config.mesh_axes[0] == "diloco" and config.data_sharding[0] == "diloco"
-  np.testing.assert_allclose(losses, plain_losses, rtol=1e-6, atol=1e-6)
+  # The two meshes' init programs, compiled with the tests' fast-compile flags (tests/xla_env.py), differ in the last
+  # bit of some initial weights (5.96e-08); three steps carry that to 1.5e-4 of the loss and 1.5e-6 of the parameters. A DiLoCo
+  # step that is not plain data parallelism here (a missed sync, a wrong outer step) is off by the size of an update.
+  np.testing.assert_allclose(losses, plain_losses, rtol=1e-3, atol=0)
   for a, b in zip(jax.tree.leaves(plain["params"]), jax.tree.leaves(grouped["params"]), strict=True):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5)
   for a, b in zip(jax.tree.leaves(grouped["params"]), jax.tree.leaves(grouped[diloco.INNER]["params"]), strict=True):
     assert b.shape == (2, *a.shape) and np.array_equal(np.asarray(b[1]), np.asarray(a))  # every group restarted from the global parameters
 

@@ -201,8 +201,8 @@ def test_create_sharded_params_are_born_sharded_and_match_build():
   assert shardings["layers/mlp/wi_0/kernel"].spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
   assert shardings["layers/attention/query/kernel"].spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
   reference = flat_params(models.build(tiny("llama2", base_emb_dim=64)))
-  for k, v in flat_params(model).items():
-    np.testing.assert_array_equal(np.asarray(v), np.asarray(reference[k]), err_msg=k)
+  for k, v in flat_params(model).items():  # one jitted init against op-by-op ones: the tests' fast-compile flags (tests/xla_env.py) may differ in the last bit
+    np.testing.assert_allclose(np.asarray(v), np.asarray(reference[k]), rtol=1e-6, atol=0, err_msg=k)
 
 
 def test_bfloat16_forward_is_close_to_float32():

@@ -395,7 +395,9 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   if c.use_multimodal:  # Gemma 3's tower and projector; without use_multimodal a multimodal checkpoint loads its text decoder
     vision, names = _vision_from_hf(tensors, c)
     tensors = {k: v for k, v in tensors.items() if k not in names}
-  tensors = mxfp4.dense_experts(text_decoder_tensors(hf_qwen3_vl.split_experts(tensors)))
+  if c.decoder_block == "qwen3_moe":  # Qwen3-VL-MoE stores its experts fused (gpt-oss's fused gate_up_proj is its own layout)
+    tensors = hf_qwen3_vl.split_experts(tensors)
+  tensors = mxfp4.dense_experts(text_decoder_tensors(tensors))
   used: set[str] = set()
 
   def take(name: str) -> Array:
