@@ -25,6 +25,7 @@ from optax.contrib import MuonDimensionNumbers
 from maxtext.config import MaxTextConfig
 from maxtext.config.adapters import is_adapter_path
 from maxtext.config.adapters import slot_axis as lora_slot_axis
+from maxtext.train.trainable import VISION_TOWER
 
 NO_DECAY_NAMES = ("scale", "bias", "sinks")  # norm scales, biases (also per-head ones), attention sink logits
 LORA_SLOT_AXIS = "lora_slot"  # the adapter-slot axis of a multi-adapter model, named here for Muon (it has no logical name)
@@ -147,12 +148,12 @@ def _muon_dims_tree(params: Any, slot_axis: int | None = None) -> Any:
 
 
 def scale_vision_tower(scale: float) -> optax.GradientTransformation:
-  """Multiplies the vision tower's updates (paths vision/tower/...) by scale: its learning rate is scale x the schedule's."""
+  """Multiplies the vision tower's updates (paths under VISION_TOWER) by scale: its learning rate is scale x the schedule's."""
 
   def update(updates, state, params=None):
     del params
     scaled = jax.tree_util.tree_map_with_path(
-      lambda path, u: u * jnp.asarray(scale, u.dtype) if _joined(_path_names(path)).startswith("vision/tower/") else u, updates
+      lambda path, u: u * jnp.asarray(scale, u.dtype) if tuple(_path_names(path)[: len(VISION_TOWER)]) == VISION_TOWER else u, updates
     )
     return scaled, state
 
