@@ -172,7 +172,7 @@ def _keys(config: MaxTextConfig) -> list[int]:
 def _sparse_gather(config: MaxTextConfig) -> bool:
   """Does DeepSeek Sparse Attention train through its gather path (only each query's indexer_topk keys, in MLA's
   absorbed form)? The platform policy picks gather; the dense warm-up and a LoRA adapter on wkv_b take the masked
-  form, which scores every visible key (maxtext.layers.mla_sparse). The indexer's own scores are not counted."""
+  form, which scores every visible key (maxtext.layers.mla_sparse). The indexer's own scores: _indexer_flops."""
   from maxtext.models.specs import indexer_warmup
 
   if _build_policy(config).sparse_attention != "gather" or indexer_warmup(config):
@@ -224,26 +224,34 @@ class _Weight:
   stage: int
   trainable: bool
   fed_by_trainable: bool = False
+  detached: bool = False  # reads stop_gradient inputs (the lightning indexer): never an input gradient, none below it
 
 
 def _trains(config: MaxTextConfig) -> Any:
-  """Predicate (variable) -> does the optimizer update it (maxtext.train.trainable)?"""
+  """Predicate (variable, its path below some module) -> does the optimizer update it (maxtext.train.trainable)?"""
   from maxtext.train.trainable import trainable_filter
 
   predicate = nnx.filterlib.to_predicate(trainable_filter(config))
-  return lambda v: bool(predicate((), v))
+  return lambda v, path=(): bool(predicate(tuple(path), v))
 
 
 def _params(module: Any, skip: list[tuple] = ()) -> list[nnx.Variable]:
   """module's nnx.Params, except those under the module paths in skip."""
+  return [v for _, v in _named_params(module, skip)]
+
+
+def _named_params(module: Any, skip: list[tuple] = ()) -> list[tuple[tuple, nnx.Variable]]:
+  """(path below module, variable) of module's nnx.Params, except those under the module paths in skip."""
   flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
-  return [v for path, v in flat if not any(tuple(path[: len(p)]) == p for p in skip)]
+  return [(tuple(path), v) for path, v in flat if not any(tuple(path[: len(p)]) == p for p in skip)]
 
 
 def _weights(module: Any, stage: int, output_stage: int, config: MaxTextConfig) -> list[_Weight]:
   """module's parameters: kernels (2+ axes) ending on the residual axis at output_stage (a branch's output), the
-  rest at stage; a LoRA adapter at its kernel's stage (its B ends on the kernel's output axes)."""
+  rest at stage; a LoRA adapter at its kernel's stage (its B ends on the kernel's output axes); a lightning indexer's
+  detached, with a weight gradient only when its KL loss is on (indexer_loss_scaling_factor > 0)."""
   from maxtext.layers.lora import LoRA, MultiLoRA
+  from maxtext.layers.mla_sparse import Indexer
 
   trains = _trains(config)
 
@@ -252,7 +260,12 @@ def _weights(module: Any, stage: int, output_stage: int, config: MaxTextConfig) 
     return output_stage if len(axes) >= 2 and axes[-1] == RESIDUAL_AXIS else stage
 
   adapters = _modules_of(module, (LoRA, MultiLoRA))
-  weights = [_Weight(_size(v, config, True), at(v), trains(v)) for v in _params(module, [p for p, _ in adapters])]
+  indexers = _modules_of(module, Indexer)
+  skip = [p for p, _ in adapters + indexers]
+  weights = [_Weight(_size(v, config, True), at(v), trains(v, path)) for path, v in _named_params(module, skip)]
+  learns = config.indexer_loss_scaling_factor > 0  # its KL is the indexer's only gradient
+  for where, indexer in indexers:
+    weights += [_Weight(_size(v, config), stage, learns and trains(v, where + path), detached=True) for path, v in _named_params(indexer)]
   for _, adapter in adapters:
     a, b = adapter.lora_a, adapter.lora_b
     weights += [_Weight(_size(a, config), at(b), trains(a)), _Weight(_size(b, config), at(b), trains(b), trains(a))]
@@ -268,6 +281,7 @@ class _LayerFlops:
   weights: int  # training FLOPs per token of the layer's parameters (and mHC's mixing and Sinkhorn)
   forward: int  # forward FLOPs per token of its variables (2 per entry a token uses)
   attention_backward: bool  # whether its attention scores run backward (something below them trains)
+  passes_gradients: bool  # whether a gradient leaves its top (it or something below it trains, a detached weight aside)
 
 
 def _layer_flops(config: MaxTextConfig, layer: Any, below_trains: bool) -> _LayerFlops:
@@ -284,12 +298,12 @@ def _layer_flops(config: MaxTextConfig, layer: Any, below_trains: bool) -> _Laye
   every = weights + [w for _, _, ws in connections for w in ws]
 
   def needs_dx(stage: int) -> bool:
-    return below_trains or any(w.trainable and w.stage < stage for w in every)
+    return below_trains or any(w.trainable and not w.detached and w.stage < stage for w in every)
 
-  total = sum(_matmul(w.size, w.trainable, w.fed_by_trainable or needs_dx(w.stage)) for w in every)
+  total = sum(_matmul(w.size, w.trainable, not w.detached and (w.fed_by_trainable or needs_dx(w.stage))) for w in every)
   total += sum(mhc_mixing_flops(connection, needs_dx(stage)) for stage, connection, ws in connections if ws)
   forward = 2 * _count(_variables(layer), config, active_only=True)  # with a routing bias, which gradients do not train
-  return _LayerFlops(total, forward, needs_dx(_ATTENTION_CORE))
+  return _LayerFlops(total, forward, needs_dx(_ATTENTION_CORE), needs_dx(_BRANCH_STAGES * len(layer.branches())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,20 +337,23 @@ def _count_model_flops(config: MaxTextConfig, tree: _Tree) -> _ModelFlops:
   skip = [p for p, _ in _modules_of(model, (DecoderLayer, MTPBlock))] + ([] if c.logits_via_embedding else [p for p, _ in embeds])
   skip += [("vision",)]  # counted per image (_vision_flops)
   head = _params(model, skip)  # final norm and the output matmul (the tied table: the embedding lookup itself is free)
-  head_flops = sum(_matmul(_size(v, c), trains(v), True) for v in head)
   per_structure: dict[tuple[LayerKind, bool], _LayerFlops] = {}
   layers = []
-  for i, kind in enumerate(tree.kinds):
-    key = (kind.structure, below or i > 0)
+  passes = below  # a gradient reaches the next layer's input from below
+  for kind in tree.kinds:
+    key = (kind.structure, passes)
     if key not in per_structure:
-      per_structure[key] = _layer_flops(c, tree.layers[kind.structure], below_trains=key[1])
+      per_structure[key] = _layer_flops(c, tree.layers[kind.structure], below_trains=passes)
     layers.append(per_structure[key])
+    passes = layers[-1].passes_gradients
+  head_flops = sum(_matmul(_size(v, c), trains(v), passes) for v in head)
   weights = sum(f.weights for f in layers) + head_flops
   for block in _mtp_blocks(model):
     inner = _modules_of(block, DecoderLayer)
-    weights += sum(_matmul(_size(v, c), trains(v), True) for v in _params(block, [p for p, _ in inner])) + head_flops
-    mtp_layer = _layer_flops(c, inner[0][1], True)
-    weights += mtp_layer.weights
+    own = _params(block, [p for p, _ in inner])
+    weights += sum(_matmul(_size(v, c), trains(v), passes) for v in own)
+    mtp_layer = _layer_flops(c, inner[0][1], passes or any(trains(v) for v in own))
+    weights += mtp_layer.weights + sum(_matmul(_size(v, c), trains(v), mtp_layer.passes_gradients) for v in head)
     layers.append(mtp_layer)
   forward = sum(f.forward for f in layers[: c.num_decoder_layers]) + sum(2 * _size(v, c) for v in head)
   keys = _keys(c) + [c.max_target_length] * c.mtp_num_layers
@@ -357,7 +374,7 @@ def training_flops_per_step(config: MaxTextConfig) -> float:
   tokens = c.global_batch_size_to_train_on * c.max_target_length
   flops = _model_flops(c)
   scores = sum((3 if backward else 1) * _scores(c, tokens, k, w) for k, w, backward in zip(flops.keys, flops.widths, flops.backward))
-  return float(tokens * flops.weights + scores + _vision_flops(c, training=True))
+  return float(tokens * flops.weights + scores + _indexer_flops(c, tokens, training=True) + _vision_flops(c, training=True))
 
 
 def _scores(c: MaxTextConfig, tokens: int, keys: int, width: float) -> float:
@@ -373,7 +390,27 @@ def forward_flops_per_step(config: MaxTextConfig) -> float:
   tokens = c.global_batch_size_to_train_on * c.max_target_length
   flops = _model_flops(c)
   scores = sum(_scores(c, tokens, k, w) for k, w in list(zip(flops.keys, flops.widths))[: flops.forward_layers])
-  return float(tokens * flops.forward + scores + _vision_flops(c, training=False))
+  return float(tokens * flops.forward + scores + _indexer_flops(c, tokens, training=False) + _vision_flops(c, training=False))
+
+
+def _indexer_flops(c: MaxTextConfig, tokens: int, training: bool) -> float:
+  """DeepSeek Sparse Attention's lightning indexer in its mla_sparse layers (and, training, the MTP modules built
+  like them), beyond its projections: its scores, 2 T x keys x indexer_n_heads x indexer_head_dim forward over every
+  visible key in every path, twice that backward when its KL trains it (indexer_loss_scaling_factor > 0); and the
+  KL's target, MLA's attention probabilities recomputed over every visible key from detached queries and keys
+  (forward only, 2 T x keys x heads x (qk_nope + qk_rope)) in the dense warm-up and the masked path (the gather path's
+  KL reuses the probabilities its attention computed)."""
+  kinds = [k.mixer for k in _tree(c).kinds]
+  layers = kinds.count("mla_sparse") + (c.mtp_num_layers if training and kinds[-1] == "mla_sparse" else 0)
+  if not layers:
+    return 0.0
+  keys = c.max_target_length
+  scores = 2 * tokens * keys * c.indexer_n_heads * c.indexer_head_dim
+  learns = c.indexer_loss_scaling_factor > 0
+  total = scores * (3 if training and learns else 1)
+  if learns and not _sparse_gather(c):
+    total += 2 * tokens * keys * c.num_query_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+  return float(layers * total)
 
 
 def _vision_flops(config: MaxTextConfig, training: bool) -> float:

@@ -329,3 +329,28 @@ def test_flops_count_the_top_k_keys_the_gather_path_scores():
   assert counting.attention_width(warmup, "mla_sparse") == (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2
   wide = _tiny_train_config(indexer_sparse_training="true", indexer_topk=64)  # every visible key selected
   assert counting._keys(wide) == [c.max_target_length] * 2
+
+
+def test_flops_count_the_indexer_that_runs_and_no_gradient_it_never_gets():
+  """The dense warm-up trains only the indexer, whose inputs are detached: no gradient reaches any other weight or
+  the attention scores, so the step costs its forward pass plus the indexer's weight gradients (2 per entry) and its
+  scores' backward (twice their forward). Without a KL the indexer gets no gradient at all, only its forward."""
+  from maxtext import counting
+  from maxtext.layers.mla_sparse import Indexer
+
+  warmup = _tiny_train_config()
+  c = warmup
+  tokens = c.global_batch_size_to_train_on * c.max_target_length
+  model = counting._tree(c).model
+  indexer_params = sum(v.size for _, m in counting._modules_of(model, Indexer) for v in counting._params(m))
+  layers = c.num_decoder_layers
+  scores = 2 * tokens * c.max_target_length * c.indexer_n_heads * c.indexer_head_dim * layers
+  # the forward pass also counts the routing bias (a non-trained variable) the training weights leave out
+  unused = sum(
+    2 * v.size for kind in counting._tree(c).kinds for v in counting._variables(counting._tree(c).layers[kind.structure]) if not isinstance(v, nnx.Param)
+  )
+  assert indexer_params > 0 and not any(counting._model_flops(c).backward)
+  assert counting.training_flops_per_step(c) - counting.forward_flops_per_step(c) == tokens * (2 * indexer_params - unused) + 2 * scores
+  no_kl = _tiny_train_config(indexer_sparse_training="true", indexer_loss_scaling_factor=0.0)
+  with_kl = _tiny_train_config(indexer_sparse_training="true")
+  assert counting.training_flops_per_step(with_kl) - counting.training_flops_per_step(no_kl) == tokens * 2 * indexer_params + 2 * scores
