@@ -244,7 +244,7 @@ def run_adapters(args: argparse.Namespace, extra: list[str]) -> dict:
   from flax import nnx
 
   from maxtext.layers.lora import LoRAParam
-  from maxtext.train import checkpointing
+  from maxtext.train import checkpoint_files
   from maxtext.train.loop import train
 
   config = grpo_config(Path(args.out), "grpo_adapters", args, extra, adapters=True)
@@ -254,7 +254,7 @@ def run_adapters(args: argparse.Namespace, extra: list[str]) -> dict:
   lines = read_metrics(config.metrics_file)
   base_now = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.filter_state(result.state["params"], nnx.Not(LoRAParam)))}
   abstract = nnx.filter_state(result.state["params"], nnx.Not(LoRAParam))
-  loaded = checkpointing.restore_some_params(args.base, jax.tree.map(_abstract, abstract), "base")[0]
+  loaded = checkpoint_files.restore_some_params(args.base, jax.tree.map(_abstract, abstract), "base")[0]
   base_then = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(loaded)}
   return {
     "task": "grpo_adapters",

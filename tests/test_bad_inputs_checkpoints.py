@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from maxtext import mesh as mesh_lib
-from maxtext.train import checkpointing, initial_params
+from maxtext.train import checkpoint_files, checkpointing, initial_params
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from tests import cli_server
@@ -96,8 +96,8 @@ def _quantized_checkpoint(path: Path, base: str) -> None:
 
   config = tiny_config(quantization="int8", load_parameters_path=base)  # all 8 test devices: decode builds its mesh from the config
   stored = _abstract_params(config, serving_policy(config, mesh_lib.create(config)))
-  restored, _ = checkpointing.restore_some_params(base, initial_params.base_target(config, stored), "load_parameters_path")
-  checkpointing.save_params(str(path), initial_params.quantize_restored(config, restored, stored))
+  restored, _ = checkpoint_files.restore_some_params(base, initial_params.base_target(config, stored), "load_parameters_path")
+  checkpoint_files.save_params(str(path), initial_params.quantize_restored(config, restored, stored))
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ def test_decode_kimi_shaped_deepseek_from_its_compressed_cache(tokenizer, tmp_pa
 def test_decode_from_the_runs_own_checkpoint(hf_dir, tokenizer, tmp_path, capsys):
   from maxtext import from_hf
   from maxtext.convert.hf_config import overrides_from_hf
-  from maxtext.train.checkpointing import save_params
+  from maxtext.train.checkpoint_files import save_params
 
   model, _ = from_hf(hf_dir)
   from flax import nnx

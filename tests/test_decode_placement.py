@@ -12,7 +12,7 @@ from maxtext import models
 from maxtext.config import from_overrides
 from maxtext.inference.generate import Generator
 from maxtext.inference.loading import load_model
-from maxtext.train.checkpointing import save_params
+from maxtext.train.checkpoint_files import save_params
 
 TINY = dict(
   base_emb_dim=32,

@@ -22,7 +22,7 @@ from flax import nnx
 from maxtext import models
 from maxtext.config import MaxTextConfig, from_overrides
 from maxtext.convert import checkpoint_io
-from maxtext.train import checkpointing
+from maxtext.train import checkpoint_files
 from tests.xla_env import OPTIMISED_COMPILE
 
 DATA = Path(__file__).parent / "data" / "golden"
@@ -112,7 +112,7 @@ def _restored(path: Path, config: MaxTextConfig) -> models.Transformer:
   abstract = nnx.state(models.abstract_model(config), nnx.Param)
   target = jax.tree.map(lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one)), abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
   model = _build(config, seed=1)  # another seed than the checkpoint's: a parameter the restore missed changes the logits
-  nnx.update(model, checkpointing.restore_params(str(path.absolute()), target))
+  nnx.update(model, checkpoint_files.restore_params(str(path.absolute()), target))
   return model
 
 

@@ -17,7 +17,7 @@ from maxtext.convert.model_params import flat_params
 from maxtext.counting import param_count
 from maxtext.layers.lora import LoRAParam, merge
 from maxtext.layers.mhc import MHCParam
-from maxtext.train import checkpointing, initial_params
+from maxtext.train import checkpoint_files, initial_params
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train import trainable as trainable_lib
@@ -142,7 +142,7 @@ def lora_runs(tmp_path_factory):
   with jax.set_mesh(setup.mesh):
     _, frozen = trainable_lib.split_params(setup.init_state()["params"], config)
   base = jax.tree.map(lambda x: 1.5 * x + 0.01, frozen)  # a plain model's parameters, unlike the seeded init
-  checkpointing.save_params(str(tmp / "base"), base)
+  checkpoint_files.save_params(str(tmp / "base"), base)
   full = train(config, setup=setup)
   import shutil
 
@@ -169,7 +169,7 @@ def test_lora_with_mhc_trains_adapters_and_connectors_beside_a_frozen_base(lora_
 
 def test_lora_checkpoints_hold_only_trainable_params_and_resume_exactly(lora_runs):
   tmp, base, _, full, resumed = lora_runs
-  shapes = checkpointing.param_shapes(str(tmp / "lora" / "checkpoints" / "4"))
+  shapes = checkpoint_files.param_shapes(str(tmp / "lora" / "checkpoints" / "4"))
   trainable = _of_type(full.state["params"], nnx.Any(LoRAParam, MHCParam))
   assert sorted(shapes) == sorted(trainable) and all(shapes[k] == trainable[k].shape for k in shapes)
   assert sorted(resumed.losses) == [2, 3] and resumed.losses[3] == full.losses[3]

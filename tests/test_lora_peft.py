@@ -17,7 +17,7 @@ from maxtext.convert import peft as lora_peft
 from maxtext.convert.__main__ import main
 from maxtext.convert.model_params import flat_params, model_from_flat
 from maxtext.layers.lora import LoRAParam
-from maxtext.train import checkpointing
+from maxtext.train import checkpoint_files
 from tests.hf_fixtures import hf_logits, save_tiny_model
 from tests.test_mhc import jit_logits
 
@@ -103,7 +103,7 @@ def test_cli_lora_to_peft_merge_and_peft_to_lora(adapted, toks, tmp_path, capsys
   base = tmp_path / "base"
   main(["hf-to-maxtext", "--hf-dir", str(hf_dir), "--out", str(base)])
   run_ckpt = tmp_path / "run_ckpt"
-  checkpointing.save_params(str(run_ckpt), nnx.state(model, LoRAParam))  # what a LoRA run's checkpoint holds
+  checkpoint_files.save_params(str(run_ckpt), nnx.state(model, LoRAParam))  # what a LoRA run's checkpoint holds
   run_config = [str(base / "maxtext_model.yml"), "lora.enable_lora=true", "lora.lora_rank=4", "lora.lora_alpha=8"]
   main(["lora-to-peft", "--checkpoint", str(run_ckpt), "--out", str(tmp_path / "peft"), "--config", *run_config])
   assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["r"] == 4
@@ -118,7 +118,7 @@ def test_cli_lora_to_peft_merge_and_peft_to_lora(adapted, toks, tmp_path, capsys
   main(["peft-to-lora", "--peft-dir", str(tmp_path / "peft"), "--out", str(tmp_path / "back"), "--config", str(base / "maxtext_model.yml")])
   printed = capsys.readouterr().out
   assert "lora.lora_rank=4" in printed and "lora.lora_alpha=8.0" in printed and f"lora.lora_restore_path={tmp_path / 'back'}" in printed
-  shapes = checkpointing.param_shapes(str(tmp_path / "back"))
+  shapes = checkpoint_files.param_shapes(str(tmp_path / "back"))
   assert shapes == {k: v.shape for k, v in _adapters(flat).items()}
 
   errors = [

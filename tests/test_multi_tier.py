@@ -182,7 +182,7 @@ def test_backup_interval_minutes_and_the_persistent_fallback(tmp_path, monkeypat
   local directory is gone takes persistent step 8; each says which, and both compute step 9's loss alike."""
   import types
 
-  from maxtext.train import checkpointing, loop
+  from maxtext.train import checkpoint_files, loop
   from maxtext.train import setup as setup_lib
   from tests.test_train_helpers import mesh_for, tiny_config
 
@@ -213,7 +213,7 @@ def test_backup_interval_minutes_and_the_persistent_fallback(tmp_path, monkeypat
 
   with pytest.raises(Crash):
     loop.train(config, setup=setup, on_step=minute_per_step)
-  assert checkpointing.saved_steps(config.checkpoint_dir) == [4, 8]
+  assert checkpoint_files.saved_steps(config.checkpoint_dir) == [4, 8]
   assert sorted(int(d.name) for d in (tmp_path / "local" / "mt" / "process_0").iterdir()) == [7, 9]  # the newest 2 local steps
   without = config_for(tmp_path / "out_lost", tmp_path / "local_lost")  # a copy of the run whose local directory is gone
   shutil.copytree(tmp_path / "out", tmp_path / "out_lost")

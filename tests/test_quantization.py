@@ -238,13 +238,13 @@ def test_quantized_checkpoint_round_trip(tmp_path):
   from maxtext.convert.peft import _abstract_params
   from maxtext.inference.loading import serving_policy
   from maxtext.mesh import create
-  from maxtext.train import checkpointing, initial_params
+  from maxtext.train import checkpoint_files, initial_params
 
   base = dict(TINY, num_devices=8, dtype="bfloat16")
   float_config = from_overrides(**base)
   rng = np.random.default_rng(0)
   graphdef, abstract = nnx.split(models.abstract_model(float_config), nnx.Param)
-  checkpointing.save_params(str(tmp_path / "float"), jax.tree.map(lambda v: rng.normal(0, 0.1, v.shape).astype(v.dtype), abstract))
+  checkpoint_files.save_params(str(tmp_path / "float"), jax.tree.map(lambda v: rng.normal(0, 0.1, v.shape).astype(v.dtype), abstract))
 
   def config(**overrides):
     return from_overrides(**{**base, "quantization": "int8", "load_parameters_path": str(tmp_path / "float"), **overrides})
@@ -252,16 +252,16 @@ def test_quantized_checkpoint_round_trip(tmp_path):
   c = config()
   stored = _abstract_params(c, serving_policy(c, create(c)))
   initial_params.check_base_quantization(c, c.load_parameters_path, stored)
-  restored, _ = checkpointing.restore_some_params(c.load_parameters_path, initial_params.base_target(c, stored), "load_parameters_path")
+  restored, _ = checkpoint_files.restore_some_params(c.load_parameters_path, initial_params.base_target(c, stored), "load_parameters_path")
   quantized = initial_params.quantize_restored(c, restored, stored)
   values, scale = (quantized["layers"]["mlp"]["wo"][k][...] for k in ("kernel", "kernel_scale"))
   w = np.asarray(restored["layers"]["mlp"]["wo"]["kernel"][...], np.float32)
   assert values.dtype == jnp.int8 and scale.shape == (2, 1, 32)  # [layers, mlp -> 1, embed]: per output channel
   np.testing.assert_allclose(np.asarray(values, np.float32) * np.asarray(scale), w, atol=float(np.abs(w).max()) / 254 * 1.01)
-  checkpointing.save_params(str(tmp_path / "q8"), quantized)
+  checkpoint_files.save_params(str(tmp_path / "q8"), quantized)
   q8 = config(load_parameters_path=str(tmp_path / "q8"), checkpoint_is_quantized=True)
   initial_params.check_base_quantization(q8, q8.load_parameters_path, stored)
-  again, _ = checkpointing.restore_some_params(q8.load_parameters_path, initial_params.base_target(q8, stored), "load_parameters_path")
+  again, _ = checkpoint_files.restore_some_params(q8.load_parameters_path, initial_params.base_target(q8, stored), "load_parameters_path")
   flat, flat_again = dict(nnx.to_flat_state(quantized)), dict(nnx.to_flat_state(again))
   assert flat.keys() == flat_again.keys() and all(np.array_equal(flat[k][...], flat_again[k][...]) for k in flat)
 

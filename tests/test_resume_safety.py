@@ -19,7 +19,7 @@ from flax import nnx
 from maxtext import memory_limit
 from maxtext.errors import ConfigError
 from maxtext.layers.lora import LoRAParam
-from maxtext.train import checkpointing, checksums, initial_params, outputs, preflight, run_report
+from maxtext.train import checkpoint_files, checkpointing, checksums, initial_params, outputs, preflight, run_report
 from maxtext.train import loop as loop_lib
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
@@ -164,7 +164,7 @@ def test_a_lora_continuation_keeps_its_frozen_base(tmp_path):
     state = setup.init_state()
     _, frozen = split_params(state["params"], config)
     base = jax.tree.map(lambda x: 1.5 * x + 0.01, frozen)  # a trained model's parameters, unlike the seeded init
-    checkpointing.save_params(str(base_dir), base)
+    checkpoint_files.save_params(str(base_dir), base)
     saved = state_lib.checkpointed(dict(state, step=jnp.asarray(2, jnp.int32)), config)
     ckpt = checkpointing.Checkpointer(config)
     ckpt.save(2, saved, {"step": 2})

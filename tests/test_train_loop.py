@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from maxtext.errors import ConfigError
-from maxtext.train import checkpointing
+from maxtext.train import checkpoint_files, checkpointing
 from maxtext.train import setup as setup_lib
 from maxtext.train.__main__ import main
 from maxtext.train.loop import NonFiniteLossError, _check_finite, restore_or_init, train
@@ -129,7 +129,7 @@ def test_params_only_and_full_state_restore(uninterrupted, shared_setup, tmp_pat
     assert fresh == (key == "load_parameters_path")  # params-only starts a fresh optimizer
     assert jax.tree.leaves(state["params"])[0].sharding == jax.tree.leaves(setup.state_shardings["params"])[0]
   with pytest.raises(ConfigError, match="does not exist"):
-    checkpointing.restore_params(str(tmp_path / "missing"), None)
+    checkpoint_files.restore_params(str(tmp_path / "missing"), None)
 
 
 def test_nan_loss_aborts_naming_the_step_without_saving(tmp_path, capsys):

@@ -16,7 +16,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.config.adapters import is_adapter_path, slot_axis, slot_index
 from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
-from maxtext.train import checkpointing
+from maxtext.train import checkpoint_files
 
 
 def _is_variable(x) -> bool:
@@ -25,7 +25,7 @@ def _is_variable(x) -> bool:
 
 def save(path: str | Path, model: nnx.Module) -> None:
   """Write the model's parameters as a params-only checkpoint usable as load_parameters_path."""
-  checkpointing.save_params(str(Path(path).absolute()), nnx.state(model, nnx.Param))
+  checkpoint_files.save_params(str(Path(path).absolute()), nnx.state(model, nnx.Param))
 
 
 def load_flat(path: str | Path, config: MaxTextConfig) -> dict[str, np.ndarray]:
@@ -34,7 +34,7 @@ def load_flat(path: str | Path, config: MaxTextConfig) -> dict[str, np.ndarray]:
   abstract = nnx.state(models.abstract_model(config), nnx.Param)
   shardings = models.state_shardings(abstract, config, mesh)
   target = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)), abstract, shardings, is_leaf=_is_variable)
-  params = checkpointing.restore_params(str(Path(path).absolute()), target)
+  params = checkpoint_files.restore_params(str(Path(path).absolute()), target)
   return {k: np.asarray(jax.device_get(v)) for k, v in flat_params(params).items()}
 
 

@@ -237,7 +237,7 @@ def export(checkpoint: str, out: str, config_args: list[str], merged: bool = Fal
   from maxtext.convert import hf_params, safetensors_io
   from maxtext.convert.hf_config import hf_config_from
   from maxtext.layers.lora import LoRAParam
-  from maxtext.train.checkpointing import restore_some_params
+  from maxtext.train.checkpoint_files import restore_some_params
 
   config = load(config_args + ["ici_fsdp_parallelism=-1"], env={})
   if not config.lora.enable_lora:
@@ -283,7 +283,7 @@ def import_adapter(peft_dir: str, out: str, config_args: list[str]) -> str:
 
   from maxtext.config import load
   from maxtext.layers.lora import LoRAParam
-  from maxtext.train.checkpointing import save_params
+  from maxtext.train.checkpoint_files import save_params
 
   given = [a for a in config_args if a.startswith("lora.")]
   if given:

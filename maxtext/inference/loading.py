@@ -63,7 +63,7 @@ def load_model(config: MaxTextConfig, mesh: Mesh, log: Callable[[str], None] = p
   check_save_path(config)
   model = _load(config, mesh, policy or serving_policy(config, mesh), log)
   if config.save_quantized_params_path:
-    from maxtext.train.checkpointing import save_params
+    from maxtext.train.checkpoint_files import save_params
 
     save_params(config.save_quantized_params_path, nnx.state(model, nnx.Param))
     log(f"wrote the {config.quantization} parameters to {config.save_quantized_params_path} (load them with checkpoint_is_quantized=true)")
@@ -79,7 +79,7 @@ def _load(config: MaxTextConfig, mesh: Mesh, policy: Policy, log: Callable[[str]
 
     log(f"loading Hugging Face model {config.hf_model_path}")
     return model_from_flat(config, params_from_hf(config.hf_model_path, config), mesh, policy)
-  from maxtext.train.checkpointing import item_path, latest_saved_step
+  from maxtext.train.checkpoint_files import item_path, latest_saved_step
   from maxtext.train.initial_params import load_initial_params
 
   own = latest_saved_step(config.checkpoint_dir)

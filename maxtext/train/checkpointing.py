@@ -38,9 +38,16 @@ from maxtext.config import MaxTextConfig
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import ConfigError, UserError, shorten
 from maxtext.models import pipeline, specs
-from maxtext.train import checksums, outputs
+from maxtext.train import checksums
+from maxtext.train.checkpoint_files import (
+  ITEM,
+  error_text,
+  first_line,
+  item_path,
+  read_metadata_tree,
+  shapes_by_name,
+)
 
-ITEM = "items"
 SCHEDULE = "schedule"  # Orbax JSON item of each step: {"learning_rate_schedule_steps": N}
 SCHEDULE_KEY = "learning_rate_schedule_steps"
 MANIFEST = "manifest"  # Orbax JSON item of each step: {"arrays": {path: [dtype, checksum]}, "settings": {key: value}, "layout": layout_of}
@@ -64,20 +71,6 @@ DATA_DIR = "data_iterator"
 class Restored:
   state: Any  # the train state, in the abstract state's shardings
   schedule_steps: int | None  # learning_rate_schedule_steps the state was trained with (None: not read)
-
-
-def item_path(path: str) -> epath.Path:
-  """Accept a step directory (<ckpt>/<step>), its item directory (<ckpt>/<step>/items), or a run's checkpoint
-  directory (<run>/checkpoints: its newest saved step)."""
-  p = epath.Path(path)
-  newest = latest_saved_step(str(p)) if p.is_dir() and not (p / ITEM).is_dir() else None
-  if newest is not None:
-    p = epath.Path(newest)
-  if (p / ITEM).is_dir():
-    p = p / ITEM
-  if not p.is_dir():
-    raise ConfigError(f"checkpoint path '{path}' does not exist; pass a checkpoint step directory such as <run>/checkpoints/<step>/items")
-  return p
 
 
 class Checkpointer:
@@ -177,7 +170,7 @@ class Checkpointer:
       else:
         problem = checksum_problem(manifest, restored)
     except Exception as e:  # noqa: BLE001 - any failure to read this step's arrays means the step is damaged
-      problem = f"its arrays do not restore: {_first_line(e).split(' See full')[0]}"
+      problem = f"its arrays do not restore: {first_line(e).split(' See full')[0]}"
     if problem is not None:
       restored = None
       gc.collect()  # finalize the reads Orbax abandoned (the error held them) now (maxtext.errors.ABANDONED_READ_NOISE)
@@ -199,7 +192,7 @@ class Checkpointer:
     try:
       record = self.manager.restore(step, args=ocp.args.Composite(**{SCHEDULE: ocp.args.JsonRestore()}))[SCHEDULE]
     except Exception as e:  # noqa: BLE001 - an unreadable record makes the step unusable
-      return None, f"its schedule record does not read: {_first_line(e)}"
+      return None, f"its schedule record does not read: {first_line(e)}"
     value = _record_value(json.dumps(record))
     return (value, None) if value is not None else (None, f"its schedule record is damaged: {json.dumps(record)[:100]}")
 
@@ -213,7 +206,7 @@ class Checkpointer:
     try:
       state = json.loads(f.read_text())
     except (ValueError, OSError) as e:
-      return None, f"its data-iterator state {f} is damaged ({_first_line(e)})"
+      return None, f"its data-iterator state {f} is damaged ({first_line(e)})"
     if not isinstance(state, dict):
       return None, f"its data-iterator state {f} is damaged (not a JSON object)"
     return state, None
@@ -274,7 +267,7 @@ def read_manifest(step_dir: epath.Path) -> tuple[dict[str, Any] | None, str | No
   try:
     manifest = json.loads((item / "metadata").read_text())  # how Orbax stores a JSON item
   except (ValueError, OSError) as e:
-    return None, f"its manifest {item} does not read ({_first_line(e)})"
+    return None, f"its manifest {item} does not read ({first_line(e)})"
   arrays = manifest.get("arrays") if isinstance(manifest, dict) else None
   settings = manifest.get("settings") if isinstance(manifest, dict) else None
   if not isinstance(arrays, dict) or not isinstance(settings, dict):
@@ -317,7 +310,7 @@ def moved_to(data_iter: Any, state: dict[str, Any], step_dir: epath.Path) -> str
       f"(run_name=<new name> load_full_state_path={step_dir / ITEM}; the data then starts from its beginning)"
     ) from None
   except Exception as e:  # noqa: BLE001 - a state the iterator did not write is a damaged state
-    return f"its data-iterator state is damaged ({type(e).__name__}: {_first_line(e)})"
+    return f"its data-iterator state is damaged ({type(e).__name__}: {first_line(e)})"
   return None
 
 
@@ -332,22 +325,6 @@ def schedule_warning(config: MaxTextConfig, recorded: int | None, step: int, dir
   )
 
 
-def restore_params(path: str, abstract_params: Any, what: str = "load_parameters_path") -> Any:
-  """Only the 'params' subtree of a checkpoint, into the shardings abstract_params carries. Callers have matched
-  the checkpoint's metadata against abstract_params (match_params), so arrays that then fail to read are damage:
-  a one-line ConfigError naming the checkpoint (`what`: the config key that named it)."""
-  target = {"params": abstract_params}
-  args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)
-  try:
-    with ocp.PyTreeCheckpointer() as ckptr:
-      return ckptr.restore(item_path(path), args=args)["params"]
-  except Exception as e:  # noqa: BLE001 - a user-named checkpoint whose arrays do not read is damaged
-    gc.collect()  # finalize the reads Orbax abandoned (maxtext.errors.ABANDONED_READ_NOISE)
-    raise ConfigError(
-      f"{what} '{path}' is damaged: its array data does not read ({_error_text(e)}); write it again (e.g. rerun the command that made it) or pass another checkpoint"
-    ) from None
-
-
 def restore_full_state(path: str, abstract_state: Any) -> Any:
   """A whole train state (params, optimizer state, step), into the shardings abstract_state carries; checked
   against the checksums its step's manifest recorded."""
@@ -359,71 +336,12 @@ def restore_full_state(path: str, abstract_state: Any) -> Any:
   except Exception as e:  # noqa: BLE001 - a user-named checkpoint that does not read (wrong tree, truncated arrays) is a config error
     gc.collect()
     raise ConfigError(
-      f"load_full_state_path '{path}' does not match this run's train state ({_error_text(e)}); check the model and optimizer settings"
+      f"load_full_state_path '{path}' does not match this run's train state ({error_text(e)}); check the model and optimizer settings"
     ) from None
   problem = problem or checksum_problem(manifest, state)
   if problem:
     raise ConfigError(f"load_full_state_path '{path}' is damaged ({problem}); pass an earlier step of that run")
   return state
-
-
-def save_params(path: str, params: Any) -> None:
-  """Write a params-only checkpoint that load_parameters_path accepts (e.g. from a converter)."""
-  outputs.check_can_make(path, "the checkpoint")  # Orbax's writer waits forever for a directory it failed to make
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(epath.Path(path), {"params": params})
-    ckptr.wait_until_finished()
-
-
-def _first_line(e: Exception) -> str:
-  text = str(e).strip()
-  return text.splitlines()[0][:200] if text else type(e).__name__
-
-
-def _error_text(e: BaseException) -> str:
-  """The first line of the error's own message, or of the first error in its chain that has a readable one; without
-  the repr that TensorStore's read errors end with ('See full TensorStore details: <bound method ...>')."""
-  first, seen = e, set()
-  while e is not None and id(e) not in seen:
-    seen.add(id(e))
-    text = str(e).strip().split(" See full TensorStore details")[0]
-    if text and not text.startswith("<"):
-      return text.splitlines()[0][:200]
-    e = e.__cause__ or e.__context__
-  return type(first).__name__
-
-
-def param_shapes(path: str) -> dict[str, tuple[int, ...]]:
-  """'/'-joined path -> shape of every parameter under 'params' in a checkpoint (from its metadata; no arrays read)."""
-  item = item_path(path)
-  tree = read_metadata_tree(item)
-  if not isinstance(tree, dict) or not isinstance(tree.get("params"), dict):
-    raise ConfigError(f"'{path}' is not a readable checkpoint (no 'params' in it); pass a checkpoint step directory such as <run>/checkpoints/<step>")
-  return shapes_by_name(tree["params"])
-
-
-def read_metadata_tree(item: epath.Path) -> Any:
-  """The tree of array metadata in an Orbax PyTree item directory; ConfigError when it has none."""
-  try:
-    with ocp.PyTreeCheckpointer() as ckptr:
-      metadata = ckptr.metadata(item)
-  except Exception as e:  # noqa: BLE001 - Orbax raises many types for a directory that is not a checkpoint
-    raise ConfigError(f"'{item}' is not a readable checkpoint ({_first_line(e)}); pass a checkpoint step directory such as <run>/checkpoints/<step>") from None
-  tree = getattr(getattr(metadata, "item_metadata", None), "tree", None)
-  if tree is None:
-    raise ConfigError(
-      f"'{item}' is not a readable checkpoint (no Orbax array metadata in it); pass a checkpoint step directory such as <run>/checkpoints/<step>"
-    )
-  return tree
-
-
-def shapes_by_name(tree: Any) -> dict[str, tuple[int, ...]]:
-  """'/'-joined path -> shape of every array in a state or metadata tree (a trailing Variable 'value' dropped)."""
-  shapes = {}
-  for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keys]
-    shapes["/".join(names[:-1] if names and names[-1] == "value" else names)] = tuple(getattr(leaf, "shape", ()))
-  return shapes
 
 
 def check_compatible(item: epath.Path, abstract_state: Any, checkpoint_dir: str, settings: dict[str, Any] | None = None) -> str | None:
@@ -475,74 +393,3 @@ def _another_state(item: epath.Path, checkpoint_dir: str, missing: list[str], ex
     f"checkpoints in {checkpoint_dir} hold another train state than this config builds ({what}); nothing was moved. Resume with the settings "
     f"they were written with, or start a new run from their parameters: run_name=<new name> {restart}"
   )
-
-
-def restore_some_params(path: str, abstract_params: Any, what: str, may_lack: Any = None) -> tuple[Any, list[str]]:
-  """The parameters of abstract_params (an nnx.State of sharded ShapeDtypeStructs) that the checkpoint holds.
-
-  Returns (restored nnx.State, '/'-paths the checkpoint lacks). Lacking a parameter is a one-line ConfigError
-  unless the nnx filter `may_lack` selects it (LoRA adapters and mHC connectors a base checkpoint cannot have);
-  so is a parameter of another shape. `what` names the config key in messages.
-  """
-  present, lacking = match_params(path, abstract_params, what, may_lack)
-  if present is None:
-    from flax import nnx
-
-    return nnx.State({}), lacking
-  return restore_params(path, present), lacking
-
-
-def match_params(path: str, abstract_params: Any, what: str, may_lack: Any = None) -> tuple[Any, list[str]]:
-  """(the abstract params the checkpoint holds, as an nnx.State or None, '/'-paths it lacks); reads metadata only.
-
-  Raises the one-line ConfigErrors restore_some_params documents.
-  """
-  from flax import nnx
-
-  shapes = param_shapes(path)
-  may_lack_pred = nnx.filterlib.to_predicate(may_lack if may_lack is not None else nnx.Nothing)
-  present, lacking = [], []
-  for keys, var in nnx.to_flat_state(abstract_params):
-    name = "/".join(str(k) for k in keys)
-    shape = tuple(var.get_value().shape)
-    if name not in shapes:
-      if not may_lack_pred(keys, var):
-        raise ConfigError(f"{what} '{path}' has no parameter '{name}' that this model needs; check the model config (and lora settings) it was written with")
-      lacking.append(name)
-    elif shapes[name] != shape:
-      raise ConfigError(f"{what} '{path}' holds '{name}' with shape {shapes[name]}, this model needs {shape}; use the config it was written with")
-    else:
-      present.append((keys, var))
-  return (nnx.from_flat_state(present) if present else None), lacking
-
-
-def newest_step_dir(checkpoint_dir: str) -> epath.Path | None:
-  """The highest-numbered step directory under checkpoint_dir (finished or not), or None; creates nothing."""
-  root = epath.Path(checkpoint_dir)
-  if not root.is_dir():
-    return None
-  steps = [int(d.name) for d in root.iterdir() if d.name.isdigit() and d.is_dir()]
-  return root / str(max(steps)) if steps else None
-
-
-def saved_steps(checkpoint_dir: str) -> list[int]:
-  """The steps under checkpoint_dir holding a saved train state (an <step>/items/ directory), ascending; creates nothing."""
-  root = epath.Path(checkpoint_dir) if checkpoint_dir else None
-  if root is None or not root.is_dir():
-    return []
-  return sorted(int(d.name) for d in root.iterdir() if d.name.isdigit() and (d / ITEM).is_dir())
-
-
-def latest_saved_step(checkpoint_dir: str) -> str | None:
-  """The newest <checkpoint_dir>/<step> holding a saved train state (its items/ directory), or None; creates nothing."""
-  steps = saved_steps(checkpoint_dir)
-  return str(epath.Path(checkpoint_dir) / str(steps[-1])) if steps else None
-
-
-def overlay_params(params: Any, restored: Any) -> Any:
-  """params with every parameter that `restored` holds replaced by its restored value."""
-  from flax import nnx
-
-  flat = dict(nnx.to_flat_state(params))
-  flat.update(dict(nnx.to_flat_state(restored)))
-  return nnx.from_flat_state(flat)

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from maxtext.config import ConfigError, MaxTextConfig, derived
-from maxtext.train import checkpointing
+from maxtext.train import checkpoint_files, checkpointing
 
 
 def saved_layout(config: MaxTextConfig) -> dict[str, int] | None:
   """The layout the run's newest persistent checkpoint recorded (None: no checkpoint, or one written before layouts were)."""
-  newest = checkpointing.latest_saved_step(config.checkpoint_dir) if config.enable_checkpointing else None
+  newest = checkpoint_files.latest_saved_step(config.checkpoint_dir) if config.enable_checkpointing else None
   if newest is None:
     return None
   from etils import epath

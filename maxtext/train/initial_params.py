@@ -10,7 +10,7 @@ import jax
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
 from maxtext.models import pipeline, specs
-from maxtext.train.checkpointing import ITEM, item_path, overlay_params, read_metadata_tree, restore_some_params
+from maxtext.train.checkpoint_files import ITEM, item_path, overlay_params, read_metadata_tree, restore_some_params
 
 
 def stored_kernels(abstract_params: Any) -> dict[tuple, tuple[Any, tuple, Any]]:

@@ -16,7 +16,20 @@ from maxtext.data.mixture import data_metrics
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
 from maxtext.models import pipeline, specs
-from maxtext.train import checkpointing, diloco, elastic, goodput, initial_params, local_checkpoints, outputs, preflight, reference, run_lock, run_report
+from maxtext.train import (
+  checkpoint_files,
+  checkpointing,
+  diloco,
+  elastic,
+  goodput,
+  initial_params,
+  local_checkpoints,
+  outputs,
+  preflight,
+  reference,
+  run_lock,
+  run_report,
+)
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 from maxtext.train.metrics import MetricsWriter, format_line
@@ -108,7 +121,7 @@ def _with_frozen_base(setup: setup_lib.TrainSetup, state: Any, log: Callable[[st
   if not setup.config.lora.enable_lora:
     return state
   base = initial_params.load_initial_params(setup.config, setup.init_state(formats)["params"], setup.abstract_state["params"], log, adapters=False)
-  return dict(state, params=checkpointing.overlay_params(base, state["params"]))
+  return dict(state, params=checkpoint_files.overlay_params(base, state["params"]))
 
 
 class _Profiler:
@@ -188,7 +201,7 @@ def train(
   """
   with Preemption(ends_process) as preemption:
     timing = goodput.Goodput(config.enable_goodput_recording, config.monitor_goodput, config.log_period)  # wall time starts here
-    done = checkpointing.saved_steps(config.checkpoint_dir)[-1:] if config.enable_checkpointing else []
+    done = checkpoint_files.saved_steps(config.checkpoint_dir)[-1:] if config.enable_checkpointing else []
     if done and done[0] >= config.steps:  # a rerun of a finished run: say so, touch nothing
       log_main(f"checkpoint at step {done[0]} in {config.checkpoint_dir} already reaches steps={config.steps}; nothing to train (raise steps to train further)")
       return TrainResult(done[0], {}, {}, "nothing_to_train")
@@ -231,7 +244,7 @@ def _run(
   writer: MetricsWriter | None = None
   failed = True
   try:
-    resuming = ckpt is not None and bool(checkpointing.saved_steps(config.checkpoint_dir)) or bool(config.load_full_state_path)
+    resuming = ckpt is not None and bool(checkpoint_files.saved_steps(config.checkpoint_dir)) or bool(config.load_full_state_path)
     resuming = resuming or (local is not None and local.has_steps())
     with jax.set_mesh(mesh), timing.phase("checkpoint_restore" if resuming else "initialization"):
       state = restore_or_init(setup, ckpt, data_iter, log_main, state_lib.compiled_formats(checked.step_fn), local)

@@ -22,7 +22,7 @@ from maxtext import mesh as mesh_lib
 from maxtext.aot import memory, remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError, gib
-from maxtext.train import checkpointing, initial_params, outputs
+from maxtext.train import checkpoint_files, checkpointing, initial_params, outputs
 from maxtext.train import setup as setup_lib
 from maxtext.train import state as state_lib
 
@@ -158,23 +158,23 @@ def check_restore_paths(config: MaxTextConfig, setup: setup_lib.TrainSetup, chec
   elif config.load_parameters_path:
     initial_params.check_base_quantization(config, config.load_parameters_path, params)
     target = initial_params.base_target(config, params)
-    checkpointing.match_params(config.load_parameters_path, target, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
+    checkpoint_files.match_params(config.load_parameters_path, target, "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
   if config.lora.lora_restore_path:
     if not config.lora.enable_lora:
       raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")
     wanted = nnx.filter_state(params, nnx.Any(LoRAParam, MHCParam))
-    checkpointing.match_params(config.lora.lora_restore_path, wanted, "lora.lora_restore_path", may_lack=MHCParam)
+    checkpoint_files.match_params(config.lora.lora_restore_path, wanted, "lora.lora_restore_path", may_lack=MHCParam)
   settings = checkpointing.settings_of(config)
   if config.load_full_state_path:
-    item = checkpointing.item_path(config.load_full_state_path)
+    item = checkpoint_files.item_path(config.load_full_state_path)
     problem = checkpointing.check_compatible(item, checkpointed, config.load_full_state_path, settings)
     if problem:
       raise ConfigError(f"load_full_state_path '{config.load_full_state_path}' is not a usable checkpoint ({problem}); pass another step directory")
     checkpointing.check_lora_base(config, item.parent, "load_full_state_path")
   if config.enable_checkpointing:
-    newest = checkpointing.newest_step_dir(config.checkpoint_dir)
+    newest = checkpoint_files.newest_step_dir(config.checkpoint_dir)
     if newest is not None:  # a damaged newest step is set aside at restore; another train state's checkpoints stop here
-      checkpointing.check_compatible(newest / checkpointing.ITEM, checkpointed, config.checkpoint_dir, settings)
+      checkpointing.check_compatible(newest / checkpoint_files.ITEM, checkpointed, config.checkpoint_dir, settings)
       checkpointing.check_lora_base(config, newest, "the run's checkpoint")
 
 

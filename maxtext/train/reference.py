@@ -82,12 +82,12 @@ def attach_on_restore(setup: Any, state: dict[str, Any], log: Callable[[str], No
   abstract_params = setup.abstract_state["params"]
   if KEY in state or not stores_copy(config, abstract_params):
     return state
-  from maxtext.train import checkpointing, initial_params
+  from maxtext.train import checkpoint_files, initial_params
 
   quiet = lambda message: None  # noqa: E731 - the loads were logged when the run started
   wanted = _stored_part(config, split_params(abstract_params, config)[0])
   if config.load_full_state_path:
-    restored, _ = checkpointing.restore_some_params(config.load_full_state_path, wanted, "load_full_state_path")
+    restored, _ = checkpoint_files.restore_some_params(config.load_full_state_path, wanted, "load_full_state_path")
     return dict(state, **{KEY: restored})
   params = initial_params.load_initial_params(config, setup.init_params(), abstract_params, quiet)
   log("rebuilt the reference model from the run's initial parameters")

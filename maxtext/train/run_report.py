@@ -18,7 +18,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.layers.quantization import Recipe
 from maxtext.models import pipeline, specs
 from maxtext.platform import Policy, keyed_moe_dispatch
-from maxtext.train import checkpointing, perf
+from maxtext.train import checkpoint_files, perf
 
 
 def duration(seconds: float) -> str:
@@ -56,7 +56,7 @@ def continuation(config: MaxTextConfig, checkpoint: str) -> str:
   """The keys to add to a run's command to start a new run from its last state (load_full_state_path). A LoRA run
   keeps its load_parameters_path (the frozen base under the state's adapters); any other run clears one the config
   sets (e.g. a converted model's YAML), since it starts from one of the two."""
-  keys = f"run_name=<new name> load_full_state_path={checkpoint}/{checkpointing.ITEM}"
+  keys = f"run_name=<new name> load_full_state_path={checkpoint}/{checkpoint_files.ITEM}"
   return f"{keys} load_parameters_path=" if config.load_parameters_path and not config.lora.enable_lora else keys
 
 
@@ -186,7 +186,7 @@ class RunReport:
         f"mean {self.tokens_per_step / c.num_devices / mean_seconds:,.0f} tokens/s/device, {self.flops / mean_seconds:.3f} TFLOP/s/device, "
         f"MFU {100 * mfu:.2f}% of {self.yardstick.tflops:.3f} TFLOP/s ({self.yardstick.source}) over {len(timed)} steps"
       )
-    checkpoint = checkpointing.latest_saved_step(c.checkpoint_dir) if c.enable_checkpointing else None
+    checkpoint = checkpoint_files.latest_saved_step(c.checkpoint_dir) if c.enable_checkpointing else None
     self.log(f"checkpoint: {checkpoint}" if checkpoint else "checkpoint: none saved (enable_checkpointing=false or no checkpoint step reached)")
     png = self._write_plot()
     if png:
