@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext.layers import expert_exchange
+from maxtext.layers import expert_exchange, moe_dispatch
 from maxtext.layers import grouped_matmul as gmm
-from maxtext.layers import moe_dispatch
 from tests.test_train_helpers import FAST_COMPILE
 
 EP, E, K, SEQ, D, F = 4, 8, 2, 4, 8, 6
@@ -84,9 +83,7 @@ def _dispatch_fn(mesh, factors):
   """One jitted function: per factor (loss, dropped, grads of x, weights and expert weights)."""
   experts = jnp.asarray(_experts())
   valid = jnp.ones((EP, SEQ), bool)
-  layout = moe_dispatch.Layout(
-    batch=("expert",), experts=("expert",), wi=(("expert",), (), ()), wo=(("expert",), (), ()), sizes=(("expert", EP),)
-  )
+  layout = moe_dispatch.Layout(batch=("expert",), experts=("expert",), wi=(("expert",), (), ()), wo=(("expert",), (), ()), sizes=(("expert", EP),))
 
   def run(x, weights, w, cotangent):
     out = []
