@@ -111,6 +111,7 @@ CASES = [
   ("linear_scaling_with_llama31", [BASE, "rope_type=llama3.1", "rope_linear_scaling_factor=8"], {}, "rope_linear_scaling_factor scales the default rope"),
   ("shared_experts_dense", [BASE, "shared_experts=1"], {}, "shared_experts need experts, but num_experts is 1"),
   ("capacity_zero", [BASE, "num_experts=4", "capacity_factor=0"], {}, "invalid value for 'capacity_factor': 0.0"),
+  ("ragged_buffer_zero", [BASE, "num_experts=4", "ragged_buffer_factor=0"], {}, "invalid value for 'ragged_buffer_factor': 0.0"),
   ("two_load_paths", [BASE, "load_parameters_path=a", "load_full_state_path=b"], {}, "load_parameters_path and load_full_state_path are both set"),
   ("fractional_batch", [BASE, "per_device_batch_size=0.3"], {}, "per_device_batch_size 0.3 x 8 devices"),
   ("run_name_slash", [BASE, "run_name=a/b"], {}, "invalid value for 'run_name': 'a/b'"),

@@ -292,6 +292,8 @@ def _check_moe_fields(c: MaxTextConfig) -> None:
       )
   if c.capacity_factor != -1 and c.capacity_factor <= 0:
     raise ConfigError(f"invalid value for 'capacity_factor': {c.capacity_factor}; use -1 (dropless) or a positive number")
+  if c.ragged_buffer_factor != -1 and c.ragged_buffer_factor <= 0:
+    raise ConfigError(f"invalid value for 'ragged_buffer_factor': {c.ragged_buffer_factor}; use -1 (worst-case buffer, dropless) or a positive number")
   if c.num_experts > 1 and c.sparse_matmul and c.megablox and c.use_tokamax_gmm and importlib.util.find_spec("tokamax") is None:
     raise ConfigError("use_tokamax_gmm=true needs the tokamax package; pip install tokamax (or the `tpu` extra), or set use_tokamax_gmm=false")
   if c.routed_bias_update_rate > 0 and not c.routed_bias:

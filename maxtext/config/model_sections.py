@@ -124,6 +124,10 @@ class MoEGeneral(Section):
   num_experts_per_tok: int = Field(1, gt=0, description="Experts each token is routed to (top-k).")
   load_balance_loss_weight: float = Field(0.01, ge=0, description="Weight of the router load-balance loss added to the training loss.")
   capacity_factor: float = Field(-1.0, description="Expert capacity = capacity_factor x tokens x top-k / experts; tokens over it are dropped; -1 -> dropless.")
+  ragged_buffer_factor: float = Field(
+    -1.0,
+    description="Expert parallelism (sparse dispatch): each device's receive buffer holds int(its tokens x top-k x factor) rows, the rest are dropped; -1 -> worst case, dropless.",
+  )
   base_moe_mlp_dim: int = Field(-1, description="Hidden width of each routed (and shared) expert before global_parameter_scale; -1 -> base_mlp_dim.")
   norm_topk_prob: bool = Field(False, description="Renormalise the top-k routing weights to sum to 1 (mixtral always does).")
 

@@ -4,13 +4,16 @@
   scatter-add is needed.
 - The ragged exchange (`exchange`): rows grouped by expert go to the devices owning their experts with one
   `ragged_all_to_all`, and return the same way; XLA:CPU, which has no ragged all-to-all, runs it as a padded
-  `all_to_all` (`native=False`).
+  `all_to_all` (`native=False`). A receive buffer smaller than the worst case (MaxText's `ragged_buffer_factor`)
+  keeps, on each receiving device, its sources' rows in (source device, local expert) order until the buffer is full
+  (`truncate`); the rest are not sent and come back as zeros.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,35 +88,52 @@ def ragged_all_to_all(
   return output.at[target.reshape(-1)].set(chunks.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
-def exchange(
-  rows: jax.Array, counts: jax.Array, buffer_rows: int, axes: Axes, ep: int, native: bool
-) -> tuple[jax.Array, jax.Array, Callable[[jax.Array], jax.Array]]:
-  """Send rows (grouped by expert, counts [E]) to the devices owning their experts (split evenly over the ep devices
-  of axes).
+def truncate(by_dest: jax.Array, buffer_rows: int) -> jax.Array:
+  """Rows each source may send each destination's local experts [source, destination, local] so that no destination
+  receives more than buffer_rows: per destination, the (source, local expert) groups in that order are kept until
+  the buffer is full (MaxText's ragged_buffer_factor truncation); a group that crosses the end keeps its first rows."""
+  ep, _, local = by_dest.shape
+  flat = jnp.swapaxes(by_dest, 0, 1).reshape(ep, ep * local)  # [destination, source x local]
+  ends = jnp.minimum(jnp.cumsum(flat, axis=1), buffer_rows)
+  kept = ends - jnp.concatenate([jnp.zeros_like(ends[:, :1]), ends[:, :-1]], axis=1)
+  return jnp.swapaxes(kept.reshape(ep, ep, local), 0, 1)
 
-  Returns (received rows [buffer_rows, d] grouped by local expert, local group sizes [E/ep], the return trip that
-  takes the owner's outputs in that layout back to the senders' row order).
-  """
+
+class Exchanged(NamedTuple):
+  """What `exchange` returns."""
+
+  received: jax.Array  # [buffer_rows, d]: the rows this device's experts run on, grouped by local expert
+  sizes: jax.Array  # [E/ep] int32: the group sizes of received
+  sent: jax.Array  # [E] int32: how many of each expert's rows (its first ones) were sent; the rest are dropped
+  back: Callable[[jax.Array], jax.Array]  # the owner's outputs in received's layout -> the senders' row order (dropped rows zero)
+
+
+def exchange(rows: jax.Array, counts: jax.Array, buffer_rows: int, axes: Axes, ep: int, native: bool, limit: int = 0) -> Exchanged:
+  """Send rows (grouped by expert, counts [E]) to the devices owning their experts (split evenly over the ep devices
+  of axes) into receive buffers of buffer_rows. limit > 0: a device receives at most limit rows (`truncate`); the
+  others stay home. Without it, buffer_rows must hold the worst case."""
   e = counts.shape[0]
   local = e // ep
   me = jax.lax.axis_index(axes)
   every = jax.lax.all_gather(counts, axes)  # [source, E]
+  sender_offsets = _exclusive_cumsum(every, axis=1)  # where each expert's rows start in each sender's rows
   by_dest = every.reshape(ep, ep, local)  # [source, destination, local expert]
+  if limit:
+    by_dest = truncate(by_dest, limit)
+  sent = by_dest[me].reshape(e)
   totals = jnp.sum(by_dest, axis=0)  # [destination, local expert]
   group_start = _exclusive_cumsum(totals, axis=1)
   before = _exclusive_cumsum(by_dest, axis=0)  # rows from earlier sources
-  send_offsets = _exclusive_cumsum(counts)
   to_offsets = (group_start + before[me]).reshape(e)
   from_sizes = jax.lax.dynamic_index_in_dim(by_dest, me, axis=1, keepdims=False).reshape(e)  # [source x local]
   out = jnp.zeros((buffer_rows, *rows.shape[1:]), rows.dtype)
-  received = ragged_all_to_all(rows, out, send_offsets, counts, to_offsets, from_sizes, axes, native)
+  received = ragged_all_to_all(rows, out, sender_offsets[me], sent, to_offsets, from_sizes, axes, native)
 
   def back(results: jax.Array) -> jax.Array:
     mine = jax.lax.dynamic_index_in_dim(before, me, axis=1, keepdims=False)  # [source, local]
     offsets = (group_start[me][None, :] + mine).reshape(e)
-    senders = _exclusive_cumsum(every, axis=1).reshape(ep, ep, local)
-    to_sender = jax.lax.dynamic_index_in_dim(senders, me, axis=1, keepdims=False).reshape(e)
+    to_sender = jax.lax.dynamic_index_in_dim(sender_offsets.reshape(ep, ep, local), me, axis=1, keepdims=False).reshape(e)
     home = jnp.zeros((rows.shape[0], *results.shape[1:]), results.dtype)
-    return ragged_all_to_all(results, home, offsets, from_sizes, to_sender, counts, axes, native)
+    return ragged_all_to_all(results, home, offsets, from_sizes, to_sender, sent, axes, native)
 
-  return received, totals[me], back
+  return Exchanged(received, totals[me], sent, back)

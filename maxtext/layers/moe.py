@@ -27,7 +27,8 @@ grouped matmuls over the (token, expert) pairs sorted by expert, or batched matm
 Dropless by default (capacity_factor = -1); with capacity_factor > 0 each expert takes at most
 ceil(capacity_factor x seq_len x k / experts) pairs of each sequence (earlier tokens first), the rest are dropped
 and counted. With the experts split over a mesh axis that also splits the tokens (`expert`), rows travel to their
-experts' devices by ragged_all_to_all (no capacity padding).
+experts' devices by ragged_all_to_all (no capacity padding; ragged_buffer_factor > 0 bounds each device's receive
+buffer and drops, and counts, the rows past it).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class MoESpec:
   expert_scales: bool = False  # each chosen expert's weight is multiplied by a learned per-expert scale
   separate_norms: NormSpec | None = None  # router and routed experts read the un-normed input; each output its own post-norm (see the module docstring)
   capacity_factor: float = -1.0  # > 0: each expert takes at most ceil(factor x seq_len x k / experts) pairs per sequence
+  ragged_buffer_factor: float = -1.0  # > 0: expert-parallel receive buffers hold int(tokens x k x factor) rows (moe_dispatch)
   wi_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wi_0/wi_1 (MaxText's wi_tile_* keys)
   wo_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wo (wo_tile_* keys)
   rules: Rules = ()  # logical_axis_rules
@@ -204,6 +206,7 @@ def dispatch_plan(spec: MoESpec, policy: Policy, seq_len: int) -> moe_dispatch.P
     wi_tiles=spec.wi_tiles,
     wo_tiles=spec.wo_tiles,
     capacity=expert_capacity(seq_len, spec) if spec.capacity_factor > 0 else 0,
+    ragged_buffer_factor=spec.ragged_buffer_factor,
     activations=spec.activations,
     glu_limit=spec.glu_limit,
     glu_clamp_only=spec.glu_clamp_only,

@@ -21,7 +21,10 @@ Dropped pairs are sorted past the last expert (sparse) or get no slot (dense), a
 Expert parallelism: when the expert weights are split over mesh axes that also split the tokens (`expert`),
 the sparse path sends each expert's rows to the device owning it with one `ragged_all_to_all` (no padding to a
 capacity: a device receives at most ep · T · min(k, E/ep) rows, fewer with capacity), the owner runs its experts on
-rows that arrive already grouped by expert, and a second `ragged_all_to_all` returns them. XLA:CPU has no
+rows that arrive already grouped by expert, and a second `ragged_all_to_all` returns them. MaxText's
+`ragged_buffer_factor` > 0 bounds that receive buffer by int(T·k · factor) rows (T·k: what a device receives when
+the load is balanced); on each receiving device, rows past it in (source device, local expert) order are not sent,
+add nothing, and are counted as dropped (maxtext.layers.expert_exchange.truncate). XLA:CPU has no
 ragged-all-to-all; there (the platform policy's `ragged_all_to_all=False`) the same exchange runs as a padded
 `all_to_all`. The dense path exchanges [E, slots] buffers with `all_to_all` (slots = the device's tokens when
 dropless).
@@ -92,6 +95,7 @@ class Plan:
   integer_rounding: bool = False  # float32 -> bfloat16 by integer ops (CPU policy)
   ragged_all_to_all: bool = True  # False: the exchange runs as a padded all_to_all (XLA:CPU)
   quantization: quantization.Recipe | None = None  # quantized expert products (the platform policy's recipe)
+  ragged_buffer_factor: float = -1.0  # > 0: expert parallelism receives at most int(T·k · factor) rows per device (drops the rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,19 +315,38 @@ def combine_sorted(out: jax.Array, pairs: SortedPairs, weights: jax.Array, kept:
   return jnp.einsum("tkd,tk->td", per_choice, weights, preferred_element_type=jnp.float32)
 
 
-def _sparse(tokens, experts, weights, kept, w: ExpertWeights, layout: Layout, plan: Plan, rows_per_sequence: int) -> jax.Array:
-  """Sorted pairs, grouped matmuls, gathered back: tokens [T, d] -> y [T, d] float32."""
+def receive_rows(tokens: int, layout: Layout, plan: Plan, rows_per_sequence: int) -> tuple[int, int]:
+  """(rows of a device's expert-parallel receive buffer, the truncation limit or 0 when the buffer holds the worst case).
+
+  The worst case: every pair of the ep devices lands on this device's experts, ep · T · min(k, E/ep) rows (fewer
+  with capacity). ragged_buffer_factor > 0 bounds it by int(T·k · factor), MaxText's balanced size times the factor."""
+  k, e, ep = plan.k, plan.num_experts, layout.size(layout.experts)
+  bound = ep * tokens * min(k, e // ep)
+  if plan.capacity:
+    bound = min(bound, ep * (tokens // rows_per_sequence) * plan.capacity * (e // ep))
+  if plan.ragged_buffer_factor > 0:
+    limit = max(1, int(tokens * k * plan.ragged_buffer_factor))
+    if limit < bound:
+      return limit, limit
+  return bound, 0
+
+
+def _sparse(tokens, experts, weights, kept, w: ExpertWeights, layout: Layout, plan: Plan, rows_per_sequence: int) -> tuple[jax.Array, jax.Array | None]:
+  """Sorted pairs, grouped matmuls, gathered back: tokens [T, d] -> (y [T, d] float32, the pairs [T, k] dropped for
+  want of receive buffer (ragged_buffer_factor), or None when none can be)."""
   t, k = experts.shape
   e = plan.num_experts
   pairs = sort_pairs(experts, kept, e)
   rows = take_pairs(tokens, pairs.order, pairs.inverse, k)
   if layout.experts:
-    ep = layout.size(layout.experts)
-    bound = ep * t * min(k, e // ep)
-    if plan.capacity:
-      bound = min(bound, ep * (t // rows_per_sequence) * plan.capacity * (e // ep))
-    received, sizes, back = exchange(rows, pairs.counts, _row_count(bound, plan), layout.experts, ep, plan.ragged_all_to_all)
-    out = back(_grouped_mlp(received, sizes, w, layout, plan))
+    bound, limit = receive_rows(t, layout, plan, rows_per_sequence)
+    sent = exchange(rows, pairs.counts, _row_count(bound, plan), layout.experts, layout.size(layout.experts), plan.ragged_all_to_all, limit)
+    out = sent.back(_grouped_mlp(sent.received, sent.sizes, w, layout, plan))
+    if limit:  # sorted row r is row r - start of its expert's group; rows past what was sent stayed home
+      expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(pairs.counts), jnp.arange(t * k), side="right"), e - 1)
+      start = jnp.cumsum(pairs.counts) - pairs.counts
+      home = (jnp.arange(t * k) - start[expert] >= sent.sent[expert]) & (jnp.arange(t * k) < jnp.sum(pairs.counts))
+      return combine_sorted(out, pairs, weights, kept), home[pairs.inverse].reshape(t, k)
   else:
     if kept is not None:  # rows of dropped pairs belong to no group: a kernel may leave them unwritten, both ways
       grouped = (jnp.arange(t * k) < jnp.sum(pairs.counts))[:, None]
@@ -331,7 +354,7 @@ def _sparse(tokens, experts, weights, kept, w: ExpertWeights, layout: Layout, pl
     out = _grouped_mlp(_pad_rows(rows, _row_count(t * k, plan)), pairs.counts, w, layout, plan)[: t * k]
     if kept is not None:
       out = jnp.where(grouped, out, 0)
-  return combine_sorted(out, pairs, weights, kept)
+  return combine_sorted(out, pairs, weights, kept), None
 
 
 def _grouped_mlp(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, layout: Layout, plan: Plan) -> jax.Array:
@@ -436,7 +459,9 @@ def local_dispatch(
       dropped = jax.lax.psum(dropped, layout.tokens)
   experts, weights = experts.reshape(b * s, k), weights.reshape(b * s, k)
   if plan.sparse:
-    y = _sparse(tokens, experts, weights, kept, w, layout, plan, s)
+    y, home = _sparse(tokens, experts, weights, kept, w, layout, plan, s)
+    if home is not None:  # pairs the bounded receive buffer (ragged_buffer_factor) left at home
+      dropped = dropped + jax.lax.psum(jnp.sum(jnp.where(home, 1.0, 0.0) * valid.reshape(b * s, 1)), layout.tokens)
   else:
     y = _dense(tokens, experts, weights, positions, w, layout, plan, s)
   return y.reshape(b, s, d), dropped

@@ -122,6 +122,7 @@ def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None
     expert_scales=family.experts_beside_dense_mlp,
     separate_norms=norm(c, family) if family.experts_beside_dense_mlp else None,
     capacity_factor=c.capacity_factor,
+    ragged_buffer_factor=c.ragged_buffer_factor,
     wi_tiles=wi,
     wo_tiles=wo,
     rules=rules(c),

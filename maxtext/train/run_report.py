@@ -102,6 +102,8 @@ class RunReport:
     )
     if c.num_experts > 1:
       capacity = f"capacity_factor {c.capacity_factor}" if c.capacity_factor > 0 else "dropless"
+      if c.ragged_buffer_factor > 0:
+        capacity += f", ragged_buffer_factor {c.ragged_buffer_factor} (expert-parallel receive buffers; rows past them dropped)"
       keyed = keyed_moe_dispatch(c, self.policy.platform)
       forced = f" (quantization: {keyed} takes no quantized operands)" if keyed != self.policy.moe_dispatch else ""
       self.log(f"experts: {c.num_experts}, top {c.num_experts_per_tok}, {capacity}; dispatch {self.policy.moe_dispatch}{forced} (docs/models.md, MoE dispatch)")

@@ -57,7 +57,7 @@ class LanguageModel:
       "moe_lb_loss": sums.aux / c.gradient_accumulation_steps,
       **({"mtp_loss": sums.mtp / weight} if c.mtp_num_layers else {}),
       **({"indexer_loss": sums.indexer / weight} if c.use_indexer and c.indexer_loss_scaling_factor > 0 else {}),
-      **({"moe_dropped_tokens": sums.dropped} if c.capacity_factor > 0 and c.num_experts > 1 else {}),
+      **({"moe_dropped_tokens": sums.dropped} if (c.capacity_factor > 0 or c.ragged_buffer_factor > 0) and c.num_experts > 1 else {}),
       "total_weights": sums.weights,
     }
 
