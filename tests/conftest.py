@@ -44,8 +44,58 @@ def _cache_cpu_programs_only() -> None:
   compiler._cache_read, compiler._cache_write = cache_read, cache_write
 
 
+# The files that take longest (the full suite's --durations on 2 cores, Nov 2026), longest first. Under `-n 2 --dist
+# loadfile` each file is one unit of work, handed to whichever worker runs short; pytest-xdist would hand out the files
+# with the most tests first, which puts these (a few tests behind a long shared fixture) last, where one worker ends
+# minutes after the other. Run longest first, the two workers end within about the length of the last small file.
+LONGEST_FILES = (
+  "test_docs_commands.py",
+  "test_elastic.py",
+  "test_run_ends.py",
+  "test_splash_aot.py",
+  "test_pipeline.py",
+  "test_pipeline_hybrid.py",
+  "test_multihost.py",
+  "test_bad_inputs.py",
+  "test_multi_tier.py",
+  "test_gpu_suite.py",
+  "test_qwen3_next.py",
+  "test_post_training.py",
+  "test_qwen3_5.py",
+  "test_vlm_qwen3_vl.py",
+  "test_hf_workflow.py",
+  "test_moe_families.py",
+  "test_moe_dispatch.py",
+  "test_quantization.py",
+  "test_harness.py",
+  "test_bad_inputs_templates.py",
+  "test_vision_training.py",
+  "test_preemption.py",
+  "test_vlm_gemma3.py",
+  "test_deepseek_v32.py",
+  "test_lora_multi.py",
+  "test_bad_inputs_rewards.py",
+  "test_bad_inputs_checkpoints.py",
+)
+
+
 def pytest_configure(config):
   _cache_cpu_programs_only()
+  if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order pytest_collection_modifyitems gives
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+  """Files in LONGEST_FILES first, in its order; then the others, most tests first (pytest-xdist's own order). A file's
+  tests keep their order and stay together."""
+  counts: dict[str, int] = {}
+  for item in items:
+    counts[item.path.name] = counts.get(item.path.name, 0) + 1
+  rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+  first_index = {}
+  for i, item in enumerate(items):
+    first_index.setdefault(item.path.name, i)
+  items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], first_index[item.path.name]))
 
 
 def pytest_unconfigure(config):
