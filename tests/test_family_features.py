@@ -64,12 +64,13 @@ def _trimmed(hf: dict) -> dict:
   return hf
 
 
-def family_config(name: str, **keys):
-  """The family's tiny maxtext config (one device, synthetic data) with LoRA, mHC and an int8 base, and `keys`."""
+def family_config(name: str, num_devices: int | None = 1, **keys):
+  """The family's tiny maxtext config (synthetic data) with LoRA, mHC and an int8 base, and `keys`; num_devices None:
+  compile_topology's devices."""
   model = hf_config.overrides_from_hf(_trimmed(HF_CONFIGS[name]().to_dict()))
   run = {k: v for k, v in TINY.items() if k not in model}
   features = dict(lora=lora(name), mhc_expansion_rate=MHC[name], quantization="int8")
-  return from_overrides(num_devices=1, **{**model, **run, **features, **keys})
+  return from_overrides(num_devices=num_devices, **{**model, **run, **features, **keys})
 
 
 def _flat(state, kind=nnx.Param) -> dict[str, np.ndarray]:
@@ -173,7 +174,7 @@ AOT_FAMILIES = ["llama4", "gemma4_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v
 def test_train_step_compiles_for_a_tpu_topology(name):
   from maxtext.aot.compile import compile_for_topology
 
-  result = compile_for_topology(family_config(name, compile_topology="v5p-8"))
+  result = compile_for_topology(family_config(name, num_devices=None, compile_topology="v5p-8"))
   s = result.summary()
   assert result.devices[0].platform == "tpu" and len(result.devices) == 4
   assert s["fits"] is True and s["tflops_per_step"] > 0
