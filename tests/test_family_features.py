@@ -166,7 +166,9 @@ def test_peft_adapters_reproduce_our_logits_in_transformers(name, tmp_path):
 # --------------------------------------------------------------------------------------------------------------------
 # train_compile: the step with LoRA, mHC and the int8 base compiled for a v5p-8 (compile-only TPU devices, libtpu).
 
-AOT_FAMILIES = ["llama4", "gemma4_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v32"]
+# The families whose layers compile unlike any other (chunked attention and interleaved MoE; per-layer kinds and k = v;
+# Gated DeltaNet); qwen3_5_moe and deepseek_v32 also compile (measured, about 40 CPU s each) and are left out for CI time.
+AOT_FAMILIES = ["llama4", "gemma4_moe", "qwen3_next"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed (pip install 'maxtext[tpu]')")
