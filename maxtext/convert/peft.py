@@ -55,6 +55,13 @@ def _shape(shapes: dict[str, tuple[int, ...]], slot: Slot, name: str) -> tuple[i
   return shape if slot.index is None else shape[1:]
 
 
+# Families whose Hugging Face model types peft (under transformers 5) reads as fused-expert models: it maps the target
+# modules gate_proj/up_proj/down_proj (w1/w2/w3 for Mixtral) onto the stacked routed experts, so an adapter of that
+# name on a shared expert or a dense MLP is dropped without an error (peft.utils.transformers_weight_conversion).
+PEFT_FUSED_EXPERT_FAMILIES = frozenset({"deepseek", "deepseek_v32", "mixtral", "qwen3_moe", "qwen3_next"})
+FUSED_EXPERT_NAMES = frozenset({"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+
+
 def _check_exportable(flat: dict[str, Any], config: MaxTextConfig) -> None:
   if config.mhc_expansion_rate > 1 or any(MHC_MARK in k for k in flat):
     raise ConfigError("mHC connectors have no Hugging Face or PEFT equivalent; export a model trained with mhc_expansion_rate=1")
@@ -90,6 +97,12 @@ def to_peft(flat: dict[str, Any], config: MaxTextConfig) -> tuple[dict[str, np.n
       tensors[f"{PEFT_PREFIX}.{slot.hf_index}.{hf}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
       tensors[f"{PEFT_PREFIX}.{slot.hf_index}.{hf}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
       hf_names.add(hf)
+  fused = sorted(hf for hf in hf_names if hf.rsplit(".", 1)[-1] in FUSED_EXPERT_NAMES)
+  if fused and config.decoder_block in PEFT_FUSED_EXPERT_FAMILIES:
+    raise ConfigError(
+      f"PEFT reads adapters named {', '.join(sorted({h.rsplit('.', 1)[-1] for h in fused}))} on {config.decoder_block} models as adapters of its "
+      f"fused routed experts, so the adapter on {fused[0]} would not load; use --merge, or a lora.lora_module_path on the attention projections only"
+    )
   alpha = config.lora.lora_alpha
   adapter_config = {
     "peft_type": "LORA",
