@@ -35,6 +35,23 @@ def record_dir(where: str) -> Path | None:
   return Path(where.rsplit(" line ", 1)[0]).parent
 
 
+def record_images(record: dict[str, Any], column: str, max_images: int, where: str) -> list[np.ndarray]:
+  """The RGB uint8 images of the record's image column (one or a list; none when absent); a DataError past max_images (> 0)."""
+  value = record.get(column)
+  if value is None:
+    return []
+  if isinstance(value, np.ndarray) and value.dtype == object:
+    value = value.tolist()
+  items = value if isinstance(value, list) else [value]
+  if 0 < max_images < len(items):
+    raise DataError(f"{where} has {len(items)} images, more than max_num_images_per_example={max_images}; drop some or raise the limit")
+  return [read_image(item, record_dir(where), f"{where} image {i}") for i, item in enumerate(items)]
+
+
+def places_error(where: str, places: int, images: int, placeholder: str, column: str) -> DataError:
+  return DataError(f"{where} has {places} '{placeholder}' place(s) but {images} image(s) in column '{column}'; give one image per place")
+
+
 class ImageTextEncoder(DocumentEncoder):
   """DocumentEncoder whose documents also carry IMAGE_KEY: the images of the record's image column at its places."""
 
@@ -66,24 +83,14 @@ class ImageTextEncoder(DocumentEncoder):
     return ids
 
   def images_of(self, record: dict[str, Any], where: str) -> list[np.ndarray]:
-    value = record.get(self.image_column)
-    if value is None:
-      return []
-    if isinstance(value, np.ndarray) and value.dtype == object:
-      value = value.tolist()
-    items = value if isinstance(value, list) else [value]
-    if 0 < self.max_images < len(items):
-      raise DataError(f"{where} has {len(items)} images, more than max_num_images_per_example={self.max_images}; drop some or raise the limit")
-    return [read_image(item, record_dir(where), f"{where} image {i}") for i, item in enumerate(items)]
+    return record_images(record, self.image_column, self.max_images, where)
 
   def encode(self, record: dict[str, Any], where: str) -> dict[str, np.ndarray] | None:
     images = self.images_of(record, where)
     self._places.count = 0
     doc = super().encode(record, where)
     if self._places.count != len(images):
-      raise DataError(
-        f"{where} has {self._places.count} '{self.placeholder}' place(s) but {len(images)} image(s) in column '{self.image_column}'; give one image per place"
-      )
+      raise places_error(where, self._places.count, len(images), self.placeholder, self.image_column)
     if doc is None:
       return None
     tokens = doc["tokens"]

@@ -31,10 +31,6 @@ from maxtext.vision.gemma3_encoder import merge
 from maxtext.vision.qwen3_vl import GridLayout, Qwen3VLVisionSpec, Qwen3VLVisionTower, grid_layout
 from maxtext.vision.siglip import Remat
 
-TRAINING_NOT_BUILT = (
-  "vision_encoder_block=qwen3_vl: training on image-text records is not built yet (the model, conversion and decoding from Python take images); "
-  "set dataset_type=synthetic, or use_multimodal=false to train the text decoder"
-)
 PATCH_MULTIPLE = 64  # patch rows per batch row are padded to a multiple of this, so few lengths compile
 
 
@@ -105,6 +101,19 @@ class Qwen3VLVisionEncoder(nnx.Module):
     zeros = jnp.zeros_like(text)
     placed = jax.vmap(lambda d: merge(zeros, d, tokens, placeholder))(deep) if deep.shape[0] else jnp.zeros((0, *text.shape), text.dtype)
     return x, placed
+
+
+def images_from_pixels(pixels: jax.Array, layout: GridLayout, rope_positions: jax.Array, spec: Qwen3VLEncoderSpec) -> Qwen3VLImages:
+  """A training batch's images (maxtext.data.qwen3_vl_records): uint8 resized pixels [B, L, C p p] of the packed
+  patches -> Qwen3VLImages, normalised as the processor does (a table of the 256 values per channel) and repeated
+  over the T temporal slots."""
+  t = spec.tower
+  table = jnp.asarray(preprocess.qwen3_vl_normalise_table())  # [C, 256]
+  b, length, _ = pixels.shape
+  x = pixels.reshape(b, length, t.num_channels, t.patch_size**2).astype(jnp.int32)
+  values = table[jnp.arange(t.num_channels)[:, None], x]  # [B, L, C, p p]
+  values = jnp.broadcast_to(values[:, :, :, None], (b, length, t.num_channels, t.temporal_patch_size, t.patch_size**2))
+  return Qwen3VLImages(values.reshape(b, length, -1), layout, rope_positions)
 
 
 def deepstack_add(h: jax.Array, layer: int | jax.Array, placed: jax.Array) -> jax.Array:
