@@ -18,7 +18,7 @@ from maxtext.data.features import GRID_KEY, PATCH_KEY
 from maxtext.models import specs
 from maxtext.train import loss as loss_lib
 from maxtext.train import setup as setup_lib
-from maxtext.vision import preprocess, qwen3_vl_encoder
+from maxtext.vision import qwen3_vl_encoder
 from tests.test_data_common import config, mesh_for, write_jsonl
 from tests.test_train_helpers import FAST_COMPILE
 
@@ -186,3 +186,25 @@ def test_iterator_state_resumes_with_images(data_dir):
   assert got.keys() == expected.keys() and {PATCH_KEY, "rope_positions", "image_taps"} <= got.keys()
   for k in expected:
     np.testing.assert_array_equal(got[k], expected[k])
+
+
+def test_flops_count_the_towers_patch_budget_and_respect_freezing():
+  """The tower's FLOPs per step by hand: every row runs its max_patches_per_row_for_vit patches (P) through the patch
+  embedding and blocks, P / m^2 merged tokens through the mergers, the scores over P x P; frozen, forward only."""
+  from maxtext import counting
+
+  trained = config(**QWEN3_VL)
+  frozen, no_tower = config(**QWEN3_VL, freeze_vision_encoder_params=True), config(**QWEN3_VL, dataset_type="synthetic")
+  e, m, layers, out, p, merged = 16, 32, 2, 32, BUDGET, BUDGET // 4
+  patch = 3 * 2 * PATCH * PATCH * e + e  # the (C, T, p, p) -> E dense with its bias
+  block = 2 * 2 * e + (e * 3 * e + 3 * e) + (e * e + e) + (e * m + m) + (m * e + e)  # two layer norms, qkv, out, the MLP
+  merger = 2 * e + (4 * e) ** 2 + 4 * e + 4 * e * out + out  # the final merger normalises each patch
+  deep = 2 * 4 * e + (4 * e) ** 2 + 4 * e + 4 * e * out + out  # a DeepStack merger normalises each group of m^2
+  scores = layers * 4 * p * p * e
+  rows = trained.global_batch_size_to_train_on
+  forward = rows * (2 * p * (patch + layers * block) + 2 * merged * (merger + deep) + scores)
+  training = rows * (p * (4 * patch + 6 * layers * block) + 6 * merged * (merger + deep) + 3 * scores)  # the pixels need no gradient
+  base = counting.training_flops_per_step(no_tower)
+  assert counting.training_flops_per_step(trained) - base == pytest.approx(training, rel=1e-12)
+  assert counting.training_flops_per_step(frozen) - base == pytest.approx(forward, rel=1e-12)
+  assert counting.forward_flops_per_step(trained) - counting.forward_flops_per_step(no_tower) == pytest.approx(forward, rel=1e-12)

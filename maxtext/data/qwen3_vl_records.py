@@ -25,7 +25,7 @@ import numpy as np
 from maxtext.data.features import GRID_KEY, PATCH_KEY, DocumentEncoder
 from maxtext.data.image_text import places_error, record_images
 from maxtext.errors import ConfigError, DataError
-from maxtext.vision import preprocess
+from maxtext.vision import preprocess, qwen3_vl_encoder
 from maxtext.vision.qwen3_vl import GridLayout
 from maxtext.vision.qwen3_vl_encoder import Qwen3VLEncoderSpec, layout_padded, rope_index
 
@@ -35,14 +35,10 @@ LAYOUT_KEYS = {"rows_cols": "image_rows_cols", "taps": "image_taps", "weights": 
 
 def patch_budget(config: Any, spec: Qwen3VLEncoderSpec) -> int:
   """Patches a row holds: max_patches_per_row_for_vit, or (0) the most one image of image_size_for_vit^2 pixels has."""
-  group = spec.merge_size**2
-  budget = config.max_patches_per_row_for_vit
-  if budget == 0:
-    factor = spec.tower.patch_size * spec.merge_size
-    return max(1, spec.max_pixels // factor**2) * group
-  if budget % group:
-    raise ConfigError(f"max_patches_per_row_for_vit={budget} is not a multiple of spatial_merge_size_for_vit^2={group}; use {budget - budget % group + group}")
-  return budget
+  try:
+    return qwen3_vl_encoder.patch_budget(spec, config.max_patches_per_row_for_vit)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def batch_layout(spec: Qwen3VLEncoderSpec, budget: int, length: int) -> dict[str, tuple[tuple[int, ...], type]]:

@@ -125,6 +125,20 @@ def deepstack_add(h: jax.Array, layer: int | jax.Array, placed: jax.Array) -> ja
   return jnp.where(layer < n, h + feature, h)
 
 
+def patch_budget(spec: Qwen3VLEncoderSpec, max_patches: int) -> int:
+  """Patches a training row holds: max_patches (max_patches_per_row_for_vit), or (0) the most one image of
+  max_pixels has. A ValueError when it is not a multiple of m^2 (the merger groups m x m patches)."""
+  group = spec.merge_size**2
+  if max_patches == 0:
+    factor = spec.tower.patch_size * spec.merge_size
+    return max(1, spec.max_pixels // factor**2) * group
+  if max_patches % group:
+    raise ValueError(
+      f"max_patches_per_row_for_vit={max_patches} is not a multiple of spatial_merge_size_for_vit^2={group}; use {max_patches - max_patches % group + group}"
+    )
+  return max_patches
+
+
 def tokens_per_image(grid: tuple[int, int, int], merge_size: int) -> int:
   t, h, w = grid
   return t * h * w // merge_size**2
