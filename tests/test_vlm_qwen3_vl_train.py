@@ -117,8 +117,14 @@ def doc_xent(model, tokens: np.ndarray, mask: np.ndarray, images: list[np.ndarra
   """A document alone through the model (images prepared on the host as for decoding): summed cross entropy of its
   trained targets and their count."""
   batch, _ = qwen3_vl_encoder.prepare([tokens.tolist()], [images], spec)
-  logits = np.asarray(model(tokens[None], images=batch), np.float64)[0, :-1]
-  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+  return doc_xent_of_logits(np.asarray(model(tokens[None], images=batch), np.float64)[0], tokens, mask)
+
+
+def doc_xent_of_logits(logits: np.ndarray, tokens: np.ndarray, mask: np.ndarray) -> tuple[float, int]:
+  """A document's logits [S, V] -> (summed cross entropy of its targets whose mask is set, their count)."""
+  logits = logits[:-1]
+  top = logits.max(-1, keepdims=True)
+  logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
   weights = mask[1:].astype(bool)
   return float(-logp[np.arange(len(weights)), tokens[1:]][weights].sum()), int(weights.sum())
 

@@ -59,23 +59,33 @@ def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str = "trai
 
 def image_text_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str, kwargs: dict[str, Any]) -> features.DocumentEncoder:
   """use_multimodal: documents with images at their image_placeholder places (maxtext.data.image_text)."""
-  from maxtext.data.image_text import ImageTextEncoder
+  from maxtext.data.image_text import ImageTextEncoder, Llama4ImageTextEncoder
+  from maxtext.models import specs
 
   if not 0 <= config.image_token_id < config.vocab_size:
     raise ConfigError(
       f"image_token_id={config.image_token_id} is outside the vocabulary of {config.vocab_size}; set image_token_id to the tokenizer's image token"
     )
-  return ImageTextEncoder(
-    tokenizer,
-    config.train_data_columns,
+  common = dict(
     image_column=config.train_image_column if split == "train" else config.eval_image_column,
     placeholder=config.image_placeholder,
     image_token_id=config.image_token_id,
-    tokens_per_image=config.mm_tokens_per_image,
-    image_size=config.image_size_for_vit,
     max_length=config.max_target_length,
     max_images=config.max_num_images_per_example,
-    **kwargs,
+  )
+  if config.decoder_block == "llama4":  # each image cut into tiles, tokens_per_image placeholders a tile
+    spec = specs.vision(config)
+    return Llama4ImageTextEncoder(
+      tokenizer,
+      config.train_data_columns,
+      tokens_per_image=spec.tokens_per_image,
+      image_size=spec.tile_size,
+      max_tiles=config.max_num_tiles_for_vit,
+      **common,
+      **kwargs,
+    )
+  return ImageTextEncoder(
+    tokenizer, config.train_data_columns, tokens_per_image=config.mm_tokens_per_image, image_size=config.image_size_for_vit, **common, **kwargs
   )
 
 
