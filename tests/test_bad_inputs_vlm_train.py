@@ -1,4 +1,4 @@
-"""Training Qwen3-VL on image-text records from the command line: the data and settings that cannot work are one
+"""Training Qwen3-VL (and Llama 4) on image-text records from the command line: the data and settings that cannot work are one
 `error:` line, exit 2, nothing written (the helpers of tests/test_bad_inputs.py; one subprocess per case)."""
 
 from __future__ import annotations
@@ -9,6 +9,31 @@ import numpy as np
 import pytest
 
 from tests.test_bad_inputs_qwen3_vl import _train
+
+
+LLAMA4_KEYS = (
+  "decoder_block=llama4",
+  "chunk_attn_window_size=64",
+  "use_multimodal=true",
+  "tile_size_for_vit=16",
+  "patch_size_for_vit=4",
+  "hidden_size_for_vit=32",
+  "intermediate_size_for_vit=128",
+  "num_hidden_layers_for_vit=1",
+  "num_attention_heads_for_vit=4",
+  "projector_input_dim_for_vit=24",
+  "projector_output_dim_for_vit=24",
+  "vision_output_dim_for_vit=24",
+  "image_token_id=500",
+  "image_placeholder=<image>",
+)
+
+
+def _llama4_train(*extra: str) -> list[str]:
+  from tests.test_bad_inputs import GRAIN_JSONL
+  from tests.test_bad_inputs import _train as train
+
+  return train(*GRAIN_JSONL, *LLAMA4_KEYS, "grain_train_files={tmp}/data.jsonl", "use_sft=true", "train_data_columns=[prompt,completion]", *extra)
 
 
 def _make_inputs(tmp) -> None:
@@ -35,6 +60,7 @@ CASES = [
   ("unreadable_image", _train("grain_train_files={tmp}/unreadable.jsonl"), "image 0: the image is not a readable PNG/JPEG"),
   ("more_places_than_images", _train("grain_train_files={tmp}/places.jsonl"), "has 2 '<image>' place(s) but 1 image(s)"),
   ("image_over_the_patch_budget", _train("grain_train_files={tmp}/big.jsonl", "max_patches_per_row_for_vit=4"), "16 image patches (4x4 patches), more than"),
+  ("llama4_more_places_than_images", _llama4_train("grain_train_files={tmp}/places.jsonl"), "has 2 '<image>' place(s) but 1 image(s)"),
   ("budget_not_a_multiple_of_the_merge", _train("max_patches_per_row_for_vit=6"), "max_patches_per_row_for_vit=6 is not a multiple of"),
 ]
 

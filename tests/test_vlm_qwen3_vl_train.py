@@ -103,6 +103,7 @@ def test_documents_carry_their_images_as_the_processor_cuts_them(data_dir):
   runs = [len(r) for r in np.split(tokens, np.flatnonzero(np.diff(tokens == IMAGE_ID)) + 1) if r[0] == IMAGE_ID]
   assert runs == [4, 4]  # h w / m^2 per image
   assert not doc["mask"][tokens == IMAGE_ID].any()
+  assert doc["mask"][-3:].all() and not doc["mask"][: np.flatnonzero(tokens == IMAGE_ID)[-1] + 1].any()  # use_sft: the completion only
   assert [tuple(g) for g in doc[GRID_KEY] if g[0]] == grids and len(doc[PATCH_KEY]) == 32
   row = qwen3_vl_records.RowImages(spec, BUDGET)(
     {"inputs": tokens, "inputs_segmentation": np.ones_like(tokens), PATCH_KEY: doc[PATCH_KEY], GRID_KEY: doc[GRID_KEY]}
