@@ -10,7 +10,6 @@ import pytest
 
 from tests.test_bad_inputs_qwen3_vl import _train
 
-
 LLAMA4_KEYS = (
   "decoder_block=llama4",
   "chunk_attn_window_size=64",
