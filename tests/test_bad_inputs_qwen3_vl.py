@@ -58,7 +58,6 @@ CASES = [
   ("not_a_qwen3_decoder", _decode("image_path={tmp}/pic.png", "decoder_block=llama2"), "needs decoder_block qwen3 or qwen3_moe"),
   ("without_mrope", _decode("image_path={tmp}/pic.png", "use_mrope=false"), "set use_mrope=true"),
   ("tower_width_is_not_the_text_width", _decode("image_path={tmp}/pic.png", "out_hidden_size_for_vit=48"), "out_hidden_size_for_vit=48 must equal"),
-  ("training_on_image_records", _train(), "training on image-text records is not built yet"),
 ]
 
 

@@ -307,6 +307,9 @@ class VisionEncoder(Section):
   min_pixels_for_vit: int = Field(
     65536, gt=0, description="qwen3_vl: images smaller in area are resized up (aspect kept); image_size_for_vit^2 bounds them above."
   )
+  max_patches_per_row_for_vit: int = Field(
+    0, ge=0, description="qwen3_vl training: image patches a row holds (a fixed shape; packing fills it); 0: one image of image_size_for_vit^2 pixels."
+  )
   use_mrope: bool = Field(False, description="Multimodal rope (Qwen3-VL): image tokens rotate by (time, row, column) positions, interleaved per mrope_section.")
   mrope_section: list[int] = Field(default_factory=lambda: [24, 20, 20], description="use_mrope: rotary frequency pairs of the time, height and width axes.")
 

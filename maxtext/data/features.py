@@ -25,6 +25,11 @@ NO_ADAPTER = -1
 MIXTURE_KEY = "mixture_starts"
 # use_multimodal: each token's chunk of its image's pixels, uint8 [L, chunk] (maxtext.data.image_text).
 IMAGE_KEY = "image_pixels"
+# Qwen3-VL (maxtext.data.qwen3_vl_records): a document's image patches and their grids, features of the patches'
+# own length (packed to max_patches_per_row_for_vit, not per token); whole documents only (they fit one row).
+PATCH_KEY = "image_patches"
+GRID_KEY = "image_grids"
+PATCH_FEATURES = (PATCH_KEY, GRID_KEY)
 
 
 def packed_features(with_adapters: bool, with_images: bool = False) -> tuple[str, ...]:
@@ -166,6 +171,9 @@ def _span(doc: dict[str, np.ndarray], start: int, stop: int) -> dict[str, np.nda
   for key in (MIXTURE_KEY, IMAGE_KEY):
     if key in doc:
       row[key] = doc[key][start:stop]
+  for key in PATCH_FEATURES:
+    if key in doc:
+      row[key] = doc[key]
   return row
 
 
@@ -215,6 +223,9 @@ def pad_row(row: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
     out[MIXTURE_KEY] = padded(row[MIXTURE_KEY])
   if IMAGE_KEY in row:
     out[IMAGE_KEY] = np.pad(row[IMAGE_KEY], ((0, pad), (0, 0)))
+  for key in PATCH_FEATURES:  # padded to the patch budget by qwen3_vl_records.RowImages
+    if key in row:
+      out[key] = row[key]
   return out
 
 
@@ -236,4 +247,7 @@ def finalize_packed(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out[MIXTURE_KEY] = row[MIXTURE_KEY].astype(np.int32)
   if IMAGE_KEY in row:
     out[IMAGE_KEY] = row[IMAGE_KEY]
+  for key in PATCH_FEATURES:
+    if key in row:
+      out[key] = row[key]
   return out

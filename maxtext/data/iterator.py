@@ -53,7 +53,13 @@ class DataIterator:
     self.global_shape = (rows, config.max_target_length)
     self.sharding = mesh_lib.data_sharding(config, mesh)
     self.keys = BATCH_KEYS + (ADAPTER_KEY,) if config.lora.adapter_column else BATCH_KEYS
-    if config.use_multimodal:  # each token's image chunk, uint8 [rows, length, chunk]
+    self.dtypes: dict[str, Any] = {IMAGE_KEY: np.uint8}
+    if config.use_multimodal and config.vision_encoder_block == "qwen3_vl":  # each row's image patches, layout and MRoPE positions
+      from maxtext.data import qwen3_vl_records
+
+      self.dtypes = qwen3_vl_records.batch_dtypes(config)
+      self.keys += tuple(self.dtypes)
+    elif config.use_multimodal:  # each token's image chunk, uint8 [rows, length, chunk]
       self.keys += (IMAGE_KEY,)
     self.mixture_names = list(mixture_names)  # a mixture's components: its batches carry MIXTURE_KEY, counted here
     self._mixture_counts = np.zeros(len(mixture_names), np.int64)
@@ -76,7 +82,7 @@ class DataIterator:
 
   def __next__(self) -> dict[str, jax.Array]:
     local = self.next_local()
-    return {k: jax.make_array_from_process_local_data(self.sharding, local[k], self.global_shape + local[k].shape[2:]) for k in self.keys}
+    return {k: jax.make_array_from_process_local_data(self.sharding, local[k], self.global_shape[:1] + local[k].shape[1:]) for k in self.keys}
 
   def next_local(self) -> dict[str, np.ndarray]:
     """This process's rows of the next batch as numpy arrays."""
@@ -179,7 +185,7 @@ class DataIterator:
   def _local_rows(self, batch: dict[str, Any]) -> dict[str, np.ndarray]:
     """A batch as grain gives it -> this process's int32 rows (a short eval batch padded with empty rows)."""
     keys = self.keys + (MIXTURE_KEY,) if self.mixture_names else self.keys
-    batch = {k: np.asarray(batch[k], np.uint8 if k == IMAGE_KEY else np.int32) for k in keys}
+    batch = {k: np.asarray(batch[k], self.dtypes.get(k, np.int32)) for k in keys}
     rows = batch["inputs"].shape[0]
     if rows < self.read_rows:  # the last eval batch: pad with empty rows (on the base model)
       batch = {

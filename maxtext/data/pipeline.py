@@ -51,9 +51,7 @@ def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str = "trai
   if config.use_grpo:
     return prompts.PromptEncoder(tokenizer, config.train_data_columns, max_length=config.max_prefill_predict_length, **kwargs)
   if config.use_multimodal and config.vision_encoder_block == "qwen3_vl":
-    from maxtext.vision.qwen3_vl_encoder import TRAINING_NOT_BUILT
-
-    raise ConfigError(TRAINING_NOT_BUILT)
+    return qwen3_vl_encoder(config, tokenizer, split, kwargs)
   if config.use_multimodal:
     return image_text_encoder(config, tokenizer, split, kwargs)
   return features.DocumentEncoder(tokenizer, config.train_data_columns, **kwargs)
@@ -61,22 +59,51 @@ def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str = "trai
 
 def image_text_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str, kwargs: dict[str, Any]) -> features.DocumentEncoder:
   """use_multimodal: documents with images at their image_placeholder places (maxtext.data.image_text)."""
-  from maxtext.data.image_text import ImageTextEncoder
+  from maxtext.data.image_text import ImageTextEncoder, Llama4ImageTextEncoder
+  from maxtext.models import specs
 
   if not 0 <= config.image_token_id < config.vocab_size:
     raise ConfigError(
       f"image_token_id={config.image_token_id} is outside the vocabulary of {config.vocab_size}; set image_token_id to the tokenizer's image token"
     )
+  common = dict(
+    image_column=config.train_image_column if split == "train" else config.eval_image_column,
+    placeholder=config.image_placeholder,
+    image_token_id=config.image_token_id,
+    max_length=config.max_target_length,
+    max_images=config.max_num_images_per_example,
+  )
+  if config.decoder_block == "llama4":  # each image cut into tiles, tokens_per_image placeholders a tile
+    spec = specs.vision(config)
+    return Llama4ImageTextEncoder(
+      tokenizer,
+      config.train_data_columns,
+      tokens_per_image=spec.tokens_per_image,
+      image_size=spec.tile_size,
+      max_tiles=config.max_num_tiles_for_vit,
+      **common,
+      **kwargs,
+    )
   return ImageTextEncoder(
+    tokenizer, config.train_data_columns, tokens_per_image=config.mm_tokens_per_image, image_size=config.image_size_for_vit, **common, **kwargs
+  )
+
+
+def qwen3_vl_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str, kwargs: dict[str, Any]) -> features.DocumentEncoder:
+  """use_multimodal with vision_encoder_block=qwen3_vl: documents with their images' patches (maxtext.data.qwen3_vl_records)."""
+  from maxtext.data.qwen3_vl_records import Qwen3VLImageTextEncoder, patch_budget
+  from maxtext.models import specs
+
+  spec = specs.vision(config)
+  return Qwen3VLImageTextEncoder(
     tokenizer,
     config.train_data_columns,
     image_column=config.train_image_column if split == "train" else config.eval_image_column,
     placeholder=config.image_placeholder,
-    image_token_id=config.image_token_id,
-    tokens_per_image=config.mm_tokens_per_image,
-    image_size=config.image_size_for_vit,
+    spec=spec,
     max_length=config.max_target_length,
     max_images=config.max_num_images_per_example,
+    budget=patch_budget(config, spec),
     **kwargs,
   )
 
@@ -163,20 +190,25 @@ def local_batches(config: MaxTextConfig, split: str, process_index: int, process
   ds, source = encoded_documents(config, split, process_index, process_count)
   length = config.max_target_length
   segments = None if config.max_segments_per_seq == -1 else config.max_segments_per_seq
+  row_images = None
   if config.use_dpo:  # elements are whole pairs, already shifted and truncated to fit a row
     packed = features.packed_features(bool(config.lora.adapter_column)) + preference.META_FEATURES
     meta, finalize, pad = preference.META_FEATURES, preference.finalize_packed_pairs, PadPair(length)
     segments = None if segments is None else max(1, segments // 2)  # a pair is two segments
   else:
     ds = ds.map(Truncate(length)) if config.use_truncation else gx.FlatMapIterDataset(ds, features.ChunkTransform(length))
-    packed = features.packed_features(bool(config.lora.adapter_column), config.use_multimodal)
+    row_images = qwen3_vl_rows(config)
+    packed = features.packed_features(bool(config.lora.adapter_column), config.use_multimodal and row_images is None)
     if isinstance(source.dataset, mixture.MixtureDataset):
       packed += (features.MIXTURE_KEY,)
     meta, finalize, pad = (), features.finalize_packed, Pad(length)
+  lengths = {name: length for name in packed}
+  if row_images is not None:  # a row's image patches fill a budget of their own
+    lengths.update({name: row_images.budget for name in features.PATCH_FEATURES})
   if config.packing:
     ds = gx.FirstFitPackIterDataset(
       ds,
-      length_struct={name: length for name in packed},
+      length_struct=lengths,
       num_packing_bins=max(local_batch, MIN_PACKING_BINS),
       shuffle_bins=False,
       meta_features=meta,
@@ -184,7 +216,20 @@ def local_batches(config: MaxTextConfig, split: str, process_index: int, process
     ).map(finalize)
   else:
     ds = ds.map(pad)
+  if row_images is not None:
+    ds = ds.map(row_images)
   return prefetched(config, ds.batch(local_batch, drop_remainder=split == "train"), source), source.description
+
+
+def qwen3_vl_rows(config: MaxTextConfig) -> Any:
+  """Qwen3-VL image-text training: the map giving each row its images' tower inputs (qwen3_vl_records.RowImages); else None."""
+  if not (config.use_multimodal and config.vision_encoder_block == "qwen3_vl"):
+    return None
+  from maxtext.data.qwen3_vl_records import RowImages, patch_budget
+  from maxtext.models import specs
+
+  spec = specs.vision(config)
+  return RowImages(spec, patch_budget(config, spec))
 
 
 def prefetched(config: MaxTextConfig, ds: grain.IterDataset, source: sources.Source) -> grain.IterDataset:

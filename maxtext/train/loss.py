@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from maxtext.config import MaxTextConfig
-from maxtext.data.features import IMAGE_KEY
+from maxtext.data.features import IMAGE_KEY, PATCH_KEY
+from maxtext.data.qwen3_vl_records import LAYOUT_KEYS, ROPE_KEY
 from maxtext.layers import context_parallel
 from maxtext.models import specs
 from maxtext.models.mtp import mtp_xent_sum
-from maxtext.vision import gemma3_encoder
+from maxtext.vision import gemma3_encoder, llama4_preprocess, llama4_vision, qwen3_vl_encoder
+from maxtext.vision.qwen3_vl import GridLayout
 
 
 class LossSums(NamedTuple):
@@ -62,9 +64,19 @@ def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, tr
 
 
 def batch_images(model: Any, batch: dict[str, jax.Array]) -> jax.Array | None:
-  """use_multimodal: the batch's images [B, M, S, S, 3] from its per-token image chunks (None without them)."""
-  if IMAGE_KEY not in batch or getattr(model, "vision", None) is None:
+  """use_multimodal: the batch's images (None without them): Gemma 3's [B, M, S, S, 3] (Llama 4's tiles) from its
+  per-token image chunks, Qwen3-VL's Qwen3VLImages from its rows' patches, layout and MRoPE positions."""
+  if getattr(model, "vision", None) is None:
     return None
+  if ROPE_KEY in batch and isinstance(model.vision, qwen3_vl_encoder.Qwen3VLVisionEncoder):  # maxtext.data.qwen3_vl_records
+    layout = GridLayout(**{field: batch[key] for field, key in LAYOUT_KEYS.items()})
+    return qwen3_vl_encoder.images_from_pixels(batch[PATCH_KEY], layout, batch[ROPE_KEY], model.vision.spec)
+  if IMAGE_KEY not in batch:
+    return None
+  if isinstance(model.vision, llama4_vision.Llama4VisionEncoder):  # each row's tiles [B, L // T, S, S, 3]
+    spec = model.vision.spec
+    levels = gemma3_encoder.slot_levels(batch[IMAGE_KEY], batch["inputs"], spec.image_token_id, spec.tokens_per_image, spec.tile_size)
+    return jnp.asarray(llama4_preprocess.pixel_table())[levels.astype(jnp.int32), jnp.arange(3)]
   return gemma3_encoder.images_from_tokens(batch[IMAGE_KEY], batch["inputs"], model.vision.spec)
 
 

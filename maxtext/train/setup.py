@@ -26,6 +26,7 @@ from maxtext.data import image_text
 from maxtext.data.features import IMAGE_KEY
 from maxtext.data.synthetic import BATCH_KEYS
 from maxtext.errors import ConfigError
+from maxtext.models import specs
 from maxtext.train import diloco, optimizers, reference
 from maxtext.train import state as state_lib
 from maxtext.train import step as step_lib
@@ -141,12 +142,23 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
   elif config.lora.enable_lora and config.lora.max_lora_adapters > 1:  # each row's adapter slot, from the caller's batches
     batch_shardings["adapter_ids"] = rows
     abstract_batch["adapter_ids"] = jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=rows)
-  if config.use_multimodal and config.dataset_type != "synthetic" and config.vision_encoder_block == "qwen3_vl":
-    from maxtext.vision.qwen3_vl_encoder import TRAINING_NOT_BUILT
+  if config.use_multimodal and config.dataset_type != "synthetic" and config.vision_encoder_block == "qwen3_vl":  # each row's patches, layout, MRoPE positions
+    from maxtext.data import qwen3_vl_records
 
-    raise ConfigError(TRAINING_NOT_BUILT)
-  if config.use_multimodal and config.dataset_type != "synthetic":  # each token's chunk of its image (maxtext.data.image_text)
-    chunk = image_text.chunk_size(config.image_size_for_vit, config.mm_tokens_per_image)
+    layout = specs.context_layout(config)
+    if layout is not None and layout.load_balance:  # the rows' MRoPE positions and image places stay in natural order
+      raise ConfigError("training Qwen3-VL on image-text records keeps each row in order; set context_parallel_load_balance=false")
+    vision = specs.vision(config)
+    for key, (row_shape, dtype) in qwen3_vl_records.batch_layout(vision, qwen3_vl_records.patch_budget(config, vision), config.max_target_length).items():
+      batch_shardings[key] = data
+      abstract_batch[key] = jax.ShapeDtypeStruct((shape[0], *row_shape), dtype, sharding=data)
+  elif config.use_multimodal and config.dataset_type != "synthetic":  # each token's chunk of its image (maxtext.data.image_text)
+    vision = specs.vision(config)
+    chunk = (
+      image_text.chunk_size(vision.tile_size, vision.tokens_per_image)
+      if config.decoder_block == "llama4"
+      else image_text.chunk_size(config.image_size_for_vit, config.mm_tokens_per_image)
+    )
     batch_shardings[IMAGE_KEY] = data
     abstract_batch[IMAGE_KEY] = jax.ShapeDtypeStruct((*shape, chunk), jnp.uint8, sharding=data)
   objective = step_lib.objective_for(config)

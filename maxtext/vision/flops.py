@@ -25,10 +25,22 @@ class VisionCost:
   images_per_row: int  # images (or tiles) the compiled step encodes per row of max_target_length tokens
 
 
-def cost(spec, length: int) -> VisionCost | None:
-  """The vision spec's stages for rows of `length` tokens (spec: Gemma3VisionSpec or Llama4VisionSpec); None for a
-  tower whose tokens per image vary with the images (Qwen3-VL), which the count leaves out."""
+def cost(spec, length: int, max_patches: int = 0) -> VisionCost | None:
+  """The vision spec's stages for rows of `length` tokens (spec: Gemma3VisionSpec, Llama4VisionSpec or
+  Qwen3VLEncoderSpec). Qwen3-VL's tower runs on each row's patch budget (max_patches, 0: its default) as one image:
+  all P patches through the embedding and blocks, P / m^2 merged tokens through the mergers, the scores over P x P
+  (each frame masked from the others, the products computed all the same)."""
   from maxtext.vision.gemma3_encoder import Gemma3VisionSpec
+  from maxtext.vision.qwen3_vl_encoder import Qwen3VLEncoderSpec, patch_budget
+
+  if isinstance(spec, Qwen3VLEncoderSpec):
+    t, p = spec.tower, patch_budget(spec, max_patches)
+    merged = p // spec.merge_size**2
+    stages = (Stage(("tower", "patch_embed"), p), Stage(("tower", "blocks"), p))
+    if t.deepstack_indexes:
+      stages += (Stage(("tower", "deepstack_mergers"), merged),)
+    stages += (Stage(("tower", "merger"), merged),)
+    return VisionCost(stages, t.num_layers * 4 * p * p * t.emb_dim, 1)
 
   if isinstance(spec, Gemma3VisionSpec):
     t, p = spec.tower, spec.tower.num_patches
@@ -47,4 +59,4 @@ def cost(spec, length: int) -> VisionCost | None:
       Stage(("projector",), t),
     )
     return VisionCost(stages, spec.num_layers * 4 * (p + 1) ** 2 * spec.emb_dim, max(1, length // t))
-  return None  # Qwen3-VL: its tokens per image follow each image's size (not counted yet)
+  return None

@@ -88,12 +88,18 @@ def pixel_table() -> np.ndarray:
 def images_from_tokens(chunks: jax.Array, tokens: jax.Array, spec: Gemma3VisionSpec) -> jax.Array:
   """Per-token uint8 image chunks [B, L, c] (maxtext.data.image_text: chunk k of a resized image on its k-th placeholder)
   -> normalised images [B, L // T, S, S, 3], each row's images in placeholder order (slots past its last image zero)."""
+  levels = slot_levels(chunks, tokens, spec.image_token_id, spec.tokens_per_image, spec.tower.image_size)
+  return jnp.asarray(pixel_table())[levels.astype(jnp.int32), jnp.arange(3)]
+
+
+def slot_levels(chunks: jax.Array, tokens: jax.Array, image_token_id: int, tokens_per_slot: int, side: int) -> jax.Array:
+  """Per-token uint8 chunks [B, L, c] -> each row's slots (images, or Llama 4's tiles) uint8 [B, L // T, S, S, 3] in
+  placeholder order: slot j from the chunks of placeholders j T .. j T + T - 1 (slots past the last zero)."""
   b, length, c = chunks.shape
-  t, s = spec.tokens_per_image, spec.tower.image_size
+  t, s = tokens_per_slot, side
   m = max(1, length // t)
-  is_image = tokens == spec.image_token_id
+  is_image = tokens == image_token_id
   rank = jnp.where(is_image, jnp.cumsum(is_image, axis=1) - 1, m * t)  # non-placeholders land past the end: dropped
   rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, length))
   gathered = jnp.zeros((b, m * t, c), chunks.dtype).at[rows, rank].set(chunks, mode="drop")
-  levels = gathered.reshape(b, m, t * c)[:, :, : s * s * 3].reshape(b, m, s, s, 3)
-  return jnp.asarray(pixel_table())[levels.astype(jnp.int32), jnp.arange(3)]
+  return gathered.reshape(b, m, t * c)[:, :, : s * s * 3].reshape(b, m, s, s, 3)

@@ -28,6 +28,7 @@ MAX_TILES = 16  # the processor's max_patches (max_num_tiles_for_vit)
 # Llama4Processor's tokens around an image's placeholders (the placeholder itself is image_token_id, <|patch|>)
 IMAGE_START, IMAGE_END, IMAGE_MARK = "<|image_start|>", "<|image_end|>", "<|image|>"
 TILE_X_SEPARATOR, TILE_Y_SEPARATOR = "<|tile_x_separator|>", "<|tile_y_separator|>"
+MARKERS = (IMAGE_START, IMAGE_END, IMAGE_MARK, TILE_X_SEPARATOR, TILE_Y_SEPARATOR)
 
 
 def supported_canvases(max_tiles: int, tile: int) -> list[tuple[int, int]]:
@@ -106,6 +107,17 @@ def normalise_bf16(pixels: np.ndarray) -> np.ndarray:
 def llama4_tiles(image: np.ndarray, tile_size: int, max_tiles: int = MAX_TILES) -> tuple[np.ndarray, tuple[int, int]]:
   """One RGB uint8 image [h, w, 3] -> (normalised tiles [n, S, S, 3] float32, (rows, columns) of the local tiles);
   n = rows x columns, plus one global tile when that is above 1."""
+  tiles, grid = llama4_tile_levels(image, tile_size, max_tiles)
+  return normalise_bf16(tiles), grid
+
+
+def pixel_table() -> np.ndarray:
+  """float32 [256, 3]: normalise_bf16 of each uint8 level per channel (a training batch's tiles are uint8 until the step)."""
+  return normalise_bf16(np.repeat(np.arange(256, dtype=np.uint8)[:, None], 3, axis=1))
+
+
+def llama4_tile_levels(image: np.ndarray, tile_size: int, max_tiles: int = MAX_TILES) -> tuple[np.ndarray, tuple[int, int]]:
+  """llama4_tiles before normalising: (uint8 tiles [n, S, S, 3], (rows, columns))."""
   image = np.asarray(image)
   if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
     raise ValueError(f"expected an RGB image as uint8 [height, width, 3], got {image.dtype} {image.shape}")
@@ -119,7 +131,7 @@ def llama4_tiles(image: np.ndarray, tile_size: int, max_tiles: int = MAX_TILES) 
   tiles = canvas.reshape(rows, tile_size, cols, tile_size, 3).transpose(0, 2, 1, 3, 4).reshape(rows * cols, tile_size, tile_size, 3)
   if rows * cols > 1:
     tiles = np.concatenate([tiles, resize(image, tile_size, tile_size)[None]])
-  return normalise_bf16(tiles), (rows, cols)
+  return tiles, (rows, cols)
 
 
 def llama4_pixels(images: Sequence[np.ndarray], tile_size: int, max_tiles: int = MAX_TILES) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -180,23 +192,30 @@ def encode_prompt(config, tokenizer, text: str, images: Sequence[np.ndarray]) ->
       f"the prompt has {len(parts) - 1} '{config.image_placeholder}' place(s) but image_path gives {len(images)} image(s); give one image per place"
     )
   markers = {}
-  for marker in (IMAGE_START, IMAGE_END, IMAGE_MARK, TILE_X_SEPARATOR, TILE_Y_SEPARATOR):
+  for marker in MARKERS:
     ids = tokenizer.encode(marker)
     if len(ids) != 1:
       raise DataError(f"the tokenizer encodes Llama 4's image marker {marker} as {len(ids)} ids, not one; use the model's own tokenizer")
     markers[marker] = ids[0]
-  spec, patch = specs.vision(config), "\0"
+  spec = specs.vision(config)
   out = tokenizer.encode(parts[0]) if parts[0] else []
   for image, part in zip(images, parts[1:]):
-    pieces = image_text(llama4_tiles(np.asarray(image), spec.tile_size, config.max_num_tiles_for_vit)[1], spec.tokens_per_image, patch=patch)
-    i = 0
-    while i < len(pieces):
-      if pieces[i] == patch:
-        out.append(spec.image_token_id)
-        i += 1
-        continue
-      marker = next(m for m in markers if pieces.startswith(m, i))
-      out.append(markers[marker])
-      i += len(marker)
+    grid = llama4_tiles(np.asarray(image), spec.tile_size, config.max_num_tiles_for_vit)[1]
+    out += image_ids(grid, spec.tokens_per_image, spec.image_token_id, {m: [i] for m, i in markers.items()})
     out += tokenizer.encode(part) if part else []
+  return out
+
+
+def image_ids(grid: tuple[int, int], tokens_per_tile: int, image_token_id: int, marker_ids: dict[str, list[int]]) -> list[int]:
+  """The ids of image_text(grid): each placeholder image_token_id, each marker its ids in marker_ids."""
+  patch, out = "\0", []
+  pieces, i = image_text(grid, tokens_per_tile, patch=patch), 0
+  while i < len(pieces):
+    if pieces[i] == patch:
+      out.append(image_token_id)
+      i += 1
+      continue
+    marker = next(m for m in marker_ids if pieces.startswith(m, i))
+    out += marker_ids[marker]
+    i += len(marker)
   return out

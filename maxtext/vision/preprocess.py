@@ -58,6 +58,25 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
   return h, w
 
 
+def qwen3_vl_image_patches(image: np.ndarray, *, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+  """One RGB uint8 image -> (its resized pixels cut into patches, uint8 [h w, C, p, p] in spatial-merge-block order
+  (m x m neighbours consecutive), its grid (1, h, w)): resized (PIL bicubic) to smart_resize's size, not yet normalised."""
+  image = np.asarray(image)
+  if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+    raise ValueError(f"expected an RGB image as uint8 [height, width, 3], got {image.dtype} {image.shape}")
+  height, width = smart_resize(image.shape[0], image.shape[1], patch_size * merge_size, min_pixels, max_pixels)
+  resized = np.asarray(Image.fromarray(image).resize((width, height), resample=Image.Resampling.BICUBIC)).transpose(2, 0, 1)  # [C, H, W]
+  gh, gw, m, p = height // patch_size, width // patch_size, merge_size, patch_size
+  tiles = resized.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
+  return np.ascontiguousarray(tiles.reshape(gh * gw, 3, p, p)), (1, gh, gw)
+
+
+def qwen3_vl_normalise_table(mean: Sequence[float] = QWEN3_VL_MEAN, std: Sequence[float] = QWEN3_VL_STD) -> np.ndarray:
+  """float32 [C, 256]: channel c's normalised value of each uint8 pixel value (what `normalise` gives)."""
+  values = np.repeat(np.arange(256, dtype=np.uint8)[:, None], len(mean), axis=1)
+  return np.ascontiguousarray(normalise(values, mean, std).T)
+
+
 def qwen3_vl_patches(
   images: Sequence[np.ndarray],
   *,
@@ -77,15 +96,9 @@ def qwen3_vl_patches(
   """
   all_patches, grids = [], []
   for image in images:
-    image = np.asarray(image)
-    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
-      raise ValueError(f"expected an RGB image as uint8 [height, width, 3], got {image.dtype} {image.shape}")
-    height, width = smart_resize(image.shape[0], image.shape[1], patch_size * merge_size, min_pixels, max_pixels)
-    resized = np.asarray(Image.fromarray(image).resize((width, height), resample=Image.Resampling.BICUBIC))
-    pixels = normalise(resized, mean, std).transpose(2, 0, 1)  # [C, H, W]
-    gh, gw, m, p = height // patch_size, width // patch_size, merge_size, patch_size
-    tiles = pixels.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
-    tiles = np.broadcast_to(tiles[:, :, :, :, :, None], (*tiles.shape[:5], temporal_patch_size, p, p))
-    all_patches.append(tiles.reshape(gh * gw, 3 * temporal_patch_size * p * p))
-    grids.append((1, gh, gw))
+    tiles, grid = qwen3_vl_image_patches(image, patch_size=patch_size, merge_size=merge_size, min_pixels=min_pixels, max_pixels=max_pixels)
+    pixels = normalise(tiles.transpose(0, 2, 3, 1), mean, std).transpose(0, 3, 1, 2)  # [n, C, p, p]
+    pixels = np.broadcast_to(pixels[:, :, None], (pixels.shape[0], 3, temporal_patch_size, patch_size, patch_size))
+    all_patches.append(pixels.reshape(pixels.shape[0], -1))
+    grids.append(grid)
   return np.concatenate(all_patches).astype(np.float32), grids

@@ -31,10 +31,6 @@ from maxtext.vision.gemma3_encoder import merge
 from maxtext.vision.qwen3_vl import GridLayout, Qwen3VLVisionSpec, Qwen3VLVisionTower, grid_layout
 from maxtext.vision.siglip import Remat
 
-TRAINING_NOT_BUILT = (
-  "vision_encoder_block=qwen3_vl: training on image-text records is not built yet (the model, conversion and decoding from Python take images); "
-  "set dataset_type=synthetic, or use_multimodal=false to train the text decoder"
-)
 PATCH_MULTIPLE = 64  # patch rows per batch row are padded to a multiple of this, so few lengths compile
 
 
@@ -107,6 +103,19 @@ class Qwen3VLVisionEncoder(nnx.Module):
     return x, placed
 
 
+def images_from_pixels(pixels: jax.Array, layout: GridLayout, rope_positions: jax.Array, spec: Qwen3VLEncoderSpec) -> Qwen3VLImages:
+  """A training batch's images (maxtext.data.qwen3_vl_records): uint8 resized pixels [B, L, C p p] of the packed
+  patches -> Qwen3VLImages, normalised as the processor does (a table of the 256 values per channel) and repeated
+  over the T temporal slots."""
+  t = spec.tower
+  table = jnp.asarray(preprocess.qwen3_vl_normalise_table())  # [C, 256]
+  b, length, _ = pixels.shape
+  x = pixels.reshape(b, length, t.num_channels, t.patch_size**2).astype(jnp.int32)
+  values = table[jnp.arange(t.num_channels)[:, None], x]  # [B, L, C, p p]
+  values = jnp.broadcast_to(values[:, :, :, None], (b, length, t.num_channels, t.temporal_patch_size, t.patch_size**2))
+  return Qwen3VLImages(values.reshape(b, length, -1), layout, rope_positions)
+
+
 def deepstack_add(h: jax.Array, layer: int | jax.Array, placed: jax.Array) -> jax.Array:
   """The hidden states after decoder layer `layer` (an int or a traced index) plus its DeepStack feature, if any."""
   n = placed.shape[0]
@@ -114,6 +123,20 @@ def deepstack_add(h: jax.Array, layer: int | jax.Array, placed: jax.Array) -> ja
     return h + placed[layer].astype(h.dtype) if layer < n else h
   feature = placed[jnp.minimum(layer, n - 1)].astype(h.dtype)
   return jnp.where(layer < n, h + feature, h)
+
+
+def patch_budget(spec: Qwen3VLEncoderSpec, max_patches: int) -> int:
+  """Patches a training row holds: max_patches (max_patches_per_row_for_vit), or (0) the most one image of
+  max_pixels has. A ValueError when it is not a multiple of m^2 (the merger groups m x m patches)."""
+  group = spec.merge_size**2
+  if max_patches == 0:
+    factor = spec.tower.patch_size * spec.merge_size
+    return max(1, spec.max_pixels // factor**2) * group
+  if max_patches % group:
+    raise ValueError(
+      f"max_patches_per_row_for_vit={max_patches} is not a multiple of spatial_merge_size_for_vit^2={group}; use {max_patches - max_patches % group + group}"
+    )
+  return max_patches
 
 
 def tokens_per_image(grid: tuple[int, int, int], merge_size: int) -> int:
