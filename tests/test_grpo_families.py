@@ -145,6 +145,7 @@ def test_grpo_step_and_rollout_agree_with_the_forward(family, tmp_path):
 def test_bf16_dense_moe_decodes():
   """A bf16 Mixtral-shaped model decodes on CPU: its dense MoE dispatch once handed XLA:CPU a bf16 expert product
   that neither its bf16 kernels nor its fallback run ('Unsupported element type for DotThunk')."""
+  from maxtext import platform
   from maxtext.config import from_overrides
   from maxtext.inference.generate import Generator
   from tests.test_decode import perturbed
@@ -152,6 +153,6 @@ def test_bf16_dense_moe_decodes():
 
   keys = dict(FAMILIES["mixtral"](), base_num_decoder_layers=1, max_target_length=12, max_prefill_predict_length=8)
   config = from_overrides(num_devices=1, **{**TINY_MODEL, **keys})
-  assert config.dtype == "bfloat16" and not config.sparse_matmul or config.num_experts / config.num_experts_per_tok <= 4  # the dense dispatch
+  assert config.dtype == "bfloat16" and platform.moe_dispatch(config, "cpu") == "dense"
   tokens = Generator(perturbed(config), config=config).generate([[1, 2, 3], [4, 5]]).tokens
   assert [len(t) for t in tokens] == [9, 10]
