@@ -111,7 +111,12 @@ def _replay(logits: np.ndarray, prompts, completions, key, sampling: SamplingPar
   return compared, equal, worst
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+# gemma4's bf16 train step (tied embeddings, logit soft cap) hands XLA:CPU the embedding gradient as a bf16 dot with a
+# transposed operand (folded after its bf16 check) that no CPU kernel runs: its rollout replays, its update crashes.
+GEMMA4_BF16_STEP = pytest.mark.xfail(raises=jax.errors.JaxRuntimeError, strict=True, reason="XLA:CPU bf16 embedding-gradient dot (DotThunk)")
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=GEMMA4_BF16_STEP) if f == "gemma4" else f for f in FAMILIES])
 def test_grpo_step_and_rollout_agree_with_the_forward(family, tmp_path):
   from maxtext.train.loop import train
 
