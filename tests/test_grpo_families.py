@@ -113,6 +113,7 @@ def _replay(logits: np.ndarray, prompts, completions, key, sampling: SamplingPar
 
 # gemma4's bf16 train step (tied embeddings, logit soft cap) hands XLA:CPU the embedding gradient as a bf16 dot with a
 # transposed operand (folded after its bf16 check) that no CPU kernel runs: its rollout replays, its update crashes.
+# (In float32 the update runs but its loss is NaN at step 0: open.)
 GEMMA4_BF16_STEP = pytest.mark.xfail(raises=jax.errors.JaxRuntimeError, strict=True, reason="XLA:CPU bf16 embedding-gradient dot (DotThunk)")
 
 
