@@ -394,7 +394,15 @@ def _dense(tokens, experts, weights, positions, w: ExpertWeights, layout: Layout
     return gather(bias, stored[which + "_bias"])[:, None, :]  # [E, 1, out]: every slot of an expert
 
   if not plan.capacity and not layout.experts:  # every expert over every token, weighted by zero off the chosen ones
-    out = expert_mlp(tokens, w, batched({"wi": "td,edf->etf", "wo": "etf,efd->etd"}), bias_rows, plan)
+    # The hidden activations stay [T, E, mlp], the wi product's own output order (x times the weights as [d, E·mlp]):
+    # produced as [E, T, mlp], that order is a transpose of the product, which XLA:CPU folds into the bf16 wo product
+    # after it chose to keep it in bf16, leaving a batched dot neither its bf16 library kernels nor its fallback
+    # (Eigen, no bf16) run ("Unsupported element type for DotThunk"); moving the expert axis first for wo is a copy.
+    def every_token_bias(bias: jax.Array, which: str) -> jax.Array:
+      b = gather(bias, stored[which + "_bias"])
+      return b[None] if which == "wi" else b[:, None, :]  # [1, E, mlp] over [T, E, mlp]; [E, 1, emb] over [E, T, emb]
+
+    out = expert_mlp(tokens, w, batched({"wi": "td,edf->tef", "wo": "tef,efd->etd"}), every_token_bias, plan)
     combine = jnp.einsum("tke,tk->te", jax.nn.one_hot(experts, e, dtype=jnp.float32), weights)
     return jnp.einsum("etd,te->td", out, combine, preferred_element_type=jnp.float32)
   slot, slots = expert_slots(experts, positions, rows_per_sequence, plan.capacity, e)
