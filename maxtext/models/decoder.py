@@ -338,7 +338,8 @@ class Transformer(nnx.Module):
         layer = nnx.merge(graphdefs[j], tied_to_carry(layer_state, h, compute))
         return layer(h, positions, segment_ids, window, adapter_ids=adapter_ids, return_kv=return_kv, **images, **extra)
 
-      return remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
+      rematted = remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
+      return rematted if c.remat_policy == "none" or offload else remat.backward_after_cotangent(rematted)
 
     def body(h, xs):
       group_states, group_windows, group_inputs = xs

@@ -85,6 +85,30 @@ def gradients_together(fn: Callable) -> Callable:
   return tied
 
 
+def backward_after_cotangent(fn: Callable) -> Callable:
+  """fn whose backward pass starts only when its output's cotangent exists: its saved residuals pass through one
+  optimization_barrier together with the cotangent before anything reads them.
+
+  Several rematerialised layers in one loop body (a scanned group of p layers of different structures) otherwise let
+  XLA recompute every layer's forward as soon as the group's saved inputs are there, before the first layer's
+  backward, and then all p layers' recomputed activations and gathered weights live at once (gemma4-31b on v5p-32:
+  18 [B, S, mlp] MLP activations, about 3 GB per device, at the step's peak; docs/tpu.md). Behind the barrier each
+  layer is recomputed just before its own backward, one layer's working set at a time.
+  """
+
+  def forward(*args):
+    return jax.vjp(fn, *args)
+
+  def backward(vjp, cotangent):
+    residuals, treedef = jax.tree.flatten(vjp)
+    residuals, cotangent = jax.lax.optimization_barrier((residuals, cotangent))
+    return jax.tree.unflatten(treedef, residuals)(cotangent)
+
+  ordered = jax.custom_vjp(fn)
+  ordered.defvjp(forward, backward)
+  return ordered
+
+
 def tied_to_carry(weights: Any, carry: jax.Array, compute_dtype: Any) -> Any:
   """weights stored in another dtype than compute_dtype, plus a zero that XLA cannot prove is zero (0 x the loop
   carry's first element, without gradient); weights already in the compute dtype are returned as they are.
