@@ -1,5 +1,5 @@
 """train_compile for a TPU topology from this CPU host: a scanned group of layers of different structures (Gemma 4's
-sliding and global layers) recomputes each layer just before its own backward pass, not all of them at once."""
+sliding and global layers) runs its layers' backward passes one after the other, not interleaved."""
 
 import importlib.util
 
@@ -31,15 +31,15 @@ MODEL = dict(
 
 
 def test_grouped_layers_are_recomputed_one_at_a_time(monkeypatch):
-  """remat.backward_after_cotangent on each layer of the group: without it XLA recomputes the group's three layers
-  before the first backward and keeps their MLP activations ([B, S, mlp] each, several per layer) alive together;
-  with it the temporaries fall by more than two layers' worth of one such activation (gemma4-31b on v5p-32: about
-  4.5 GB per device; docs/tpu.md)."""
+  """remat.sequential_backward on each layer of the group: without it XLA recomputes the layers early and postpones
+  their weight-gradient matmuls to the end of the group's backward pass, keeping the three layers' MLP activations
+  ([B, S, mlp] each, several per layer) alive together; with it the temporaries fall by more than two such
+  activations (gemma4-31b on v5p-32: about 4.5 GB per device; docs/tpu.md)."""
   from maxtext.aot.compile import compile_for_topology
   from maxtext.models import remat
 
   ordered = compile_for_topology(from_overrides(**MODEL)).memory.temp_bytes
-  monkeypatch.setattr(remat, "backward_after_cotangent", lambda fn: fn)
+  monkeypatch.setattr(remat, "sequential_backward", lambda fn: fn)
   together = compile_for_topology(from_overrides(**MODEL)).memory.temp_bytes
   activation = 1 * SEQ * MLP * 2  # bfloat16
   assert ordered < together - 2 * activation, (ordered, together)

@@ -339,7 +339,7 @@ class Transformer(nnx.Module):
         return layer(h, positions, segment_ids, window, adapter_ids=adapter_ids, return_kv=return_kv, **images, **extra)
 
       rematted = remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
-      return rematted if c.remat_policy == "none" or offload else remat.backward_after_cotangent(rematted)
+      return rematted if c.remat_policy == "none" or offload else remat.sequential_backward(rematted)
 
     def body(h, xs):
       group_states, group_windows, group_inputs = xs

@@ -85,15 +85,17 @@ def gradients_together(fn: Callable) -> Callable:
   return tied
 
 
-def backward_after_cotangent(fn: Callable) -> Callable:
-  """fn whose backward pass starts only when its output's cotangent exists: its saved residuals pass through one
-  optimization_barrier together with the cotangent before anything reads them.
+def sequential_backward(fn: Callable) -> Callable:
+  """fn whose backward pass starts only when its output's cotangent exists and ends all at once: its saved residuals
+  pass through one optimization_barrier together with the cotangent before anything reads them, and every cotangent
+  it returns (the weights' gradients with the input's) leaves through a second one.
 
   Several rematerialised layers in one loop body (a scanned group of p layers of different structures) otherwise let
-  XLA recompute every layer's forward as soon as the group's saved inputs are there, before the first layer's
-  backward, and then all p layers' recomputed activations and gathered weights live at once (gemma4-31b on v5p-32:
-  18 [B, S, mlp] MLP activations, about 3 GB per device, at the step's peak; docs/tpu.md). Behind the barrier each
-  layer is recomputed just before its own backward, one layer's working set at a time.
+  XLA recompute a layer's forward before the layers above it have run their backward, and postpone each layer's
+  weight-gradient matmuls (which only the loop's gradient accumulators read) to the end of the body, so all p
+  layers' recomputed activations live at once (gemma4-31b on v5p-32: 16 to 18 [B, S, mlp] MLP activations, about
+  3 GB per device, at the step's peak; docs/tpu.md). With both barriers the group's layers run their backward passes
+  one after the other, each recomputed just before its own.
   """
 
   def forward(*args):
@@ -102,7 +104,7 @@ def backward_after_cotangent(fn: Callable) -> Callable:
   def backward(vjp, cotangent):
     residuals, treedef = jax.tree.flatten(vjp)
     residuals, cotangent = jax.lax.optimization_barrier((residuals, cotangent))
-    return jax.tree.unflatten(treedef, residuals)(cotangent)
+    return jax.lax.optimization_barrier(jax.tree.unflatten(treedef, residuals)(cotangent))
 
   ordered = jax.custom_vjp(fn)
   ordered.defvjp(forward, backward)
