@@ -34,7 +34,7 @@ def test_grouped_layers_are_recomputed_one_at_a_time(monkeypatch):
   """remat.sequential_backward on each layer of the group: without it XLA recomputes the layers early and postpones
   their weight-gradient matmuls to the end of the group's backward pass, keeping the three layers' MLP activations
   ([B, S, mlp] each, several per layer) alive together; with it the temporaries fall by more than two such
-  activations (gemma4-31b on v5p-32: about 4.5 GB per device; docs/tpu.md)."""
+  activations (gemma4-31b on v5p-32: 5.1 GB per device; docs/tpu.md)."""
   from maxtext.aot.compile import compile_for_topology
   from maxtext.models import remat
 
