@@ -340,7 +340,7 @@ class Transformer(nnx.Module):
 
       rematted = remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
       # The group's layers run their backward passes in turn (one layer's recomputed activations live at a time);
-      # not with nothing to recompute, nor with inputs in host memory, which a barrier would pull back to the device.
+      # not with nothing to recompute, nor with the inputs offloaded to host memory (barriers on them not tried).
       return rematted if c.remat_policy == "none" or offload else remat.sequential_backward(rematted)
 
     def body(h, xs):
