@@ -33,7 +33,7 @@ MODEL = dict(
 def test_grouped_layers_are_recomputed_one_at_a_time(monkeypatch):
   """remat.sequential_backward on each layer of the group: without it XLA recomputes the layers early and postpones
   their weight-gradient matmuls to the end of the group's backward pass, keeping the three layers' MLP activations
-  ([B, S, mlp] each, several per layer) alive together; with it the temporaries fall by more than two such
+  ([B, S, mlp] each, several per layer) alive together; with it the temporaries fall by more than three such
   activations (gemma4-31b on v5p-32: 5.1 GB per device; docs/tpu.md)."""
   from maxtext.aot.compile import compile_for_topology
   from maxtext.models import remat
@@ -42,4 +42,4 @@ def test_grouped_layers_are_recomputed_one_at_a_time(monkeypatch):
   monkeypatch.setattr(remat, "sequential_backward", lambda fn: fn)
   together = compile_for_topology(from_overrides(**MODEL)).memory.temp_bytes
   activation = 1 * SEQ * MLP * 2  # bfloat16
-  assert ordered < together - 2 * activation, (ordered, together)
+  assert ordered < together - 3 * activation, (ordered, together)  # 5.5 activations measured (libtpu 0.0.52)
