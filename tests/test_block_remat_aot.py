@@ -42,4 +42,4 @@ def test_grouped_layers_are_recomputed_one_at_a_time(monkeypatch):
   monkeypatch.setattr(remat, "sequential_backward", lambda fn: fn)
   together = compile_for_topology(from_overrides(**MODEL)).memory.temp_bytes
   activation = 1 * SEQ * MLP * 2  # bfloat16
-  assert ordered < together - 3 * activation, (ordered, together)  # 5.5 activations measured (libtpu 0.0.52)
+  assert ordered < together - 3 * activation, (ordered, together)  # 5.5 of them measured
