@@ -111,6 +111,32 @@ def test_gradients_together_returns_autodiff_gradients_through_one_barrier():
   assert str(jax.make_jaxpr(jax.grad(loss(tied), argnums=(0, 1)))(x, w)).count("optimization_barrier") == 1
 
 
+def test_sequential_backward_returns_autodiff_gradients_one_layer_after_the_other():
+  """remat.sequential_backward (each layer of a scanned group's): the same gradients as plain autodiff; in the backward
+  pass each layer reads its saved input and weights only through a barrier that also holds its output's cotangent,
+  and returns its three cotangents through one barrier, whose input cotangent is what the layer below waits for."""
+  from maxtext.models import remat
+
+  def f(x, w):
+    return jnp.tanh(x @ w["a"]) @ w["b"]
+
+  rng = np.random.default_rng(0)
+  x, w = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), {"a": jnp.asarray(rng.normal(size=(3, 5))), "b": jnp.asarray(rng.normal(size=(5, 3)))}
+  rematted = remat.wrap(f, "full", prevent_cse=False)
+  ordered = remat.sequential_backward(rematted)
+
+  def loss(fn):
+    return lambda x, w: jnp.sum(jnp.sin(fn(fn(x, w), w)))
+
+  want, got = jax.grad(loss(rematted), argnums=(0, 1))(x, w), jax.grad(loss(ordered), argnums=(0, 1))(x, w)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  jaxpr = jax.make_jaxpr(jax.grad(loss(ordered), argnums=(0, 1)))(x, w).jaxpr
+  upper_in, upper_out, lower_in, lower_out = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+  assert [len(e.invars) for e in (upper_in, upper_out, lower_in, lower_out)] == [4, 3, 4, 3]  # (x, a, b, cotangent), (dx, da, db)
+  assert lower_in.invars[-1] is upper_out.outvars[0]  # the lower layer starts from the upper one's finished input cotangent
+
+
 def test_remat_full_saves_less_than_none():
   def temp_bytes(policy):
     config = tiny("llama2", remat_policy=policy, base_num_decoder_layers=4)

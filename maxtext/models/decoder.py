@@ -338,7 +338,10 @@ class Transformer(nnx.Module):
         layer = nnx.merge(graphdefs[j], tied_to_carry(layer_state, h, compute))
         return layer(h, positions, segment_ids, window, adapter_ids=adapter_ids, return_kv=return_kv, **images, **extra)
 
-      return remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
+      rematted = remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
+      # The group's layers run their backward passes in turn (one layer's recomputed activations live at a time);
+      # not with nothing to recompute, nor with the inputs offloaded to host memory (barriers on them not tried).
+      return rematted if c.remat_policy == "none" or offload else remat.sequential_backward(rematted)
 
     def body(h, xs):
       group_states, group_windows, group_inputs = xs

@@ -85,6 +85,32 @@ def gradients_together(fn: Callable) -> Callable:
   return tied
 
 
+def sequential_backward(fn: Callable) -> Callable:
+  """fn whose backward pass starts only when its output's cotangent exists and ends all at once: its saved residuals
+  pass through one optimization_barrier together with the cotangent before anything reads them, and every cotangent
+  it returns (the weights' gradients with the input's) leaves through a second one.
+
+  Several rematerialised layers in one loop body (a scanned group of p layers of different structures) otherwise let
+  XLA recompute a layer's forward before the layers above it have run their backward, and postpone each layer's
+  weight-gradient matmuls (which only the loop's gradient accumulators read) to the end of the body, so all p
+  layers' recomputed activations live at once (gemma4-31b on v5p-32: 16 to 18 [B, S, mlp] MLP activations, about
+  3 GB per device, at the step's peak; docs/tpu.md). With both barriers the group's layers run their backward passes
+  one after the other, each recomputed just before its own.
+  """
+
+  def forward(*args):
+    return jax.vjp(fn, *args)
+
+  def backward(vjp, cotangent):
+    residuals, treedef = jax.tree.flatten(vjp)
+    residuals, cotangent = jax.lax.optimization_barrier((residuals, cotangent))
+    return jax.lax.optimization_barrier(jax.tree.unflatten(treedef, residuals)(cotangent))
+
+  ordered = jax.custom_vjp(fn)
+  ordered.defvjp(forward, backward)
+  return ordered
+
+
 def tied_to_carry(weights: Any, carry: jax.Array, compute_dtype: Any) -> Any:
   """weights stored in another dtype than compute_dtype, plus a zero that XLA cannot prove is zero (0 x the loop
   carry's first element, without gradient); weights already in the compute dtype are returned as they are.
