@@ -445,7 +445,7 @@ DEEPSEEK4_KEYS = ("compress_ratios", "csa_compress_ratio", "o_groups", "o_lora_r
 def _check_deepseek4_fields(c: MaxTextConfig, family) -> None:
   """DeepSeek V4's keys: only for its family, and a layer pattern, output projection and mHC its layers can build."""
   if not family.deepseek4_keys:
-    changed = [k for k in DEEPSEEK4_KEYS if getattr(c, k) != type(c).model_fields[k].default]
+    changed = [k for k in DEEPSEEK4_KEYS if getattr(c, k) != type(c).model_fields[k].get_default(call_default_factory=True)]
     if changed:
       raise ConfigError(f"{', '.join(changed)} apply to deepseek4 layers, not decoder_block={c.decoder_block}; drop them (or set decoder_block=deepseek4)")
     return
