@@ -1,0 +1,62 @@
+"""DeepSeek V4 as a whole model (decoder_block=deepseek4) against transformers' DeepseekV4ForCausalLM (float32, eager).
+
+One tiny random model (tests/test_deepseek_v4.py's: a hash-MoE sliding first layer, then CSA (rate 2), HCA (rate 4)
+and CSA layers, hc_mult 4, weights away from init), saved once as transformers writes it (DeepSeek's tensor names):
+logits scanned and unscanned on a sequence both rates divide and one neither divides, the conversion both ways bit
+for bit (and transformers loads the export), greedy decoding token for token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from maxtext import from_hf
+from maxtext.convert import hf_config, hf_params, safetensors_io
+from maxtext.convert.model_params import flat_params
+from tests.hf_fixtures import away_from_init, hf_logits
+from tests.test_deepseek_v4 import _jit_call, tiny_config
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """(directory, torch model) of the tiny model with a random tid2eid table."""
+  torch.manual_seed(0)
+  model = transformers.DeepseekV4ForCausalLM(tiny_config()).eval()
+  away_from_init(model)
+  with torch.no_grad():
+    for layer in model.model.layers:
+      if layer.mlp.is_hash:
+        layer.mlp.gate.tid2eid.copy_(torch.stack([torch.randperm(4)[:2] for _ in range(97)]))
+  d = tmp_path_factory.mktemp("deepseek_v4")
+  model.save_pretrained(d)
+  return d, model
+
+
+@pytest.mark.parametrize("scan, seq", [(True, 12), (False, 11)])
+def test_logits_match_transformers(saved, scan, seq):
+  """seq 12: both compress rates (2, 4) divide it; 11: neither (a partial window gives no entry yet)."""
+  hf_dir, torch_model = saved
+  model, config = from_hf(hf_dir, scan_layers=scan, dtype="float32", matmul_precision="highest")
+  assert (config.decoder_block, config.compress_ratios, config.csa_compress_ratio, config.first_num_hash_layers) == ("deepseek4", [0, 2, 4, 2], 2, 1)
+  assert config.mhc_expansion_rate == 4
+  tokens = np.random.default_rng(seq).integers(0, 97, size=(2, seq)).astype(np.int32)
+  np.testing.assert_allclose(np.asarray(_jit_call(model, tokens)), hf_logits(torch_model, tokens), atol=1e-4, rtol=0)
+
+
+def test_round_trip_is_bit_identical_and_exports_to_transformers(saved, tmp_path):
+  hf_dir, torch_model = saved
+  model, config = from_hf(hf_dir, dtype="float32")
+  back = hf_params.maxtext_to_hf({k: np.asarray(v) for k, v in flat_params(model).items()}, config)
+  original = safetensors_io.read_tensors(hf_dir)
+  assert sorted(back) == sorted(original) and "model.layers.0.ffn.gate.tid2eid" in back
+  for k, v in original.items():
+    assert back[k].dtype == v.dtype and np.array_equal(back[k], v), k
+  exported = hf_config.hf_config_from(config)
+  assert exported["layer_types"] == torch_model.config.layer_types and exported["mlp_layer_types"] == torch_model.config.mlp_layer_types
+  safetensors_io.write(tmp_path, exported, back)
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
+  tokens = np.random.default_rng(3).integers(0, 97, size=(1, 9))
+  np.testing.assert_allclose(hf_logits(loaded, tokens), hf_logits(torch_model, tokens), atol=1e-5, rtol=0)
