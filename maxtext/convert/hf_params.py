@@ -462,6 +462,8 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   # DeepSeek's multi-token-prediction layers past num_hidden_layers (transformers does not run them) that
   # mtp_num_layers leaves out.
   used.update(k for k in tensors if c.num_decoder_layers + c.mtp_num_layers <= _layer_index(k) < c.num_decoder_layers + stored_mtp_layers)
+  if deepseek4:  # V4's multi-token-prediction module (mtp.*; transformers does not load it either) is not built here
+    used.update(k for k in tensors if k.startswith(("mtp.", "model.mtp.")))
   if c.decoder_block in MTP_UNDER_MTP_PREFIX and not c.mtp_num_layers:  # Qwen's MTP module (mtp.*), left out without mtp_num_layers
     used.update(k for k in tensors if k.startswith("mtp."))
   # Tied checkpoints may carry a copy of the embedding as lm_head.

@@ -37,6 +37,7 @@ AXES = {
   "latent": LATENT_AXES,
   "index_key": LATENT_AXES,
   **STATE_AXES,
+  **{name: LATENT_AXES for name in ("kv", "entries", "comp_kv", "comp_gate", "index_entries", "index_kv", "index_gate")},  # DeepSeek V4's
 }  # index_key: DeepSeek Sparse Attention's indexer keys
 KV_QMAX = {"int8": 127.0, "int4": 7.0}
 PACKED_INT4 = jnp.dtype(jnp.uint8)  # a cache buffer of this dtype holds int4 values, two per byte along D

@@ -133,7 +133,10 @@ class DecoderLayer(nnx.Module):
       if self.pre_attention_norm is not None:
         h = self.pre_attention_norm(h)
       if isinstance(self.attention, CompressedAttention):  # DeepSeek V4: its window and compression are in its spec
-        y = self.attention(h, positions)
+        if cache is None:
+          y = self.attention(h, positions)
+        else:
+          y, cache = self.attention.extend(h, positions, cache)
       elif isinstance(self.attention, GatedDeltaNet):  # a linear mixer: no positions or window; its decode state is its cache
         y = self._linear_mixer(h, segment_ids, cache, adapter_ids)
         if cache is not None:
