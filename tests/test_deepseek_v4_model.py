@@ -8,6 +8,8 @@ for bit (and transformers loads the export), greedy decoding token for token.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,8 @@ from maxtext.convert import hf_config, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from tests.hf_fixtures import away_from_init, hf_logits
 from tests.test_deepseek_v4 import _jit_call, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +64,36 @@ def test_round_trip_is_bit_identical_and_exports_to_transformers(saved, tmp_path
   loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
   tokens = np.random.default_rng(3).integers(0, 97, size=(1, 9))
   np.testing.assert_allclose(hf_logits(loaded, tokens), hf_logits(torch_model, tokens), atol=1e-5, rtol=0)
+
+
+def test_greedy_decode_over_the_compressed_cache_matches_transformers_generate(saved):
+  """Prompts of 3 and 9 tokens, 17 tokens in all: prefill and decode steps pool each window's entry from the cached
+  projections once its last token arrives (CSA every 2 tokens, over its previous window too; HCA every 4), the sliding
+  window a ring of 4; scanned (the main stack a block of CSA and HCA plus a remainder layer)."""
+  from maxtext.inference import Generator
+
+  hf_dir, torch_model = saved
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(3, 97, size=n).tolist() for n in (3, 9)]
+  eos = torch_model.config.eos_token_id
+  model, config = from_hf(hf_dir, dtype="float32", matmul_precision="highest")
+  generator = Generator(model, config=config, max_target_length=17, max_prefill_length=16, eos_id=eos)
+  assert set(generator.layout.forms) == {"compressed:0", "compressed:2+index", "compressed:4"}
+  for prompt, got in zip(prompts, generator.generate(prompts).tokens):
+    with torch.no_grad():
+      ref = torch_model.generate(torch.tensor([prompt]), max_new_tokens=17 - len(prompt), do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert got == ref[0, len(prompt) :].tolist(), f"prompt of {len(prompt)}"
+
+
+def test_kv_cache_line_of_deepseek4_284b_against_a_dense_cache():
+  """V4 Flash at 65536 tokens: a 128-token window per layer plus an entry every 4 or 128 tokens (and the CSA indexer's
+  keys) against every token's 512 values in every layer."""
+  from maxtext.config import load
+  from maxtext.inference import cache_layout
+
+  config = load([str(ROOT / "configs" / "base.yml"), "model_name=deepseek4-284b", "max_target_length=65536", "dtype=bfloat16"], env={}, num_devices=1)
+  line = cache_layout.describe(config, 1, cache_layout.layout(config))
+  dense = 65536 * 43 * 512 * 2
+  size = cache_layout.theoretical_bytes(config, 1, cache_layout.layout(config))
+  assert 4 < dense / size < 8, line  # the CSA layers' entries (one per 4 tokens) and their indexer keys dominate
+  assert f"would take {dense / 2**20:,.2f} MiB ({dense / size:.1f}x)" in line, line
