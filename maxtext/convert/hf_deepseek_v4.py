@@ -189,8 +189,11 @@ def layer_to_hf(get, spec, hashed: bool) -> dict[str, np.ndarray]:
   return out
 
 
-def global_from_hf(get) -> dict[str, np.ndarray]:
-  """The hc_head (get: V4's name -> tensor) -> HyperHead's parameters by path."""
+def global_from_hf(get, n: int) -> dict[str, np.ndarray]:
+  """The hc_head (get: V4's name -> tensor) -> HyperHead's parameters by path; n: hc_mult."""
+  hc_fn = get(HEAD[0][1])
+  if hc_fn.shape[0] != n or hc_fn.shape[1] % n:
+    raise ConfigError(f"the hc_head's hc_fn of shape {tuple(hc_fn.shape)} does not fit hc_mult={n} (expected {n} rows); set hc_mult to the checkpoint's")
   head = head_from_hf(*(get(theirs) for _, theirs in HEAD))
   return {ours: np.asarray(head[ours.split("/")[1]]) for ours, _ in HEAD}
 

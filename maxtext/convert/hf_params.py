@@ -425,7 +425,7 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   per_layer: dict[str, list[Array]] = {}  # stacked path -> its layers' values, in stack order
   deepseek4 = registry.get(c.decoder_block).deepseek4_keys
   if deepseek4:
-    out.update(hf_deepseek_v4.global_from_hf(take))
+    out.update(hf_deepseek_v4.global_from_hf(take, c.mhc_expansion_rate))
   for slot in _slots(c):
     prefix = f"model.layers.{slot.hf_index}."
     if deepseek4:
