@@ -451,7 +451,9 @@ def _check_deepseek4_fields(c: MaxTextConfig, family) -> None:
     return
   layers = _layer_shape(c).num_decoder_layers
   if len(c.compress_ratios) != layers:
-    raise ConfigError(f"compress_ratios has {len(c.compress_ratios)} entries for {layers} decoder layers; give one compress rate per layer (0: sliding window only)")
+    raise ConfigError(
+      f"compress_ratios has {len(c.compress_ratios)} entries for {layers} decoder layers; give one compress rate per layer (0: sliding window only)"
+    )
   if any(r < 0 for r in c.compress_ratios):
     raise ConfigError(f"compress_ratios {c.compress_ratios} has a negative rate; use 0 (sliding window only) or a positive rate")
   if c.first_num_hash_layers > layers:

@@ -30,7 +30,9 @@ MATCHES_BUILT_IN: dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
   "use_qwix_quantization": lambda value, c: value is True,  # `quantization` always runs on qwix here (MaxText's false picks AQT)
   # the length of MaxText's precomputed rope table; rope is computed per position here, so any length serves
   "max_position_embeddings": lambda value, c: isinstance(value, int) and value > 0,
-  "attention_type": lambda value, c: value == {"deepseek": "mla", "deepseek_v32": "mla", "deepseek4": "compressed"}.get(c.get("decoder_block"), "global"),  # the family decides
+  "attention_type": lambda value, c: (
+    value == {"deepseek": "mla", "deepseek_v32": "mla", "deepseek4": "compressed"}.get(c.get("decoder_block"), "global")
+  ),  # the family decides
 }
 
 

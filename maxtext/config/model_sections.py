@@ -243,7 +243,9 @@ class CompressedAttention(Section):
   compress_ratios: list[int] = Field(
     default_factory=list, description="deepseek4: each layer's compress rate, one per layer; 0 -> sliding window only, csa_compress_ratio -> CSA, others HCA."
   )
-  csa_compress_ratio: int = Field(4, gt=0, description="deepseek4: the compress rate of the compressed sparse attention layers (overlapping, with the indexer).")
+  csa_compress_ratio: int = Field(
+    4, gt=0, description="deepseek4: the compress rate of the compressed sparse attention layers (overlapping, with the indexer)."
+  )
   o_groups: int = Field(0, ge=0, description="deepseek4: head groups of the grouped low-rank output projection.")
   o_lora_rank: int = Field(0, ge=0, description="deepseek4: each output group's low rank.")
   first_num_hash_layers: int = Field(0, ge=0, description="deepseek4: the first this many layers route tokens to experts by token id (a tid2eid table).")

@@ -119,7 +119,10 @@ def _rope(f: HFFields) -> dict[str, Any]:
   else:
     key = "rope_scaling" if f.has("rope_scaling") else "rope_parameters"
     compress = f.section(key) if f.has(key) else HFFields({}, f.source, f"{key}.")
-    theta, compress_theta = f.number("rope_theta", DEFAULTS["rope_theta"], positive=True), f.number("compress_rope_theta", DEFAULTS["compress_rope_theta"], positive=True)
+    theta, compress_theta = (
+      f.number("rope_theta", DEFAULTS["rope_theta"], positive=True),
+      f.number("compress_rope_theta", DEFAULTS["compress_rope_theta"], positive=True),
+    )
   kind = compress.text("rope_type", None) or compress.text("type", "default")
   out: dict[str, Any] = {"rope_max_timescale": theta, "compressed_rope_max_timescale": compress_theta, "rope_type": kind}
   if kind == "yarn":
@@ -261,7 +264,10 @@ def export(c: Config) -> dict[str, Any]:
     "rms_norm_eps": c.normalization_layer_epsilon,
     "tie_word_embeddings": c.logits_via_embedding,
     "hidden_act": "silu",
-    "rope_parameters": {"main": {"rope_type": "default", "rope_theta": c.rope_max_timescale, "partial_rotary_factor": c.qk_rope_head_dim / c.head_dim}, "compress": compress},
+    "rope_parameters": {
+      "main": {"rope_type": "default", "rope_theta": c.rope_max_timescale, "partial_rotary_factor": c.qk_rope_head_dim / c.head_dim},
+      "compress": compress,
+    },
     "max_position_embeddings": max(c.max_target_length, 4096),
     "num_nextn_predict_layers": 0,
     "dtype": c.weight_dtype,

@@ -155,7 +155,9 @@ def compressed_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: in
   shapes = {"kv": (batch, 1, lay.slots(window), c.head_dim)}
   if rate:
     ring, wide = (2 * rate, 2) if csa else (rate, 1)
-    shapes.update(comp_kv=(batch, 1, ring, wide * c.head_dim), comp_gate=(batch, 1, ring, wide * c.head_dim), entries=(batch, 1, lay.max_length // rate, c.head_dim))
+    shapes.update(
+      comp_kv=(batch, 1, ring, wide * c.head_dim), comp_gate=(batch, 1, ring, wide * c.head_dim), entries=(batch, 1, lay.max_length // rate, c.head_dim)
+    )
   if csa:
     d = c.indexer_head_dim
     shapes.update(index_kv=(batch, 1, 2 * rate, 2 * d), index_gate=(batch, 1, 2 * rate, 2 * d), index_entries=(batch, 1, lay.max_length // rate, d))

@@ -129,6 +129,15 @@ class LayerCache:
       mask &= span_mask(q_pos, kv_pos, window)
     return dataclasses.replace(self, arrays=kept), attended, mask
 
+  def held_positions(self, new: int) -> jax.Array:
+    """The position of each entry `update` returned to attend over [B, T'] (-1: empty slot or padding), for S = new
+    tokens: a decode step's updated slots, or a prefill's old slots then its new tokens."""
+    size = next(iter(self.arrays.values())).shape[2]
+    if new == 1:
+      return slot_positions(self.lengths + self.new_lengths, size)
+    fresh = self.lengths[:, None] + jnp.arange(new, dtype=self.lengths.dtype)
+    return jnp.concatenate([slot_positions(self.lengths, size), jnp.where(jnp.arange(new) < self.new_lengths[:, None], fresh, -1)], axis=1)
+
   def attend(
     self,
     q: jax.Array,

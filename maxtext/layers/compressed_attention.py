@@ -31,7 +31,7 @@ CSA keeps its indexer's entries and projections the same way.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +42,6 @@ from maxtext.layers.norms import RMSNorm
 from maxtext.layers.rope import RopeSpec, layer_frequencies
 from maxtext.layers.xla_attention import NEG_INF
 from maxtext.platform import Policy
-
-if TYPE_CHECKING:
-  from maxtext.inference.kv_cache import LayerCache
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")  # HF layer_types
 
@@ -239,20 +236,18 @@ class CompressedAttention(nnx.Module):
     low = jnp.einsum("bsgi,gir->bsgr", grouped, self.wo_a.kernel[...].astype(self.dtype), precision=self.precision)
     return self.wo_b(low)
 
-
-  def extend(self, x: jax.Array, positions: jax.Array, cache: LayerCache) -> tuple[jax.Array, LayerCache]:
-    """x [B, S, E] at positions cache.lengths + 0.. (a prefill or a decode step) over the layer's compressed cache
-    (buffers 'kv' [B, 1, window, D]; compressed layers 'comp_kv', 'comp_gate' [B, 1, R, width] and 'entries' [B, 1,
-    max_length // rate, D]; CSA also 'index_kv', 'index_gate', 'index_entries') -> (y [B, S, E], updated cache)."""
-    from maxtext.inference.kv_cache import LayerCache
-
+  def extend(self, x: jax.Array, positions: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+    """x [B, S, E] at positions cache.lengths + 0.. (a prefill or a decode step) over the layer's compressed cache, a
+    maxtext.inference.kv_cache.LayerCache (buffers 'kv' [B, 1, window, D]; compressed layers 'comp_kv', 'comp_gate'
+    [B, 1, R, width] and 'entries' [B, 1, max_length // rate, D]; CSA also 'index_kv', 'index_gate',
+    'index_entries') -> (y [B, S, E], updated cache)."""
     s = self.spec
     inv_freq, scale = self.rope()
     latent = self.q_norm(self.wq_a(x))
     q = rotate_interleaved(_unit_rms(self.wq_b(latent), s.epsilon), positions, inv_freq, scale)
     kv = rotate_interleaved(self.kv_norm(self.wkv(x)), positions, inv_freq, scale)
     arrays = dict(cache.arrays)
-    window, attended, mask = LayerCache({"kv": arrays["kv"]}, cache.lengths, cache.new_lengths).update({"kv": kv[:, None]}, (), s.window)
+    window, attended, mask = dataclasses.replace(cache, arrays={"kv": arrays["kv"]}).update({"kv": kv[:, None]}, (), s.window)
     arrays["kv"], keys = window.arrays["kv"], attended["kv"][:, 0]
     if self.compressor is not None:
       entries = self._pool_new_windows(self.compressor, x, cache, arrays, "comp", "entries", inv_freq, scale)
@@ -265,26 +260,18 @@ class CompressedAttention(nnx.Module):
     return self._attend(q, keys, mask, positions), dataclasses.replace(cache, arrays=arrays)
 
   @staticmethod
-  def _pool_new_windows(compressor: Compressor, x: jax.Array, cache: LayerCache, arrays: dict, ring: str, name: str, inv_freq, scale: float) -> jax.Array:
+  def _pool_new_windows(compressor: Compressor, x: jax.Array, cache: Any, arrays: dict, ring: str, name: str, inv_freq, scale: float) -> jax.Array:
     """Keep the new tokens' projections in the ring arrays[ring + '_kv' / '_gate'], pool every window whose last token
     is among them into arrays[name] [B, 1, W, d] (both updated in place) -> the entries [B, W, d]."""
-    from maxtext.inference.kv_cache import LayerCache, slot_positions
-
     b, new = x.shape[:2]
     m = compressor.rate
     kv_name, gate_name = f"{ring}_kv", f"{ring}_gate"
     kv_new, gate_new = compressor.project(x)
-    kept, attended, _ = LayerCache({kv_name: arrays[kv_name], gate_name: arrays[gate_name]}, cache.lengths, cache.new_lengths).update(
-      {kv_name: kv_new[:, None], gate_name: gate_new[:, None]}, ()
-    )
+    projections = dataclasses.replace(cache, arrays={kv_name: arrays[kv_name], gate_name: arrays[gate_name]})
+    kept, attended, _ = projections.update({kv_name: kv_new[:, None], gate_name: gate_new[:, None]}, ())
     arrays.update(kept.arrays)
-    size = arrays[kv_name].shape[2]
+    held = projections.held_positions(new)
     total = cache.lengths + cache.new_lengths
-    if new == 1:
-      held = slot_positions(total, size)
-    else:
-      fresh = cache.lengths[:, None] + jnp.arange(new, dtype=cache.lengths.dtype)
-      held = jnp.concatenate([slot_positions(cache.lengths, size), jnp.where(jnp.arange(new) < cache.new_lengths[:, None], fresh, -1)], axis=1)
     windows = cache.lengths[:, None] // m + jnp.arange(new // m + 1, dtype=cache.lengths.dtype)  # [B, K]: the windows that may close now
     closed = ((windows + 1) * m <= total[:, None]) & ((windows + 1) * m > cache.lengths[:, None])
 
