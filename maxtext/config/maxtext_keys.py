@@ -36,11 +36,16 @@ MATCHES_BUILT_IN: dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
 }
 
 
+# MaxText 0.2.5 keys that its config reference (maxtext_keys.json's source) lacks, though its configs/types.py declares
+# them and its model files set them (deepseek4-284b: log_moe_bias_norms: false), with their defaults.
+UNLISTED = {"log_moe_bias_norms": False}
+
+
 @functools.cache
 def defaults() -> dict[str, Any]:
   """MaxText key -> its default (keys whose default is not stated map to a sentinel that equals nothing)."""
   data = json.loads((Path(__file__).parent / "maxtext_keys.json").read_text())
-  return {key: entry.get("default", _MISSING) for key, entry in data["keys"].items()}
+  return {**UNLISTED, **{key: entry.get("default", _MISSING) for key, entry in data["keys"].items()}}
 
 
 def may_accept(key: str, value: Any) -> bool:
