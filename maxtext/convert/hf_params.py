@@ -262,18 +262,8 @@ class Slot:
 
 def _slots(c: MaxTextConfig) -> list[Slot]:
   """Every decoder layer's place in the model's stacks (maxtext.models.layer_pattern), bottom to top."""
-  out = []
-  for stack in layer_pattern.stacks(registry.get(c.decoder_block).kinds(c)):
-    for i, kind in enumerate(stack.kinds):
-      n = stack.start + i
-      if not c.scan_layers:
-        out.append(Slot(n, kind, f"{stack.name}/{i}", None))
-      elif stack.period == 1:
-        out.append(Slot(n, kind, stack.name, i))
-      else:
-        j, idx = stack.locate(i)
-        out.append(Slot(n, kind, f"{stack.name}/{j}", idx) if j is not None else Slot(n, kind, f"{layer_pattern.REMAINDER}/{idx}", None))
-  return out
+  kinds = registry.get(c.decoder_block).kinds(c)
+  return [Slot(n, kind, prefix, index) for n, (kind, (prefix, index)) in enumerate(zip(kinds, layer_pattern.parameter_slots(kinds, c.scan_layers)))]
 
 
 def _global_rules(c: MaxTextConfig) -> list[Rule]:

@@ -74,3 +74,21 @@ def decode_period(stack: Stack) -> int:
   p, n = stack.period, len(stack.kinds)
   d = next(d for d in range(p, n + p, p) if all(k == stack.kinds[i % d] for i, k in enumerate(stack.kinds)))
   return d if d <= n else 0
+
+
+def parameter_slots(kinds: tuple[LayerKind, ...], scanned: bool) -> list[tuple[str, int | None]]:
+  """Where each layer's parameters sit, bottom to top: (path prefix, index on its stacked axis, or None when not
+  stacked): 'layers' (a uniform stack), 'layers/<j>' (block position j), 'layers_remainder/<i>', and '<stack>/<i>'
+  unscanned or for a prefix of several structures (which runs unscanned)."""
+  out: list[tuple[str, int | None]] = []
+  for stack in stacks(kinds):
+    listed = not scanned or (stack.period > 1 and stack.name != MAIN_STACK)
+    for i in range(len(stack.kinds)):
+      if listed:
+        out.append((f"{stack.name}/{i}", None))
+      elif stack.period == 1:
+        out.append((stack.name, i))
+      else:
+        j, index = stack.locate(i)
+        out.append((f"{stack.name}/{j}", index) if j is not None else (f"{REMAINDER}/{index}", None))
+  return out
