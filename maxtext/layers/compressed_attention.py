@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.layers import matmul
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.rope import RopeSpec, layer_frequencies
@@ -226,11 +227,11 @@ class CompressedAttention(nnx.Module):
     sinks; the values' rotation undone, then the grouped output projection -> [B, S, E]."""
     s = self.spec
     inv_freq, scale = self.rope()
-    logits = jnp.einsum("bshd,btd->bhst", q, keys, precision=self.precision, preferred_element_type=jnp.float32) * s.head_dim**-0.5
+    logits = matmul.einsum("bshd,btd->bhst", q, keys, dtype=self.dtype, precision=self.precision, out_dtype=jnp.float32) * s.head_dim**-0.5
     logits = jnp.where(mask[:, None], logits, NEG_INF)
     sinks = jnp.broadcast_to(self.sinks[...].astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
     probs = jax.nn.softmax(jnp.concatenate([logits, sinks], axis=-1), axis=-1)[..., :-1]
-    out = jnp.einsum("bhst,btd->bshd", probs.astype(keys.dtype), keys, precision=self.precision, preferred_element_type=jnp.float32)
+    out = matmul.einsum("bhst,btd->bshd", probs, keys, dtype=self.dtype, precision=self.precision, out_dtype=jnp.float32)
     out = rotate_interleaved(out.astype(self.dtype), positions, inv_freq, scale, inverse=True)
     grouped = out.reshape(*out.shape[:2], s.o_groups, -1)  # [B, S, G, H D / G]
     low = jnp.einsum("bsgi,gir->bsgr", grouped, self.wo_a.kernel[...].astype(self.dtype), precision=self.precision)
