@@ -470,6 +470,8 @@ def _check_deepseek4_fields(c: MaxTextConfig, family) -> None:
     raise ConfigError("decoder_block=deepseek4 clamps its gated experts' SwiGLU; set mlp_activations_limit > 0 (V4: 10) and two mlp_activations")
   if c.mtp_num_layers:
     raise ConfigError(f"mtp_num_layers={c.mtp_num_layers}: multi-token prediction is not built for deepseek4's layers; set mtp_num_layers=0")
+  if c.quantize_kvcache:
+    raise ConfigError("quantize_kvcache quantizes keys and values per head; deepseek4's compressed cache is not quantized here: set quantize_kvcache=false")
 
 
 def _check_indexer(c: MaxTextConfig) -> None:
