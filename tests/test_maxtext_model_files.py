@@ -158,3 +158,16 @@ def test_gemma_reads_the_releases_gelu_as_tanh_and_exports_only_what_gemma_for_c
     hf_config.hf_config_from(capped)
   exported = hf_config.hf_config_from(capped.model_copy(update={"final_logits_soft_cap": None}))
   assert (exported["model_type"], exported["architectures"], exported["hidden_act"]) == ("gemma", ["GemmaForCausalLM"], "gelu_pytorch_tanh")
+
+
+def test_maxtext_deepseek4_files_build_v4s_layers():
+  """MaxText's deepseek4-284b (unchanged): V4-Flash's 284B within 1.5%; its 43 layers two sliding, then CSA and HCA
+  alternating from a CSA layer; hash routing in the first three; mHC over four streams. deepseek4-tiny: the same pattern."""
+  from maxtext.models import registry
+
+  for name in ("deepseek4-284b", "deepseek4-tiny"):
+    config = load([MT_BASE, f"model_name={name}"], env={}, num_devices=1)
+    kinds = registry.get(config.decoder_block).kinds(config)
+    assert [k.variant for k in kinds[:4]] == ["sliding_attention", "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    assert [k.ffn for k in kinds[:4]] == ["moe_hash"] * 3 + ["moe_shared"] and config.mhc_expansion_rate == 4
+  assert counting.param_count(load([MT_BASE, "model_name=deepseek4-284b"], env={}, num_devices=1)) == pytest.approx(284e9, rel=0.015)

@@ -36,6 +36,7 @@ PUBLISHED_BILLIONS = {
   "qwen3-235b-a22b": 235.09,
   "deepseek3-671b": 671.03,  # the main model; its multi-token-prediction module is counted apart (see below)
   "deepseek3.2-671b": 671.88,  # deepseek3-671b plus 61 lightning indexers (0.85B); its MTP module apart
+  "deepseek4-284b": 284.0,  # DeepSeek-V4-Flash's card: 284B total (its MTP layer not built)
   "gemma3-1b": 1.0,
   # Text decoders of the multimodal releases: the published 4.3B / 12.2B / 27.4B include the 0.42B SigLIP vision tower
   # and projector; 27.0B is the text decoder the issue names.
@@ -83,6 +84,7 @@ NOT_PUBLISHED = ("deepseek3-tiny", "kimi-k2-1t")  # a CPU-sized architecture fil
 # (tests/test_gemma4.py checks E2B against transformers' own count).
 NOT_PUBLISHED += ("gemma4-e2b", "gemma4-e4b")
 NOT_PUBLISHED += ("deepseek3-test",)  # MaxText's test architecture: DeepSeek V3's layers and experts at width 512
+NOT_PUBLISHED += ("deepseek4-tiny",)  # MaxText's CPU-sized DeepSeek V4 architecture
 
 # Exact parameter counts known for a few models (qwen3-0.6b: 751,632,384 on HF minus the duplicated 151936 x 1024 lm_head).
 EXACT = {

@@ -382,8 +382,8 @@ def _check_family_fields(c: MaxTextConfig) -> None:
     )
   if (c.attention_bias or c.attention_sink) and {"mla", "mla_sparse"} & _mixers(c):
     raise ConfigError(f"attention_bias and attention_sink apply to grouped-query attention; decoder_block={c.decoder_block} uses MLA, drop them")
-  if c.mlp_activations_limit > 0 and not family.clamped_glu:
-    with_glu = sorted(f.name for f in registry.FAMILIES.values() if f.clamped_glu)
+  if c.mlp_activations_limit > 0 and not (family.clamped_glu or family.deepseek4_keys):
+    with_glu = sorted(f.name for f in registry.FAMILIES.values() if f.clamped_glu or f.deepseek4_keys)
     raise ConfigError(f"mlp_activations_limit clamps the experts' SwiGLU of {', '.join(with_glu)}, not decoder_block={c.decoder_block}; set it to -1")
   if family.clamped_glu and not c.mlp_activations_limit > 0:
     raise ConfigError(f"decoder_block={c.decoder_block} clamps its experts' SwiGLU; set mlp_activations_limit > 0 (gpt-oss: 7.0)")
@@ -394,6 +394,7 @@ def _check_family_fields(c: MaxTextConfig) -> None:
   if c.rope_linear_scaling_factor != 1.0 and c.rope_type != "default":
     raise ConfigError(f"rope_linear_scaling_factor scales the default rope; rope_type={c.rope_type} has its own scaling: set one of the two")
   _check_gemma4_fields(c, family)
+  _check_deepseek4_fields(c, family)
 
 
 GEMMA4_KEYS = (
@@ -440,10 +441,45 @@ def _check_gemma4_fields(c: MaxTextConfig, family) -> None:
     )
 
 
+DEEPSEEK4_KEYS = ("compress_ratios", "csa_compress_ratio", "o_groups", "o_lora_rank", "first_num_hash_layers", "compressed_rope_max_timescale", "hc_eps")
+
+
+def _check_deepseek4_fields(c: MaxTextConfig, family) -> None:
+  """DeepSeek V4's keys: only for its family, and a layer pattern, output projection and mHC its layers can build."""
+  if not family.deepseek4_keys:
+    changed = [k for k in DEEPSEEK4_KEYS if getattr(c, k) != type(c).model_fields[k].get_default(call_default_factory=True)]
+    if changed:
+      raise ConfigError(f"{', '.join(changed)} apply to deepseek4 layers, not decoder_block={c.decoder_block}; drop them (or set decoder_block=deepseek4)")
+    return
+  layers = _layer_shape(c).num_decoder_layers
+  if len(c.compress_ratios) != layers:
+    raise ConfigError(
+      f"compress_ratios has {len(c.compress_ratios)} entries for {layers} decoder layers; give one compress rate per layer (0: sliding window only)"
+    )
+  if any(r < 0 for r in c.compress_ratios):
+    raise ConfigError(f"compress_ratios {c.compress_ratios} has a negative rate; use 0 (sliding window only) or a positive rate")
+  if c.first_num_hash_layers > layers:
+    raise ConfigError(f"first_num_hash_layers={c.first_num_hash_layers} exceeds the {layers} decoder layers; lower it")
+  if not c.sliding_window_size > 0:
+    raise ConfigError("decoder_block=deepseek4 attends within a sliding window in every layer; set sliding_window_size > 0 (V4: 128)")
+  if not (c.o_groups > 0 and c.o_lora_rank > 0 and c.q_lora_rank > 0):
+    raise ConfigError("decoder_block=deepseek4 projects queries through q_lora_rank and outputs through o_groups x o_lora_rank; set all three > 0")
+  if c.mhc_expansion_rate < 2:
+    raise ConfigError(f"decoder_block=deepseek4 keeps mHC's residual streams in every layer; set mhc_expansion_rate >= 2 (V4: 4), not {c.mhc_expansion_rate}")
+  if c.num_experts <= 1 or c.shared_experts < 1:
+    raise ConfigError("decoder_block=deepseek4's layers are experts beside shared experts; set num_experts > 1 and shared_experts >= 1")
+  if not c.mlp_activations_limit > 0 or len(c.mlp_activations) != 2:
+    raise ConfigError("decoder_block=deepseek4 clamps its gated experts' SwiGLU; set mlp_activations_limit > 0 (V4: 10) and two mlp_activations")
+  if c.mtp_num_layers:
+    raise ConfigError(f"mtp_num_layers={c.mtp_num_layers}: multi-token prediction is not built for deepseek4's layers; set mtp_num_layers=0")
+  if c.quantize_kvcache:
+    raise ConfigError("quantize_kvcache quantizes keys and values per head; deepseek4's compressed cache is not quantized here: set quantize_kvcache=false")
+
+
 def _check_indexer(c: MaxTextConfig) -> None:
   """DeepSeek Sparse Attention's keys: use_indexer exactly with the sparse MLA layers of decoder_block=deepseek_v32."""
   sparse = "mla_sparse" in _mixers(c)
-  if c.use_indexer and not sparse:
+  if c.use_indexer and not sparse and "compressed" not in _mixers(c):  # deepseek4's indexer: the indexer_* keys, in its CSA layers
     raise ConfigError(
       f"use_indexer=true, but decoder_block={c.decoder_block} has no sparse attention layers; "
       "MaxText's deepseek with use_indexer is decoder_block=deepseek_v32 here: set it, or use_indexer=false"

@@ -25,6 +25,7 @@ SECTION_CLASSES: tuple[type[s.Section], ...] = (
   m.Llama4Vision,
   m.MTP,
   m.SparseAttention,
+  m.CompressedAttention,
   m.ManifoldConstrainedHyperConnections,
   m.Logits,
   m.Quantization,

@@ -30,15 +30,22 @@ MATCHES_BUILT_IN: dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
   "use_qwix_quantization": lambda value, c: value is True,  # `quantization` always runs on qwix here (MaxText's false picks AQT)
   # the length of MaxText's precomputed rope table; rope is computed per position here, so any length serves
   "max_position_embeddings": lambda value, c: isinstance(value, int) and value > 0,
-  "attention_type": lambda value, c: value == ("mla" if c.get("decoder_block") in ("deepseek", "deepseek_v32") else "global"),  # the family decides
+  "attention_type": lambda value, c: (
+    value == {"deepseek": "mla", "deepseek_v32": "mla", "deepseek4": "compressed"}.get(c.get("decoder_block"), "global")
+  ),  # the family decides
 }
+
+
+# MaxText 0.2.5 keys that its config reference (maxtext_keys.json's source) lacks, though its configs/types.py declares
+# them and its model files set them (deepseek4-284b: log_moe_bias_norms: false), with their defaults.
+UNLISTED = {"log_moe_bias_norms": False}
 
 
 @functools.cache
 def defaults() -> dict[str, Any]:
   """MaxText key -> its default (keys whose default is not stated map to a sentinel that equals nothing)."""
   data = json.loads((Path(__file__).parent / "maxtext_keys.json").read_text())
-  return {key: entry.get("default", _MISSING) for key, entry in data["keys"].items()}
+  return {**UNLISTED, **{key: entry.get("default", _MISSING) for key, entry in data["keys"].items()}}
 
 
 def may_accept(key: str, value: Any) -> bool:

@@ -240,6 +240,25 @@ class ManifoldConstrainedHyperConnections(Section):
   sinkhorn_iterations: int = Field(20, gt=0, description="Sinkhorn-Knopp iterations projecting H_res onto doubly-stochastic matrices.")
 
 
+class CompressedAttention(Section):
+  """DeepSeek V4 (decoder_block=deepseek4): compressed attention, hash routing and mHC's V4 form; MaxText's keys, and
+  csa_compress_ratio and hc_eps (Hugging Face's) where MaxText fixes the value."""
+
+  compress_ratios: list[int] = Field(
+    default_factory=list, description="deepseek4: each layer's compress rate, one per layer; 0 -> sliding window only, csa_compress_ratio -> CSA, others HCA."
+  )
+  csa_compress_ratio: int = Field(
+    4, gt=0, description="deepseek4: the compress rate of the compressed sparse attention layers (overlapping, with the indexer)."
+  )
+  o_groups: int = Field(0, ge=0, description="deepseek4: head groups of the grouped low-rank output projection.")
+  o_lora_rank: int = Field(0, ge=0, description="deepseek4: each output group's low rank.")
+  first_num_hash_layers: int = Field(0, ge=0, description="deepseek4: the first this many layers route tokens to experts by token id (a tid2eid table).")
+  compressed_rope_max_timescale: float = Field(
+    160_000.0, gt=0, description="deepseek4: rope base of the compressed layers (with rope_type's scaling); the sliding ones use rope_max_timescale, unscaled."
+  )
+  hc_eps: float = Field(1e-6, gt=0, description="deepseek4: mHC's floor added to H_pre, the Sinkhorn sums and the final collapse's weights (HF hc_eps).")
+
+
 class Logits(Section):
   logits_via_embedding: bool = Field(False, description="Tie the output projection to the token embedding.")
   normalize_embedding_logits: bool = Field(False, description="With tied embeddings, divide logits by sqrt(emb_dim).")

@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from maxtext.convert import hf_gemma4, hf_qwen3_vl, safetensors_io
+from maxtext.convert import hf_deepseek_v4_config, hf_gemma4, hf_qwen3_vl, safetensors_io
 from maxtext.convert.hf_fields import HFFields
 from maxtext.errors import ConfigError, shorten
 from maxtext.layers.rope import yarn_mscale
@@ -473,6 +473,8 @@ def overrides_from_hf(hf: dict[str, Any], source: str = "config.json") -> dict[s
   Every field read is checked for its type and range (maxtext.convert.hf_fields)."""
   if hf.get("model_type") in hf_gemma4.MODEL_TYPES:
     return hf_gemma4.overrides(hf, source)
+  if hf.get("model_type") == hf_deepseek_v4_config.MODEL_TYPE:
+    return hf_deepseek_v4_config.overrides(hf, source)
   prefix = "text_config." if hf.get("model_type") in ("gemma3", "llama4", *QWEN3_5_MULTIMODAL, *hf_qwen3_vl.MODEL_TYPES) else ""
   f = HFFields(text_config(hf, source), source, prefix)
   model_type = f.text("model_type", "")
@@ -622,6 +624,8 @@ def hf_config_from(config: Config) -> dict[str, Any]:
   c = config
   if registry.get(c.decoder_block).gemma4_keys:
     return hf_gemma4.export(c)
+  if registry.get(c.decoder_block).deepseek4_keys:
+    return hf_deepseek_v4_config.export(c)
   if c.decoder_block == "qwen3_5" and c.num_experts > 1:  # MaxText's qwen3_5 model files are the MoE models
     c = c.model_copy(update={"decoder_block": "qwen3_5_moe"})
   if c.decoder_block not in HF_ARCHITECTURES:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtext.config import MaxTextConfig
-from maxtext.convert import hf_qwen3_vl, mxfp4
+from maxtext.convert import hf_deepseek_v4, hf_qwen3_vl, mxfp4
 from maxtext.errors import ConfigError, shorten
 from maxtext.models import layer_pattern, registry
 from maxtext.models.family import LayerKind
@@ -262,18 +262,8 @@ class Slot:
 
 def _slots(c: MaxTextConfig) -> list[Slot]:
   """Every decoder layer's place in the model's stacks (maxtext.models.layer_pattern), bottom to top."""
-  out = []
-  for stack in layer_pattern.stacks(registry.get(c.decoder_block).kinds(c)):
-    for i, kind in enumerate(stack.kinds):
-      n = stack.start + i
-      if not c.scan_layers:
-        out.append(Slot(n, kind, f"{stack.name}/{i}", None))
-      elif stack.period == 1:
-        out.append(Slot(n, kind, stack.name, i))
-      else:
-        j, idx = stack.locate(i)
-        out.append(Slot(n, kind, f"{stack.name}/{j}", idx) if j is not None else Slot(n, kind, f"{layer_pattern.REMAINDER}/{idx}", None))
-  return out
+  kinds = registry.get(c.decoder_block).kinds(c)
+  return [Slot(n, kind, prefix, index) for n, (kind, (prefix, index)) in enumerate(zip(kinds, layer_pattern.parameter_slots(kinds, c.scan_layers)))]
 
 
 def _global_rules(c: MaxTextConfig) -> list[Rule]:
@@ -398,12 +388,14 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   if c.decoder_block == "qwen3_moe":  # Qwen3-VL-MoE stores its experts fused (gpt-oss's fused gate_up_proj is its own layout)
     tensors = hf_qwen3_vl.split_experts(tensors)
   tensors = mxfp4.dense_experts(text_decoder_tensors(tensors))
+  if registry.get(c.decoder_block).deepseek4_keys:  # DeepSeek's names and per-expert tensors -> transformers' module names
+    tensors = hf_deepseek_v4.module_names(tensors)
   used: set[str] = set()
 
   def take(name: str) -> Array:
     if name not in tensors:
       raise ConfigError(f"checkpoint is missing tensor '{name}' that the {c.decoder_block} model needs; is this the right model directory?")
-    if name not in used:
+    if name not in used and not name.endswith(hf_deepseek_v4.INTEGER_TENSORS):
       check_weight(name, tensors[name])
     used.add(name)
     return tensors[name]
@@ -421,8 +413,18 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
 
   out: dict[str, Array] = {r.ours: convert(r, r.hf) for r in _global_rules(c)}
   per_layer: dict[str, list[Array]] = {}  # stacked path -> its layers' values, in stack order
+  deepseek4 = registry.get(c.decoder_block).deepseek4_keys
+  if deepseek4:
+    out.update(hf_deepseek_v4.global_from_hf(take, c.mhc_expansion_rate))
   for slot in _slots(c):
     prefix = f"model.layers.{slot.hf_index}."
+    if deepseek4:
+      for path, value in _deepseek4_layer_from_hf(c, slot, lambda name, p=prefix: take(p + name)).items():
+        if slot.index is None:
+          out[f"{slot.prefix}/{path}"] = value
+        else:
+          per_layer.setdefault(f"{slot.prefix}/{path}", []).append(value)
+      continue
     for r in _layer_rules(c, slot.kind):
       if r.experts:
         value = np.stack([convert(r, prefix + r.hf.format(j=j)) for j in range(c.num_experts)])
@@ -450,6 +452,8 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
   # DeepSeek's multi-token-prediction layers past num_hidden_layers (transformers does not run them) that
   # mtp_num_layers leaves out.
   used.update(k for k in tensors if c.num_decoder_layers + c.mtp_num_layers <= _layer_index(k) < c.num_decoder_layers + stored_mtp_layers)
+  if deepseek4:  # V4's multi-token-prediction module (mtp.*; transformers does not load it either) is not built here
+    used.update(k for k in tensors if k.startswith(("mtp.", "model.mtp.")))
   if c.decoder_block in MTP_UNDER_MTP_PREFIX and not c.mtp_num_layers:  # Qwen's MTP module (mtp.*), left out without mtp_num_layers
     used.update(k for k in tensors if k.startswith("mtp."))
   # Tied checkpoints may carry a copy of the embedding as lm_head.
@@ -525,8 +529,19 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
 
   out = {r.hf: r.to_hf(take(r.ours)) for r in _global_rules(c)}
   parts: dict[str, dict[int, Array]] = {}  # HF name -> its interleaved column sets, joined once all are in
+  deepseek4 = registry.get(c.decoder_block).deepseek4_keys
+  if deepseek4:
+    out.update(hf_deepseek_v4.global_to_hf(take))
   for slot in _slots(c):
     prefix = f"model.layers.{slot.hf_index}."
+    if deepseek4:
+
+      def get(path: str, slot: Slot = slot) -> Array:
+        value = take(f"{slot.prefix}/{path}")
+        return value if slot.index is None else value[slot.index]
+
+      out.update({prefix + name: value for name, value in _deepseek4_layer_to_hf(c, slot, get).items()})
+      continue
     for r in _layer_rules(c, slot.kind):
       value = take(f"{slot.prefix}/{r.ours}")
       value = value if slot.index is None else value[slot.index]
@@ -565,7 +580,25 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
   unexpected = sorted(set(params) - used)
   if unexpected:
     raise ConfigError(f"parameters with no Hugging Face name: {shorten(unexpected)}; merge or drop adapters/connectors before exporting")
-  return out
+  return hf_deepseek_v4.checkpoint_names(out) if deepseek4 else out
+
+
+def _deepseek4_layer_from_hf(c: MaxTextConfig, slot: Slot, get: Callable[[str], Array]) -> dict[str, Array]:
+  """DeepSeek V4's layer at slot (get: its tensor by name under model.layers.<i>.) -> our parameters by path under it."""
+  from maxtext.models import specs
+
+  spec = specs.compressed_attention(c, slot.kind)
+  try:
+    return hf_deepseek_v4.layer_from_hf(get, spec, slot.kind.ffn == "moe_hash", c.mhc_expansion_rate, c.num_experts)
+  except ValueError as e:  # a reshape that cannot hold: config.json's sizes disagree with the tensors
+    raise ConfigError(f"layer {slot.hf_index}'s tensors do not fit config.json ({_first_line(e)}); the safetensors files disagree with it") from None
+
+
+def _deepseek4_layer_to_hf(c: MaxTextConfig, slot: Slot, get: Callable[[str], Array]) -> dict[str, Array]:
+  """Our parameters of DeepSeek V4's layer at slot (get: path under the layer) -> its tensors by name under model.layers.<i>."""
+  from maxtext.models import specs
+
+  return hf_deepseek_v4.layer_to_hf(get, specs.compressed_attention(c, slot.kind), slot.kind.ffn == "moe_hash")
 
 
 def _gemma4_layer_rules(c: MaxTextConfig, kind: LayerKind) -> list:

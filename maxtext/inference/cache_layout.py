@@ -31,7 +31,8 @@ from maxtext.models import layer_pattern, registry
 from maxtext.models.family import LayerKind
 
 STACK_AXIS = "cache_layers"
-INDEXED = "+index"  # the suffix of a sparse MLA layer's form: MLA's buffers plus 'index_key' [B, 1, T, indexer_head_dim]
+INDEXED = "+index"
+COMPRESSED = "compressed:"  # DeepSeek V4's forms: 'compressed:<rate>', and '+index' for a CSA layer (maxtext.layers.compressed_attention)  # the suffix of a sparse MLA layer's form: MLA's buffers plus 'index_key' [B, 1, T, indexer_head_dim]
 
 
 @jax.tree_util.register_dataclass
@@ -97,13 +98,16 @@ def cache_form(config: MaxTextConfig, mixer: str, kind: LayerKind | None = None)
     return "mla_naive" if config.mla_naive_kvcache else "mla_latent"
   if mixer == "mla_sparse":  # MLA's cache plus the lightning indexer's keys
     return cache_form(config, "mla") + INDEXED
+  if mixer == "compressed" and kind is not None:  # DeepSeek V4: its window ring, and with a compress rate its compressed stream
+    return f"{COMPRESSED}{kind.compress}" + (INDEXED if kind.variant == "compressed_sparse_attention" else "")
   raise ValueError(f"no decode cache form for token mixer {mixer!r}")
 
 
 def layout(config: MaxTextConfig, max_length: int | None = None) -> Layout:
   stacks = []
   for stack in layer_pattern.stacks(registry.get(config.decoder_block).kinds(config)):
-    p = layer_pattern.decode_period(stack) if config.scan_layers else 0
+    listed = stack.period > 1 and stack.name != layer_pattern.MAIN_STACK  # a prefix of several structures runs unscanned
+    p = layer_pattern.decode_period(stack) if config.scan_layers and not listed else 0
     forms = tuple(cache_form(config, k.mixer, k) for k in stack.kinds)
     stacks.append(Stack(stack.name, stack.windows, p, len(stack.kinds) // p if p else 0, forms, stack))
   forms = {f for s in stacks for f in s.forms}
@@ -113,6 +117,8 @@ def layout(config: MaxTextConfig, max_length: int | None = None) -> Layout:
 def layer_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: int, form: str) -> dict[str, tuple[int, ...]]:
   """One layer's cache buffers and their [B, K, T, D] shapes."""
   c, slots = config, lay.slots(window)
+  if form.startswith(COMPRESSED):
+    return compressed_shapes(config, lay, batch, window, form)
   if form.endswith(INDEXED):
     return {**layer_shapes(config, lay, batch, window, form.removesuffix(INDEXED)), "index_key": (batch, 1, slots, c.indexer_head_dim)}
   if form == "gdn_state":
@@ -131,6 +137,30 @@ def layer_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: int, fo
   if c.quantize_kvcache:
     scale = (batch, heads if c.kv_quant_axis == "dkv" else 1, slots, 1)
     shapes.update(key_scale=scale, value_scale=scale)
+  return shapes
+
+
+def _compressed_rate(form: str) -> tuple[int, bool]:
+  """A DeepSeek V4 form -> (its compress rate, 0 for sliding only; whether it is CSA: overlapping, with the indexer)."""
+  return int(form.removeprefix(COMPRESSED).removesuffix(INDEXED)), form.endswith(INDEXED)
+
+
+def compressed_shapes(config: MaxTextConfig, lay: Layout, batch: int, window: int, form: str) -> dict[str, tuple[int, ...]]:
+  """A DeepSeek V4 layer's buffers: 'kv', the ring of its window's keys-and-values [B, 1, window, head_dim]; with a
+  compress rate m, 'entries' [B, 1, max_length // m, head_dim] and the projections of the tokens whose window may not
+  be pooled yet, 'comp_kv' and 'comp_gate' [B, 1, m (CSA: 2 m), head_dim (CSA: 2 head_dim)]; CSA adds its indexer's
+  'index_entries' and 'index_kv', 'index_gate' at indexer_head_dim."""
+  c = config
+  rate, csa = _compressed_rate(form)
+  shapes = {"kv": (batch, 1, lay.slots(window), c.head_dim)}
+  if rate:
+    ring, wide = (2 * rate, 2) if csa else (rate, 1)
+    shapes.update(
+      comp_kv=(batch, 1, ring, wide * c.head_dim), comp_gate=(batch, 1, ring, wide * c.head_dim), entries=(batch, 1, lay.max_length // rate, c.head_dim)
+    )
+  if csa:
+    d = c.indexer_head_dim
+    shapes.update(index_kv=(batch, 1, 2 * rate, 2 * d), index_gate=(batch, 1, 2 * rate, 2 * d), index_entries=(batch, 1, lay.max_length // rate, d))
   return shapes
 
 
@@ -233,6 +263,9 @@ def theoretical_bytes(config: MaxTextConfig, batch: int, lay: Layout, form: str 
   """batch x sum over layers of slots x bits_per_slot of the layer's form / 8 (form: another cache form for the MLA
   layers, e.g. MLA's naive)."""
   forms = [(form + (INDEXED if f.endswith(INDEXED) else "")) if form and f.startswith("mla") else f for f in lay.forms]
+  if any(f.startswith(COMPRESSED) for f in forms):  # DeepSeek V4: the buffers' own sizes (a window ring, entries, projections)
+    per_value = bits(dtype(config.dtype))
+    return sum(int(np.prod(shape)) for w, f in zip(lay.windows, forms) for shape in compressed_shapes(config, lay, batch, w, f).values()) * per_value // 8
   return batch * sum(lay.slots(w) * bits_per_slot(config, f) + state_bits(config, f) for w, f in zip(lay.windows, forms)) // 8
 
 
@@ -249,6 +282,8 @@ def describe(config: MaxTextConfig, batch: int, lay: Layout) -> str:
   """The KV cache size line: bytes, per-token values, for MLA the naive form's size beside the compressed one, and
   the part of linear-attention layers' fixed-size states."""
   size = theoretical_bytes(config, batch, lay)
+  if any(f.startswith(COMPRESSED) for f in lay.forms):
+    return _describe_compressed(config, batch, lay, size)
   growing = [f for f in dict.fromkeys(lay.forms) if f not in ("gdn_state", "kv_shared")] or ["gdn_state"]
   per_layer = "/".join(f"{values_per_slot(config, f):,}" for f in growing)
   line = (
@@ -267,3 +302,17 @@ def describe(config: MaxTextConfig, batch: int, lay: Layout) -> str:
     naive = theoretical_bytes(config, batch, lay, "mla_naive")
     line += f"; per-head keys and values (mla_naive_kvcache=true) would take {naive / 2**20:,.2f} MiB ({naive / size:.1f}x)"
   return line
+
+
+def _describe_compressed(config: MaxTextConfig, batch: int, lay: Layout, size: int) -> str:
+  """DeepSeek V4's KV cache line: its size, against a dense cache of one head_dim key-and-value per token and layer (as
+  MLA's latent cache holds every token: what V4's sliding window and compression save)."""
+  c = config
+  dense = batch * lay.max_length * len(lay.windows) * c.head_dim * bits(dtype(c.dtype)) // 8
+  rates = sorted({_compressed_rate(f)[0] for f in lay.forms} - {0})
+  return (
+    f"KV cache: {size / 2**20:,.2f} MiB for batch {batch} x {lay.max_length} tokens over {len(lay.windows)} layers "
+    f"(DeepSeek V4: a {c.sliding_window_size}-token window per layer, compressed entries every {'/'.join(map(str, rates))} tokens, "
+    f"{dtype(c.dtype).name}); a dense cache of every token's {c.head_dim}-value key-and-value (as MLA's) would take {dense / 2**20:,.2f} MiB "
+    f"({dense / size:.1f}x)"
+  )

@@ -11,6 +11,7 @@ from flax import nnx
 from maxtext.inference.cache_layout import DecodeCache, Layout, Stack
 from maxtext.inference.kv_cache import LayerCache
 from maxtext.layers.residual import collapse_streams
+from maxtext.models import layer_pattern
 from maxtext.models.decoder import Transformer
 from maxtext.vision.qwen3_vl_encoder import deepstack_add
 
@@ -51,6 +52,8 @@ def hidden_states(
   deep = extras.get("deepstack")
   image_ids = model.image_ids(tokens, images)
   per_layer = model.per_layer_inputs(tokens)  # [layers, B, S, P] (Gemma 4) or None
+  if model.hashed:  # hash-routed layers pick experts by token id (DeepSeek V4)
+    rot["token_ids"] = tokens
 
   def run(layer, h, window: int, buffers: dict[str, jax.Array], kind=None, shared=None, per_layer_input=None):
     """One layer over its cache -> (h, its updated buffers). shared (a stack with KV-shared layers): window -> the
@@ -86,7 +89,7 @@ def hidden_states(
     x, s, t = _run_stack(model, stack, x, scan_cache, tail_cache, run, mine, after)
     scanned.append(s)
     tails.append(t)
-  hidden = model.final_norm(collapse_streams(x, model.specs.residual))
+  hidden = model.final_norm(model.hyper_head(x) if model.hyper_head is not None else collapse_streams(x, model.specs.residual))
   return hidden, DecodeCache(tuple(scanned), tuple(tails), cache.lengths + new_lengths)
 
 
@@ -134,7 +137,8 @@ class _LayerSource:
   def __init__(self, model: Transformer, stack: Stack):
     layers = getattr(model, stack.name)
     self.pattern = stack.pattern
-    self.listed = None if model.spec.scan_layers else layers
+    listed = not model.spec.scan_layers or (self.pattern is not None and self.pattern.period > 1 and stack.name != layer_pattern.MAIN_STACK)
+    self.listed = layers if listed else None  # unscanned, or a prefix of several structures (maxtext.models.decoder)
     self.block = self.pattern.period if self.listed is None else 1
     self.parts = [] if self.listed is not None else [nnx.split(m) for m in layers] if self.block > 1 else [nnx.split(layers)]
     self.remainder = model.layers_remainder

@@ -37,6 +37,7 @@ AXES = {
   "latent": LATENT_AXES,
   "index_key": LATENT_AXES,
   **STATE_AXES,
+  **{name: LATENT_AXES for name in ("kv", "entries", "comp_kv", "comp_gate", "index_entries", "index_kv", "index_gate")},  # DeepSeek V4's
 }  # index_key: DeepSeek Sparse Attention's indexer keys
 KV_QMAX = {"int8": 127.0, "int4": 7.0}
 PACKED_INT4 = jnp.dtype(jnp.uint8)  # a cache buffer of this dtype holds int4 values, two per byte along D
@@ -127,6 +128,15 @@ class LayerCache:
     if window:  # a sliding window (> 0) or minus a chunk (< 0): xla_attention.span_mask
       mask &= span_mask(q_pos, kv_pos, window)
     return dataclasses.replace(self, arrays=kept), attended, mask
+
+  def held_positions(self, new: int) -> jax.Array:
+    """The position of each entry `update` returned to attend over [B, T'] (-1: empty slot or padding), for S = new
+    tokens: a decode step's updated slots, or a prefill's old slots then its new tokens."""
+    size = next(iter(self.arrays.values())).shape[2]
+    if new == 1:
+      return slot_positions(self.lengths + self.new_lengths, size)
+    fresh = self.lengths[:, None] + jnp.arange(new, dtype=self.lengths.dtype)
+    return jnp.concatenate([slot_positions(self.lengths, size), jnp.where(jnp.arange(new) < self.new_lengths[:, None], fresh, -1)], axis=1)
 
   def attend(
     self,

@@ -21,18 +21,23 @@ windows, queries RoPE(c W_qI), weights x W_w / sqrt(heads)) scores sum_h w_h rel
 the index_topk visible entries per query. Compressed layers rotate with compress_rope (V4: theta 160000, YaRN);
 sliding ones with rope. Rotary pairs are interleaved (x[2i], x[2i+1]) and stay in place.
 
-This is the whole-sequence form (training, prefill): positions start at 0 and a window that is not full yet gives
-no entry.
+The whole-sequence form (`__call__`: training) starts at position 0; a window that is not full yet gives no entry.
+Decoding (`extend`: a prefill or a decode step over the layer's cache) keeps V4's compressed cache: a ring of the last
+`window` keys-and-values, the entries pooled so far, and the projections of the last rate (HCA) or 2 rate (CSA, whose
+entry also reads the window before) tokens, from which each window's entry is pooled once its last token arrives;
+CSA keeps its indexer's entries and projections the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtext.layers import matmul
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.rope import RopeSpec, layer_frequencies
@@ -111,23 +116,36 @@ class Compressor(nnx.Module):
     self.position_bias = nnx.Param(jnp.zeros((rate, width), jnp.float32), logical_axes=(None, "kv"))
     self.norm = RMSNorm(dim, eps, dtype=policy.dtypes.compute, weight_dtype=jnp.float32, logical_axis="kv")
 
+  def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, S, E] -> each token's (kv, gate) [B, S, width], what a decode cache keeps of the windows not pooled yet."""
+    return self.wkv(x), self.wgate(x)
+
+  def pool(self, kv: jax.Array, gate: jax.Array, previous: tuple[jax.Array, jax.Array] | None, windows: jax.Array, inv_freq, scale: float) -> jax.Array:
+    """The entries of windows [B, n] from their tokens' projections kv, gate [B, n, rate, width] (overlapping: and
+    previous, the (kv, gate) of each window before them; window 0 has none) -> [B, n, dim], rotated at w rate."""
+    d = self.dim
+    bias = self.position_bias[...]
+    gate = gate.astype(jnp.float32) + bias
+    if self.overlapping:  # slots: window w-1's first half-features (none for w = 0), then window w's second half
+      first = (windows == 0)[..., None, None]
+      previous_kv = jnp.where(first, jnp.zeros((), kv.dtype), previous[0][..., :d].astype(kv.dtype))
+      previous_gate = jnp.where(first, -jnp.inf, previous[1].astype(jnp.float32)[..., :d] + bias[:, :d])
+      kv = jnp.concatenate([previous_kv, kv[..., d:]], axis=2)
+      gate = jnp.concatenate([previous_gate, gate[..., d:]], axis=2)
+    pooled = jnp.sum(kv.astype(jnp.float32) * jax.nn.softmax(gate, axis=2), axis=2).astype(kv.dtype)
+    return rotate_interleaved(self.norm(pooled), windows * self.rate, inv_freq, scale)
+
   def __call__(self, x: jax.Array, inv_freq, scale: float) -> jax.Array:
     """x [B, S, E] -> entries [B, S // rate, dim]."""
     b, s, _ = x.shape
     n, m, d = s // self.rate, self.rate, self.dim
     if n == 0:  # no full window yet
       return jnp.zeros((b, 0, d), x.dtype)
-    width = self.position_bias[...].shape[-1]
-    kv = self.wkv(x[:, : n * m]).reshape(b, n, m, width)
-    gate = self.wgate(x[:, : n * m]).astype(jnp.float32).reshape(b, n, m, width) + self.position_bias[...]
-    if self.overlapping:  # slots: window w-1's first half-features (none for w = 0), then window w's second half
-      previous_kv = jnp.pad(kv[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)))
-      previous_gate = jnp.pad(gate[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
-      kv = jnp.concatenate([previous_kv, kv[..., d:]], axis=2)
-      gate = jnp.concatenate([previous_gate, gate[..., d:]], axis=2)
-    pooled = jnp.sum(kv.astype(jnp.float32) * jax.nn.softmax(gate, axis=2), axis=2).astype(kv.dtype)
-    positions = jnp.broadcast_to(jnp.arange(n) * m, (b, n))
-    return rotate_interleaved(self.norm(pooled), positions, inv_freq, scale)
+    kv, gate = (y.reshape(b, n, m, -1) for y in self.project(x[:, : n * m]))
+    previous = None
+    if self.overlapping:
+      previous = tuple(jnp.pad(y[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0))) for y in (kv, gate))
+    return self.pool(kv, gate, previous, jnp.broadcast_to(jnp.arange(n), (b, n)), inv_freq, scale)
 
 
 class Indexer(nnx.Module):
@@ -142,8 +160,12 @@ class Indexer(nnx.Module):
 
   def __call__(self, x: jax.Array, latent: jax.Array, positions: jax.Array, visible: jax.Array, inv_freq, scale: float) -> jax.Array:
     """-> the selected entries [B, S, W] (bool), a subset of visible [B, S, W]."""
+    return self.select(x, latent, positions, self.compressor(x, inv_freq, scale), visible, inv_freq, scale)
+
+  def select(self, x: jax.Array, latent: jax.Array, positions: jax.Array, keys: jax.Array, visible: jax.Array, inv_freq, scale: float) -> jax.Array:
+    """The index_topk best of the visible [B, S, W] entries by the index keys [B, W, d] -> [B, S, W] (bool)."""
     s = self.spec
-    keys = self.compressor(x, inv_freq, scale).astype(jnp.float32)  # [B, W, d]
+    keys = keys.astype(jnp.float32)
     q = rotate_interleaved(self.wq_b(latent), positions, inv_freq, scale).astype(jnp.float32)  # [B, S, h, d]
     hp = jax.lax.Precision.HIGHEST
     scores = jax.nn.relu(jnp.einsum("bshd,bwd->bshw", q, keys, precision=hp)) * s.index_head_dim**-0.5
@@ -198,12 +220,73 @@ class CompressedAttention(nnx.Module):
         visible = self.indexer(x, latent, positions, visible, inv_freq, scale)
       keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
       mask = jnp.concatenate([mask, visible], axis=-1)
-    logits = jnp.einsum("bshd,btd->bhst", q, keys, precision=self.precision, preferred_element_type=jnp.float32) * s.head_dim**-0.5
+    return self._attend(q, keys, mask, positions)
+
+  def _attend(self, q: jax.Array, keys: jax.Array, mask: jax.Array, positions: jax.Array) -> jax.Array:
+    """Queries q [B, S, H, D] over the shared keys-and-values keys [B, T, D] where mask [B, S, T] allows, with the
+    sinks; the values' rotation undone, then the grouped output projection -> [B, S, E]."""
+    s = self.spec
+    inv_freq, scale = self.rope()
+    logits = matmul.einsum("bshd,btd->bhst", q, keys, dtype=self.dtype, precision=self.precision, out_dtype=jnp.float32) * s.head_dim**-0.5
     logits = jnp.where(mask[:, None], logits, NEG_INF)
     sinks = jnp.broadcast_to(self.sinks[...].astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
     probs = jax.nn.softmax(jnp.concatenate([logits, sinks], axis=-1), axis=-1)[..., :-1]
-    out = jnp.einsum("bhst,btd->bshd", probs.astype(keys.dtype), keys, precision=self.precision, preferred_element_type=jnp.float32)
+    out = matmul.einsum("bhst,btd->bshd", probs, keys, dtype=self.dtype, precision=self.precision, out_dtype=jnp.float32)
     out = rotate_interleaved(out.astype(self.dtype), positions, inv_freq, scale, inverse=True)
     grouped = out.reshape(*out.shape[:2], s.o_groups, -1)  # [B, S, G, H D / G]
     low = jnp.einsum("bsgi,gir->bsgr", grouped, self.wo_a.kernel[...].astype(self.dtype), precision=self.precision)
     return self.wo_b(low)
+
+  def extend(self, x: jax.Array, positions: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+    """x [B, S, E] at positions cache.lengths + 0.. (a prefill or a decode step) over the layer's compressed cache, a
+    maxtext.inference.kv_cache.LayerCache (buffers 'kv' [B, 1, window, D]; compressed layers 'comp_kv', 'comp_gate'
+    [B, 1, R, width] and 'entries' [B, 1, max_length // rate, D]; CSA also 'index_kv', 'index_gate',
+    'index_entries') -> (y [B, S, E], updated cache)."""
+    s = self.spec
+    inv_freq, scale = self.rope()
+    latent = self.q_norm(self.wq_a(x))
+    q = rotate_interleaved(_unit_rms(self.wq_b(latent), s.epsilon), positions, inv_freq, scale)
+    kv = rotate_interleaved(self.kv_norm(self.wkv(x)), positions, inv_freq, scale)
+    arrays = dict(cache.arrays)
+    window, attended, mask = dataclasses.replace(cache, arrays={"kv": arrays["kv"]}).update({"kv": kv[:, None]}, (), s.window)
+    arrays["kv"], keys = window.arrays["kv"], attended["kv"][:, 0]
+    if self.compressor is not None:
+      entries = self._pool_new_windows(self.compressor, x, cache, arrays, "comp", "entries", inv_freq, scale)
+      visible = jnp.arange(entries.shape[1])[None, None, :] < ((positions + 1) // s.compress_rate)[:, :, None]
+      if self.indexer is not None:
+        index_keys = self._pool_new_windows(self.indexer.compressor, x, cache, arrays, "index", "index_entries", inv_freq, scale)
+        visible = self.indexer.select(x, latent, positions, index_keys, visible, inv_freq, scale)
+      keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)
+      mask = jnp.concatenate([mask, visible], axis=-1)
+    return self._attend(q, keys, mask, positions), dataclasses.replace(cache, arrays=arrays)
+
+  @staticmethod
+  def _pool_new_windows(compressor: Compressor, x: jax.Array, cache: Any, arrays: dict, ring: str, name: str, inv_freq, scale: float) -> jax.Array:
+    """Keep the new tokens' projections in the ring arrays[ring + '_kv' / '_gate'], pool every window whose last token
+    is among them into arrays[name] [B, 1, W, d] (both updated in place) -> the entries [B, W, d]."""
+    b, new = x.shape[:2]
+    m = compressor.rate
+    kv_name, gate_name = f"{ring}_kv", f"{ring}_gate"
+    kv_new, gate_new = compressor.project(x)
+    projections = dataclasses.replace(cache, arrays={kv_name: arrays[kv_name], gate_name: arrays[gate_name]})
+    kept, attended, _ = projections.update({kv_name: kv_new[:, None], gate_name: gate_new[:, None]}, ())
+    arrays.update(kept.arrays)
+    held = projections.held_positions(new)
+    total = cache.lengths + cache.new_lengths
+    windows = cache.lengths[:, None] // m + jnp.arange(new // m + 1, dtype=cache.lengths.dtype)  # [B, K]: the windows that may close now
+    closed = ((windows + 1) * m <= total[:, None]) & ((windows + 1) * m > cache.lengths[:, None])
+
+    def gather(first: jax.Array) -> tuple[jax.Array, jax.Array]:  # the tokens of windows starting at first [B, K] -> [B, K, m, width]
+      wanted = first[..., None] + jnp.arange(m)
+      index = jnp.argmax(held[:, None, None, :] == wanted[..., None], axis=-1).reshape(b, -1, 1)
+      return tuple(jnp.take_along_axis(attended[k][:, 0], index, axis=1).reshape(*wanted.shape, -1) for k in (kv_name, gate_name))
+
+    kv, gate = gather(windows * m)
+    previous = gather((windows - 1) * m) if compressor.overlapping else None
+    pooled = compressor.pool(kv, gate, previous, windows, inv_freq, scale)  # [B, K, d]
+    stored = arrays[name][:, 0]
+    hit = (jnp.arange(stored.shape[1])[None, None, :] == windows[..., None]) & closed[..., None]  # [B, K, W]
+    chosen = jnp.take_along_axis(pooled, jnp.argmax(hit, axis=1)[..., None], axis=1)
+    stored = jnp.where(jnp.any(hit, axis=1)[..., None], chosen.astype(stored.dtype), stored)
+    arrays[name] = stored[:, None]
+    return stored

@@ -165,17 +165,26 @@ def bias_update(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
   return bias + rate * jnp.sign(mean - load).astype(bias.dtype)
 
 
-def update_routing_biases(other: nnx.State, load: jax.Array, rate: float, scanned: bool) -> nnx.State:
+def update_routing_biases(other: nnx.State, load: jax.Array, rate: float, scanned: bool, slots: list[tuple[str, int | None]] | None = None) -> nnx.State:
   """Apply bias_update (routed_bias_update_rate `rate`) to the routing bias of every main-model MoE layer in a
   non-Param state; scanned: the layers are stacked (scan_layers).
 
   load [MoE layers, num_experts] is what the step's forward pass routed, in the order of the stacks 'layers' then
-  'layers_outside_pipeline' (the multi-token-prediction modules' biases are left as they are).
+  'layers_outside_pipeline' (the multi-token-prediction modules' biases are left as they are); with slots (each
+  MoE layer's parameter prefix and stacked index, maxtext.models.layer_pattern.parameter_slots), in layer order.
   """
+  rows: dict[str, list[tuple[int | None, int]]] = {}  # parameter prefix -> (stacked index, load row) of its layers
+  for row, (prefix, index) in enumerate(slots or ()):
+    rows.setdefault(prefix, []).append((index, row))
   leaves = []
   for path, var in nnx.to_flat_state(other):
     keys = [str(p) for p in path]
-    if keys[0] in ("layers", "layers_outside_pipeline") and keys[-1] == "routed_bias":
+    prefix = "/".join(keys[:-2])
+    if slots is not None and keys[-1] == "routed_bias" and prefix in rows:
+      order = [row for _, row in rows[prefix]]  # layer order: the stacked index increases with it
+      layer_load = load[order[0]] if rows[prefix][0][0] is None else load[jnp.asarray(order)]
+      var = var.replace(bias_update(var[...], layer_load, rate))
+    elif slots is None and keys[0] in ("layers", "layers_outside_pipeline") and keys[-1] == "routed_bias":
       n = var[...].shape[0]
       layer_load = (load[:n] if keys[0] == "layers" else load[-n:]) if scanned else load[int(keys[1])]
       var = var.replace(bias_update(var[...], layer_load, rate))

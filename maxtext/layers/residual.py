@@ -27,6 +27,8 @@ class ResidualSpec:
   emb_dim: int
   streams: int = 1  # mhc_expansion_rate: 1 is the plain residual, n > 1 mHC over n streams
   sinkhorn_iterations: int = 20  # mHC: rounds making H_res doubly stochastic
+  hc_eps: float | None = None  # a number: DeepSeek V4's mHC form (maxtext.layers.mhc) and its learned collapse (HyperHead)
+  norm_eps: float = mhc.NORM_EPS  # the mHC RMSNorm's epsilon
 
 
 class Residual(nnx.Module):
@@ -40,7 +42,14 @@ def make_connection(spec: ResidualSpec, dtypes: Dtypes) -> nnx.Module:
   """The connection each sub-block uses (mHC init is deterministic: it draws no random keys)."""
   if spec.streams == 1:
     return Residual()
-  return mhc.HyperConnection(spec.streams, spec.emb_dim, spec.sinkhorn_iterations, weight_dtype=dtypes.params)
+  return mhc.HyperConnection(spec.streams, spec.emb_dim, spec.sinkhorn_iterations, weight_dtype=dtypes.params, hc_eps=spec.hc_eps, norm_eps=spec.norm_eps)
+
+
+def make_head(spec: ResidualSpec, dtypes: Dtypes) -> nnx.Module | None:
+  """DeepSeek V4's learned collapse of the streams before the final norm (hc_eps set, n > 1), else None (the mean)."""
+  if spec.streams == 1 or spec.hc_eps is None:
+    return None
+  return mhc.HyperHead(spec.streams, spec.emb_dim, weight_dtype=dtypes.params, hc_eps=spec.hc_eps, norm_eps=spec.norm_eps)
 
 
 def expand_streams(x: jax.Array, spec: ResidualSpec) -> jax.Array:

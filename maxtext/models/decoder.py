@@ -18,7 +18,7 @@ from maxtext.layers.embed import Embed
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.norms import RMSNorm
 from maxtext.layers.output_head import OutputHead
-from maxtext.layers.residual import collapse_streams, expand_streams
+from maxtext.layers.residual import collapse_streams, expand_streams, make_head
 from maxtext.layers.sharding import constrain
 from maxtext.models import layer_pattern, pipeline, remat
 from maxtext.models.decoder_layer import DecoderLayer, LayerSpec
@@ -99,7 +99,7 @@ class Transformer(nnx.Module):
     built: dict[str, Any] = {}
     for stack in self.stacks:
       stack_specs = s.layers[stack.start : stack.start + len(stack.kinds)]
-      if not c.scan_layers:
+      if not c.scan_layers or (stack.period > 1 and stack.name != layer_pattern.MAIN_STACK):  # a prefix of several structures: unscanned
         built[stack.name] = nnx.List([DecoderLayer(spec, policy=policy, rngs=rngs) for spec in stack_specs])
       elif stack.period > 1:
         plan = s.pipeline.plan if stack.name == layer_pattern.MAIN_STACK and s.pipeline is not None else None  # units: whole groups
@@ -112,6 +112,8 @@ class Transformer(nnx.Module):
     self.layers = built[layer_pattern.MAIN_STACK]
     self.layers_outside_pipeline = built.get("layers_outside_pipeline")  # no pipeline without scanned layers
     self.layers_remainder = built.get(layer_pattern.REMAINDER)  # a block stack's layers after its last whole group (a prefix has one structure)
+    self.hashed = any(k.ffn == "moe_hash" for k in s.kinds)  # hash-routed layers read the token ids (DeepSeek V4)
+    self.hyper_head = make_head(s.residual, policy.dtypes)  # DeepSeek V4's learned collapse of the mHC streams, or None
     self.final_norm = RMSNorm.of(c.emb_dim, s.norm, policy.dtypes)
     # The output kernel stays in weight_dtype; quantize_logits_proj quantizes its product (output_head).
     self.output = None if c.logits_via_embedding else DenseGeneral((c.emb_dim,), (c.vocab_size,), ("embed", "vocab"), **{**kw, "quant": None})
@@ -198,6 +200,7 @@ class Transformer(nnx.Module):
     kinds: tuple | None = None,
     extras: dict[str, jax.Array] | None = None,
     start: int = 0,
+    token_ids: jax.Array | None = None,
   ):
     """A stack (scanned; stacked defaults to scan_layers) or list of layers over x -> (x, per-layer MoE statistics
     stacked on a leading axis).
@@ -207,7 +210,7 @@ class Transformer(nnx.Module):
     instead (decoding does, for its per-layer caches) measured far more TPU memory in training: XLA copied each
     group position's slice of every stacked weight out of the loop (benchmarks/README.md).
     extras: multimodal_inputs' (Qwen3-VL); its DeepStack features are added after the model's layers 0, 1, ...
-    (the stack's layer i is model layer start + i).
+    (the stack's layer i is model layer start + i). token_ids: the tokens, for hash-routed layers (or None).
     """
     c = self.spec
     stacked = c.scan_layers if stacked is None else stacked
@@ -216,6 +219,8 @@ class Transformer(nnx.Module):
     images = {} if image_ids is None else {"image_ids": image_ids}
     if "rope_positions" in extras:
       images["rope_positions"] = extras["rope_positions"]
+    if token_ids is not None:
+      images["token_ids"] = token_ids
     deep = extras.get("deepstack")
 
     def layer_fn(graphdef: nnx.GraphDef, layer_state: Any, h: jax.Array, window: int | jax.Array, extra: dict, return_kv: bool = False):
@@ -266,12 +271,14 @@ class Transformer(nnx.Module):
     image_ids: jax.Array | None = None,
     per_layer: jax.Array | None = None,
     extras: dict[str, jax.Array] | None = None,
+    token_ids: jax.Array | None = None,
   ):
     """One of the pattern's stacks over x -> (x, per-layer MoE statistics, bottom to top). per_layer: every model
     layer's per-layer input [layers, B, S, P] (Gemma 4) or None. extras: multimodal_inputs' (Qwen3-VL)."""
     layers = getattr(self, stack.name)
     mine = None if per_layer is None else per_layer[stack.start : stack.start + len(stack.kinds)]
-    if not self.spec.scan_layers or stack.period == 1:
+    listed = stack.period > 1 and stack.name != layer_pattern.MAIN_STACK  # a prefix of several structures runs unscanned
+    if not self.spec.scan_layers or stack.period == 1 or listed:
       return self._run_layers(
         layers,
         x,
@@ -279,18 +286,22 @@ class Transformer(nnx.Module):
         segment_ids,
         list(stack.windows),
         adapter_ids,
+        stacked=self.spec.scan_layers and not listed,
         per_layer=mine,
         kinds=stack.kinds,
         image_ids=image_ids,
         extras=extras,
         start=stack.start,
+        token_ids=token_ids,
       )
     if extras:
       raise ConfigError(
         f"decoder_block={self.spec.decoder_block} repeats a block of different layers, which Qwen3-VL's images do not run through; use qwen3 or qwen3_moe"
       )
     whole = stack.num_groups * stack.period
-    x, stats = self._run_block(stack, layers, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=None if mine is None else mine[:whole])
+    x, stats = self._run_block(
+      stack, layers, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=None if mine is None else mine[:whole], token_ids=token_ids
+    )
     rest = self.layers_remainder
     if rest is None:
       return x, stats
@@ -304,6 +315,7 @@ class Transformer(nnx.Module):
       stacked=False,
       per_layer=None if mine is None else mine[whole:],
       image_ids=image_ids,
+      token_ids=token_ids,
     )
     return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, after)
 
@@ -317,6 +329,7 @@ class Transformer(nnx.Module):
     adapter_ids: jax.Array | None,
     image_ids: jax.Array | None = None,
     per_layer: jax.Array | None = None,
+    token_ids: jax.Array | None = None,
   ):
     """A repeating block of p layers of different structures (p stacks of num_groups layers each), scanned group by
     group -> (x, per-layer statistics of the whole groups, in layer order). A block position whose window is the same
@@ -327,6 +340,8 @@ class Transformer(nnx.Module):
     windows = np.asarray(stack.windows[: g * p], np.int32).reshape(g, p)
     static = [int(windows[0, j]) if len(set(windows[:, j].tolist())) == 1 else None for j in range(p)]
     images = {} if image_ids is None else {"image_ids": image_ids}
+    if token_ids is not None:
+      images["token_ids"] = token_ids
 
     # KV sharing: a stack with KV-shared layers never repeats (p = all its layers, one group), so each shared layer
     # finds its source's keys and values within the group.
@@ -389,13 +404,20 @@ class Transformer(nnx.Module):
     *prefix, main = self.stacks
     windows = list(main.windows)
     lb = indexer = jnp.zeros((), jnp.float32)
+    token_ids = tokens if self.hashed else None
+    prefix_dropped, prefix_loads = 0, []  # the load of a prefix with experts (DeepSeek V4's hash-routed layers; DeepSeek V3's are dense)
     for stack in prefix:
-      x, dense_stats = self._run_stack(stack, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=per_layer, extras=extras)
+      x, dense_stats = self._run_stack(
+        stack, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=per_layer, extras=extras, token_ids=token_ids
+      )
       lb = lb + jnp.sum(dense_stats["lb_loss"])
       indexer = indexer + jnp.sum(dense_stats["indexer_loss"])
+      if any(k.ffn != "dense" for k in stack.kinds):
+        prefix_loads.append(dense_stats["load"])
+        prefix_dropped = prefix_dropped + jnp.sum(dense_stats["dropped"])
     schedule = self.specs.pipeline
     if schedule is None:
-      x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=per_layer, extras=extras)
+      x, stats = self._run_stack(main, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=per_layer, extras=extras, token_ids=token_ids)
     else:
       piped = schedule.plan.layers * schedule.plan.period
       x, stats = schedule(self.layers, x, positions, segment_ids, adapter_ids, windows[:piped], self.policy)
@@ -405,11 +427,12 @@ class Transformer(nnx.Module):
       if self.layers_outside_pipeline is not None:
         x, after = self._run_layers(self.layers_outside_pipeline, x, positions, segment_ids, windows[piped:], adapter_ids)
         stats = {k: jnp.concatenate([stats[k], after[k]]) for k in ("lb_loss", "dropped", "load", "indexer_loss")}
-    x = collapse_streams(x, self.specs.residual)
+    x = self.hyper_head(x) if self.hyper_head is not None else collapse_streams(x, self.specs.residual)
     hidden = self.final_norm(x)
     lb = (lb + jnp.sum(stats["lb_loss"])) * (c.load_balance_loss_weight / c.num_decoder_layers)
     indexer = (indexer + jnp.sum(stats["indexer_loss"])) / c.num_decoder_layers
-    return hidden, x, {"lb_loss": lb, "dropped": jnp.sum(stats["dropped"]), "load": stats["load"], "indexer_loss": indexer}
+    load = jnp.concatenate([*prefix_loads, stats["load"]]) if prefix_loads else stats["load"]
+    return hidden, x, {"lb_loss": lb, "dropped": prefix_dropped + jnp.sum(stats["dropped"]), "load": load, "indexer_loss": indexer}
 
   def output_head(self) -> OutputHead:
     """The map from final hidden states to logits: the output kernel, or the embedding table when tied."""

@@ -11,6 +11,7 @@ from flax import nnx
 
 from maxtext.layers import lora
 from maxtext.layers.attention import Attention, AttentionSpec
+from maxtext.layers.compressed_attention import CompressedAttention, CompressedAttentionSpec
 from maxtext.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetSpec, GatedDeltaNetState
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.lora import LoRASpec
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 MODULES: dict[type, type[nnx.Module]] = {
   AttentionSpec: Attention,
+  CompressedAttentionSpec: CompressedAttention,
   MLASpec: MLA,
   SparseMLASpec: SparseMLA,
   GatedDeltaNetSpec: GatedDeltaNet,
@@ -112,6 +114,7 @@ class DecoderLayer(nnx.Module):
     shared_kv: tuple[jax.Array, jax.Array] | None = None,
     return_kv: bool = False,
     rope_positions: jax.Array | None = None,
+    token_ids: jax.Array | None = None,
   ) -> tuple:
     """x: residual stream state -> (new state, MoE statistics of this layer: lb_loss, dropped, load; zeros if dense;
     indexer_loss: a sparse MLA's weighted indexer KL summed over its query tokens, else 0);
@@ -119,7 +122,8 @@ class DecoderLayer(nnx.Module):
     when the layer holds several adapters (None: slot 0). per_layer_input [B, S, P]: this layer's per-layer input
     (Gemma 4). shared_kv: the keys and values a KV-shared layer attends with; return_kv: (..., (keys, values)) of
     this layer, for the layers that share them. image_ids [B, S]: each token's image, 0 for text (Gemma 3's images
-    attend within themselves both ways). rope_positions [B, S, 3]: Qwen3-VL's multimodal rope positions (use_mrope)."""
+    attend within themselves both ways). rope_positions [B, S, 3]: Qwen3-VL's multimodal rope positions (use_mrope).
+    token_ids [B, S]: the input tokens, which pick a hash-routed MoE's experts (DeepSeek V4)."""
     rot = {} if rope_positions is None else {"rope_positions": rope_positions}
     aux = {**empty_stats(self.spec.num_experts), "indexer_loss": jnp.zeros((), jnp.float32)}
     kv = None
@@ -128,7 +132,12 @@ class DecoderLayer(nnx.Module):
       nonlocal cache, kv
       if self.pre_attention_norm is not None:
         h = self.pre_attention_norm(h)
-      if isinstance(self.attention, GatedDeltaNet):  # a linear mixer: no positions or window; its decode state is its cache
+      if isinstance(self.attention, CompressedAttention):  # DeepSeek V4: its window and compression are in its spec
+        if cache is None:
+          y = self.attention(h, positions)
+        else:
+          y, cache = self.attention.extend(h, positions, cache)
+      elif isinstance(self.attention, GatedDeltaNet):  # a linear mixer: no positions or window; its decode state is its cache
         y = self._linear_mixer(h, segment_ids, cache, adapter_ids)
         if cache is not None:
           y, cache = y
@@ -156,7 +165,7 @@ class DecoderLayer(nnx.Module):
       h = self.pre_mlp_norm(h) if self.pre_mlp_norm is not None else h
       if isinstance(self.mlp, MoE):
         valid = segment_ids != 0 if segment_ids is not None else jnp.ones(h.shape[:2], bool)
-        y, stats = self.mlp(h, valid, adapter_ids, unnormed=unnormed)
+        y, stats = self.mlp(h, valid, adapter_ids, unnormed=unnormed, token_ids=token_ids)
         aux = {**stats, "indexer_loss": aux["indexer_loss"]}
       else:
         y = self.mlp(h, adapter_ids)

@@ -14,8 +14,12 @@ from typing import Protocol
 
 # The token mixers a LayerKind may name (maxtext.models.specs.MIXERS builds each); mla_sparse: MLA over a lightning
 # indexer's top-k keys (DeepSeek V3.2).
-MIXERS = ("attention", "mla", "gated_deltanet", "mla_sparse")
-FEED_FORWARDS = ("dense", "moe", "moe_shared")  # the feed-forwards (maxtext.models.specs.FEED_FORWARDS builds each)
+# compressed: DeepSeek V4's attention over a sliding window plus, with a compress rate, compressed keys
+# (maxtext.layers.compressed_attention; the kind's variant is its Hugging Face layer type).
+MIXERS = ("attention", "mla", "gated_deltanet", "mla_sparse", "compressed")
+# the feed-forwards (maxtext.models.specs.FEED_FORWARDS builds each); moe_hash: experts fixed per token id (DeepSeek V4's
+# first layers) beside shared experts
+FEED_FORWARDS = ("dense", "moe", "moe_shared", "moe_hash")
 
 
 class LayerShape(Protocol):
@@ -31,6 +35,9 @@ class LayerShape(Protocol):
   interleave_moe_layer_step: int  # llama4
   nope_layer_interval: int  # llama4
   chunk_attn_window_size: int  # llama4
+  compress_ratios: list[int]  # deepseek4
+  csa_compress_ratio: int  # deepseek4
+  first_num_hash_layers: int  # deepseek4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,7 @@ class LayerKind:
   chunk: int = 0
   variant: str = ""  # a family's structural variant of the layer (gemma4: 'global', full attention with its own head dims and rope)
   kv_shared: bool = False  # attends with the keys and values of the last earlier unshared layer of the same window; no key/value projections
+  compress: int = 0  # a compressed mixer's compress rate (0: sliding window only); part of the structure (its compressor's shape)
 
   def __post_init__(self):
     if self.mixer not in MIXERS:
@@ -148,6 +156,20 @@ def gemma4_pattern(shape: LayerShape) -> tuple[LayerKind, ...]:
   return tuple(kind(i) for i in range(n))
 
 
+def deepseek4_pattern(shape: LayerShape) -> tuple[LayerKind, ...]:
+  """DeepSeek V4's pattern: layer i attends with compress rate compress_ratios[i] (0: sliding window only, sliding_attention;
+  csa_compress_ratio: compressed sparse attention with the indexer; any other: heavily compressed attention), every
+  layer within sliding_window_size; the first first_num_hash_layers layers route by token id (hash MoE), the rest
+  by score; shared experts beside both."""
+  ratios, csa, hashed = shape.compress_ratios, shape.csa_compress_ratio, shape.first_num_hash_layers
+
+  def kind(i: int, rate: int) -> LayerKind:
+    layer_type = "sliding_attention" if rate == 0 else "compressed_sparse_attention" if rate == csa else "heavily_compressed_attention"
+    return LayerKind("compressed", "moe_hash" if i < hashed else "moe_shared", shape.sliding_window_size, variant=layer_type, compress=rate)
+
+  return tuple(kind(i, rate) for i, rate in enumerate(ratios))
+
+
 POST_ONLY_HF_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}  # OLMo 2 and 3
 
 
@@ -181,6 +203,7 @@ class Family:
   experts_beside_dense_mlp: bool = (
     False  # Gemma 4: the experts run beside the layer's dense MLP (mlp_dim wide: the one shared expert), router and experts read the un-normed input
   )
+  deepseek4_keys: bool = False  # DeepSeek V4's keys apply: compress_ratios, o_groups, first_num_hash_layers, hc_eps, ... (its clamped SwiGLU, mHC form)
   split_linear_projections: bool = False  # Gated DeltaNet projects q|k|v, z, b, a apart (Qwen3.5), not fused per key head (Qwen3-Next)
 
   def kinds(self, shape: LayerShape) -> tuple[LayerKind, ...]:

@@ -56,10 +56,14 @@ class Stack:
 
 
 def stacks(kinds: tuple[LayerKind, ...]) -> tuple[Stack, ...]:
-  """The model's layer stacks, bottom to top."""
+  """The model's layer stacks, bottom to top. The prefix is the leading run of one structure that never recurs, and
+  after it each next layer whose structure never recurs either (DeepSeek V4's hash-routed first layers: two sliding
+  ones, then a compressed sparse one); a prefix of several structures runs layer by layer, unscanned."""
   structures = [k.structure for k in kinds]
   lead = next((i for i, s in enumerate(structures) if s != structures[0]), len(kinds))
   if 0 < lead < len(kinds) and structures[0] not in structures[lead:]:
+    while lead < len(kinds) - 1 and structures[lead] not in structures[lead + 1 :]:
+      lead += 1
     return Stack(PREFIX_STACK, 0, kinds[:lead]), Stack(MAIN_STACK, lead, kinds[lead:])
   return (Stack(MAIN_STACK, 0, kinds),)
 
@@ -70,3 +74,21 @@ def decode_period(stack: Stack) -> int:
   p, n = stack.period, len(stack.kinds)
   d = next(d for d in range(p, n + p, p) if all(k == stack.kinds[i % d] for i, k in enumerate(stack.kinds)))
   return d if d <= n else 0
+
+
+def parameter_slots(kinds: tuple[LayerKind, ...], scanned: bool) -> list[tuple[str, int | None]]:
+  """Where each layer's parameters sit, bottom to top: (path prefix, index on its stacked axis, or None when not
+  stacked): 'layers' (a uniform stack), 'layers/<j>' (block position j), 'layers_remainder/<i>', and '<stack>/<i>'
+  unscanned or for a prefix of several structures (which runs unscanned)."""
+  out: list[tuple[str, int | None]] = []
+  for stack in stacks(kinds):
+    listed = not scanned or (stack.period > 1 and stack.name != MAIN_STACK)
+    for i in range(len(stack.kinds)):
+      if listed:
+        out.append((f"{stack.name}/{i}", None))
+      elif stack.period == 1:
+        out.append((stack.name, i))
+      else:
+        j, index = stack.locate(i)
+        out.append((f"{stack.name}/{j}", index) if j is not None else (f"{REMAINDER}/{index}", None))
+  return out

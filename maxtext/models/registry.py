@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from maxtext.models.families import (
   deepseek,
+  deepseek4,
   deepseek_v32,
   gemma,
   gemma2,
@@ -41,6 +42,7 @@ FAMILIES: dict[str, Family] = {
     gpt_oss.FAMILY,
     deepseek.FAMILY,
     deepseek_v32.FAMILY,
+    deepseek4.FAMILY,
     qwen2.FAMILY,
     olmo3.FAMILY,
     llama4.FAMILY,

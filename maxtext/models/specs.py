@@ -23,6 +23,7 @@ from maxtext.errors import ConfigError
 from maxtext.layers import context_parallel
 from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers.attention import AttentionSpec
+from maxtext.layers.compressed_attention import CompressedAttentionSpec
 from maxtext.layers.gated_deltanet import GatedDeltaNetSpec
 from maxtext.layers.lora import LoRASpec
 from maxtext.layers.mla import MLASpec
@@ -267,8 +268,59 @@ def gated_deltanet(config: MaxTextConfig, family: Family | None = None) -> Gated
   )
 
 
-def residual(config: MaxTextConfig) -> ResidualSpec:
-  return ResidualSpec(config.emb_dim, config.mhc_expansion_rate, config.sinkhorn_iterations)
+def compressed_attention(config: MaxTextConfig, kind: LayerKind) -> CompressedAttentionSpec:
+  """DeepSeek V4's attention of this kind (its layer type and compress rate): the sliding layers rotate with
+  rope_max_timescale unscaled, the compressed ones with compressed_rope_max_timescale and rope_type's scaling."""
+  c = config
+  if context_layout(c) is not None:
+    raise ConfigError(f"decoder_block={c.decoder_block}'s compressed attention does not split the sequence yet; set ici/dcn_context_parallelism=1")
+  try:
+    return CompressedAttentionSpec(
+      emb_dim=c.emb_dim,
+      num_heads=c.num_query_heads,
+      head_dim=c.head_dim,
+      rope_dim=c.qk_rope_head_dim,
+      q_lora_rank=c.q_lora_rank,
+      o_groups=c.o_groups,
+      o_lora_rank=c.o_lora_rank,
+      window=c.sliding_window_size,
+      layer_type=kind.variant,
+      compress_rate=kind.compress,
+      index_heads=c.indexer_n_heads,
+      index_head_dim=c.indexer_head_dim,
+      index_topk=c.indexer_topk,
+      rope=RopeSpec(theta=c.rope_max_timescale),
+      compress_rope=dataclasses.replace(rope(c), theta=c.compressed_rope_max_timescale, local_theta=0.0, interleave=True),
+      epsilon=c.normalization_layer_epsilon,
+    )
+  except ValueError as e:
+    raise ConfigError(f"decoder_block={c.decoder_block}: {e}; fix compress_ratios, o_groups or the head keys") from None
+
+
+def deepseek4_moe(config: MaxTextConfig, family: Family, hashed: bool) -> MoESpec:
+  """DeepSeek V4's experts beside shared ones, both with its clamped SwiGLU act0(min(h0, L)) * act1(clip(h1, -L, L))
+  (L = mlp_activations_limit); hashed: experts fixed per token id by a tid2eid table of vocab_size rows, no score
+  correction."""
+  c = config
+  spec = moe(c, family, shared=True)
+  limit = float(c.mlp_activations_limit)
+  shared = dataclasses.replace(spec.shared, glu_limit=limit, glu_clamp_only=True)
+  return dataclasses.replace(
+    spec,
+    glu_limit=limit,
+    glu_clamp_only=True,
+    shared=shared,
+    hash_vocab=c.vocab_size if hashed else 0,
+    score_correction=spec.score_correction and not hashed,
+  )
+
+
+def residual(config: MaxTextConfig, family: Family | None = None) -> ResidualSpec:
+  """The plain residual or mHC; DeepSeek V4's mHC form (hc_eps, its RMSNorm's epsilon the model's) for its family."""
+  c = config
+  if (family or family_of(c)).deepseek4_keys:
+    return ResidualSpec(c.emb_dim, c.mhc_expansion_rate, c.sinkhorn_iterations, hc_eps=c.hc_eps, norm_eps=c.normalization_layer_epsilon)
+  return ResidualSpec(c.emb_dim, c.mhc_expansion_rate, c.sinkhorn_iterations)
 
 
 def lora(config: MaxTextConfig) -> LoRASpec | None:
@@ -293,7 +345,8 @@ MIXERS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
 FEED_FORWARDS: dict[str, Callable[[MaxTextConfig, Family], Any]] = {
   "dense": lambda config, family: mlp(config),
   "moe": lambda config, family: moe(config, family, shared=False),
-  "moe_shared": lambda config, family: moe(config, family, shared=True),
+  "moe_shared": lambda config, family: deepseek4_moe(config, family, hashed=False) if family.deepseek4_keys else moe(config, family, shared=True),
+  "moe_hash": lambda config, family: deepseek4_moe(config, family, hashed=True),
 }
 
 
@@ -322,7 +375,8 @@ def gemma4_attention(config: MaxTextConfig, kind: LayerKind, spec: AttentionSpec
 def layer(config: MaxTextConfig, family: Family, kind: LayerKind) -> LayerSpec:
   """One decoder layer of this kind (its window is a call argument, not part of the spec)."""
   c = config
-  mixer, ffn = MIXERS[kind.mixer](c, family), FEED_FORWARDS[kind.ffn](c, family)
+  mixer = compressed_attention(c, kind) if kind.mixer == "compressed" else MIXERS[kind.mixer](c, family)
+  ffn = FEED_FORWARDS[kind.ffn](c, family)
   if family.gemma4_keys and kind.mixer == "attention":
     mixer = gemma4_attention(c, kind, mixer)
   if kind.kv_shared and c.use_double_wide_mlp and isinstance(ffn, MLPSpec):
@@ -338,7 +392,7 @@ def layer(config: MaxTextConfig, family: Family, kind: LayerKind) -> LayerSpec:
     norm=norm(c, family),
     post_norms=family.post_norms,
     pre_norms=family.pre_norms,
-    residual=residual(c),
+    residual=residual(c, family),
     lora=lora(c),
     num_experts=c.num_experts,
     rules=rules(c),
@@ -526,7 +580,7 @@ def model(config: MaxTextConfig, family: Family | None = None) -> ModelSpecs:
   kinds = family.kinds(config)
   by_structure = {k.structure: layer(config, family, k) for k in dict.fromkeys(kinds)}
   layers = tuple(by_structure[k.structure] for k in kinds)
-  return ModelSpecs(kinds, layers, norm(config, family), residual(config), context_layout(config), pipeline(config), vision(config))
+  return ModelSpecs(kinds, layers, norm(config, family), residual(config, family), context_layout(config), pipeline(config), vision(config))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from maxtext.config import MaxTextConfig
 from maxtext.layers.moe import update_routing_biases
+from maxtext.models import layer_pattern, registry
 from maxtext.train import loss as loss_lib
 from maxtext.train import reference as reference_lib
 from maxtext.train.objective import Batch, Metrics, Objective
@@ -81,6 +82,16 @@ def objective_for(config: MaxTextConfig) -> Objective:
   return LanguageModel(config)
 
 
+def _expert_slots(config: MaxTextConfig) -> list[tuple[str, int | None]] | None:
+  """Where the routing-load rows' layers keep their parameters, for a family whose leading layers have experts too
+  (DeepSeek V4: its load rows are every layer, its first ones a stack of their own); None: the rows follow the main stack."""
+  family = registry.get(config.decoder_block)
+  if not family.deepseek4_keys:
+    return None
+  kinds = family.kinds(config)
+  return [slot for kind, slot in zip(kinds, layer_pattern.parameter_slots(kinds, config.scan_layers)) if kind.ffn != "dense"]
+
+
 def _micro_batches(batch: Batch, steps: int) -> Batch:
   """[steps*m, S] -> [steps, m, S]; micro-batch j holds rows i*steps + j so every device keeps its rows."""
   return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), 0, 1), batch)
@@ -134,7 +145,7 @@ def _make_update(config: MaxTextConfig, graphdef: nnx.GraphDef, optimizer: optax
     new_trainable = optax.apply_updates(trainable, jax.tree.map(lambda u: lr * u, updates))
     new_state = dict(state, params=nnx.merge_state(new_trainable, frozen), opt_state=opt_state)
     if config.routed_bias_update_rate > 0:
-      new_state["other"] = update_routing_biases(other, objective.routing_load(sums), config.routed_bias_update_rate, config.scan_layers)
+      new_state["other"] = update_routing_biases(other, objective.routing_load(sums), config.routed_bias_update_rate, config.scan_layers, _expert_slots(config))
     metrics = {"loss": loss, **objective.metrics(sums, weight), "grad_norm": grad_norm, "lr": lr}
     if config.skip_step_on_spikes:
       skip, new_state["spike"] = _spike_check(state["spike"], loss, config)
