@@ -114,28 +114,11 @@ class TrainSetup:
     return self.jit_eval(*self.eval_arguments(state), batch)
 
 
-def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = None, policy: platform.Policy | None = None) -> TrainSetup:
-  """policy defaults to the mesh's platform (maxtext.platform.resolve): a TPU topology mesh gets TPU kernels."""
-  policy = policy or platform.resolve(config, mesh)
-  build_model = build_model or default_model_builder(policy)
-  optimizer = optimizers.build(config)
-  init_fn = state_lib.make_init_fn(config, build_model, optimizer, config.init_weights_seed)
-  abstract_model = nnx.eval_shape(lambda: build_model(config, nnx.Rngs(config.init_weights_seed)))
-  graphdef = nnx.split(abstract_model, nnx.Param, ...)[0]
-
-  abstract = jax.eval_shape(init_fn)
-  state_shardings = state_lib.train_state_shardings(abstract, config, mesh)
-  if config.enable_diloco:  # each group's state stacked over the 'diloco' axis, beside the global parameters
-    outer = diloco.outer_optimizer(config)
-    init_fn = diloco.make_init_fn(config, init_fn, outer)
-    plain_shardings, abstract = state_shardings, jax.eval_shape(init_fn)
-    state_shardings = diloco.state_shardings(config, mesh, abstract, plain_shardings)
-  abstract_state = state_lib.with_shardings(abstract, state_shardings)
-  data = mesh_lib.data_sharding(config, mesh)
+def _input_batch(config: MaxTextConfig, data: NamedSharding, rows: NamedSharding) -> tuple[dict[str, Any], dict[str, jax.ShapeDtypeStruct]]:
+  """The step's batch keys beyond the objective's: tokens, adapter ids and images (shardings, abstract arrays)."""
   batch_shardings = {k: data for k in BATCH_KEYS}
   shape = (config.global_batch_size_to_train_on, config.max_target_length)
   abstract_batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data) for k in BATCH_KEYS}
-  rows = NamedSharding(mesh, PartitionSpec(data.spec[0] if data.spec else None))
   if config.lora.enable_lora and config.lora.max_lora_adapters > 1 and config.lora.adapter_column:  # each token's adapter slot, from the data
     batch_shardings["adapter_ids"] = data
     abstract_batch["adapter_ids"] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=data)
@@ -161,6 +144,30 @@ def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = 
     )
     batch_shardings[IMAGE_KEY] = data
     abstract_batch[IMAGE_KEY] = jax.ShapeDtypeStruct((*shape, chunk), jnp.uint8, sharding=data)
+  return batch_shardings, abstract_batch
+
+
+def build(config: MaxTextConfig, mesh: Mesh, build_model: ModelBuilder | None = None, policy: platform.Policy | None = None) -> TrainSetup:
+  """policy defaults to the mesh's platform (maxtext.platform.resolve): a TPU topology mesh gets TPU kernels."""
+  policy = policy or platform.resolve(config, mesh)
+  build_model = build_model or default_model_builder(policy)
+  optimizer = optimizers.build(config)
+  init_fn = state_lib.make_init_fn(config, build_model, optimizer, config.init_weights_seed)
+  abstract_model = nnx.eval_shape(lambda: build_model(config, nnx.Rngs(config.init_weights_seed)))
+  graphdef = nnx.split(abstract_model, nnx.Param, ...)[0]
+
+  abstract = jax.eval_shape(init_fn)
+  state_shardings = state_lib.train_state_shardings(abstract, config, mesh)
+  if config.enable_diloco:  # each group's state stacked over the 'diloco' axis, beside the global parameters
+    outer = diloco.outer_optimizer(config)
+    init_fn = diloco.make_init_fn(config, init_fn, outer)
+    plain_shardings, abstract = state_shardings, jax.eval_shape(init_fn)
+    state_shardings = diloco.state_shardings(config, mesh, abstract, plain_shardings)
+  abstract_state = state_lib.with_shardings(abstract, state_shardings)
+  data = mesh_lib.data_sharding(config, mesh)
+  rows = NamedSharding(mesh, PartitionSpec(data.spec[0] if data.spec else None))
+  batch_shardings, abstract_batch = _input_batch(config, data, rows)
+  shape = (config.global_batch_size_to_train_on, config.max_target_length)
   objective = step_lib.objective_for(config)
   for key, (per_token, dt) in objective.extra_batch.items():
     batch_shardings[key] = data if per_token else rows
