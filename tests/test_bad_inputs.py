@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +214,21 @@ def _run_case(argv: list[str], tmp: Path, run: Path, sp: str) -> tuple[subproces
   before = (_snapshot(tmp.parent), _snapshot(run))
   proc = cli_server.run(args, cwd=tmp, env=_env(), timeout=CASE_TIMEOUT_SECONDS)  # a process of its own, forked warm; a hang fails the case
   return proc, before, (_snapshot(tmp.parent), _snapshot(run))
+
+
+def run_cases(tmp_path_factory, cases: list[tuple[str, list[str], Callable[[Path], None]]], run: Path, sp: str) -> dict[str, tuple]:
+  """Each (case id, argv, make_inputs) in a fresh work directory that make_inputs fills, two cases at a time:
+  case id -> (process, snapshot before, snapshot after)."""
+  import concurrent.futures
+
+  jobs = {}
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+    for case_id, argv, make_inputs in cases:
+      tmp = tmp_path_factory.mktemp("case") / "work"
+      tmp.mkdir()
+      make_inputs(tmp)
+      jobs[case_id] = pool.submit(_run_case, argv, tmp, run, sp)
+  return {k: v.result() for k, v in jobs.items()}
 
 
 def assert_one_line_exit_2(proc: subprocess.CompletedProcess, mention: str) -> None:

@@ -4,7 +4,6 @@ that contradicts the checkpoint's mHC tensors."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import shutil
 from collections.abc import Callable
@@ -14,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from tests.test_bad_inputs import CONVERT, _run_case, assert_one_line_exit_2
+from tests.test_bad_inputs import CONVERT, assert_one_line_exit_2, run_cases
 from tests.test_deepseek_v4 import tiny_config
 
 
@@ -45,16 +44,16 @@ def results(tmp_path_factory):
   torch.manual_seed(0)
   saved = tmp_path_factory.mktemp("deepseek_v4") / "hf"
   transformers.DeepseekV4ForCausalLM(tiny_config()).save_pretrained(saved)
-  untouched = tmp_path_factory.mktemp("untouched")
-  jobs = {}
-  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-    for case_id, breaks, _ in CASES:
-      tmp = tmp_path_factory.mktemp("case") / "work"
-      tmp.mkdir()
+
+  def broken(breaks):
+    def make(tmp):
       shutil.copytree(saved, tmp / "hf")
       breaks(tmp / "hf")
-      jobs[case_id] = pool.submit(_run_case, [*CONVERT, "--hf-dir", "{tmp}/hf"], tmp, untouched, "")
-  return {k: v.result() for k, v in jobs.items()}
+
+    return make
+
+  cases = [(case_id, [*CONVERT, "--hf-dir", "{tmp}/hf"], broken(breaks)) for case_id, breaks, _ in CASES]
+  return run_cases(tmp_path_factory, cases, tmp_path_factory.mktemp("untouched"), "")
 
 
 @pytest.mark.parametrize("case_id,breaks,mention", CASES, ids=[c[0] for c in CASES])

@@ -63,20 +63,10 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-  import concurrent.futures
-
-  from tests.test_bad_inputs import _run_case
+  from tests.test_bad_inputs import run_cases
   from tests.test_data_common import sp_model
 
-  sp, run = sp_model(), tmp_path_factory.mktemp("no_run")
-  jobs = {}
-  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-    for case_id, argv, _ in CASES:
-      tmp = tmp_path_factory.mktemp("qwen3_vl_case") / "work"
-      tmp.mkdir()
-      _make_inputs(tmp)
-      jobs[case_id] = pool.submit(_run_case, argv, tmp, run, sp)
-  return {k: v.result() for k, v in jobs.items()}
+  return run_cases(tmp_path_factory, [(case_id, argv, _make_inputs) for case_id, argv, _ in CASES], tmp_path_factory.mktemp("no_run"), sp_model())
 
 
 @pytest.mark.parametrize("case_id,argv,mention", CASES, ids=[c[0] for c in CASES])

@@ -52,7 +52,19 @@ def places_error(where: str, places: int, images: int, placeholder: str, column:
   return DataError(f"{where} has {places} '{placeholder}' place(s) but {images} image(s) in column '{column}'; give one image per place")
 
 
-class ImageTextEncoder(DocumentEncoder):
+class RecordPlaces:
+  """An encoder's per-thread `_places`: what it met while encoding the current record (grain maps records on several
+  threads). Left out when grain pickles the encoder for its worker processes, and made afresh there."""
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {k: v for k, v in self.__dict__.items() if k != "_places"}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._places = threading.local()
+
+
+class ImageTextEncoder(RecordPlaces, DocumentEncoder):
   """DocumentEncoder whose documents also carry IMAGE_KEY: the images of the record's image column at its places."""
 
   def __init__(
@@ -64,13 +76,6 @@ class ImageTextEncoder(DocumentEncoder):
     self.max_length, self.max_images = max_length, max_images
     self.chunk = chunk_size(image_size, tokens_per_image)
     self._places = threading.local()  # places met while encoding the current record (grain maps records on several threads)
-
-  def __getstate__(self) -> dict[str, Any]:  # grain's worker processes receive the encoder pickled
-    return {k: v for k, v in self.__dict__.items() if k != "_places"}
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self.__dict__.update(state)
-    self._places = threading.local()
 
   def encode_text(self, text: str) -> list[int]:
     """The text's tokens with the k-th placeholder replaced by the k-th image's ids (image_pieces)."""

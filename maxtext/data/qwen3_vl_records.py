@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from maxtext.data.features import GRID_KEY, PATCH_KEY, DocumentEncoder
-from maxtext.data.image_text import places_error, record_images
+from maxtext.data.image_text import RecordPlaces, places_error, record_images
 from maxtext.errors import ConfigError, DataError
 from maxtext.vision import preprocess, qwen3_vl_encoder
 from maxtext.vision.qwen3_vl import GridLayout
@@ -62,7 +62,7 @@ def batch_dtypes(config: Any) -> dict[str, type]:
   return {key: dtype for key, (_, dtype) in batch_layout(spec, patch_budget(config, spec), config.max_target_length).items()}
 
 
-class Qwen3VLImageTextEncoder(DocumentEncoder):
+class Qwen3VLImageTextEncoder(RecordPlaces, DocumentEncoder):
   """DocumentEncoder whose documents also carry PATCH_KEY and GRID_KEY: the images of the record's image column."""
 
   def __init__(self, *args, image_column: str, placeholder: str, spec: Qwen3VLEncoderSpec, max_length: int, max_images: int, budget: int, **kwargs):
@@ -70,13 +70,6 @@ class Qwen3VLImageTextEncoder(DocumentEncoder):
     self.image_column, self.placeholder, self.spec = image_column, placeholder, spec
     self.max_length, self.max_images, self.budget = max_length, max_images, budget
     self._places = threading.local()  # the current record's image sizes and places met (grain maps records on several threads)
-
-  def __getstate__(self) -> dict[str, Any]:  # grain's worker processes receive the encoder pickled
-    return {k: v for k, v in self.__dict__.items() if k != "_places"}
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self.__dict__.update(state)
-    self._places = threading.local()
 
   def encode_text(self, text: str) -> list[int]:
     """The text's tokens with the k-th placeholder replaced by the k-th image's merged-token count of image ids."""
