@@ -269,6 +269,7 @@ def test_bad_hf_configs_are_one_line_errors(edit, message):
     (dict(num_experts=4, num_experts_per_tok=2), "gemma4's experts run beside each layer's dense MLP of mlp_dim, its one shared expert; set shared_experts=1"),
     (dict(mhc_expansion_rate=2), "set mhc_expansion_rate=1"),
     (dict(mtp_num_layers=1), "multi-token prediction is not built for gemma4's layers"),
+    (dict(vocab_size=128), r"vocab_size_per_layer_input=97 leaves token ids 97\.\.127 of vocab_size=128 without a per-layer input row"),
   ],
 )
 def test_bad_maxtext_configs_are_one_line_errors(overrides, message):

@@ -431,6 +431,11 @@ def _check_gemma4_fields(c: MaxTextConfig, family) -> None:
       f"num_kv_shared_layers={c.num_kv_shared_layers}: layer {orphan} ({kind}) shares the keys and values of an earlier {kind} layer, but every {kind} "
       "layer is shared; lower num_kv_shared_layers"
     )
+  if c.hidden_size_per_layer_input and 0 < c.vocab_size_per_layer_input < c.vocab_size:  # ids past the table would look up NaN rows
+    raise ConfigError(
+      f"vocab_size_per_layer_input={c.vocab_size_per_layer_input} leaves token ids {c.vocab_size_per_layer_input}..{c.vocab_size - 1} of "
+      f"vocab_size={c.vocab_size} without a per-layer input row; set vocab_size_per_layer_input=0 (vocab_size) or >= {c.vocab_size}"
+    )
   if c.hidden_size_per_layer_input and c.mhc_expansion_rate > 1:
     raise ConfigError("hidden_size_per_layer_input adds per-layer inputs to one residual stream; set mhc_expansion_rate=1 (or hidden_size_per_layer_input=0)")
   if c.mtp_num_layers:

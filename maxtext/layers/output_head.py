@@ -51,6 +51,7 @@ class OutputHead:
   vocab_tiles: int = 1  # num_vocab_tiling: loss_sums streams the vocabulary in this many slices
   quant: quantization.Recipe | None = None  # quantize_logits_proj: the logits product quantized (forward; gradients straight-through)
   dot_in_fp32: bool = False  # logits_dot_in_fp32: float32 operands and float32 logits instead of dtype ones
+  tied: bool = False  # the kernel is the embedding table transposed (logits_via_embedding): its gradient is made [vocab, emb]
 
   @property
   def _dot_dtype(self) -> Any:
@@ -65,10 +66,39 @@ class OutputHead:
     if self.quant is not None:
       logits = self._quantized_product(hidden, kernel)
     else:
-      logits = matmul.einsum(
-        "...e,ev->...v", hidden, kernel, dtype=self._dot_dtype, precision=self.precision, out_dtype=jnp.float32, integer_rounding=self.integer_rounding
-      )
+      logits = self._product(hidden, kernel)
     return self._rounded(logits)
+
+  def _product(self, hidden: jax.Array, kernel: jax.Array) -> jax.Array:
+    """hidden . kernel on operands in the matmul dtype, float32 result: matmul.einsum's product and gradients, except
+    that a tied kernel's gradient is produced as [vocab, emb], the embedding table's own layout.
+
+    Through matmul.einsum the tied kernel's gradient is hidden^T . grad [emb, vocab], transposed back into the table
+    by the autodiff of `embedding.T`. XLA:CPU folds that transpose into the bf16 product after choosing to keep it in
+    bf16, leaving a dot (both operands contracted on their first axis) that neither its bf16 kernels nor its fallback
+    (Eigen, no bf16) run: "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32" (a GRPO step of a tied
+    model: token_log_probs differentiates these logits; loss_sums's barrier keeps the transpose apart). Written as
+    grad^T . hidden, the product XLA produces is already [vocab, emb] and the two transposes cancel. Same products
+    and sums: the numbers do not change."""
+    head, h_dtype, k_dtype = self, hidden.dtype, kernel.dtype
+
+    def forward(hidden, kernel):
+      h, k = hidden.astype(head._dot_dtype), kernel.astype(head._dot_dtype)
+      return matmul.product("...e,ev->...v", h, k, head.precision), (h, k)
+
+    def backward(residuals, g):
+      h, k = residuals
+      g = g.astype(head._dot_dtype)
+      d_hidden = cast(matmul.product("...v,ev->...e", g, k, head.precision), h_dtype, head.integer_rounding)
+      if head.tied:
+        d_kernel = cast(matmul.product("...v,...e->ve", g, h, head.precision), k_dtype, head.integer_rounding).T
+      else:
+        d_kernel = cast(matmul.product("...e,...v->ev", h, g, head.precision), k_dtype, head.integer_rounding)
+      return d_hidden, d_kernel
+
+    fn = jax.custom_vjp(lambda h, k: forward(h, k)[0])
+    fn.defvjp(forward, backward)
+    return fn(hidden, kernel)
 
   def _rounded(self, logits: jax.Array) -> jax.Array:
     """float32 matmul result -> scaled logits in the matmul dtype, sharded like the logits."""

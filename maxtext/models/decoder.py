@@ -453,6 +453,7 @@ class Transformer(nnx.Module):
       c.num_vocab_tiling,
       dataclasses.replace(self.policy.quantization, stored=False) if c.quantize_logits_proj else None,
       c.logits_dot_in_fp32,
+      tied=self.output is None,
     )
 
   def logits(self, hidden: jax.Array) -> jax.Array:
