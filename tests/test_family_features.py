@@ -26,7 +26,7 @@ from maxtext.layers.lora import LoRAParam
 from maxtext.layers.mhc import MHCParam
 from maxtext.train import setup as setup_lib
 from tests import test_deepseek_v32, test_gemma4, test_llama4, test_qwen3_5, test_qwen3_next
-from tests.hf_fixtures import hf_logits
+from tests.hf_fixtures import FAMILY_CONFIGS, hf_logits
 from tests.test_lora import _fixed_batch
 from tests.test_mhc import jit_logits
 from tests.test_train_helpers import FAST_COMPILE, TINY, mesh_for
@@ -43,6 +43,8 @@ HF_CONFIGS = {
   "qwen3_5": lambda: test_qwen3_5.tiny_config("dense"),
   "qwen3_5_moe": lambda: test_qwen3_5.tiny_config("moe"),
   "deepseek_v32": lambda: test_deepseek_v32.tiny_config(),  # 1 dense + 2 MoE layers, MLA over the indexer's top-k keys
+  "olmo3": FAMILY_CONFIGS["olmo3"],  # post-norms only, whole-projection QK norm, 3 sliding layers per global one
+  "qwen2": FAMILY_CONFIGS["qwen2"],  # q/k/v biases, tied embeddings
 }
 FAMILIES = list(HF_CONFIGS)
 # mHC cannot run beside Gemma 4's per-layer inputs (a one-line ConfigError, checked below); everything else runs n = 2.
@@ -50,7 +52,7 @@ MHC = {name: 1 if name == "gemma4" else 2 for name in FAMILIES}
 # Adapters on every dense projection: attention, Gated DeltaNet, MLA (not its indexer), shared experts, and the MLP where
 # no layer has routed experts under mlp/ (a path matching routed experts is refused: LoRA does not adapt them).
 ATTENTION = r"attention/(query|key|value|out|in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj|wq_a|wq_b|wkv_a|wkv_b)"
-DENSE_MLP = {"gemma4", "qwen3_5"}
+DENSE_MLP = {"gemma4", "qwen3_5", "olmo3", "qwen2"}
 
 
 def lora(name: str) -> dict:
@@ -172,8 +174,8 @@ def test_peft_adapters_reproduce_our_logits_in_transformers(name, tmp_path):
 # train_compile: the step with LoRA, mHC and the int8 base compiled for a v5p-8 (compile-only TPU devices, libtpu).
 
 # The families whose layers compile unlike any other (chunked attention and interleaved MoE; per-layer kinds and k = v;
-# Gated DeltaNet); qwen3_5_moe and deepseek_v32 also compile (measured, about 40 CPU s each) and are left out for CI time.
-AOT_FAMILIES = ["llama4", "gemma4_moe", "qwen3_next"]
+# Gated DeltaNet; post-norms only); qwen3_5_moe and deepseek_v32 also compile (measured, about 40 CPU s each) and are left out for CI time.
+AOT_FAMILIES = ["llama4", "gemma4_moe", "qwen3_next", "olmo3"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed (pip install 'maxtext[tpu]')")
