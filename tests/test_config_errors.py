@@ -107,7 +107,7 @@ CASES = [
   ("routing_groups", [BASE, "num_experts=8", "n_routing_groups=3", "topk_routing_group=1"], {}, "group-limited routing needs n_routing_groups dividing"),
   ("bias_update_without_bias", [BASE, "num_experts=4", "routed_bias_update_rate=0.01"], {}, "routed_bias_update_rate > 0 updates the routing bias"),
   ("sinks_without_sink_params", [BASE, "attention_sink=true"], {}, "attention_sink=true, but decoder_block=llama2 has no sink parameters"),
-  ("clamped_glu_outside_gpt_oss", [BASE, "mlp_activations_limit=7"], {}, "mlp_activations_limit clamps the experts' SwiGLU of gpt_oss"),
+  ("clamped_glu_outside_gpt_oss", [BASE, "mlp_activations_limit=7"], {}, "mlp_activations_limit clamps the experts' SwiGLU of deepseek4, gpt_oss"),
   ("linear_scaling_with_llama31", [BASE, "rope_type=llama3.1", "rope_linear_scaling_factor=8"], {}, "rope_linear_scaling_factor scales the default rope"),
   ("shared_experts_dense", [BASE, "shared_experts=1"], {}, "shared_experts need experts, but num_experts is 1"),
   ("capacity_zero", [BASE, "num_experts=4", "capacity_factor=0"], {}, "invalid value for 'capacity_factor': 0.0"),

@@ -347,11 +347,15 @@ class Transformer(nnx.Module):
     # finds its source's keys and values within the group.
     sharing = any(k.kv_shared for k in stack.kinds)
 
-    def position(j: int, window: int | jax.Array, return_kv: bool):
-      def step(h, layer_state, extra):
+    def position(j: int, static_window: int | None, return_kv: bool):
+      # Every array the layer reads is an argument (none closed over): sequential_backward's custom VJP differentiates
+      # a function of its arguments only.
+      def step(h, layer_state, extra, inputs):
         h = checkpoint_name(h, remat.LAYER_INPUT)
         layer = nnx.merge(graphdefs[j], tied_to_carry(layer_state, h, compute))
-        return layer(h, positions, segment_ids, window, adapter_ids=adapter_ids, return_kv=return_kv, **images, **extra)
+        inputs = dict(inputs)
+        window = static_window if static_window is not None else inputs.pop("window")
+        return layer(h, inputs.pop("positions"), inputs.pop("segment_ids"), window, return_kv=return_kv, **inputs, **extra)
 
       rematted = remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
       # The group's layers run their backward passes in turn (one layer's recomputed activations live at a time);
@@ -367,7 +371,10 @@ class Transformer(nnx.Module):
         if kind.kv_shared:
           extra["shared_kv"] = shared[static[j]]
         emit = sharing and not kind.kv_shared
-        res = position(j, static[j] if static[j] is not None else group_windows[j], emit)(h, group_states[j], extra)
+        inputs = dict(positions=positions, segment_ids=segment_ids, adapter_ids=adapter_ids, **images)
+        if static[j] is None:
+          inputs["window"] = group_windows[j]
+        res = position(j, static[j], emit)(h, group_states[j], extra, inputs)
         h, aux = res[0], res[1]
         if emit:
           shared[static[j]] = res[2]

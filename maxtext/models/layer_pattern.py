@@ -58,11 +58,13 @@ class Stack:
 def stacks(kinds: tuple[LayerKind, ...]) -> tuple[Stack, ...]:
   """The model's layer stacks, bottom to top. The prefix is the leading run of one structure that never recurs, and
   after it each next layer whose structure never recurs either (DeepSeek V4's hash-routed first layers: two sliding
-  ones, then a compressed sparse one); a prefix of several structures runs layer by layer, unscanned."""
+  ones, then a compressed sparse one), unless KV-shared layers need their sources beside them; a prefix of several
+  structures runs layer by layer, unscanned."""
   structures = [k.structure for k in kinds]
   lead = next((i for i, s in enumerate(structures) if s != structures[0]), len(kinds))
   if 0 < lead < len(kinds) and structures[0] not in structures[lead:]:
-    while lead < len(kinds) - 1 and structures[lead] not in structures[lead + 1 :]:
+    sharing = any(k.kv_shared for k in kinds)  # a KV-shared layer reads its source's keys within its own stack
+    while not sharing and lead < len(kinds) - 1 and structures[lead] not in structures[lead + 1 :]:
       lead += 1
     return Stack(PREFIX_STACK, 0, kinds[:lead]), Stack(MAIN_STACK, lead, kinds[lead:])
   return (Stack(MAIN_STACK, 0, kinds),)
