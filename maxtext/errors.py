@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -104,6 +105,18 @@ def exit_within(seconds: float, code: int) -> None:
   timer.start()
 
 
+INTERRUPTED_LINE = "error: interrupted by Ctrl-C; stopped at once (finished checkpoints and outputs are intact); rerun the same command to continue"
+
+
+def end_interrupted() -> None:
+  """Print the Ctrl-C line and end the process now with exit 130. Not sys.exit: shutdown would wait for background
+  writers, and a further Ctrl-C there prints a traceback."""
+  with contextlib.suppress(Exception):  # stdout may already be closed
+    print(INTERRUPTED_LINE, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+  os._exit(EXIT_INTERRUPTED)
+
+
 def runs_as_program(fn: Callable) -> bool:
   """Whether fn belongs to the module Python runs as the program (`python -m maxtext.train`): the process then ends
   when fn returns. Called from another program (a test, a notebook), it must not end that process."""
@@ -127,15 +140,10 @@ def cli_main(fn: F) -> F:
         exit_within(EXIT_GRACE_SECONDS, e.exit_code)
       sys.exit(e.exit_code)
     except KeyboardInterrupt:  # Ctrl-C where nothing waits for it, or a second Ctrl-C during training: stop at once
-      print(
-        "error: interrupted by Ctrl-C; stopped at once (finished checkpoints and outputs are intact); rerun the same command to continue",
-        file=sys.stderr,
-        flush=True,
-      )
-      if not program:
-        sys.exit(EXIT_INTERRUPTED)
-      sys.stdout.flush()
-      os._exit(EXIT_INTERRUPTED)  # not sys.exit: shutdown would wait for background writers, and a further Ctrl-C there prints a traceback
+      if program:
+        end_interrupted()
+      print(INTERRUPTED_LINE, file=sys.stderr, flush=True)
+      sys.exit(EXIT_INTERRUPTED)
     except Exception:  # a bug: Python prints the traceback; the process still ends
       if program:
         exit_within(EXIT_GRACE_SECONDS, 1)

@@ -1,8 +1,9 @@
 """SIGTERM and SIGINT around a training run: the run finishes its step, saves it and exits 0.
 
 `Preemption` is held for the whole of `train()`: a signal is remembered, and the loop stops after the running step
-(an eval between batches), saves and returns. A second Ctrl-C raises KeyboardInterrupt at once (the CLI turns it
-into one line). For a process that ends when train() returns (`python -m maxtext.train`), `ends_process=True`
+(an eval between batches), saves and returns. A second Ctrl-C stops at once: a process that ends with train()
+prints one line and exits 130 from the handler (a KeyboardInterrupt can land in a gc callback, which swallows it);
+otherwise it raises KeyboardInterrupt. For a process that ends when train() returns (`python -m maxtext.train`), `ends_process=True`
 hands over, on a normal return, to `exit_0_on_signal`: from then until the process is gone (the closing of files,
 atexit handlers, the interpreter's shutdown), a signal ends the process at once with exit 0, since its last step is
 saved. Late in shutdown Python resets its handlers to the default (which would end the process with 143); the
@@ -17,6 +18,8 @@ import os
 import signal
 import sys
 from typing import Any
+
+from maxtext.errors import end_interrupted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -43,6 +46,8 @@ class Preemption:
 
   def _handle(self, signum: int, frame: Any) -> None:
     if self.signal_name == "SIGINT" and signum == signal.SIGINT:  # a second Ctrl-C: stop now (finished checkpoints stay intact)
+      if self.ends_process:  # end here: a KeyboardInterrupt raised inside a gc callback or a finalizer is swallowed
+        end_interrupted()
       raise KeyboardInterrupt
     self.signal_name = self.signal_name or signal.Signals(signum).name
 
