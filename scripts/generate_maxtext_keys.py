@@ -89,9 +89,9 @@ def _yaml(text: str) -> dict[str, Any]:
   """A YAML mapping read as maxtext reads any config file (so `1e-5` is a float here as there)."""
   if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-  from maxtext.config.loader import _yaml_load
+  from maxtext.config.yaml_files import yaml_load
 
-  return _yaml_load(text, "a MaxText config")
+  return yaml_load(text, "a MaxText config")
 
 
 def _yaml_base(path: Path) -> dict[str, Any]:

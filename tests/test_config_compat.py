@@ -11,8 +11,8 @@ import pytest
 
 from maxtext.config import ConfigError, from_overrides
 from maxtext.config import __main__ as explain
-from maxtext.config.derived import calibration_problem
 from maxtext.config.loader import load_with_sources
+from maxtext.config.quantization_checks import calibration_problem
 from maxtext.train import perf
 
 BASE = str(Path(__file__).resolve().parents[1] / "configs" / "base.yml")

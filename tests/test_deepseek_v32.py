@@ -21,7 +21,7 @@ from flax import nnx
 
 from maxtext import from_hf
 from maxtext.config import ConfigError, load
-from maxtext.convert import hf_config, hf_params, safetensors_io
+from maxtext.convert import hf_config, hf_config_export, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from maxtext.layers.mla_sparse import indexer_kl, select_topk
 from tests.hf_fixtures import YARN, away_from_init, hf_logits
@@ -102,7 +102,7 @@ def test_round_trip_is_bit_identical_and_exports_to_transformers(saved, tokens, 
   assert sorted(back) == sorted(original) and any(".indexer.k_norm.bias" in k for k in back)
   for k, v in original.items():
     assert back[k].dtype == v.dtype and np.array_equal(back[k], v), k
-  exported = hf_config.hf_config_from(config)
+  exported = hf_config_export.hf_config_from(config)
   assert (exported["model_type"], exported["index_topk"], exported["index_n_heads"], exported["index_head_dim"]) == ("deepseek_v32", TOPK, 8, 8)
   safetensors_io.write(tmp_path, exported, back)
   loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()

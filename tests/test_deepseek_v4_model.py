@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from maxtext import from_hf
-from maxtext.convert import hf_config, hf_params, safetensors_io
+from maxtext.convert import hf_config_export, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from tests.hf_fixtures import away_from_init, hf_logits
 from tests.test_deepseek_v4 import _jit_call, tiny_config
@@ -63,7 +63,7 @@ def test_round_trip_is_bit_identical_and_exports_to_transformers(saved, tmp_path
   assert sorted(back) == sorted(original) and "model.layers.0.ffn.gate.tid2eid" in back
   for k, v in original.items():
     assert back[k].dtype == v.dtype and np.array_equal(back[k], v), k
-  exported = hf_config.hf_config_from(config)
+  exported = hf_config_export.hf_config_from(config)
   assert exported["layer_types"] == torch_model.config.layer_types and exported["mlp_layer_types"] == torch_model.config.mlp_layer_types
   safetensors_io.write(tmp_path, exported, back)
   loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()

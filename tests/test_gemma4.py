@@ -14,7 +14,7 @@ import transformers
 
 from maxtext import counting, from_hf
 from maxtext.config import from_overrides, load
-from maxtext.convert import hf_config, hf_params, safetensors_io
+from maxtext.convert import hf_config, hf_config_export, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator, cache_layout
@@ -121,7 +121,7 @@ def test_moe_round_trip_is_bit_exact_and_export_loads_in_transformers(moe_dir, m
   assert sorted(tensors) == sorted(original)
   for k, v in original.items():
     assert np.array_equal(tensors[k], v), k
-  exported_config = hf_config.hf_config_from(config)
+  exported_config = hf_config_export.hf_config_from(config)
   assert [exported_config[k] for k in ("enable_moe_block", "num_experts", "top_k_experts", "moe_intermediate_size")] == [True, 4, 2, 16]
   safetensors_io.write(tmp_path, exported_config, tensors)
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
@@ -190,7 +190,7 @@ def test_round_trip_is_bit_exact_and_export_loads_in_transformers(hf_dir, loaded
     assert np.array_equal(tensors[k], v), k
   if not scan:
     return
-  safetensors_io.write(tmp_path, hf_config.hf_config_from(config), tensors)
+  safetensors_io.write(tmp_path, hf_config_export.hf_config_from(config), tensors)
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
   tokens = np.random.default_rng(5).integers(0, VOCAB, size=(2, 11)).astype(np.int32)
   np.testing.assert_array_equal(hf_logits(exported, tokens), hf_logits(torch_model, tokens))

@@ -55,12 +55,12 @@ def test_export_loads_in_transformers_with_the_same_logits(saved, tokens, tmp_pa
   """maxtext -> config.json + safetensors (hf_config_from, maxtext_to_hf) -> transformers gives the original logits."""
   import transformers
 
-  from maxtext.convert import hf_config
+  from maxtext.convert import hf_config_export
 
   hf_dir, torch_model = saved[name]
   model, config = from_hf(hf_dir, dtype="float32")
   tensors = hf_params.maxtext_to_hf({k: np.asarray(v) for k, v in flat_params(model).items()}, config)
-  safetensors_io.write(tmp_path, hf_config.hf_config_from(config), tensors)
+  safetensors_io.write(tmp_path, hf_config_export.hf_config_from(config), tensors)
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
   np.testing.assert_allclose(hf_logits(exported, tokens), hf_logits(torch_model, tokens), atol=1e-5, rtol=0)
 
@@ -69,7 +69,7 @@ def test_attention_bias_follows_what_transformers_builds():
   """attention_bias reaches maxtext where the HF class puts q/k/v/o biases (llama: parity above), is ignored as Mistral ignores
   it, is refused for MLA; a mistral model with biases has no HF export."""
   from maxtext.config import ConfigError, from_overrides
-  from maxtext.convert import hf_config
+  from maxtext.convert import hf_config, hf_config_export
 
   def overrides(name: str, **extra) -> dict:
     return hf_config.overrides_from_hf({**FAMILY_CONFIGS[name]().to_dict(), **extra})
@@ -80,4 +80,4 @@ def test_attention_bias_follows_what_transformers_builds():
     overrides("deepseek", attention_bias=True)
   mistral = from_overrides(num_devices=1, decoder_block="mistral", attention_bias=True)
   with pytest.raises(ConfigError, match="MistralForCausalLM has no attention biases"):
-    hf_config.hf_config_from(mistral)
+    hf_config_export.hf_config_from(mistral)

@@ -18,7 +18,7 @@ import transformers
 
 from maxtext import counting, from_hf
 from maxtext.config import from_overrides, load
-from maxtext.convert import hf_config, hf_params, safetensors_io
+from maxtext.convert import hf_config, hf_config_export, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator, cache_layout
@@ -153,7 +153,7 @@ def test_round_trip_and_export_load_in_transformers(hf_dir, converted, tmp_path)
   assert sorted(tensors) == sorted(original)
   for k, v in original.items():
     assert np.array_equal(tensors[k], v), k
-  exported_config = hf_config.hf_config_from(config)
+  exported_config = hf_config_export.hf_config_from(config)
   assert hf_config.overrides_from_hf(exported_config) == hf_config.overrides_from_hf(tiny_config().to_dict()) | {"dtype": "float32"}
   safetensors_io.write(tmp_path, exported_config, tensors)
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()

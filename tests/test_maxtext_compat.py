@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from maxtext.config import ConfigError, load, load_with_sources, maxtext_keys
-from maxtext.config.loader import all_keys
+from maxtext.config.keys import all_keys
 from maxtext.config.render import resolved
 
 ROOT = Path(__file__).resolve().parents[1]

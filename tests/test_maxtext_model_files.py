@@ -148,15 +148,15 @@ def test_batchsplit_shards_experts_over_expert_and_weights_over_fsdp_only():
 def test_gemma_reads_the_releases_gelu_as_tanh_and_exports_only_what_gemma_for_causal_lm_builds():
   """google/gemma-2b's config.json says hidden_act "gelu", which transformers runs as the tanh approximation."""
   from maxtext.config import from_overrides
-  from maxtext.convert import hf_config
+  from maxtext.convert import hf_config, hf_config_export
 
   release = dict(model_type="gemma", hidden_act="gelu", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
   read = hf_config.overrides_from_hf({**release, "num_key_value_heads": 1, "head_dim": 8, "vocab_size": 97, "tie_word_embeddings": True})
   assert read["decoder_block"] == "gemma" and read["mlp_activations"] == ["gelu", "linear"] and read["base_num_kv_heads"] == 1
   capped = from_overrides(num_devices=1, decoder_block="gemma", logits_via_embedding=True, mlp_activations=["gelu", "linear"], final_logits_soft_cap=30.0)
   with pytest.raises(ConfigError, match="GemmaForCausalLM attends in full, without soft caps"):
-    hf_config.hf_config_from(capped)
-  exported = hf_config.hf_config_from(capped.model_copy(update={"final_logits_soft_cap": None}))
+    hf_config_export.hf_config_from(capped)
+  exported = hf_config_export.hf_config_from(capped.model_copy(update={"final_logits_soft_cap": None}))
   assert (exported["model_type"], exported["architectures"], exported["hidden_act"]) == ("gemma", ["GemmaForCausalLM"], "gelu_pytorch_tanh")
 
 

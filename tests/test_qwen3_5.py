@@ -13,7 +13,7 @@ import transformers
 
 from maxtext import from_hf
 from maxtext.config import from_overrides
-from maxtext.convert import hf_config, hf_params, safetensors_io
+from maxtext.convert import hf_config, hf_config_export, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator
@@ -102,7 +102,7 @@ def test_round_trip_and_export_load_in_transformers(hf_dir, tmp_path):
   assert sorted(tensors) == sorted(original)
   for k, v in original.items():
     assert np.array_equal(tensors[k], v), k
-  exported_config = hf_config.hf_config_from(config)
+  exported_config = hf_config_export.hf_config_from(config)
   assert exported_config["architectures"] == [type(torch_model).__name__]
   safetensors_io.write(tmp_path, exported_config, tensors)
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
@@ -158,7 +158,7 @@ def test_mtp_module_converts_both_ways_and_is_skipped_without_mtp_num_layers(mtp
   assert sorted(tensors) == sorted(original) and set(mtp) <= set(tensors)
   for k, v in original.items():
     assert np.array_equal(tensors[k], v), k
-  assert hf_config.hf_config_from(config)["mtp_num_hidden_layers"] == 1
+  assert hf_config_export.hf_config_from(config)["mtp_num_hidden_layers"] == 1
   with pytest.raises(ConfigError, match="set mtp_num_layers=1"):
     from_hf(d, dtype="float32", mtp_num_layers=2)
 

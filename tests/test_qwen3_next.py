@@ -14,7 +14,7 @@ import transformers
 from flax import nnx
 
 from maxtext import counting, from_hf
-from maxtext.convert import hf_config, hf_params, safetensors_io
+from maxtext.convert import hf_config, hf_config_export, hf_params, safetensors_io
 from maxtext.convert.model_params import flat_params
 from maxtext.errors import ConfigError
 from maxtext.inference import Generator, cache_layout
@@ -194,7 +194,7 @@ def test_round_trip_and_export_load_in_transformers(hf_dir, tmp_path):
   assert sorted(tensors) == sorted(original)
   for k, v in original.items():
     assert np.array_equal(tensors[k], v), k
-  safetensors_io.write(tmp_path, hf_config.hf_config_from(config), tensors)
+  safetensors_io.write(tmp_path, hf_config_export.hf_config_from(config), tensors)
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
   tokens = np.random.default_rng(5).integers(0, 97, size=(2, 2 * CHUNK + 5)).astype(np.int32)
   np.testing.assert_allclose(hf_logits(exported, tokens), hf_logits(torch_model, tokens), atol=1e-5, rtol=0)

@@ -157,7 +157,7 @@ def test_conversion_bit_exact_both_ways(hf_dir, ours):
 
 
 def test_export_config_loads_in_transformers(ours, tmp_path):
-  from maxtext.convert.hf_config import hf_config_from
+  from maxtext.convert.hf_config_export import hf_config_from
 
   exported = hf_config_from(ours[1])
   (tmp_path / "config.json").write_text(json.dumps(exported))

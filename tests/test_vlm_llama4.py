@@ -237,7 +237,7 @@ def test_conversion_bit_exact_both_ways(hf_dir, ours):
 
 def test_export_loads_in_transformers_with_the_same_weights(hf_dir, ours, tmp_path):
   """The exported config.json and tensors build a Llama4ForConditionalGeneration whose weights are the original's."""
-  from maxtext.convert.hf_config import hf_config_from
+  from maxtext.convert.hf_config_export import hf_config_from
 
   (tmp_path / "config.json").write_text(json.dumps(hf_config_from(ours[1])))
   loaded = transformers.AutoConfig.from_pretrained(tmp_path)

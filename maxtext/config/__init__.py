@@ -1,6 +1,7 @@
 """The configuration system: `load(argv) -> MaxTextConfig` (frozen, validated, derived)."""
 
-from maxtext.config.loader import all_keys, from_overrides, load, load_with_sources
+from maxtext.config.keys import all_keys
+from maxtext.config.loader import from_overrides, load, load_with_sources
 from maxtext.config.maxtext_config import MaxTextConfig
 from maxtext.errors import ConfigError
 

@@ -23,7 +23,7 @@ BASE_YML = Path(__file__).resolve().parents[2] / "configs" / "base.yml"
 
 
 def hf_to_maxtext(hf_dir: str, out: str, overrides: list[str]) -> None:
-  from maxtext.config.loader import parse_cli_value
+  from maxtext.config.overrides import parse_cli_value
   from maxtext.convert import checkpoint_io
   from maxtext.convert.hf_config import read_overrides
   from maxtext.hf import from_hf
@@ -48,7 +48,7 @@ def hf_to_maxtext(hf_dir: str, out: str, overrides: list[str]) -> None:
 def maxtext_to_hf(checkpoint: str, out: str, config_args: list[str]) -> None:
   from maxtext.config import load
   from maxtext.convert import checkpoint_io, hf_params, safetensors_io
-  from maxtext.convert.hf_config import hf_config_from
+  from maxtext.convert.hf_config_export import hf_config_from
 
   ckpt = Path(checkpoint)
   if not config_args:

@@ -1,4 +1,4 @@
-"""DeepSeek V4 config.json <-> maxtext keys (maxtext.convert.hf_config calls these for the deepseek4 family; its tensors
+"""DeepSeek V4 config.json <-> maxtext keys (maxtext.convert.hf_config and hf_config_export call these for the deepseek4 family; its tensors
 are in maxtext.convert.hf_deepseek_v4).
 
 config.json names each layer's attention (layer_types: sliding_attention, compressed_sparse_attention,

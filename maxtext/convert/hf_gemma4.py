@@ -1,4 +1,4 @@
-"""Gemma 4 (text decoder) config.json <-> maxtext keys (maxtext.convert.hf_config calls these for the gemma4 family;
+"""Gemma 4 (text decoder) config.json <-> maxtext keys (maxtext.convert.hf_config and hf_config_export call these for the gemma4 family;
 its tensor names are in maxtext.convert.hf_params)."""
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ def export(checkpoint: str, out: str, config_args: list[str], merged: bool = Fal
 
   from maxtext.config import load
   from maxtext.convert import hf_params, safetensors_io
-  from maxtext.convert.hf_config import hf_config_from
+  from maxtext.convert.hf_config_export import hf_config_from
   from maxtext.layers.lora import LoRAParam
   from maxtext.train.checkpoint_files import restore_some_params
 

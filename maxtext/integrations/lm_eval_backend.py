@@ -76,7 +76,7 @@ def unknown_tasks(tasks: Sequence[str], include_path: str) -> None:
 
 def _config_argv(config: str | None, keys: dict[str, Any]) -> list[str]:
   """model_args -> [<config.yml>, key=value, ...] (the harness has already turned 'true', '3', '1e-3' into values)."""
-  from maxtext.config.loader import PACKAGE_CONFIG_DIR
+  from maxtext.config.model_file import PACKAGE_CONFIG_DIR
 
   def text(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)

@@ -1,4 +1,4 @@
-"""Llama4ForConditionalGeneration's config.json <-> the llama4 *_for_vit keys (maxtext.convert.hf_config calls these
+"""Llama4ForConditionalGeneration's config.json <-> the llama4 *_for_vit keys (maxtext.convert.hf_config and hf_config_export call these
 for model_type llama4 with a vision_config)."""
 
 from __future__ import annotations
