@@ -78,7 +78,7 @@ class _Files:
 
   def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
     """tensor[name][index] as a numpy array (bfloat16 via ml_dtypes), checked finite and floating."""
-    from maxtext.convert.hf_params import check_weight
+    from maxtext.convert.hf_checkpoint_tensors import check_weight
 
     part = self.where[name].get_slice(name)
     try:
@@ -116,18 +116,18 @@ def _span(positions: np.ndarray) -> slice:
 def _reader(files: _Files, rule: Any, name: str, ours: tuple[int, ...]) -> Callable[[tuple[slice, ...]], np.ndarray] | None:
   """index of our per-layer array (shape `ours`) -> its values, reading only the slice of tensor `name` it covers;
   None for a layout only a whole-tensor conversion handles."""
-  from maxtext.convert import hf_params as hp
+  from maxtext.convert import hf_layouts
 
   fn = rule.to_ours
   if rule.part is not None:
     return None
-  if fn is hp._identity:
+  if fn is hf_layouts.identity:
     want = ours
     read = lambda idx: files.read(name, tuple(idx))  # noqa: E731
-  elif fn is hp._transpose:
+  elif fn is hf_layouts.transpose:
     want = ours[::-1]
     read = lambda idx: files.read(name, tuple(idx)[::-1]).T  # noqa: E731
-  elif isinstance(fn, functools.partial) and fn.func is hp._bias_to_ours:
+  elif isinstance(fn, functools.partial) and fn.func is hf_layouts.bias_to_ours:
     (shape,) = fn.args
     want = (int(np.prod(shape)),)
 
@@ -135,7 +135,7 @@ def _reader(files: _Files, rule: Any, name: str, ours: tuple[int, ...]) -> Calla
       pos, sel = _flat_positions(idx, shape)
       span = _span(pos)
       return files.read(name, (span,))[pos - span.start].reshape(sel)
-  elif isinstance(fn, functools.partial) and fn.func is hp._linear_to_ours:
+  elif isinstance(fn, functools.partial) and fn.func is hf_layouts.linear_to_ours:
     in_shape, out_shape = fn.args
     want = (int(np.prod(out_shape)), int(np.prod(in_shape)))
 
@@ -159,10 +159,10 @@ def _reader(files: _Files, rule: Any, name: str, ours: tuple[int, ...]) -> Calla
 def _param_readers(files: _Files, config: Any, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, Callable], set[str]] | None:
   """Per maxtext parameter path: index -> values; and the HF tensors they read. None when some parameter needs the
   whole-tensor conversion (gpt-oss's interleaved experts, MXFP4, multimodal or MTP checkpoints)."""
-  from maxtext.convert import hf_params as hp
+  from maxtext.convert import hf_checkpoint_tensors, hf_layer_rules, hf_layer_slots
 
   names = set(files.where)
-  if config.mtp_num_layers or any(n.startswith(hp.TEXT_DECODER_PREFIXES) or n.endswith("_blocks") for n in names):
+  if config.mtp_num_layers or any(n.startswith(hf_checkpoint_tensors.TEXT_DECODER_PREFIXES) or n.endswith("_blocks") for n in names):
     return None
   used: set[str] = set()
   readers: dict[str, Callable] = {}
@@ -173,7 +173,7 @@ def _param_readers(files: _Files, config: Any, shapes: dict[str, tuple[int, ...]
     used.add(name)
     return name
 
-  for r in hp._global_rules(config):
+  for r in hf_layer_rules.global_rules(config):
     if r.ours not in shapes:
       return None
     read = _reader(files, r, need(r.hf), shapes[r.ours])
@@ -183,8 +183,8 @@ def _param_readers(files: _Files, config: Any, shapes: dict[str, tuple[int, ...]
   kinds = registry.get(config.decoder_block).kinds(config)
   if len({k.structure for k in kinds[config.first_num_dense_layers :]}) > 1:
     return None  # a pattern of several layer structures (blocks, a remainder): read whole tensors
-  for stack, first, count, _ in hp._stacks(config):
-    for r in hp._layer_rules(config, kinds[first]):
+  for stack, first, count, _ in hf_layer_slots.stacks(config):
+    for r in hf_layer_rules.layer_rules(config, kinds[first]):
       layers = []
       for i in range(count):
         path = f"{stack}/{r.ours}" if config.scan_layers else f"{stack}/{i}/{r.ours}"
@@ -222,7 +222,7 @@ def _param_readers(files: _Files, config: Any, shapes: dict[str, tuple[int, ...]
 def _streamed(hf_dir: str, config: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, Callable] | None:
   """Readers of every parameter in shapes, the directory's headers checked (every tensor present in its shape, none
   left over); None when the checkpoint needs the whole-tensor conversion. Reads no tensor."""
-  from maxtext.convert import hf_config, hf_params, safetensors_io
+  from maxtext.convert import hf_checkpoint_tensors, hf_config, safetensors_io
 
   files = _Files(hf_dir)
   found = _param_readers(files, config, shapes)
@@ -230,7 +230,7 @@ def _streamed(hf_dir: str, config: Any, shapes: dict[str, tuple[int, ...]]) -> d
     return None
   readers, used = found
   stored_mtp = hf_config.stored_mtp_layers(safetensors_io.read_config(hf_dir), f"{hf_dir}/config.json")
-  hf_params._check_all_used(sorted(set(files.where) - used), config, stored_mtp)
+  hf_checkpoint_tensors.check_all_used(sorted(set(files.where) - used), config, stored_mtp)
   return readers
 
 

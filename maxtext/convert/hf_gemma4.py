@@ -1,5 +1,5 @@
 """Gemma 4 (text decoder) config.json <-> maxtext keys (maxtext.convert.hf_config and hf_config_export call these for the gemma4 family;
-its tensor names are in maxtext.convert.hf_params)."""
+its tensor names are in maxtext.convert.hf_layer_rules)."""
 
 from __future__ import annotations
 

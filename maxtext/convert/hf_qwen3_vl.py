@@ -3,7 +3,7 @@ Qwen 3 (or Qwen3-MoE) decoder under text_config with multimodal rope, the vision
 
 config.json: text_config -> the qwen3 / qwen3_moe keys (hf_config reads it as that model type), vision_config ->
 the *_for_vit keys, rope_parameters.mrope_section -> use_mrope and mrope_section. Tensors: model.language_model.* and
-lm_head.weight are the text decoder's (hf_params.text_decoder_tensors), model.visual.* the tower's
+lm_head.weight are the text decoder's (hf_checkpoint_tensors.text_decoder_tensors), model.visual.* the tower's
 (maxtext.vision.convert.qwen3_vl_from_hf); export writes the same names back.
 """
 

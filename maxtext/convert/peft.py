@@ -4,7 +4,7 @@ A PEFT adapter directory holds adapter_config.json (r, lora_alpha, target_module
 adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and
 `.lora_B.weight` [out, r] per adapted linear layer. Our adapters are A [in..., r] and B [r, out...]
 beside a kernel [in..., out...] whose Hugging Face weight is kernel.reshape(in, out).T (every
-projection rule in maxtext.convert.hf_params has that layout), so lora_A = A.reshape(in, r).T and
+projection rule in maxtext.convert.hf_layer_rules has that layout), so lora_A = A.reshape(in, r).T and
 lora_B = B.reshape(r, out).T, and the merged weight W + (alpha / r) B A maps through the same rule.
 """
 
@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from maxtext.config import MaxTextConfig
-from maxtext.convert.hf_params import Slot, _layer_rules, _slots
+from maxtext.convert.hf_layer_rules import layer_rules
+from maxtext.convert.hf_layer_slots import Slot, slots
 from maxtext.errors import ConfigError
 from maxtext.layers.lora import merge as merge_kernel
 from maxtext.models import registry
@@ -36,7 +37,7 @@ def _hf_module_names(config: MaxTextConfig, kind: LayerKind | None = None) -> di
   """Our module path inside a layer -> the Hugging Face module under model.layers.<i> (dense projections only), of a
   layer of `kind` (None: of every kind the model's layer pattern has)."""
   kinds = [kind] if kind is not None else list(dict.fromkeys(registry.get(config.decoder_block).kinds(config)))
-  return {r.ours[: -len("/kernel")]: r.hf[: -len(".weight")] for k in kinds for r in _layer_rules(config, k) if not r.experts and r.ours.endswith("/kernel")}
+  return {r.ours[: -len("/kernel")]: r.hf[: -len(".weight")] for k in kinds for r in layer_rules(config, k) if not r.experts and r.ours.endswith("/kernel")}
 
 
 def _adapted(keys: Any, slot: Slot) -> list[str]:
@@ -68,10 +69,10 @@ def _check_exportable(flat: dict[str, Any], config: MaxTextConfig) -> None:
 
 
 def _peft_modules(flat: dict[str, Any], config: MaxTextConfig) -> list[tuple[Slot, dict[str, str]]]:
-  """Each decoder layer's place (hf_params.Slot; its hf_index is the PEFT layer index) and its adapted modules ->
+  """Each decoder layer's place (hf_layer_slots.Slot; its hf_index is the PEFT layer index) and its adapted modules ->
   Hugging Face module names; a one-line error for adapters PEFT cannot hold."""
   out = []
-  for slot in _slots(config):
+  for slot in slots(config):
     names, modules = _hf_module_names(config, slot.kind), _adapted(flat, slot)
     if "mlp/gate" in modules:
       raise ConfigError("adapters on the MoE router (mlp/gate) have no PEFT equivalent; use --merge, or a lora.lora_module_path without mlp/gate")
