@@ -19,7 +19,7 @@ from maxtext import platform
 from maxtext.config import MaxTextConfig
 from maxtext.layers import expert_exchange, moe, moe_dispatch
 from maxtext.layers.dtypes import dtype
-from maxtext.models import specs
+from maxtext.models import feed_forward_specs
 
 
 def routing_dispatch_seconds(config: MaxTextConfig, repeats: int = 10) -> float:
@@ -33,7 +33,7 @@ def routing_dispatch_seconds(config: MaxTextConfig, repeats: int = 10) -> float:
 
   sparse = platform.moe_dispatch(c, platform.local_platform()) != "dense"
   seq = c.max_target_length
-  spec = specs.moe(c)
+  spec = feed_forward_specs.moe(c)
   capacity = moe.expert_capacity(seq, spec) if c.capacity_factor > 0 else 0
 
   def one_layer(x: jax.Array, gate: jax.Array) -> jax.Array:

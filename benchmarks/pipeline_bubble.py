@@ -96,7 +96,7 @@ def main(argv: list[str]) -> None:
   args = parser.parse_args(argv)
 
   from maxtext.config import from_overrides
-  from maxtext.models import specs
+  from maxtext.models import pipeline_specs
 
   devices = jax.device_count()
   p, lps, v = args.stages, args.layers_per_stage, args.repeats_per_stage
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
   rows = []
   for m in (int(x) for x in args.microbatches.split(",")):
     config = from_overrides(num_devices=devices, **base, num_pipeline_microbatches=m, per_device_batch_size=m * args.microbatch_rows / devices)
-    plan = specs.pipeline_plan(config)
+    plan = pipeline_specs.pipeline_plan(config)
     rows.append((m, plan, layer_stack_seconds(config, args.timing_runs)))
   useful = np.array([m * plan.repeats for m, plan, _ in rows], float)
   seconds = np.array([t for *_, t in rows])

@@ -173,7 +173,7 @@ def _sparse_gather(config: MaxTextConfig) -> bool:
   """Does DeepSeek Sparse Attention train through its gather path (only each query's indexer_topk keys, in MLA's
   absorbed form)? The platform policy picks gather; the dense warm-up and a LoRA adapter on wkv_b take the masked
   form, which scores every visible key (maxtext.layers.mla_sparse). The indexer's own scores: _indexer_flops."""
-  from maxtext.models.specs import indexer_warmup
+  from maxtext.models.mixer_specs import indexer_warmup
 
   if _build_policy(config).sparse_attention != "gather" or indexer_warmup(config):
     return False

@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 from maxtext import platform
-from maxtext.models import specs
+from maxtext.models import common_specs, specs
 from maxtext.models.decoder_layer import DecoderLayer
 from tests.test_lora_multi import MULTI, _with_random_b
 from tests.test_models import tiny
@@ -21,7 +21,7 @@ def test_one_jitted_layer_follows_the_adapter_ids_it_is_handed():
   graphdef, state = nnx.split(layer)
   x = jax.random.normal(jax.random.key(2), (2, 8, config.emb_dim), jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
-  window = specs.family_of(config).layer_windows(config)[0]
+  window = common_specs.family_of(config).layer_windows(config)[0]
 
   @jax.jit
   def run(state: nnx.State, ids: jax.Array) -> jax.Array:

@@ -36,11 +36,11 @@ def test_llama4_vision_keys_on_another_family_are_refused():
 
 
 def test_llama4_adapter_widths_must_agree():
-  from maxtext.models import specs
+  from maxtext.models import vision_specs
 
   config = tiny_config(num_devices=1, decoder_block="llama4", use_multimodal=True, chunk_attn_window_size=8, projector_output_dim_for_vit=512)
   with pytest.raises(ConfigError, match="set all three equal"):
-    specs.vision(config)
+    vision_specs.vision(config)
 
 
 def test_freeze_on_a_text_only_model_is_accepted_as_in_maxtext():

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "maxtext"
 MAX_TRAIN_FUNCTION_LINES = 60
 ABOVE_LAYERS = ("maxtext.config", "maxtext.models", "maxtext.inference", "maxtext.train", "maxtext.mesh")
-READS_CONFIG = {"specs.py", "__init__.py"}  # models/: the spec builder and the build entry (maxtext/counting.py counts a run)
+# models/: the spec builders (specs.py and the *_specs.py beside it) and the build entry (maxtext/counting.py counts a run)
+READS_CONFIG = {"specs.py", "common_specs.py", "mixer_specs.py", "feed_forward_specs.py", "pipeline_specs.py", "vision_specs.py", "__init__.py"}
 
 
 def _module(path: Path) -> str:

@@ -284,10 +284,10 @@ def test_blockwise_paths_equal_the_dense_masked_form(monkeypatch, sparse_trainin
   with two documents and padding; in the dense warm-up (sparse_training=False), the blockwise KL."""
   from maxtext import platform
   from maxtext.layers import mla_sparse
-  from maxtext.models import specs
+  from maxtext.models import mixer_specs
 
   config = _tiny_train_config(indexer_sparse_training=str(sparse_training).lower(), max_target_length=SEQ)
-  spec = specs.mla_sparse(config)
+  spec = mixer_specs.mla_sparse(config)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(2, SEQ, config.emb_dim)), jnp.float32)
   weights = jnp.asarray(rng.normal(size=(2, SEQ, config.emb_dim)), jnp.float32)

@@ -33,7 +33,7 @@ from maxtext.config import from_overrides
 from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers import moe
 from maxtext.layers.mlp import glu
-from maxtext.models import specs
+from maxtext.models import feed_forward_specs
 from tests.test_train_helpers import FAST_COMPILE
 
 BASE = dict(vocab_size=64, base_num_query_heads=2, base_num_kv_heads=2, head_dim=8, base_num_decoder_layers=1, dtype="float32")
@@ -85,7 +85,7 @@ def _config(shape: str, capacity_factor: float, **mesh):
 
 def _layer(config, path: str) -> moe.MoE:
   policy = dataclasses.replace(platform.for_platform(config, "cpu", interpret=True), moe_dispatch=path)
-  return moe.MoE(specs.moe(config), policy=policy, rngs=nnx.Rngs(0))
+  return moe.MoE(feed_forward_specs.moe(config), policy=policy, rngs=nnx.Rngs(0))
 
 
 def _inputs(shape: str):

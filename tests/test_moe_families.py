@@ -16,7 +16,7 @@ from maxtext.convert import hf_params
 from maxtext.convert.model_params import flat_params, model_from_flat
 from maxtext.errors import ConfigError
 from maxtext.layers import moe
-from maxtext.models import specs
+from maxtext.models import feed_forward_specs
 from maxtext.train import loss as loss_lib
 
 BASE = dict(num_devices=1, vocab_size=64, base_emb_dim=16, base_num_query_heads=2, base_num_kv_heads=2, head_dim=8, base_mlp_dim=24)
@@ -130,7 +130,7 @@ def test_group_limited_sigmoid_routing_matches_its_definition():
   rng = np.random.default_rng(1)
   logits = rng.normal(size=(64, 8)).astype(np.float32)
   bias = (0.3 * rng.normal(size=(8,))).astype(np.float32)
-  r = moe.route(jnp.asarray(logits), specs.moe(config).routing, jnp.asarray(bias))
+  r = moe.route(jnp.asarray(logits), feed_forward_specs.moe(config).routing, jnp.asarray(bias))
   ref_w, ref_e = _reference_route(logits, bias, 4, 2, 2, 2.5)
   order = np.argsort(np.asarray(r.experts), axis=-1)
   np.testing.assert_array_equal(np.take_along_axis(np.asarray(r.experts), order, -1), np.sort(ref_e, -1))
@@ -144,7 +144,7 @@ def test_routing_bias_moves_choice_but_not_weights():
   config = from_overrides(**dict(DEEPSEEK, n_routing_groups=-1, topk_routing_group=-1, norm_topk_prob=False, routed_scaling_factor=1.0))
   logits = jnp.asarray(np.random.default_rng(2).normal(size=(16, 8)), jnp.float32)
   bias = jnp.zeros((8,)).at[7].set(10.0)  # expert 7 always chosen, weighted by its own unbiased score
-  r = moe.route(logits, specs.moe(config).routing, bias)
+  r = moe.route(logits, feed_forward_specs.moe(config).routing, bias)
   assert np.all(np.any(np.asarray(r.experts) == 7, axis=-1))
   picked = np.asarray(r.weights)[np.asarray(r.experts) == 7]
   np.testing.assert_allclose(picked, np.asarray(jax.nn.sigmoid(logits[:, 7])), rtol=1e-6)
@@ -176,14 +176,14 @@ def test_capacity_drops_late_tokens_and_counts_them():
   np.testing.assert_array_equal(moe.capacity_positions(experts, 4), [[0, 0], [1, 0], [2, 1], [3, 0]])
   np.testing.assert_array_equal(moe.capacity_positions(jnp.stack([experts, experts[::-1]]), 4)[1], [[0, 0], [1, 0], [2, 0], [3, 1]])
   config = from_overrides(**dict(QWEN3_MOE, capacity_factor=1.0, dtype="float32"))  # per sequence: 8 tokens x 2 / 4 experts -> 4
-  assert moe.expert_capacity(8, specs.moe(config)) == 4
+  assert moe.expert_capacity(8, feed_forward_specs.moe(config)) == 4
   x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 8, 16)), jnp.float32)
   valid = jnp.ones((2, 8), bool)
 
   @functools.partial(jax.jit, static_argnums=0)
   def run(cf: float):
     cfg = from_overrides(**dict(QWEN3_MOE, capacity_factor=cf, dtype="float32"))
-    layer = moe.MoE(specs.moe(cfg), policy=platform.for_platform(cfg, "cpu"), rngs=nnx.Rngs(0))
+    layer = moe.MoE(feed_forward_specs.moe(cfg), policy=platform.for_platform(cfg, "cpu"), rngs=nnx.Rngs(0))
     return layer(x, valid), moe.route(layer.gate(x.reshape(16, 16)), layer.spec.routing).experts
 
   (y, stats), experts = run(1.0)

@@ -20,7 +20,7 @@ from flax import nnx
 from maxtext import mesh as mesh_lib
 from maxtext import models
 from maxtext.config import from_overrides
-from maxtext.models import pipeline, specs
+from maxtext.models import pipeline, pipeline_specs
 from maxtext.train import loss as loss_lib
 from tests.test_train_helpers import FAST_COMPILE
 
@@ -127,9 +127,10 @@ def placed(model: str, config, mesh) -> tuple[nnx.GraphDef, nnx.State]:
   shardings = models.state_shardings(abstract, config, mesh)
   values = initial_params(model)
   stored = [
-    (path, var.replace(value=values["/".join(map(str, path))])) for path, var in nnx.to_flat_state(pipeline.to_storage(abstract, specs.pipeline(config)))
+    (path, var.replace(value=values["/".join(map(str, path))]))
+    for path, var in nnx.to_flat_state(pipeline.to_storage(abstract, pipeline_specs.pipeline(config)))
   ]
-  host = dict(nnx.to_flat_state(pipeline.from_storage(nnx.from_flat_state(stored), specs.pipeline(config))))
+  host = dict(nnx.to_flat_state(pipeline.from_storage(nnx.from_flat_state(stored), pipeline_specs.pipeline(config))))
   flat = [
     (path, var.replace(value=jax.device_put(host[path].get_value(), sharding)))
     for (path, var), (_, sharding) in zip(nnx.to_flat_state(abstract), nnx.to_flat_state(shardings), strict=True)
@@ -149,7 +150,7 @@ def loss_and_grads(model: str, config) -> tuple[float, dict[str, np.ndarray]]:
       return (sums.xent + sums.z_loss) / sums.weights + sums.aux
 
     loss, grads = jax.jit(jax.value_and_grad(objective), compiler_options=FAST_COMPILE)(params)
-  grads = pipeline.to_storage(grads, specs.pipeline(config))
+  grads = pipeline.to_storage(grads, pipeline_specs.pipeline(config))
   return float(loss), {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(grads)}
 
 
@@ -166,7 +167,7 @@ def case_id(model: str, keys: dict) -> str:
 @pytest.mark.parametrize("model,keys", CASES, ids=[case_id(*c) for c in CASES])
 def test_pipelined_loss_and_gradients_equal_unpipelined(model, keys):
   config = config_for(model, **keys)
-  plan = specs.pipeline_plan(config)
+  plan = pipeline_specs.pipeline_plan(config)
   assert plan.stages == keys["ici_pipeline_parallelism"] and plan.microbatches == keys["num_pipeline_microbatches"]
   ref_loss, ref_grads = reference(model)
   loss, grads = loss_and_grads(model, config)
@@ -223,7 +224,7 @@ def trained(tmp_path_factory):
         state = jax.jit(setup.init_fn, out_shardings=setup.state_shardings, compiler_options=FAST_COMPILE)()  # setup.init_state()
         initial = jax.tree.map(np.asarray, state)  # a host copy: the plain run donates its state
       else:
-        state = jax.device_put(pipeline.from_storage(initial, specs.pipeline(config)), setup.state_shardings)
+        state = jax.device_put(pipeline.from_storage(initial, pipeline_specs.pipeline(config)), setup.state_shardings)
       batches = [packed_batch(config, seed=step) for step in range(10)]
       train_step, metrics = setup.jit_step.lower(state, batches[0]).compile(FAST_COMPILE), []
       for batch in batches:
@@ -234,12 +235,12 @@ def trained(tmp_path_factory):
 
 
 def plain_params(state, config) -> dict[str, np.ndarray]:
-  return {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(pipeline.to_storage(state["params"], specs.pipeline(config)))}
+  return {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(pipeline.to_storage(state["params"], pipeline_specs.pipeline(config)))}
 
 
 def test_ten_training_steps_give_the_unpipelined_parameters(trained):
   (config, _, first, state), (pp_config, _, pp_first, pp_state) = trained["plain"], trained["pipelined"]
-  assert specs.pipeline_plan(pp_config).repeats == 2
+  assert pipeline_specs.pipeline_plan(pp_config).repeats == 2
   for key in ("loss", "grad_norm"):
     assert float(pp_first[key]) == pytest.approx(float(first[key]), rel=1e-5), key
   ref, got = plain_params(state, config), plain_params(pp_state, pp_config)
@@ -247,7 +248,7 @@ def test_ten_training_steps_give_the_unpipelined_parameters(trained):
     assert np.linalg.norm(got[name] - value) <= 1e-5 * np.linalg.norm(value), name  # differences: compare whole parameters
   assert (
     "pipeline: 8 of 8 layers pipelined, circular (2 repeats of 2 layers per stage), 2 stages, 4 microbatches, 9 iterations, bubble 11.1%"
-    in pipeline.banner(specs.pipeline_plan(pp_config))
+    in pipeline.banner(pipeline_specs.pipeline_plan(pp_config))
   )
 
 
@@ -264,8 +265,8 @@ def test_checkpoint_round_trip_across_pipeline_degrees_is_bitwise(trained, tmp_p
   pp_ckpt = Checkpointer(pp_config)
   with jax.set_mesh(pp_setup.mesh):
     restored = pp_ckpt.restore_latest(pp_setup.abstract_state).state
-  order = specs.pipeline_plan(pp_config).order()
-  assert specs.pipeline_plan(pp_config).repeats == 2 and specs.pipeline_plan(pp_config).stages == 4
+  order = pipeline_specs.pipeline_plan(pp_config).order()
+  assert pipeline_specs.pipeline_plan(pp_config).repeats == 2 and pipeline_specs.pipeline_plan(pp_config).stages == 4
   kernel = np.asarray(dict(nnx.to_flat_state(restored["params"]))[("layers", "mlp", "wo", "kernel")].get_value())
   np.testing.assert_array_equal(kernel, np.asarray(state["params"]["layers"]["mlp"]["wo"]["kernel"].get_value())[order])
   pp_ckpt.directory = pp_ckpt.directory.parent / "again"
@@ -286,9 +287,9 @@ def test_pipeline_parallel_layers_loss_and_gradients_equal_one_device():
   config = config_for(
     "mixtral", ici_pipeline_parallelism=2, ici_expert_parallelism=2, ici_fsdp_parallelism=2, pipeline_parallel_layers=4, num_pipeline_microbatches=4
   )
-  plan = specs.pipeline_plan(config)
+  plan = pipeline_specs.pipeline_plan(config)
   assert (plan.layers, plan.outside, plan.repeats) == (4, 4, 2)
-  assert "pipeline: 4 of 8 layers pipelined (4 after them run on every stage)" in pipeline.banner(specs.pipeline_plan(config))
+  assert "pipeline: 4 of 8 layers pipelined (4 after them run on every stage)" in pipeline.banner(pipeline_specs.pipeline_plan(config))
   rules = dict((name, axes) for name, axes in config.logical_axis_rules)
   assert rules["layers"] == ["stage"] and rules["layers_outside_pipeline"] == []
   one_device = from_overrides(num_devices=1, **{**SMALL, **MODELS["mixtral"], "per_device_batch_size": 8 * SMALL["per_device_batch_size"]})
@@ -323,7 +324,7 @@ def test_pipeline_parallel_layers_checkpoint_resumes_on_one_device_and_back(trai
   one_setup = setup_lib.build(one, mesh_lib.create(one, jax.devices()[:1]))
   with jax.set_mesh(one_setup.mesh):
     restored = Checkpointer(one.model_copy(update={"checkpoint_dir": pp_config.checkpoint_dir})).restore_latest(one_setup.abstract_state).state
-  expected = pipeline.to_storage(pp_state, specs.pipeline(pp_config))
+  expected = pipeline.to_storage(pp_state, pipeline_specs.pipeline(pp_config))
   joined = [x for x in jax.tree.leaves(expected["params"]) if x.ndim > 1 and x.shape[0] == pp_config.num_decoder_layers]
   assert joined and all("stage" in str(x.sharding.spec) for x in joined)  # the joined stack stays split over the stages
   for key in ("params", "opt_state"):

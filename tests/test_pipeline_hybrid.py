@@ -12,7 +12,7 @@ import pytest
 
 from maxtext.config import from_overrides
 from maxtext.errors import ConfigError
-from maxtext.models import pipeline, specs
+from maxtext.models import pipeline, pipeline_specs, specs
 from tests import test_pipeline as helpers
 
 HYBRID = "qwen3_next_17"
@@ -52,7 +52,7 @@ CIRCULAR = dict(
 
 def test_pipelined_blocks_give_the_unpipelined_loss_and_gradients():
   config = helpers.config_for(HYBRID, **CIRCULAR)
-  plan = specs.pipeline_plan(config)
+  plan = pipeline_specs.pipeline_plan(config)
   assert (plan.stages, plan.repeats, plan.layers_per_stage, plan.period, plan.remainder) == (2, 2, 1, 4, 1)
   assert pipeline.banner(plan).startswith(
     "pipeline: 16 of 17 layers pipelined (1 after them run on every stage), circular (2 repeats of 1 blocks of 4 layers per stage), 2 stages"

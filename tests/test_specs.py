@@ -13,7 +13,7 @@ from flax import nnx
 
 from maxtext import models, platform
 from maxtext.config import MaxTextConfig, from_overrides
-from maxtext.models import registry, specs
+from maxtext.models import feed_forward_specs, registry, specs
 
 LAYERS = Path(__file__).parent.parent / "maxtext" / "layers"
 TINY = dict(num_devices=1, base_emb_dim=16, base_num_query_heads=2, base_num_kv_heads=2, head_dim=8, base_mlp_dim=24, vocab_size=32)
@@ -74,15 +74,15 @@ def test_specs_are_hashable_and_built_alike():
   assert a == b and hash(a) == hash(b)
   assert type(a.layer.attention).__name__ == "MLASpec" and type(a.layers[0].feed_forward).__name__ == "MLPSpec"
   assert [k.ffn for k in a.kinds] == ["dense", "moe_shared"] and a.layers[1] is a.layer
-  assert a.layer.feed_forward.shared == specs.mlp(config, config.moe_mlp_dim)
+  assert a.layer.feed_forward.shared == feed_forward_specs.mlp(config, config.moe_mlp_dim)
 
 
 def test_family_differences_are_spec_fields():
   mixtral = from_overrides(**TINY, decoder_block="mixtral", **MOE, norm_topk_prob=False)
   qwen = from_overrides(**TINY, decoder_block="qwen3_moe", **MOE, norm_topk_prob=False)
-  assert specs.moe(mixtral).routing.renormalize and not specs.moe(qwen).routing.renormalize
+  assert feed_forward_specs.moe(mixtral).routing.renormalize and not feed_forward_specs.moe(qwen).routing.renormalize
   gpt_oss = from_overrides(**TINY, decoder_block="gpt_oss", **MOE, mlp_activations_limit=7.0)
-  assert specs.moe(gpt_oss).glu_limit == 7.0 and specs.moe(mixtral.model_copy(update={"mlp_activations_limit": 7.0})).glu_limit == 0.0
+  assert feed_forward_specs.moe(gpt_oss).glu_limit == 7.0 and feed_forward_specs.moe(mixtral.model_copy(update={"mlp_activations_limit": 7.0})).glu_limit == 0.0
 
 
 def test_dtype_names_become_types_in_the_policy():

@@ -84,9 +84,9 @@ def test_encoder_places_images_and_masks_them(data_dir):
 
 
 def spec(c):
-  from maxtext.models import specs
+  from maxtext.models import vision_specs
 
-  return specs.vision(c)
+  return vision_specs.vision(c)
 
 
 def test_packed_rows_carry_each_documents_images(data_dir):

@@ -15,7 +15,7 @@ from PIL import Image
 from maxtext import models
 from maxtext.data import create_iterator, pipeline, qwen3_vl_records
 from maxtext.data.features import GRID_KEY, PATCH_KEY
-from maxtext.models import specs
+from maxtext.models import vision_specs
 from maxtext.train import loss as loss_lib
 from maxtext.train import setup as setup_lib
 from maxtext.vision import qwen3_vl_encoder
@@ -95,7 +95,7 @@ def test_documents_carry_their_images_as_the_processor_cuts_them(data_dir):
   """Each place holds its image's merged tokens; the patches, normalised on device, are the processor's (bit-exact)."""
   d, records = data_dir
   c = cfg(d)
-  spec = specs.vision(c)
+  spec = vision_specs.vision(c)
   doc = pipeline.make_encoder(c, pipeline.resolve_tokenizer(c)).encode(records[0], f"{d / 'train.jsonl'} line 1")
   expected, grids = qwen3_vl_encoder.row_patches(images_of(0), spec)
   assert grids == [(1, 4, 4), (1, 2, 8)]  # 20 x 13 -> 16 x 16 pixels; 9 x 30 -> 8 x 32 (smart_resize)
@@ -142,7 +142,7 @@ def test_packed_rows_loss_equals_their_documents_alone(data_dir, packed):
   """The training loss of packed rows (the step's loss_sums) == the sum of each document run alone through the model."""
   d, records = data_dir
   c, batch = packed
-  spec = specs.vision(c)
+  spec = vision_specs.vision(c)
   model = models.build(c, nnx.Rngs(0))
   sums = loss_lib.loss_sums(model, {k: jax.numpy.asarray(v) for k, v in batch.items()}, c, training=False)
   encoder, tokenizer = pipeline.make_encoder(c, pipeline.resolve_tokenizer(c)), pipeline.resolve_tokenizer(c)

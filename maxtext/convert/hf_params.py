@@ -116,12 +116,12 @@ def hf_to_maxtext(tensors: dict[str, Array], config: MaxTextConfig, stored_mtp_l
 
 def _vision_from_hf(tensors: dict[str, Array], c: MaxTextConfig) -> tuple[dict[str, Array], set[str]]:
   """use_multimodal: the checkpoint's vision tower and projector as flat maxtext params, and the names consumed."""
-  from maxtext.models import specs
+  from maxtext.models import vision_specs
   from maxtext.vision import llama4_convert
 
   if c.vision_encoder_block == "qwen3_vl":
     try:
-      out, names = hf_qwen3_vl.vision_from_hf(tensors, specs.vision(c))
+      out, names = hf_qwen3_vl.vision_from_hf(tensors, vision_specs.vision(c))
     except ValueError as e:
       raise ConfigError(f"use_multimodal=true: {e}; convert a Qwen3VLForConditionalGeneration checkpoint whose config.json matches it") from None
     for name in sorted(names):
@@ -130,7 +130,7 @@ def _vision_from_hf(tensors: dict[str, Array], c: MaxTextConfig) -> tuple[dict[s
   llama4 = c.decoder_block == "llama4"
   read = llama4_convert.llama4_vision_from_hf if llama4 else vision_convert.gemma3_vision_from_hf
   try:
-    out, names = read(tensors, specs.vision(c))
+    out, names = read(tensors, vision_specs.vision(c))
   except ValueError as e:
     kind = "Llama4ForConditionalGeneration" if llama4 else "Gemma3ForConditionalGeneration"
     raise ConfigError(f"use_multimodal=true: {e}; convert a {kind} checkpoint whose config.json matches it") from None
@@ -189,17 +189,17 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
     if c.decoder_block not in MTP_UNDER_MTP_PREFIX:
       out.update({prefix + copy: out[main] for copy, main in MTP_SHARED_COPIES.items() if main in out})
   if c.use_multimodal:
-    from maxtext.models import specs
+    from maxtext.models import vision_specs
 
     vision = {k: v for k, v in params.items() if k.startswith("vision/")}
     used.update(vision)
     if c.vision_encoder_block == "qwen3_vl":
-      out = hf_qwen3_vl.text_names_to_hf(out, fuse_experts=c.num_experts > 1) | hf_qwen3_vl.vision_to_hf(vision, specs.vision(c))
+      out = hf_qwen3_vl.text_names_to_hf(out, fuse_experts=c.num_experts > 1) | hf_qwen3_vl.vision_to_hf(vision, vision_specs.vision(c))
     else:
       from maxtext.vision import llama4_convert
 
       write = llama4_convert.llama4_vision_to_hf if c.decoder_block == "llama4" else vision_convert.gemma3_vision_to_hf
-      out = {MULTIMODAL_TEXT_PREFIX + k: v for k, v in out.items()} | write(vision, specs.vision(c))
+      out = {MULTIMODAL_TEXT_PREFIX + k: v for k, v in out.items()} | write(vision, vision_specs.vision(c))
   unexpected = sorted(set(params) - used)
   if unexpected:
     raise ConfigError(f"parameters with no Hugging Face name: {shorten(unexpected)}; merge or drop adapters/connectors before exporting")
@@ -208,9 +208,9 @@ def maxtext_to_hf(params: dict[str, Array], config: MaxTextConfig) -> dict[str, 
 
 def _deepseek4_layer_from_hf(c: MaxTextConfig, slot: Slot, get: Callable[[str], Array]) -> dict[str, Array]:
   """DeepSeek V4's layer at slot (get: its tensor by name under model.layers.<i>.) -> our parameters by path under it."""
-  from maxtext.models import specs
+  from maxtext.models import mixer_specs
 
-  spec = specs.compressed_attention(c, slot.kind)
+  spec = mixer_specs.compressed_attention(c, slot.kind)
   try:
     return hf_deepseek_v4.layer_from_hf(get, spec, slot.kind.ffn == "moe_hash", c.mhc_expansion_rate, c.num_experts)
   except ValueError as e:  # a reshape that cannot hold: config.json's sizes disagree with the tensors
@@ -219,6 +219,6 @@ def _deepseek4_layer_from_hf(c: MaxTextConfig, slot: Slot, get: Callable[[str], 
 
 def _deepseek4_layer_to_hf(c: MaxTextConfig, slot: Slot, get: Callable[[str], Array]) -> dict[str, Array]:
   """Our parameters of DeepSeek V4's layer at slot (get: path under the layer) -> its tensors by name under model.layers.<i>."""
-  from maxtext.models import specs
+  from maxtext.models import mixer_specs
 
-  return hf_deepseek_v4.layer_to_hf(get, specs.compressed_attention(c, slot.kind), slot.kind.ffn == "moe_hash")
+  return hf_deepseek_v4.layer_to_hf(get, mixer_specs.compressed_attention(c, slot.kind), slot.kind.ffn == "moe_hash")

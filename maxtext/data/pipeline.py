@@ -60,7 +60,7 @@ def make_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str = "trai
 def image_text_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str, kwargs: dict[str, Any]) -> features.DocumentEncoder:
   """use_multimodal: documents with images at their image_placeholder places (maxtext.data.image_text)."""
   from maxtext.data.image_text import ImageTextEncoder, Llama4ImageTextEncoder
-  from maxtext.models import specs
+  from maxtext.models import vision_specs
 
   if not 0 <= config.image_token_id < config.vocab_size:
     raise ConfigError(
@@ -74,7 +74,7 @@ def image_text_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str, 
     max_images=config.max_num_images_per_example,
   )
   if config.decoder_block == "llama4":  # each image cut into tiles, tokens_per_image placeholders a tile
-    spec = specs.vision(config)
+    spec = vision_specs.vision(config)
     return Llama4ImageTextEncoder(
       tokenizer,
       config.train_data_columns,
@@ -92,9 +92,9 @@ def image_text_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str, 
 def qwen3_vl_encoder(config: MaxTextConfig, tokenizer: Tokenizer, split: str, kwargs: dict[str, Any]) -> features.DocumentEncoder:
   """use_multimodal with vision_encoder_block=qwen3_vl: documents with their images' patches (maxtext.data.qwen3_vl_records)."""
   from maxtext.data.qwen3_vl_records import Qwen3VLImageTextEncoder, patch_budget
-  from maxtext.models import specs
+  from maxtext.models import vision_specs
 
-  spec = specs.vision(config)
+  spec = vision_specs.vision(config)
   return Qwen3VLImageTextEncoder(
     tokenizer,
     config.train_data_columns,
@@ -226,9 +226,9 @@ def qwen3_vl_rows(config: MaxTextConfig) -> Any:
   if not (config.use_multimodal and config.vision_encoder_block == "qwen3_vl"):
     return None
   from maxtext.data.qwen3_vl_records import RowImages, patch_budget
-  from maxtext.models import specs
+  from maxtext.models import vision_specs
 
-  spec = specs.vision(config)
+  spec = vision_specs.vision(config)
   return RowImages(spec, patch_budget(config, spec))
 
 

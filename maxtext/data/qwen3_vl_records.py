@@ -56,9 +56,9 @@ def batch_layout(spec: Qwen3VLEncoderSpec, budget: int, length: int) -> dict[str
 
 def batch_dtypes(config: Any) -> dict[str, type]:
   """The image keys of a Qwen3-VL image-text batch and their dtypes."""
-  from maxtext.models import specs
+  from maxtext.models import vision_specs
 
-  spec = specs.vision(config)
+  spec = vision_specs.vision(config)
   return {key: dtype for key, (_, dtype) in batch_layout(spec, patch_budget(config, spec), config.max_target_length).items()}
 
 

@@ -65,10 +65,10 @@ def qwen3_vl_image_tokens(config: MaxTextConfig, images: list) -> list[int] | No
   The image ids go where the prompt's image_placeholder is (write <|vision_start|> and <|vision_end|> around it)."""
   if not (config.use_multimodal and config.vision_encoder_block == "qwen3_vl"):
     return None
-  from maxtext.models import specs
+  from maxtext.models import vision_specs
   from maxtext.vision.qwen3_vl_encoder import image_tokens
 
-  spec = specs.vision(config)
+  spec = vision_specs.vision(config)
   return [image_tokens(image, spec) for image in images]
 
 
@@ -108,11 +108,11 @@ def run(config: MaxTextConfig, argv: Sequence[str]) -> None:
   bos = [tokenizer.bos_id] if config.add_bos and tokenizer.bos_id is not None else []
   images = prompt_images(config)  # read and checked before the model loads
   if config.use_multimodal and config.decoder_block == "llama4":  # each image's tiles and markers (maxtext.vision.llama4_preprocess)
-    from maxtext.models import specs
+    from maxtext.models import vision_specs
     from maxtext.vision.llama4_preprocess import encode_prompt
 
     prompt = encode_prompt(config, tokenizer, text, images)
-    slots = prompt.count(config.image_token_id) // specs.vision(config).tokens_per_image  # the tower's inputs are tiles
+    slots = prompt.count(config.image_token_id) // vision_specs.vision(config).tokens_per_image  # the tower's inputs are tiles
   else:
     per_image = qwen3_vl_image_tokens(config, images)
     prompt = encode_with_images(config, tokenizer, text, len(images), per_image) if config.use_multimodal else tokenizer.encode(text)

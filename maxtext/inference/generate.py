@@ -241,10 +241,10 @@ class Generator:
     pixels = np.zeros((tokens.shape[0], images, size, size, 3), np.float32) if images else None
     deltas = None
     if images and self.config.vision_encoder_block == "qwen3_vl":
-      from maxtext.models import specs
+      from maxtext.models import vision_specs
       from maxtext.vision import qwen3_vl_encoder
 
-      pixels = qwen3_vl_encoder.empty_batch(tokens.shape[0], tokens.shape[1], sample_images, specs.vision(self.config))
+      pixels = qwen3_vl_encoder.empty_batch(tokens.shape[0], tokens.shape[1], sample_images, vision_specs.vision(self.config))
       deltas = np.zeros(tokens.shape[:1], np.int32)
     self._executables_for(tokens, lengths, np.zeros(tokens.shape[:1], np.int32) if adapters else None, pixels, deltas)
     return time.perf_counter() - start
@@ -376,14 +376,14 @@ def prompt_images(config: MaxTextConfig, prompts: Sequence[Sequence[int]], image
 def qwen3_vl_prompt_images(config: MaxTextConfig, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[np.ndarray]], tokens: np.ndarray) -> tuple:
   """Qwen3-VL: each prompt's images -> (Qwen3VLImages for the padded prompt rows, each row's rope delta [rows] int32).
   Each prompt's placeholders must hold its images' merged tokens, in order: else a one-line DataError."""
-  from maxtext.models import specs
+  from maxtext.models import vision_specs
   from maxtext.vision import qwen3_vl_encoder
 
   if len(images) != len(prompts):
     raise DataError(f"{len(images)} image lists for {len(prompts)} prompts; give one list (possibly empty) per prompt")
   rows = [list(row) for row in images] + [[]] * (tokens.shape[0] - len(prompts))
   try:
-    batch, deltas = qwen3_vl_encoder.prepare(tokens.tolist(), rows, specs.vision(config))
+    batch, deltas = qwen3_vl_encoder.prepare(tokens.tolist(), rows, vision_specs.vision(config))
   except ValueError as e:
     raise DataError(
       f"the prompts' image placeholders do not fit their images: {e}; put each image's tokens (qwen3_vl_encoder.image_tokens) at its place"

@@ -12,12 +12,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-# The token mixers a LayerKind may name (maxtext.models.specs.MIXERS builds each); mla_sparse: MLA over a lightning
+# The token mixers a LayerKind may name (maxtext.models.mixer_specs.MIXERS builds each); mla_sparse: MLA over a lightning
 # indexer's top-k keys (DeepSeek V3.2).
 # compressed: DeepSeek V4's attention over a sliding window plus, with a compress rate, compressed keys
 # (maxtext.layers.compressed_attention; the kind's variant is its Hugging Face layer type).
 MIXERS = ("attention", "mla", "gated_deltanet", "mla_sparse", "compressed")
-# the feed-forwards (maxtext.models.specs.FEED_FORWARDS builds each); moe_hash: experts fixed per token id (DeepSeek V4's
+# the feed-forwards (maxtext.models.feed_forward_specs.FEED_FORWARDS builds each); moe_hash: experts fixed per token id (DeepSeek V4's
 # first layers) beside shared experts
 FEED_FORWARDS = ("dense", "moe", "moe_shared", "moe_hash")
 

@@ -218,7 +218,7 @@ def to_storage(tree: Any, schedule: Schedule | None) -> Any:
 
 
 def from_storage(tree: Any, schedule: Schedule | None) -> Any:
-  """The inverse of to_storage: a restored tree in the layout the schedule (maxtext.models.specs.pipeline) keeps in the train state (its
+  """The inverse of to_storage: a restored tree in the layout the schedule (maxtext.models.pipeline_specs.pipeline) keeps in the train state (its
   arrays are donated)."""
   return _convert(tree, schedule, to_plain=False)
 
@@ -353,7 +353,7 @@ def run(
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """The pipeline wrapped around the decoder's main layer stack (maxtext.models.specs.pipeline builds it once).
+  """The pipeline wrapped around the decoder's main layer stack (maxtext.models.pipeline_specs.pipeline builds it once).
 
   schedule(layers, x, positions, segment_ids, adapter_ids, windows, policy) runs the stacked layers under the plan's
   schedule, each stage's block with the per-layer scan and remat of the unpipelined decoder inside.

@@ -37,7 +37,7 @@ from etils import epath
 from maxtext.config import MaxTextConfig
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import ConfigError, UserError, shorten
-from maxtext.models import pipeline, specs
+from maxtext.models import pipeline, pipeline_specs
 from maxtext.train import checksums
 from maxtext.train.checkpoint_files import (
   ITEM,
@@ -102,7 +102,7 @@ class Checkpointer:
       f = self._data_file(step)
       f.parent.mkdir(parents=True, exist_ok=True)
       f.write_text(json.dumps(data_state))
-    state = pipeline.to_storage(state, specs.pipeline(self.config))
+    state = pipeline.to_storage(state, pipeline_specs.pipeline(self.config))
     record = {SCHEDULE_KEY: self.config.learning_rate_schedule_steps}
     manifest = {"arrays": checksums.of_state(state), "settings": settings_of(self.config), "layout": layout_of(self.config)}
     items = {ITEM: ocp.args.StandardSave(state), SCHEDULE: ocp.args.JsonSave(record), MANIFEST: ocp.args.JsonSave(manifest)}
@@ -135,7 +135,7 @@ class Checkpointer:
     (another model, optimizer or LoRA setting) are a ConfigError: nothing is moved.
     """
     initial = data_iter.get_state() if data_iter is not None else None
-    abstract_state = pipeline.to_storage(abstract_state, specs.pipeline(self.config))  # the layout on disk
+    abstract_state = pipeline.to_storage(abstract_state, pipeline_specs.pipeline(self.config))  # the layout on disk
     settings = settings_of(self.config)
     for step in sorted(self.manager.all_steps(), reverse=True):
       problem = check_compatible(self.directory / str(step) / ITEM, abstract_state, self.config.checkpoint_dir, settings)
@@ -153,7 +153,7 @@ class Checkpointer:
       if not all_processes_agree(problem is None) and problem is None:
         problem = "another process cannot use it"
       if problem is None:
-        return Restored(pipeline.from_storage(restored, specs.pipeline(self.config)), schedule)
+        return Restored(pipeline.from_storage(restored, pipeline_specs.pipeline(self.config)), schedule)
       if data_iter is not None:
         data_iter.set_state(initial)
       self._set_aside(step, problem, log)

@@ -9,7 +9,7 @@ import jax
 
 from maxtext.config import MaxTextConfig
 from maxtext.errors import ConfigError
-from maxtext.models import pipeline, specs
+from maxtext.models import pipeline, pipeline_specs
 from maxtext.train.checkpoint_files import ITEM, item_path, overlay_params, read_metadata_tree, restore_some_params
 
 
@@ -134,7 +134,7 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
   from maxtext.layers.lora import LoRAParam
   from maxtext.layers.mhc import MHCParam
 
-  abstract_params = pipeline.to_storage(abstract_params, specs.pipeline(config))  # as checkpoints hold the layers: one stack, plain order
+  abstract_params = pipeline.to_storage(abstract_params, pipeline_specs.pipeline(config))  # as checkpoints hold the layers: one stack, plain order
   if config.lora.enable_lora and not config.load_parameters_path:
     log(
       f"warning: lora.enable_lora=true without load_parameters_path: the frozen base is a random init (init_weights_seed={config.init_weights_seed}), "
@@ -154,7 +154,7 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
       check_base_quantization(config, path, abstract_params)
       restored, lacking = restore_some_params(path, base_target(config, abstract_params), "load_parameters_path", may_lack=nnx.Any(LoRAParam, MHCParam))
       where = _loaded_from(path)
-    params = overlay_params(params, pipeline.from_storage(quantize_restored(config, restored, abstract_params), specs.pipeline(config)))
+    params = overlay_params(params, pipeline.from_storage(quantize_restored(config, restored, abstract_params), pipeline_specs.pipeline(config)))
     note = f" ({len(lacking)} adapter/connector arrays it lacks keep their init)" if lacking else ""
     stored = stored_kernels(abstract_params)
     how = (
@@ -166,6 +166,6 @@ def load_initial_params(config: MaxTextConfig, params: Any, abstract_params: Any
       raise ConfigError(f"lora.lora_restore_path='{config.lora.lora_restore_path}' needs lora.enable_lora=true")
     wanted = nnx.filter_state(abstract_params, nnx.Any(LoRAParam, MHCParam))
     restored, _ = restore_some_params(config.lora.lora_restore_path, wanted, "lora.lora_restore_path", may_lack=MHCParam)
-    params = overlay_params(params, pipeline.from_storage(restored, specs.pipeline(config)))
+    params = overlay_params(params, pipeline.from_storage(restored, pipeline_specs.pipeline(config)))
     log(f"loaded LoRA adapters from {config.lora.lora_restore_path}")
   return params

@@ -15,7 +15,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.data.mixture import data_metrics
 from maxtext.distributed import all_processes_agree
 from maxtext.errors import UserError
-from maxtext.models import pipeline, specs
+from maxtext.models import pipeline, pipeline_specs
 from maxtext.train import (
   checkpoint_files,
   checkpointing,
@@ -102,9 +102,9 @@ def _restore_or_init(
       return _with_frozen_base(setup, restored.state, log, formats)
   if config.load_full_state_path:
     state = checkpointing.restore_full_state(
-      config.load_full_state_path, pipeline.to_storage(state_lib.checkpointed(setup.abstract_state, config), specs.pipeline(config))
+      config.load_full_state_path, pipeline.to_storage(state_lib.checkpointed(setup.abstract_state, config), pipeline_specs.pipeline(config))
     )
-    state = pipeline.from_storage(state, specs.pipeline(config))
+    state = pipeline.from_storage(state, pipeline_specs.pipeline(config))
     log(f"loaded full state at step {int(state['step'])} from {config.load_full_state_path}")
     return _with_frozen_base(setup, state, log, formats)
   state = setup.init_state(formats)

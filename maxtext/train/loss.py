@@ -15,7 +15,7 @@ from maxtext.config import MaxTextConfig
 from maxtext.data.features import IMAGE_KEY, PATCH_KEY
 from maxtext.data.qwen3_vl_records import LAYOUT_KEYS, ROPE_KEY
 from maxtext.layers import context_parallel
-from maxtext.models import specs
+from maxtext.models import common_specs
 from maxtext.models.mtp import mtp_xent_sum
 from maxtext.vision import gemma3_encoder, llama4_preprocess, llama4_vision, qwen3_vl_encoder
 from maxtext.vision.qwen3_vl import GridLayout
@@ -45,7 +45,7 @@ def loss_sums(model: Any, batch: dict[str, jax.Array], config: MaxTextConfig, tr
   Under context parallelism with load balance the per-token arrays are first put in the shards' order; the sums do
   not depend on it (multi-token prediction reorders its shifted targets the same way).
   """
-  layout = specs.context_layout(config)
+  layout = common_specs.context_layout(config)
   natural, batch = batch, context_parallel.reorder_batch(batch, layout)
   hidden, pre_norm, stats = model.forward_hidden(
     batch["inputs"],

@@ -16,7 +16,7 @@ import jax
 from maxtext.aot import remat_auto
 from maxtext.config import MaxTextConfig
 from maxtext.layers.quantization import Recipe
-from maxtext.models import pipeline, specs
+from maxtext.models import pipeline, pipeline_specs
 from maxtext.platform import Policy, keyed_moe_dispatch
 from maxtext.train import checkpoint_files, perf
 
@@ -107,7 +107,7 @@ class RunReport:
       keyed = keyed_moe_dispatch(c, self.policy.platform)
       forced = f" (quantization: {keyed} takes no quantized operands)" if keyed != self.policy.moe_dispatch else ""
       self.log(f"experts: {c.num_experts}, top {c.num_experts_per_tok}, {capacity}; dispatch {self.policy.moe_dispatch}{forced} (docs/models.md, MoE dispatch)")
-    pipelined = pipeline.banner(specs.pipeline_plan(c))
+    pipelined = pipeline.banner(pipeline_specs.pipeline_plan(c))
     if pipelined:
       self.log(pipelined)
     if c.remat_policy != "none":

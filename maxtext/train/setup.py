@@ -26,7 +26,7 @@ from maxtext.data import image_text
 from maxtext.data.features import IMAGE_KEY
 from maxtext.data.synthetic import BATCH_KEYS
 from maxtext.errors import ConfigError
-from maxtext.models import specs
+from maxtext.models import common_specs, vision_specs
 from maxtext.train import diloco, optimizers, reference
 from maxtext.train import state as state_lib
 from maxtext.train import step as step_lib
@@ -128,15 +128,15 @@ def _input_batch(config: MaxTextConfig, data: NamedSharding, rows: NamedSharding
   if config.use_multimodal and config.dataset_type != "synthetic" and config.vision_encoder_block == "qwen3_vl":  # each row's patches, layout, MRoPE positions
     from maxtext.data import qwen3_vl_records
 
-    layout = specs.context_layout(config)
+    layout = common_specs.context_layout(config)
     if layout is not None and layout.load_balance:  # the rows' MRoPE positions and image places stay in natural order
       raise ConfigError("training Qwen3-VL on image-text records keeps each row in order; set context_parallel_load_balance=false")
-    vision = specs.vision(config)
+    vision = vision_specs.vision(config)
     for key, (row_shape, dtype) in qwen3_vl_records.batch_layout(vision, qwen3_vl_records.patch_budget(config, vision), config.max_target_length).items():
       batch_shardings[key] = data
       abstract_batch[key] = jax.ShapeDtypeStruct((shape[0], *row_shape), dtype, sharding=data)
   elif config.use_multimodal and config.dataset_type != "synthetic":  # each token's chunk of its image (maxtext.data.image_text)
-    vision = specs.vision(config)
+    vision = vision_specs.vision(config)
     chunk = (
       image_text.chunk_size(vision.tile_size, vision.tokens_per_image)
       if config.decoder_block == "llama4"

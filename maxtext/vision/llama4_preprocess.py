@@ -156,9 +156,9 @@ def prompt_tiles(config, prompts: Sequence[Sequence[int]], images: Sequence[Sequ
   unused slots zero). A prompt must hold tokens_per_image placeholder ids for each of its images' tiles (image_text
   gives an image's placeholder text): else a one-line DataError. config: a llama4 MaxTextConfig with use_multimodal."""
   from maxtext.errors import DataError
-  from maxtext.models import specs
+  from maxtext.models import vision_specs
 
-  spec, max_tiles = specs.vision(config), config.max_num_tiles_for_vit
+  spec, max_tiles = vision_specs.vision(config), config.max_num_tiles_for_vit
   per_prompt = []
   for i, (prompt, row) in enumerate(zip(prompts, images)):
     for image in row:
@@ -184,7 +184,7 @@ def encode_prompt(config, tokenizer, text: str, images: Sequence[np.ndarray]) ->
   image's tile grid under max_num_tiles_for_vit): the marker tokens by the tokenizer's ids for them, each placeholder
   image_token_id. As many places as images, and a tokenizer that knows the markers: else a one-line DataError."""
   from maxtext.errors import DataError
-  from maxtext.models import specs
+  from maxtext.models import vision_specs
 
   parts = text.split(config.image_placeholder)
   if len(parts) - 1 != len(images):
@@ -197,7 +197,7 @@ def encode_prompt(config, tokenizer, text: str, images: Sequence[np.ndarray]) ->
     if len(ids) != 1:
       raise DataError(f"the tokenizer encodes Llama 4's image marker {marker} as {len(ids)} ids, not one; use the model's own tokenizer")
     markers[marker] = ids[0]
-  spec = specs.vision(config)
+  spec = vision_specs.vision(config)
   out = tokenizer.encode(parts[0]) if parts[0] else []
   for image, part in zip(images, parts[1:]):
     grid = llama4_tiles(np.asarray(image), spec.tile_size, config.max_num_tiles_for_vit)[1]
