@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -20,59 +19,14 @@ from maxtext.layers.norms import RMSNorm
 from maxtext.layers.output_head import OutputHead
 from maxtext.layers.residual import collapse_streams, expand_streams, make_head
 from maxtext.layers.sharding import constrain
-from maxtext.models import layer_pattern, pipeline, remat
-from maxtext.models.decoder_layer import DecoderLayer, LayerSpec
+from maxtext.models import block_scan, layer_pattern, remat
+from maxtext.models.decoder_layer import DecoderLayer
+from maxtext.models.layer_stacks import block_stacks, main_stacks, stacked_layers
 from maxtext.models.mtp import MTPBlock
 from maxtext.models.remat import tied_to_carry
 from maxtext.models.specs import DecoderSpec
 from maxtext.platform import Policy
 from maxtext.vision import gemma3_encoder, llama4_vision, qwen3_vl_encoder
-
-LAYERS_AXIS = pipeline.LAYERS_AXIS
-OUTSIDE_AXIS = pipeline.OUTSIDE_AXIS
-DENSE_LAYERS_AXIS = layer_pattern.PREFIX_STACK  # DeepSeek's leading dense layers: a stack of their own, outside any pipeline
-
-
-def _prepend_axis(variable: nnx.Variable, name: str) -> nnx.Variable:
-  axes = variable.get_metadata().get("logical_axes") or (None,) * (variable[...].ndim - 1)
-  return variable.replace(logical_axes=(name,) + tuple(axes))
-
-
-def stacked_layers(spec: LayerSpec, policy: Policy, keys: jax.Array, axis: str) -> DecoderLayer:
-  """One DecoderLayer whose parameters have a leading axis named `axis`, one layer per random key in keys."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: DecoderLayer(spec, policy=policy, rngs=nnx.Rngs(0))))
-  state = jax.vmap(lambda k: nnx.state(DecoderLayer(spec, policy=policy, rngs=nnx.Rngs(k))))(keys)
-  state = jax.tree.map(lambda v: _prepend_axis(v, axis), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-  return nnx.merge(graphdef, state)
-
-
-def main_stacks(plan: pipeline.Plan | None, spec: LayerSpec, policy: Policy, rngs: nnx.Rngs, num_layers: int) -> tuple[DecoderLayer, DecoderLayer | None]:
-  """The main stack's num_layers layers (those after first_num_dense_layers), stacked: (axis 'layers', the layers
-  after them on axis 'layers_outside_pipeline', or None).
-
-  Without a pipeline 'layers' holds them all. With one it holds the first pipeline_parallel_layers, sharded over
-  `stage`, in the pipeline's train-state order; the rest, if any, form the second stack, not split by stage. Each
-  layer gets the random key of its plain index, so every layout starts with the same weights.
-  """
-  keys = jax.random.split(rngs.params(), num_layers)
-  if plan is None:
-    return stacked_layers(spec, policy, keys, LAYERS_AXIS), None
-  pipelined = stacked_layers(spec, policy, keys[: plan.layers][plan.order()], LAYERS_AXIS)
-  return pipelined, stacked_layers(spec, policy, keys[plan.layers :], OUTSIDE_AXIS) if plan.outside else None
-
-
-def block_stacks(
-  stack: layer_pattern.Stack, layer_specs: tuple[LayerSpec, ...], policy: Policy, rngs: nnx.Rngs, plan: pipeline.Plan | None = None
-) -> tuple[nnx.List, nnx.List | None]:
-  """A stack whose structures repeat with period p > 1, scanned: (p stacked layers on axis stack.name, position j
-  holding layers j, j + p, ...; the remainder's layers one by one, or None). Layer i gets the i-th random key. With
-  a pipeline (whose units are the whole groups) the groups stand in its train-state order (plan.order())."""
-  p, g = stack.period, stack.num_groups
-  keys = jax.random.split(rngs.params(), len(stack.kinds))
-  groups = np.arange(g) if plan is None else plan.order()
-  block = nnx.List([stacked_layers(layer_specs[j], policy, keys[groups * p + j], stack.name) for j in range(p)])
-  rest = [DecoderLayer(layer_specs[i], policy=policy, rngs=nnx.Rngs(keys[i])) for i in range(g * p, len(stack.kinds))]
-  return block, nnx.List(rest) if rest else None
 
 
 class Transformer(nnx.Module):
@@ -299,8 +253,18 @@ class Transformer(nnx.Module):
         f"decoder_block={self.spec.decoder_block} repeats a block of different layers, which Qwen3-VL's images do not run through; use qwen3 or qwen3_moe"
       )
     whole = stack.num_groups * stack.period
-    x, stats = self._run_block(
-      stack, layers, x, positions, segment_ids, adapter_ids, image_ids=image_ids, per_layer=None if mine is None else mine[:whole], token_ids=token_ids
+    x, stats = block_scan.run_block(
+      stack,
+      layers,
+      x,
+      positions,
+      segment_ids,
+      adapter_ids,
+      remat_policy=self.spec.remat_policy,
+      policy=self.policy,
+      image_ids=image_ids,
+      per_layer=None if mine is None else mine[:whole],
+      token_ids=token_ids,
     )
     rest = self.layers_remainder
     if rest is None:
@@ -318,72 +282,6 @@ class Transformer(nnx.Module):
       token_ids=token_ids,
     )
     return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, after)
-
-  def _run_block(
-    self,
-    stack: layer_pattern.Stack,
-    block: nnx.List,
-    x: jax.Array,
-    positions: jax.Array,
-    segment_ids: jax.Array | None,
-    adapter_ids: jax.Array | None,
-    image_ids: jax.Array | None = None,
-    per_layer: jax.Array | None = None,
-    token_ids: jax.Array | None = None,
-  ):
-    """A repeating block of p layers of different structures (p stacks of num_groups layers each), scanned group by
-    group -> (x, per-layer statistics of the whole groups, in layer order). A block position whose window is the same
-    in every group gets it as a constant, otherwise as a scan input."""
-    c, p, g = self.spec, stack.period, stack.num_groups
-    offload, compute = self.policy.offload_layer_inputs, self.policy.dtypes.compute
-    graphdefs, states = zip(*(nnx.split(m) for m in block))
-    windows = np.asarray(stack.windows[: g * p], np.int32).reshape(g, p)
-    static = [int(windows[0, j]) if len(set(windows[:, j].tolist())) == 1 else None for j in range(p)]
-    images = {} if image_ids is None else {"image_ids": image_ids}
-    if token_ids is not None:
-      images["token_ids"] = token_ids
-
-    # KV sharing: a stack with KV-shared layers never repeats (p = all its layers, one group), so each shared layer
-    # finds its source's keys and values within the group.
-    sharing = any(k.kv_shared for k in stack.kinds)
-
-    def position(j: int, static_window: int | None, return_kv: bool):
-      # Every array the layer reads is an argument (none closed over): sequential_backward's custom VJP differentiates
-      # a function of its arguments only.
-      def step(h, layer_state, extra, inputs):
-        h = checkpoint_name(h, remat.LAYER_INPUT)
-        layer = nnx.merge(graphdefs[j], tied_to_carry(layer_state, h, compute))
-        inputs = dict(inputs)
-        window = static_window if static_window is not None else inputs.pop("window")
-        return layer(h, inputs.pop("positions"), inputs.pop("segment_ids"), window, return_kv=return_kv, **inputs, **extra)
-
-      rematted = remat.wrap(step, c.remat_policy, prevent_cse=False, offload_input=offload)
-      # The group's layers run their backward passes in turn (one layer's recomputed activations live at a time);
-      # not with nothing to recompute, nor with the inputs offloaded to host memory (barriers on them not tried).
-      return rematted if c.remat_policy == "none" or offload else remat.sequential_backward(rematted)
-
-    def body(h, xs):
-      group_states, group_windows, group_inputs = xs
-      out, shared = [], {}
-      for j in range(p):
-        kind = stack.kinds[j]
-        extra = {} if group_inputs is None else {"per_layer_input": group_inputs[j]}
-        if kind.kv_shared:
-          extra["shared_kv"] = shared[static[j]]
-        emit = sharing and not kind.kv_shared
-        inputs = dict(positions=positions, segment_ids=segment_ids, adapter_ids=adapter_ids, **images)
-        if static[j] is None:
-          inputs["window"] = group_windows[j]
-        res = position(j, static[j], emit)(h, group_states[j], extra, inputs)
-        h, aux = res[0], res[1]
-        if emit:
-          shared[static[j]] = res[2]
-        out.append(aux)
-      return h, jax.tree.map(lambda *a: jnp.stack(a), *out)
-
-    grouped_inputs = None if per_layer is None else per_layer.reshape(g, p, *per_layer.shape[1:])
-    x, stats = jax.lax.scan(body, x, (tuple(states), jnp.asarray(windows), grouped_inputs))
-    return x, jax.tree.map(lambda a: a.reshape(g * p, *a.shape[2:]), stats)
 
   def forward_hidden(
     self,

@@ -378,7 +378,7 @@ class Schedule:
     """The stacked layers (train-state order) over x [B, ...] -> (y, per-layer MoE statistics in train-state order,
     lb_loss the full batch's). layers: one stacked layer, or (a hybrid stack, plan.period > 1) a list of one stacked
     layer per block position, each unit of the pipeline then a block of `period` layers run in order as the
-    unpipelined decoder's _run_block does. windows: each pipelined layer's attention window in plain order."""
+    unpipelined decoder's maxtext.models.block_scan.run_block does. windows: each pipelined layer's attention window in plain order."""
     plan = self.plan
     hybrid = isinstance(layers, nnx.List)  # a block of different layers per unit; an ordinary stack runs as before
     blocks = list(layers) if hybrid else [layers]
