@@ -45,7 +45,7 @@ PER_TOKEN_KEYS = ("inputs", "targets", "inputs_position", "targets_position", "i
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """How the sequence is split: shards along `context`, the attention strategy, and the dual-chunk load balance
-  (maxtext.models.specs.context_layout reads it from the config)."""
+  (maxtext.models.common_specs.context_layout reads it from the config)."""
 
   shards: int
   strategy: str = "all_gather"
