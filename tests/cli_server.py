@@ -117,9 +117,8 @@ def _run_child(request: dict[str, Any]) -> None:
 
 class _Server:
   def __init__(self, env: dict[str, str]):
-    self.proc = subprocess.Popen(
-      [sys.executable, "-m", "tests.cli_server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO, env=env
-    )
+    self.log = tempfile.TemporaryFile()  # what the server itself prints on stderr (its imports): import_output()
+    self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=REPO, env=env)
     self.lock = threading.Lock()
     self.ready = threading.Event()  # set once the server has imported everything: a command's timeout starts then
     self.waiting: dict[str, tuple[threading.Event, list[int]]] = {}
@@ -165,9 +164,15 @@ class _Server:
         raise subprocess.TimeoutExpired(argv, timeout, read(out), read(err))
       return subprocess.CompletedProcess(argv, code[0], Path(out).read_text(), Path(err).read_text())
 
+  def output(self) -> str:
+    self.ready.wait(STARTUP_TIMEOUT_SECONDS)
+    self.log.seek(0)
+    return self.log.read().decode(errors="replace")
+
   def close(self) -> None:
     self.proc.stdin.close()
     self.proc.wait(timeout=60)
+    self.log.close()
 
 
 _SERVERS: dict[tuple, _Server] = {}
@@ -183,10 +188,20 @@ def _server(env: dict[str, str]) -> _Server:
     return _SERVERS[key]
 
 
-@atexit.register
-def _close_all() -> None:
-  for server in _SERVERS.values():
-    server.close()
+def import_output(env: dict[str, str]) -> str:
+  """What the server for this environment printed on stderr while it imported (a forked command's output lacks it)."""
+  return _server(env).output()
+
+
+def close_all() -> None:
+  """End every server (each holds its imports in memory); a later run() starts a new one."""
+  with _SERVERS_LOCK:
+    for server in _SERVERS.values():
+      server.close()
+    _SERVERS.clear()
+
+
+atexit.register(close_all)
 
 
 def run(argv: list[str], *, env: dict[str, str], cwd: str | Path | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:

@@ -3,7 +3,8 @@
 Convention for doc writers:
 - Fenced ```bash blocks are executed, in document order (README.md first, then docs/*.md alphabetically), one
   command per line (a trailing `\\` continues a line, `# ...` comments are ignored, leading VAR=value words set
-  environment variables), each in its own subprocess, all in one temporary working directory that holds only a
+  environment variables), each in a process of its own (without such words, forked from tests/cli_server.py's
+  server, which imported maxtext's dependencies once), all in one temporary working directory that holds only a
   `configs` link to the repository's configs/ (as a user's fresh clone would have). So a later block may use what
   an earlier one wrote (the quickstart's run directory, a plot).
 - Only `python -m maxtext.<entry> ...` commands run. A block that cannot run on a CPU CI machine, or shows a
@@ -27,7 +28,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import resource
 import shlex
 import subprocess
 import sys
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli_server
 from tests.xla_env import FAST_COMPILE_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,28 +77,42 @@ def with_steps(argv: list[str], steps: int) -> list[str]:
   return [a for a in argv if not a.startswith("steps=")] + [f"steps={steps}"]
 
 
-TIMES: list[tuple[float, float, str]] = []  # (wall s, CPU s, command): printed with -s
+TIMES: list[tuple[float, str]] = []  # (wall s, command): printed with -s
 
 
-def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+def environment(env: dict[str, str]) -> dict[str, str]:
+  """A new user's environment (no JAX_PLATFORMS, the command's own XLA_FLAGS) with the command's leading VAR=value words."""
   full_env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS") and not k.startswith("M_")}
   full_env.update(env, PYTHONPATH=str(ROOT))
   full_env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()  # a command's own XLA_FLAGS, then the fast ones
-  command = [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
-  before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-  result = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600)
-  after = resource.getrusage(resource.RUSAGE_CHILDREN)
-  cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-  TIMES.append((time.perf_counter() - start, cpu, shlex.join(argv)[:100]))
+  return full_env
+
+
+def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+  """The command in a process of its own. Without VAR=value words (most commands) it is forked from
+  tests/cli_server.py's warm server and skips only the imports a new process pays (the server's own output while
+  importing is checked in the test); a command with its own environment is rare, and a new process is cheaper than
+  a server of its own."""
+  start = time.perf_counter()
+  command, full_env = [sys.executable if argv[0] == "python" else argv[0], *argv[1:]], environment(env)
+  if env:
+    result = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600)
+  else:
+    result = cli_server.run(command, env=full_env, cwd=cwd, timeout=600)
+  TIMES.append((time.perf_counter() - start, shlex.join(argv)[:100]))
   return result
 
 
 def check(where: str, result: subprocess.CompletedProcess) -> str:
   output = result.stdout + result.stderr
   assert result.returncode == 0, f"{where}: exit {result.returncode}\n{output[-3000:]}"
+  assert_no_tpu_noise(where, output)
+  return output
+
+
+def assert_no_tpu_noise(where: str, output: str) -> None:
   noise = [n for n in TPU_NOISE if n in output]
   assert not noise, f"{where}: printed TPU runtime messages {noise}\n{output[-2000:]}"
-  return output
 
 
 ALL = [c for f in doc_files() for c in commands(f)]
@@ -127,7 +142,9 @@ def test_docs_commands_run(tmp_path):
     if entry == "maxtext.plot" and "--out" in argv:
       assert (tmp_path / argv[argv.index("--out") + 1]).is_file(), f"{where}: no plot written"
     assert output.strip(), f"{where}: printed nothing"
-  print("\n".join(f"{wall:6.1f}s wall {cpu:6.1f}s CPU  {cmd}" for wall, cpu, cmd in TIMES))
+  assert_no_tpu_noise("the server's imports", cli_server.import_output(environment({})))  # what the forked commands skipped
+  cli_server.close_all()
+  print("\n".join(f"{wall:6.1f}s wall  {cmd}" for wall, cmd in TIMES))
 
 
 @pytest.mark.parametrize(
