@@ -44,7 +44,9 @@ example:
 
 def _read_events(path: str) -> Series:
   """Scalars of one TensorBoard event file (TFRecord framing: length, crc, Event proto, crc)."""
-  from tensorboardX.proto import event_pb2
+  from maxtext.tensorboard_import import import_tensorboardx
+
+  event_pb2 = import_tensorboardx("tensorboardX.proto.event_pb2")
 
   series: Series = {}
   data = epath.Path(path).read_bytes()

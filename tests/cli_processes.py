@@ -47,7 +47,10 @@ def _preimport() -> None:
   matplotlib.use("Agg")
   import grain  # noqa: F401
   import matplotlib.pyplot  # noqa: F401
-  import tensorboardX  # noqa: F401
+
+  from maxtext.tensorboard_import import import_tensorboardx
+
+  import_tensorboardx()  # as a run imports it: without torch
 
   import maxtext.cli  # noqa: F401 - not maxtext.train.__main__: the child runs that module as __main__
   import maxtext.data.pipeline  # noqa: F401

@@ -61,9 +61,9 @@ class MetricsWriter:
       return
     self._opened = True
     if self.config.enable_tensorboard:
-      from tensorboardX import SummaryWriter
+      from maxtext.tensorboard_import import import_tensorboardx
 
-      self.tensorboard = SummaryWriter(self.config.tensorboard_dir)
+      self.tensorboard = import_tensorboardx().SummaryWriter(self.config.tensorboard_dir)
     if self.config.enable_wandb:
       from maxtext.train.wandb_run import WandbRun
 
