@@ -1,6 +1,6 @@
 """Context parallelism on 8 simulated CPU devices (float32): losses and gradients equal the model without it, for 2, 4
 and 8 context shards, both strategies, with and without load balance, on packed rows, with GQA and a sliding window
-(2 shards: the mixtral case of tests/test_pipeline.py, pipelined too); the chunked kernel and splash (Pallas interpret
+(2 shards: the mixtral case of tests/test_pipeline.py, pipelined too), and with DeepSeek Sparse Attention; the chunked kernel and splash (Pallas interpret
 mode) over context shards, with attention sinks, equal the XLA reference, forward and backward."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from maxtext.config.sections import DEFAULT_LOGICAL_AXIS_RULES
+from maxtext.errors import ConfigError
 from maxtext.layers import attention_ops as ops
 from maxtext.layers import context_parallel as cp
+from maxtext.layers import mla_sparse
 from maxtext.platform import Policy
 from tests import test_pipeline as pp
 from tests.test_attention_kernels import SCALE, SMALL_BLOCKS, packed_batch
@@ -37,6 +39,21 @@ def test_context_parallel_loss_and_gradients_equal_unsplit(model, keys):
   loss, grads = pp.loss_and_grads(model, pp.config_for(model, **keys))
   assert loss == pytest.approx(ref_loss, rel=1e-5)
   pp.assert_gradients_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("sparse_training", [True, False], ids=["sparse", "warmup"])
+def test_sparse_attention_over_context_shards_equals_unsplit(monkeypatch, sparse_training):
+  """DeepSeek Sparse Attention over 4 load-balanced context shards, 3-query blocks (3 per shard, the last padded):
+  the loss (with the indexer's KL) and every gradient equal the unsplit model's, in sparse training (the gather path)
+  and in the dense warm-up (context-parallel MLA, the KL by blocks); ring is refused."""
+  monkeypatch.setattr(mla_sparse, "QUERY_BLOCK", 3)
+  keys = dict(indexer_sparse_training=sparse_training)
+  ref_loss, ref_grads = pp.loss_and_grads("deepseek_v32", pp.config_for("deepseek_v32", **keys))
+  loss, grads = pp.loss_and_grads("deepseek_v32", pp.config_for("deepseek_v32", ici_context_parallelism=4, ici_fsdp_parallelism=2, **keys))
+  assert loss == pytest.approx(ref_loss, rel=1e-5)
+  pp.assert_gradients_close(grads, ref_grads)
+  with pytest.raises(ConfigError, match="set context_parallel_strategy=all_gather"):
+    pp.config_for("deepseek_v32", ici_context_parallelism=4, ici_fsdp_parallelism=2, context_parallel_strategy="ring")
 
 
 def test_dual_chunk_order_balances_causal_work():

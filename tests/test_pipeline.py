@@ -50,6 +50,33 @@ MODELS = {
     max_target_length=32,
     remat_policy="minimal",
   ),
+  "deepseek_v32": dict(  # DeepSeek Sparse Attention (top 6 of 32 keys) over MLA, a dense first layer, then MoE
+    model_name="deepseek3-tiny",
+    override_model_config=True,
+    decoder_block="deepseek_v32",
+    use_indexer=True,
+    indexer_n_heads=2,
+    indexer_head_dim=8,
+    indexer_topk=6,
+    indexer_sparse_training=True,
+    indexer_loss_scaling_factor=0.5,
+    base_num_decoder_layers=2,
+    first_num_dense_layers=1,
+    base_moe_mlp_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    n_routing_groups=-1,
+    topk_routing_group=-1,
+    routed_bias=False,
+    routed_bias_update_rate=0.0,
+    q_lora_rank=8,
+    kv_lora_rank=8,
+    qk_nope_head_dim=4,
+    qk_rope_head_dim=4,
+    v_head_dim=4,
+    mtp_num_layers=0,
+    max_target_length=32,
+  ),
   "gemma2_mhc_lora": {
     "decoder_block": "gemma2",
     "sliding_window_size": 4,
@@ -147,7 +174,7 @@ def loss_and_grads(model: str, config) -> tuple[float, dict[str, np.ndarray]]:
 
     def objective(params):
       sums = loss_lib.loss_sums(nnx.merge(graphdef, params), batch, config)
-      return (sums.xent + sums.z_loss) / sums.weights + sums.aux
+      return (sums.xent + sums.z_loss + sums.indexer) / sums.weights + sums.aux  # indexer: DeepSeek Sparse Attention's KL
 
     loss, grads = jax.jit(jax.value_and_grad(objective), compiler_options=FAST_COMPILE)(params)
   grads = pipeline.to_storage(grads, pipeline_specs.pipeline(config))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from maxtext.config.model_shape import mixers
 from maxtext.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -135,6 +136,11 @@ def check_context(c: MaxTextConfig, context: int, sequence: int) -> None:
     raise ConfigError(f"max_target_length {c.max_target_length} is not divisible by {how}; change max_target_length or the context parallelism")
   if sequence > 1:
     raise ConfigError(f"context parallelism ({CONTEXT_KEYS} = {context}) and sequence parallelism both split the sequence; use one of them")
+  if c.context_parallel_strategy == "ring" and "mla_sparse" in mixers(c):
+    raise ConfigError(
+      f"context_parallel_strategy=ring passes whole keys around the shards, but decoder_block={c.decoder_block}'s sparse attention "
+      "reads each query's top-k of the gathered latent keys; set context_parallel_strategy=all_gather"
+    )
 
 
 DILOCO_KEYS = "ici_diloco_parallelism x dcn_diloco_parallelism"

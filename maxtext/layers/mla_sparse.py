@@ -28,7 +28,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtext.errors import ConfigError
-from maxtext.layers import attention_ops, matmul, rope
+from maxtext.layers import attention_ops, context_parallel, matmul, rope
 from maxtext.layers.linear import DenseGeneral, dense_kwargs
 from maxtext.layers.mla import MLA, MLASpec
 from maxtext.layers.sharding import constrain
@@ -89,20 +89,28 @@ class KeySide:
   window: int | jax.Array
 
 
-def map_query_blocks(fn, queries: QueryBlocks, block: int) -> tuple[jax.Array | None, jax.Array]:
+def map_query_blocks(fn, queries: QueryBlocks, block: int, shards: int = 1) -> tuple[jax.Array | None, jax.Array]:
   """fn(one block of queries) -> (per-query output [B, Bq, ...] or None, a float32 scalar), run block by block (a
   scan with a rematerialised body: the backward pass too holds one block's intermediates) -> (the outputs [B, S, ...],
-  the scalars' sum). The last block is padded with segment id 0, position 0 and real=False queries, cut afterwards."""
+  the scalars' sum). Each shard's last block is padded with segment id 0, position 0 and real=False queries, cut
+  afterwards.
+
+  shards > 1 (context parallelism: the sequence split in `shards` equal pieces along the mesh's `context` axis): step j
+  takes block j of every shard, so a step's queries [B, shards x block] stay split over `context` like the sequence
+  and each device scans only its own queries (the keys each block reads are the whole sequence's)."""
   s = queries.real.shape[1]
-  block = min(block, s)
+  per_shard = s // shards
+  block = min(block, per_shard)
   if block == s:
     return fn(queries)
-  n = -(-s // block)
-  pad = n * block - s
+  n = -(-per_shard // block)
+  pad = n * block - per_shard
 
-  def split(x: jax.Array) -> jax.Array:  # [B, S, ...] -> [n, B, block, ...]
-    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
+  def split(x: jax.Array) -> jax.Array:  # [B, S, ...] -> [n, B, shards x block, ...]
+    x = x.reshape(x.shape[0], shards, per_shard, *x.shape[2:])
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
+    x = jnp.moveaxis(x.reshape(x.shape[0], shards, n, block, *x.shape[3:]), 2, 0)
+    return x.reshape(n, x.shape[1], shards * block, *x.shape[4:])
 
   body = jax.checkpoint(fn, prevent_cse=False)
 
@@ -113,8 +121,8 @@ def map_query_blocks(fn, queries: QueryBlocks, block: int) -> tuple[jax.Array | 
   total, outs = jax.lax.scan(step, jnp.zeros((), jnp.float32), jax.tree.map(split, queries))
   if outs is None:
     return None, total
-  merged = jnp.moveaxis(outs, 0, 1)
-  return merged.reshape(merged.shape[0], n * block, *merged.shape[3:])[:, :s], total
+  outs = jnp.moveaxis(outs.reshape(n, outs.shape[1], shards, block, *outs.shape[3:]), 0, 2)  # [B, shards, n, block, ...]
+  return outs.reshape(outs.shape[0], shards, n * block, *outs.shape[4:])[:, :, :per_shard].reshape(outs.shape[0], s, *outs.shape[4:]), total
 
 
 class LayerNorm(nnx.Module):
@@ -243,10 +251,13 @@ class SparseMLA(MLA):
     real = segment_ids != 0 if segment_ids is not None else jnp.ones(positions.shape, bool)
     queries = QueryBlocks(positions=positions, segment_ids=segment_ids, real=real, index_queries=iq, index_weights=iw)
     keys = KeySide(positions=positions, segment_ids=segment_ids, index_keys=ik, window=window)
+    shards = self._context_shards(x.shape[1])
+    whole = self._whole if shards > 1 else (lambda a: a)  # the key side of every query block: the whole sequence
+    keys = dataclasses.replace(keys, **{f: whole(getattr(keys, f)) for f in ("positions", "segment_ids", "index_keys")})
     if self.policy.sparse_attention == "gather" and not ix.dense_warmup and self.wkv_b.lora is None:
       # The absorbed form: no per-head keys or values at all, only the latent and the shared rotary key.
       slots = jnp.concatenate([latent, k_rope[:, :, 0, :].astype(latent.dtype)], axis=-1)
-      ctx, kl = self._gathered(dataclasses.replace(queries, q_nope=q[..., :nope], q_rope=q_rope), keys, slots)
+      ctx, kl = self._gathered(dataclasses.replace(queries, q_nope=q[..., :nope], q_rope=q_rope), keys, whole(slots), shards)
     else:
       kv = checkpoint_name(self.wkv_b(latent, adapter_ids), "key_proj")
       k_nope, v = kv[..., :nope], kv[..., nope:]
@@ -271,20 +282,33 @@ class SparseMLA(MLA):
           precision=self.policy.dtypes.precision,
           rules=rules,
         )
-        kl = self._warmup_kl(dataclasses.replace(queries, q=jax.lax.stop_gradient(q)), keys, jax.lax.stop_gradient(k)) if ix.loss_scale else None
+        kl = self._warmup_kl(dataclasses.replace(queries, q=jax.lax.stop_gradient(q)), keys, whole(jax.lax.stop_gradient(k)), shards) if ix.loss_scale else None
       else:
-        ctx, kl = self._masked(dataclasses.replace(queries, q=q), keys, k, v)
+        ctx, kl = self._masked(dataclasses.replace(queries, q=q), keys, whole(k), whole(v), shards)
     out = checkpoint_name(self.out(checkpoint_name(ctx, "context"), adapter_ids), "out_proj")
     if ix.loss_scale == 0:
       return out, jnp.zeros((), jnp.float32)
     return out, ix.loss_scale * kl
+
+  def _context_shards(self, length: int) -> int:
+    """The context shards the query blocks follow (map_query_blocks): 1 without context parallelism."""
+    layout = self.spec.context
+    return layout.shards if context_parallel.is_active(layout, length, length) else 1
+
+  def _whole(self, x: jax.Array | None) -> jax.Array | None:
+    """A key-side array [B, T, ...] whole along the sequence on every context shard (gathered once per layer), in
+    natural order under the load balance, so that top-k ties go to the earlier key as without context parallelism."""
+    if x is None:
+      return None
+    x = constrain(x, ("activation_batch",) + (None,) * (x.ndim - 1), self.spec.rules)
+    return self.spec.context.restore(x)
 
   def _select(self, blk: QueryBlocks, keys: KeySide) -> tuple[jax.Array, jax.Array]:
     """One query block's (index scores [B, Bq, T], allowed keys [B, Bq, T])."""
     allowed = position_mask(blk.positions, keys.positions, blk.segment_ids, keys.segment_ids, keys.window)
     return self.indexer.scores(blk.index_queries, blk.index_weights, keys.index_keys), allowed
 
-  def _masked(self, queries: QueryBlocks, keys: KeySide, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def _masked(self, queries: QueryBlocks, keys: KeySide, k: jax.Array, v: jax.Array, shards: int) -> tuple[jax.Array, jax.Array]:
     """Per query block: XLA attention over every key, masked to the top-k (the dense masked form, one block at a time)."""
     spec, ix, prec = self.spec, self.sparse.indexer, self.policy.dtypes.precision
 
@@ -297,18 +321,18 @@ class SparseMLA(MLA):
       probs = self._attention_probs(jax.lax.stop_gradient(blk.q), jax.lax.stop_gradient(k), mask)
       return ctx, indexer_kl(scores, probs, mask, blk.real)
 
-    return map_query_blocks(block, queries, QUERY_BLOCK)
+    return map_query_blocks(block, queries, QUERY_BLOCK, shards)
 
-  def _warmup_kl(self, queries: QueryBlocks, keys: KeySide, k: jax.Array) -> jax.Array:
+  def _warmup_kl(self, queries: QueryBlocks, keys: KeySide, k: jax.Array, shards: int) -> jax.Array:
     """The dense warm-up's KL over every allowed key, per query block (queries and keys detached)."""
 
     def block(blk: QueryBlocks) -> tuple[None, jax.Array]:
       scores, allowed = self._select(blk, keys)
       return None, indexer_kl(scores, self._attention_probs(blk.q, k, allowed), allowed, blk.real)
 
-    return map_query_blocks(block, queries, QUERY_BLOCK)[1]
+    return map_query_blocks(block, queries, QUERY_BLOCK, shards)[1]
 
-  def _gathered(self, queries: QueryBlocks, keys: KeySide, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def _gathered(self, queries: QueryBlocks, keys: KeySide, slots: jax.Array, shards: int) -> tuple[jax.Array, jax.Array]:
     """Per query block: gather each query's top-k latent slots [latent | rotary key] (slots [B, T, R + rope]) and
     attend in the latent space (the absorbed form of the module docstring of maxtext.layers.mla)."""
     spec, ix = self.spec, self.sparse.indexer
@@ -336,7 +360,7 @@ class SparseMLA(MLA):
       picked_scores = jnp.take_along_axis(scores, picked, axis=-1)
       return ctx, indexer_kl(picked_scores, jax.lax.stop_gradient(probs), valid, blk.real)
 
-    return map_query_blocks(block, queries, QUERY_BLOCK)
+    return map_query_blocks(block, queries, QUERY_BLOCK, shards)
 
   def _attention_probs(self, q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
     """The main attention's probabilities [B, H, S, T] (float32) under mask [B, S, T]."""

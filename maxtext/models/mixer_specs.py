@@ -86,11 +86,6 @@ def indexer_warmup(config: MaxTextConfig) -> bool:
 def mla_sparse(config: MaxTextConfig) -> SparseMLASpec:
   """MLA with DeepSeek Sparse Attention's lightning indexer, from MaxText's indexer_* keys."""
   c = config
-  if context_layout(c) is not None:
-    raise ConfigError(
-      f"decoder_block={c.decoder_block} selects each query's top-k keys over the whole sequence, which context parallelism does not split yet; "
-      "set ici/dcn_context_parallelism=1"
-    )
   indexer = IndexerSpec(
     num_heads=c.indexer_n_heads,
     head_dim=c.indexer_head_dim,
