@@ -33,6 +33,9 @@ Weights enter the shard_map as stored (float32, sharded); each expert matmul gat
 dtype, and its weight gradient (float32 accumulation, written in the compute dtype) is summed over the devices that
 shared the weight and reduce-scattered back to the stored sharding (`expert_matmul`).
 
+Chunks (`expert_chunks` > 1, sparse paths): a device runs its experts in equal chunks, one after the other, so that
+only one chunk's gathered weights (and their unreduced gradients) are live (`_chunked_grouped_mlp`).
+
 Quantization (the plan's recipe): every expert matmul is qwix's quantized product (maxtext.layers.quantization.
 expert_product: per-expert scales, grouped or batched) on the gathered weight, or on the gathered stored
 values and scales of a frozen quantized base (QLoRA, decoding), which take no gradient. Grouped matmuls then run
