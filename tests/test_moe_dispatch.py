@@ -9,7 +9,8 @@ sequence's capacity by a numpy count.
 Coverage, within the CI budget (each variant is a compile): on one device every path, dropless and with capacity
 (mixtral-shaped); with expert parallelism, ep4 x fsdp2 (qwen3-moe-shaped) and ep2 x fsdp2 x sequence2
 (deepseek-shaped, capacity counted across sequence shards), each path at least once and the sorted and dense
-paths both dropless and with capacity; gpt-oss-shaped (nonzero expert and router biases, clamped SwiGLU) with ep4 x
+paths both dropless and with capacity; the sorted paths with their experts in chunks (expert_gather_chunks: 2 chunks
+on one device, 2 of the 2 local experts with ep4, 4 of 4 with ep2, weights gathered over fsdp per chunk); gpt-oss-shaped (nonzero expert and router biases, clamped SwiGLU) with ep4 x
 fsdp2, sorted and dense. The sorted paths share all dispatch code and differ only in the grouped
 matmul, which test_grouped_kernels_compute_the_grouped_products checks kernel by kernel. Each test compiles its
 variants in one jitted function, without XLA's backend optimisations (compile time is most of the cost).
@@ -88,6 +89,12 @@ def _layer(config, path: str) -> moe.MoE:
   return moe.MoE(feed_forward_specs.moe(config), policy=policy, rngs=nnx.Rngs(0))
 
 
+def _variant_layer(shape: str, variant: str, capacity_factor: float, mesh_keys: dict) -> moe.MoE:
+  """A variant is a dispatch path, or "path/N": that path with its experts run in N chunks (expert_gather_chunks)."""
+  path, _, chunks = variant.partition("/")
+  return _layer(_config(shape, capacity_factor, expert_gather_chunks=int(chunks or 0), **mesh_keys), path)
+
+
 def _inputs(shape: str):
   rng = np.random.default_rng(7)
   emb = SHAPES[shape]["base_emb_dim"]
@@ -139,7 +146,7 @@ def _reference(layer: moe.MoE, x: jax.Array, kept: np.ndarray) -> jax.Array:
 def _loss_fns(shape: str, variants: list[tuple[str, float]], mesh_keys: dict):
   """One jitted function: (params, x) -> per variant (loss, dropped, grads); plus the reference, same params."""
   x, cotangent, valid = _inputs(shape)
-  layers = [_layer(_config(shape, cf, **mesh_keys), path) for path, cf in variants]
+  layers = [_variant_layer(shape, path, cf, mesh_keys) for path, cf in variants]
   graphdefs = [nnx.graphdef(layer) for layer in layers]
   rng = np.random.default_rng(5)  # biases start at zero: make them count
   state = jax.tree.map_with_path(
@@ -189,14 +196,14 @@ def _check(results, references, variants):
 
 
 DROPLESS = -1.0
-ONE_DEVICE = [(path, cf) for path in PATHS for cf in (DROPLESS, CAPACITY) if (path, cf) != ("tokamax", CAPACITY)]
+ONE_DEVICE = [(path, cf) for path in PATHS for cf in (DROPLESS, CAPACITY) if (path, cf) != ("tokamax", CAPACITY)] + [("ragged_dot/2", CAPACITY)]
 EXPERT_PARALLEL = {
   "qwen3_moe": (
-    [("ragged_dot", DROPLESS), ("ragged_dot", CAPACITY), ("dense", DROPLESS), ("megablox", DROPLESS)],
+    [("ragged_dot", DROPLESS), ("ragged_dot", CAPACITY), ("dense", DROPLESS), ("megablox", DROPLESS), ("ragged_dot/2", DROPLESS)],
     dict(ici_fsdp_parallelism=2, ici_expert_parallelism=4),
   ),
   "deepseek": (
-    [("dense", CAPACITY), ("tokamax", DROPLESS), ("megablox", CAPACITY)],
+    [("dense", CAPACITY), ("tokamax", DROPLESS), ("megablox", CAPACITY), ("megablox/4", DROPLESS)],
     dict(ici_fsdp_parallelism=2, ici_sequence_parallelism=2, ici_expert_parallelism=2),
   ),
   "gpt_oss": ([("ragged_dot", DROPLESS), ("megablox", CAPACITY), ("dense", DROPLESS)], dict(ici_fsdp_parallelism=2, ici_expert_parallelism=4)),
@@ -295,3 +302,22 @@ def test_remat_policy_decides_what_the_moe_saves(mesh_keys):
   assert len(hidden(minimal)) == 2 and sum("'mlpwo'" in line for line in minimal) == 1, minimal
   assert not hidden(except_mlpwi) and len(except_mlpwi) == 1 and "'mlpwo'" in except_mlpwi[0], except_mlpwi
   assert not full, full
+
+
+def test_expert_gather_chunks_follow_the_gathered_size():
+  """expert_gather_chunks=0 picks the fewest chunks whose gathered expert matrix fits 2 GiB (deepseek3-671b's experts
+  on FSDP alone: 256 x 7168 x 2048 bf16 is 7 GiB, 4 chunks; with expert parallelism 8, 32 local experts fit at once);
+  nothing is chunked where nothing is gathered; an explicit count must divide a device's experts."""
+  from maxtext.errors import ConfigError
+  from maxtext.layers import moe_dispatch
+
+  spec = feed_forward_specs.moe(_config("deepseek", DROPLESS))
+  spec = dataclasses.replace(spec, emb_dim=7168, width=2048, routing=dataclasses.replace(spec.routing, num_experts=256))
+  fsdp = moe_dispatch.Layout(wi=((), ("fsdp",), ()), wo=((), (), ("fsdp",)), sizes=(("fsdp", 128), ("expert", 8)))
+  assert moe.gather_chunks(spec, fsdp, jnp.bfloat16) == 4
+  assert moe.gather_chunks(spec, fsdp, jnp.float32) == 8
+  assert moe.gather_chunks(spec, dataclasses.replace(fsdp, experts=("expert",), wi=(("expert",), ("fsdp",), ())), jnp.bfloat16) == 1
+  assert moe.gather_chunks(spec, moe_dispatch.Layout(), jnp.bfloat16) == 1
+  assert moe.gather_chunks(dataclasses.replace(spec, gather_chunks=2), moe_dispatch.Layout(), jnp.bfloat16) == 2
+  with pytest.raises(ConfigError, match="does not divide the 32 experts"):
+    moe.gather_chunks(dataclasses.replace(spec, gather_chunks=64), dataclasses.replace(fsdp, experts=("expert",)), jnp.bfloat16)

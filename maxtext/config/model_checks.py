@@ -29,6 +29,12 @@ def check_moe_fields(c: MaxTextConfig) -> None:
       )
   if c.capacity_factor != -1 and c.capacity_factor <= 0:
     raise ConfigError(f"invalid value for 'capacity_factor': {c.capacity_factor}; use -1 (dropless) or a positive number")
+  if c.expert_gather_chunks > 1 and not c.sparse_matmul:
+    raise ConfigError(
+      f"expert_gather_chunks={c.expert_gather_chunks} chunks the sparse dispatch's grouped matmuls; set sparse_matmul=true, or expert_gather_chunks=0"
+    )
+  if c.expert_gather_chunks > 1 and c.num_experts % c.expert_gather_chunks:
+    raise ConfigError(f"expert_gather_chunks={c.expert_gather_chunks} does not divide num_experts={c.num_experts}; pick a divisor, or 0 to choose by size")
   if c.ragged_buffer_factor != -1 and c.ragged_buffer_factor <= 0:
     raise ConfigError(f"invalid value for 'ragged_buffer_factor': {c.ragged_buffer_factor}; use -1 (worst-case buffer, dropless) or a positive number")
   if c.num_experts > 1 and c.sparse_matmul and c.megablox and c.use_tokamax_gmm and importlib.util.find_spec("tokamax") is None:

@@ -128,6 +128,12 @@ class MoEGeneral(Section):
     -1.0,
     description="Expert parallelism (sparse dispatch): each device's receive buffer holds int(its tokens x top-k x factor) rows, the rest are dropped; -1 -> worst case, dropless.",
   )
+  expert_gather_chunks: int = Field(
+    0,
+    ge=0,
+    description="Sparse dispatch: a device runs its experts in this many equal chunks, one chunk's weights gathered (and their gradients "
+    "reduced) at a time; 0 -> the fewest chunks that keep one gathered expert matrix within 2 GiB; 1 -> all at once.",
+  )
   base_moe_mlp_dim: int = Field(-1, description="Hidden width of each routed (and shared) expert before global_parameter_scale; -1 -> base_mlp_dim.")
   norm_topk_prob: bool = Field(False, description="Renormalise the top-k routing weights to sum to 1 (mixtral always does).")
 

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from maxtext.errors import ConfigError
 from maxtext.layers import grouped_matmul as gmm
 from maxtext.layers import moe_dispatch, quantization
 from maxtext.layers.linear import DenseGeneral, dense_kwargs, variance_scaling_init
@@ -86,6 +87,7 @@ class MoESpec:
   separate_norms: NormSpec | None = None  # router and routed experts read the un-normed input; each output its own post-norm (see the module docstring)
   capacity_factor: float = -1.0  # > 0: each expert takes at most ceil(factor x seq_len x k / experts) pairs per sequence
   ragged_buffer_factor: float = -1.0  # > 0: expert-parallel receive buffers hold int(tokens x k x factor) rows (moe_dispatch)
+  gather_chunks: int = 0  # expert_gather_chunks: chunks of a device's experts run one after the other; 0: by GATHER_CHUNK_BYTES
   wi_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wi_0/wi_1 (MaxText's wi_tile_* keys)
   wo_tiles: gmm.Tiles = gmm.Tiles()  # megablox blocks of wo (wo_tile_* keys)
   rules: Rules = ()  # logical_axis_rules
@@ -203,8 +205,30 @@ def capacity_positions(experts: jax.Array, num_experts: int) -> jax.Array:
   return moe_dispatch.sequence_positions(experts, num_experts)
 
 
-def dispatch_plan(spec: MoESpec, policy: Policy, seq_len: int) -> moe_dispatch.Plan:
-  """The static dispatch of a MoE layer: the policy's path (maxtext.platform.moe_dispatch), tiles, capacity per sequence."""
+GATHER_CHUNK_BYTES = 2 << 30  # expert_gather_chunks=0: the most one gathered expert matrix of a chunk may take
+
+
+def gather_chunks(spec: MoESpec, layout: moe_dispatch.Layout, dtype) -> int:
+  """How many chunks a device's experts run in (moe_dispatch.Plan.expert_chunks): spec.gather_chunks when set (it must
+  divide the device's experts); otherwise 1 unless the dispatch gathers the expert weights, then the fewest chunks,
+  dividing the device's experts, whose gathered [experts, emb, width] matrix fits GATHER_CHUNK_BYTES."""
+  local = spec.routing.num_experts // layout.size(layout.experts)
+  if spec.gather_chunks:
+    if local % spec.gather_chunks:
+      raise ConfigError(
+        f"expert_gather_chunks={spec.gather_chunks} does not divide the {local} experts each device runs "
+        "(num_experts / expert parallelism); pick a divisor, or 0 to choose by size"
+      )
+    return spec.gather_chunks
+  if not any(moe_dispatch.gathered(layout)["wi"]):
+    return 1
+  matrix = spec.emb_dim * spec.width * jnp.dtype(dtype).itemsize
+  return next(c for c in range(1, local + 1) if local % c == 0 and local // c * matrix <= GATHER_CHUNK_BYTES or c == local)
+
+
+def dispatch_plan(spec: MoESpec, policy: Policy, seq_len: int, layout: moe_dispatch.Layout) -> moe_dispatch.Plan:
+  """The static dispatch of a MoE layer: the policy's path (maxtext.platform.moe_dispatch), tiles, capacity per
+  sequence, the chunks of the experts (gather_chunks; the sparse paths only)."""
   path = policy.moe_dispatch
   kernel = gmm.Kernel("ragged_dot" if path == "dense" else path, interpret=policy.interpret_kernels, tokamax_implementation=policy.tokamax_implementation)
   return moe_dispatch.Plan(
@@ -216,6 +240,7 @@ def dispatch_plan(spec: MoESpec, policy: Policy, seq_len: int) -> moe_dispatch.P
     wo_tiles=spec.wo_tiles,
     capacity=expert_capacity(seq_len, spec) if spec.capacity_factor > 0 else 0,
     ragged_buffer_factor=spec.ragged_buffer_factor,
+    expert_chunks=gather_chunks(spec, layout, policy.dtypes.compute) if path != "dense" else 1,
     activations=spec.activations,
     glu_limit=spec.glu_limit,
     glu_clamp_only=spec.glu_clamp_only,
@@ -361,7 +386,7 @@ class MoE(nnx.Module):
     routed_x, combine = routed_in.astype(self.dtype), r.weights.reshape(b, s, -1)
     if spec.input_weights:  # one expert per token: its weight scales the expert's input, the output is taken whole
       routed_x, combine = routed_x * combine.astype(routed_x.dtype), jnp.ones_like(combine)
-    plan = dispatch_plan(spec, self.policy, s)
+    plan = dispatch_plan(spec, self.policy, s, layout)
     y, dropped = moe_dispatch.dispatch(routed_x, combine, r.experts.reshape(b, s, -1), valid.reshape(b, s), weights, layout, plan, None if single else mesh)
     y = y.astype(self.dtype)
     if self.routed_post_norm is not None:

@@ -33,6 +33,9 @@ Weights enter the shard_map as stored (float32, sharded); each expert matmul gat
 dtype, and its weight gradient (float32 accumulation, written in the compute dtype) is summed over the devices that
 shared the weight and reduce-scattered back to the stored sharding (`expert_matmul`).
 
+Chunks (`expert_chunks` > 1, sparse paths): a device runs its experts in equal chunks, one after the other, so that
+only one chunk's gathered weights (and their unreduced gradients) are live (`_chunked_grouped_mlp`).
+
 Quantization (the plan's recipe): every expert matmul is qwix's quantized product (maxtext.layers.quantization.
 expert_product: per-expert scales, grouped or batched) on the gathered weight, or on the gathered stored
 values and scales of a frozen quantized base (QLoRA, decoding), which take no gradient. Grouped matmuls then run
@@ -96,6 +99,7 @@ class Plan:
   ragged_all_to_all: bool = True  # False: the exchange runs as a padded all_to_all (XLA:CPU)
   quantization: quantization.Recipe | None = None  # quantized expert products (the platform policy's recipe)
   ragged_buffer_factor: float = -1.0  # > 0: expert parallelism receives at most int(T·k · factor) rows per device (drops the rest)
+  expert_chunks: int = 1  # > 1: the grouped MLP runs over this many chunks of the (local) experts, one chunk's weights gathered at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,8 +362,10 @@ def _sparse(tokens, experts, weights, kept, w: ExpertWeights, layout: Layout, pl
 
 
 def _grouped_mlp(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, layout: Layout, plan: Plan) -> jax.Array:
+  if plan.expert_chunks > 1:
+    return _chunked_grouped_mlp(rows, group_sizes, w, layout, plan)
   tiles = {"wi": plan.wi_tiles, "wo": plan.wo_tiles}
-  stored = _gathered(layout)
+  stored = gathered(layout)
 
   def matmul(x: jax.Array, weight: jax.Array, scale: jax.Array | None, which: str) -> jax.Array:
     return expert_matmul(x, weight, scale, group_sizes, Grouped(plan.kernel, tiles[which]), stored[which], stored[which + "_scale"], plan)
@@ -375,7 +381,32 @@ def _grouped_mlp(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, layo
   return expert_mlp(rows, w, matmul, bias_rows, plan)
 
 
-def _gathered(layout: Layout) -> dict[str, tuple[Axes, ...]]:
+def _chunked_grouped_mlp(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, layout: Layout, plan: Plan) -> jax.Array:
+  """_grouped_mlp over plan.expert_chunks equal chunks of the experts, one after the other (a scan whose body is
+  rematerialised): only one chunk's weights are gathered at a time, in both passes. Each chunk's rows, contiguous in
+  expert order, are rolled to the front; the other rows are zeroed on the way in and out (a grouped kernel may leave
+  rows outside its groups unwritten, both ways)."""
+  chunks = plan.expert_chunks
+  e = group_sizes.shape[0]
+  sizes = group_sizes.reshape(chunks, e // chunks)
+  first = (jnp.cumsum(group_sizes) - group_sizes).reshape(chunks, -1)[:, 0]
+  arrays = {name: value.reshape(chunks, e // chunks, *value.shape[1:]) for name, value in w._asdict().items() if value is not None}
+  index = jnp.arange(rows.shape[0])[:, None]
+  one = dataclasses.replace(plan, expert_chunks=1)
+
+  def chunk(total: jax.Array, part: tuple[jax.Array, jax.Array, dict[str, jax.Array]]) -> tuple[jax.Array, None]:
+    start, size, weights = part
+    inside = index < jnp.sum(size)
+    x = jnp.where(inside, jnp.roll(rows, -start, axis=0), 0)
+    out = jnp.where(inside, _grouped_mlp(x, size, ExpertWeights(**weights), layout, one), 0)
+    return total + jnp.roll(out, start, axis=0), None
+
+  total = jnp.zeros(rows.shape, plan.dtype)
+  total, _ = jax.lax.scan(jax.checkpoint(chunk, prevent_cse=False), total, (first, sizes, arrays))
+  return total
+
+
+def gathered(layout: Layout) -> dict[str, tuple[Axes, ...]]:
   """The sharded dimensions the dispatch gathers of each stored expert array ([E, ...]: wi, wo, their `_scale`s and
   `_bias`es): all but the expert dimension when tokens are exchanged (each device runs its own experts), all otherwise."""
   stored = {"wi": layout.wi, "wo": layout.wo, "wi_scale": layout.wi_scale, "wo_scale": layout.wo_scale, "wi_bias": layout.wi_bias, "wo_bias": layout.wo_bias}
@@ -385,7 +416,7 @@ def _gathered(layout: Layout) -> dict[str, tuple[Axes, ...]]:
 def _dense(tokens, experts, weights, positions, w: ExpertWeights, layout: Layout, plan: Plan, rows_per_sequence: int) -> jax.Array:
   """Batched matmuls over [E, slots, d] buffers (or every expert over every token): tokens [T, d] -> y [T, d] float32."""
   e = plan.num_experts
-  stored = _gathered(layout)
+  stored = gathered(layout)
 
   def batched(specs: dict[str, str]) -> Matmul:
     return lambda x, weight, scale, which: expert_matmul(x, weight, scale, None, Batched(specs[which]), stored[which], stored[which + "_scale"], plan)

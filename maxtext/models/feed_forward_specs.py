@@ -78,6 +78,7 @@ def moe(config: MaxTextConfig, family: Family | None = None, shared: bool | None
     separate_norms=norm(c, family) if family.experts_beside_dense_mlp else None,
     capacity_factor=c.capacity_factor,
     ragged_buffer_factor=c.ragged_buffer_factor,
+    gather_chunks=c.expert_gather_chunks,
     wi_tiles=wi,
     wo_tiles=wo,
     rules=rules(c),
