@@ -1,9 +1,10 @@
-"""Checkpoints written by an earlier version of the code restore into today's model and give the same logits, bit for bit.
+"""Checkpoints written by an earlier version of the code restore into today's model and give the same logits.
 
 tests/data/golden/<name>/ holds a params checkpoint of a tiny model (Orbax, as load_parameters_path reads it) and
 <name>_logits.npy the float32 logits that model gave on TOKENS when the checkpoint was written. A change to a
-parameter's path, shape or layout fails the restore; a change to the numerics fails the comparison. Refactors of the
-model code must keep both. Written once with `PYTHONPATH=$PWD python tests/test_golden_checkpoint.py` (on the code
+parameter's path, shape or layout fails the restore; a change to the numerics fails the comparison (within
+GOLDEN_ATOL: XLA:CPU compiles the same program differently for different CPUs, and the logits then differ in their
+last bits, 1-3e-6 measured between two x86 hosts). Refactors of the model code must keep both. Written once with `PYTHONPATH=$PWD python tests/test_golden_checkpoint.py` (on the code
 before the model specs); rewrite only for an intended change of the numerics, and say so in the commit.
 """
 
@@ -26,6 +27,7 @@ from maxtext.train import checkpoint_files
 from tests.xla_env import OPTIMISED_COMPILE
 
 DATA = Path(__file__).parent / "data" / "golden"
+GOLDEN_ATOL = 2e-5  # logits of order 1; a parameter restored wrong or a changed computation moves them by far more
 BASE = dict(num_devices=1, vocab_size=64, base_emb_dim=16, base_num_query_heads=2, base_num_kv_heads=2, head_dim=8, base_mlp_dim=24)
 BASE.update(max_target_length=16, dtype="float32", matmul_precision="highest")
 MODELS = {
@@ -123,7 +125,7 @@ def test_checkpoint_restores_to_the_same_logits(name):
   expected = np.load(DATA / f"{name}_logits.npy")
   got = _logits(model)
   assert got.dtype == expected.dtype and got.shape == expected.shape
-  assert got.tobytes() == expected.tobytes(), f"max abs difference {np.max(np.abs(got - expected))}"
+  np.testing.assert_allclose(got, expected, rtol=0, atol=GOLDEN_ATOL)
 
 
 def write() -> None:
