@@ -208,7 +208,7 @@ def capacity_positions(experts: jax.Array, num_experts: int) -> jax.Array:
 GATHER_CHUNK_BYTES = 2 << 30  # expert_gather_chunks=0: the most one gathered expert matrix of a chunk may take
 
 
-def gather_chunks(spec: MoESpec, layout: moe_dispatch.Layout, dtype) -> int:
+def gather_chunks(spec: MoESpec, layout: moe_dispatch.Layout, dtype: jax.typing.DTypeLike) -> int:
   """How many chunks a device's experts run in (moe_dispatch.Plan.expert_chunks): spec.gather_chunks when set (it must
   divide the device's experts); otherwise 1 unless the dispatch gathers the expert weights, then the fewest chunks,
   dividing the device's experts, whose gathered [experts, emb, width] matrix fits GATHER_CHUNK_BYTES."""
